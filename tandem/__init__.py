@@ -1,0 +1,1 @@
+"""tandem: an LLM inference engine built around draft-model speculative decoding."""
