@@ -1,0 +1,204 @@
+"""Frozen engine configuration, built and validated once from the user's arguments.
+
+Constructors receive only their section (`Scheduler(cfg.sched, cfg.cache)`), never the whole
+EngineConfig. Values that depend on the loaded model or on memory profiling (num_blocks) are
+filled in by the engine with dataclasses.replace, in one visible place.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The shape of a decoder-only transformer, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None  # frozen dict items, None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how: the resolved directory, shape, dtype and length limit."""
+
+    path: str
+    arch: ArchConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"  # "auto" | "dummy"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, the memory budget, and (after profiling) the block count."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # None until the engine sizes the pool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget per step and the limits of a batch."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    num_lookahead_tokens: int = 0  # KV slots reserved past the known tokens (k with a draft)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    sched: SchedulerConfig
+    device: torch.device
+    spec: Any = None  # tandem.spec.config.SpeculativeConfig, or None to run without a draft
+    extra: dict = field(default_factory=dict)
+
+
+def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
+    """Parse config.json into an ArchConfig, refusing architectures we do not implement."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model: {model_dir} has no config.json; pass a Hugging Face model directory") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model: {path} is not valid JSON ({e})") from None
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(
+            f"model: architecture {archs or '(none given)'} in {path} is not supported; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if raw.get("mlp_bias"):
+        raise ConfigError(f"model: mlp_bias=True in {path} is not supported")
+    num_heads = raw["num_attention_heads"]
+    hidden = raw["hidden_size"]
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ConfigError(f"model: rope_scaling type {rope_type!r} is not supported (default, llama3, linear)")
+    scaling = None if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    qkv_bias = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device; use 'auto', 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use device='cpu' or 'auto'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float16 becomes bfloat16 on CPU, where it is slow)."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = _DTYPES.get(str(arch.torch_dtype).replace("torch.", ""), torch.float32)
+        if resolved == torch.float16 and device.type == "cpu":
+            resolved = torch.bfloat16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"dtype={resolved} is not supported; use float32, bfloat16 or float16")
+    if resolved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("dtype='bfloat16' is not supported by this GPU; use dtype='float16'")
+    return resolved
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig, field_name: str = "max_model_len") -> int:
+    limit = arch.max_position_embeddings
+    if requested is None:
+        return limit
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise ConfigError(f"{field_name}={requested!r} must be a positive integer")
+    if requested > limit:
+        raise ConfigError(
+            f"{field_name}={requested} exceeds the model's max_position_embeddings={limit}; "
+            f"use {field_name}<={limit}"
+        )
+    return requested

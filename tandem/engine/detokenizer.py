@@ -1,0 +1,58 @@
+"""Incremental detokenization and stop-string detection, one token at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Prompt tokens kept as decoding context so the first output token gets its leading space right.
+_CONTEXT_TOKENS = 6
+
+
+@dataclass
+class DetokState:
+    """Text of one output sequence, grown token by token."""
+
+    ids: list[int]  # context tokens then output tokens
+    prefix_offset: int
+    read_offset: int
+    skip_special_tokens: bool
+    text: str = ""
+    stops: list[str] = field(default_factory=list)
+    include_stop: bool = False
+
+
+class Detokenizer:
+    """Turns sampled token ids into text deltas and finds stop strings in them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool) -> DetokState:
+        ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
+        return DetokState(ctx, 0, len(ctx), skip_special, stops=stops, include_stop=include_stop)
+
+    def push(self, st: DetokState, token: int, check_stop: bool) -> str | None:
+        """Append one token; return the stop string if the text now contains one (text is then
+        truncated before it, or after it with include_stop_str_in_output)."""
+        if self.tokenizer is None:
+            return None
+        st.ids.append(token)
+        decode = self.tokenizer.decode
+        prefix = decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=st.skip_special_tokens)
+        full = decode(st.ids[st.prefix_offset :], skip_special_tokens=st.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete character: wait for more tokens
+        before = len(st.text)
+        st.text += full[len(prefix) :]
+        st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
+        if not (check_stop and st.stops):
+            return None
+        found = []
+        for stop in st.stops:
+            at = st.text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                found.append((at, stop))
+        if not found:
+            return None
+        at, stop = min(found, key=lambda f: f[0])
+        st.text = st.text[: at + len(stop)] if st.include_stop else st.text[:at]
+        return stop

@@ -1,0 +1,231 @@
+"""Engine: builds the model, KV pool, runner and scheduler in order, and runs the step loop.
+
+step() is the three hops: scheduler.schedule -> runner.execute -> scheduler.update, then the
+emitted tokens are detokenized, stop strings applied and RequestOutputs produced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from tandem.config import EngineConfig
+from tandem.engine.detokenizer import Detokenizer, DetokState
+from tandem.errors import RequestError
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.plan import StepPlan, StepResult, TokenLogprobs
+from tandem.runner.memory import num_kv_blocks
+from tandem.runner.model_runner import ModelRunner
+from tandem.sampling_params import MAX_SEED, SamplingParams
+from tandem.scheduler.request import Request
+from tandem.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("tandem")
+
+
+@dataclass
+class SeqState:
+    """One output sequence of a request (n > 1 gives several)."""
+
+    request_id: str
+    req: Request
+    index: int
+    detok: DetokState
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SeqState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class Engine:
+    """Continuous-batching engine over one target model (and, optionally, a draft model)."""
+
+    def __init__(self, cfg: EngineConfig, model, tokenizer, eos_token_ids: tuple[int, ...], speculator_factory=None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
+        num_blocks = num_kv_blocks(cfg, model, draft_bytes)
+        cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
+        self.cfg = dataclasses.replace(cfg, cache=cache)
+        k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
+        self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model)
+        if speculator_factory is not None:
+            self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
+        self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.vocab_size = self.runner.vocab_size
+        self._rng = random.Random(cfg.model.seed)
+        self._requests: dict[str, RequestState] = {}
+        self._seq_of: dict[int, SeqState] = {}
+        self._next_id = 0
+        self._aborted: list[RequestState] = []
+
+    # ---------------------------------------------------------------- requests
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request that cannot be served; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise RequestError("prompt is empty: give at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        max_len = self.cfg.sched.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise RequestError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len={max_len} leaves no room to "
+                f"generate; shorten the prompt or raise max_model_len"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = list(prompt_token_ids)
+        max_room = self.cfg.sched.max_model_len - len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or max_room, max_room)
+        base_seed = params.seed if params.seed is not None else self._rng.randrange(MAX_SEED)
+        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
+        state = RequestState(request_id, prompt, prompt_token_ids, params, [], metrics)
+        for i in range(params.n):
+            req = Request(
+                req_id=self._next_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                seed=(base_seed + i * 0x9E3779B97F4A7C15) % (MAX_SEED + 1),
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+            )
+            self._next_id += 1
+            detok = self.detokenizer.new_state(
+                prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+            seq = SeqState(request_id, req, i, detok, logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+            state.seqs.append(seq)
+            self._seq_of[req.req_id] = seq
+            self.scheduler.add(req)
+        self._requests[request_id] = state
+
+    def abort_request(self, request_id: str) -> bool:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            self.scheduler.abort(seq.req.req_id)
+            self._seq_of.pop(seq.req.req_id, None)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        self._aborted.append(state)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of every request that progressed."""
+        plan = self.scheduler.schedule()
+        touched = {s.request_id: s for s in self._aborted}
+        self._aborted = []
+        if not plan.is_empty:
+            now = time.monotonic()
+            result = self.runner.execute(plan)
+            events = self.scheduler.update(plan, result)
+            self._emit(plan, result, events, now, touched)
+        return [self._output(s) for s in touched.values()]
+
+    def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:
+        now = time.monotonic()
+        index_of = {r.req_id: i for i, r in enumerate(plan.reqs)}
+        for item in plan.reqs:
+            seq = self._seq_of.get(item.req_id)
+            if seq is not None:
+                m = self._requests[seq.request_id].metrics
+                m.first_scheduled_time = m.first_scheduled_time or start
+        for req, emitted in events:
+            seq = self._seq_of.get(req.req_id)
+            if seq is None:
+                continue
+            state = self._requests[seq.request_id]
+            logprobs = result.logprobs[index_of[req.req_id]]
+            self._push_tokens(seq, emitted, logprobs)
+            m = state.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            touched[state.request_id] = state
+        for state in touched.values():
+            if state.finished and state.request_id in self._requests:
+                state.metrics.finished_time = now
+                del self._requests[state.request_id]
+                for seq in state.seqs:
+                    self._seq_of.pop(seq.req.req_id, None)
+
+    def _push_tokens(self, seq: SeqState, emitted: list[int], logprobs: list[TokenLogprobs] | None) -> None:
+        req = seq.req
+        for j, token in enumerate(emitted):
+            seq.token_ids.append(token)
+            if seq.logprobs is not None and logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(logprobs[j]))
+                seq.cumulative_logprob += logprobs[j].logprob
+            stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) >= req.params.min_tokens)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                self.scheduler.finish(req, "stop", stop)
+                return
+        if req.is_finished:
+            seq.finish_reason, seq.stop_reason = req.finish_reason, req.stop_reason
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+        if lp.token_id not in out:
+            out[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))
+        return out
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        m = state.metrics
+        reqs = [s.req for s in state.seqs]
+        m.num_generation_tokens = sum(len(s.token_ids) for s in state.seqs)
+        m.num_cached_tokens = max(r.num_cached_tokens for r in reqs)
+        m.num_preemptions = sum(r.num_preemptions for r in reqs)
+        m.num_draft_rounds = sum(r.num_draft_rounds for r in reqs)
+        m.num_draft_tokens = sum(r.num_draft_tokens for r in reqs)
+        m.num_accepted_tokens = sum(r.num_accepted_tokens for r in reqs)
+        width = max((len(r.accepted_per_position) for r in reqs), default=0)
+        m.accepted_per_position = [
+            sum(r.accepted_per_position[i] for r in reqs if i < len(r.accepted_per_position)) for i in range(width)
+        ]
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in state.seqs
+        ]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m)
+

@@ -1,0 +1,252 @@
+"""LLM: the offline entry point, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    read_arch_config,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from tandem.engine.engine import Engine
+from tandem.errors import ConfigError, RequestError
+from tandem.models.loader import load_model
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Load a model (and optionally a draft model) and generate from batches of prompts."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        load_format: str = "auto",
+        seed: int = 0,
+        speculative_config: Any = None,
+        num_gpu_blocks_override: int | None = None,
+    ):
+        _check_positive_int("max_num_seqs", max_num_seqs)
+        _check_positive_int("block_size", block_size)
+        if max_num_batched_tokens is not None:
+            _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if kv_cache_memory_bytes is not None:
+            _check_positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+        if num_gpu_blocks_override is not None:
+            _check_positive_int("num_gpu_blocks_override", num_gpu_blocks_override)
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
+        if load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
+        if not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed={seed!r} must be an integer >= 0")
+
+        dev = resolve_device(device)
+        model_dir = resolve_model_dir(model, dtype, load_format)
+        arch = read_arch_config(model_dir)
+        torch_dtype = resolve_dtype(dtype, arch, dev)
+        max_len = resolve_max_model_len(max_model_len, arch)
+        spec = _parse_spec(speculative_config, max_len)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs * (1 + k))
+        if max_num_batched_tokens < 1 + k:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one verification of 1 + k={1 + k} tokens"
+            )
+        cfg = EngineConfig(
+            model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=float(gpu_memory_utilization),
+                enable_prefix_caching=bool(enable_prefix_caching),
+                num_blocks=num_gpu_blocks_override,
+            ),
+            sched=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_len,
+                num_lookahead_tokens=k,
+            ),
+            device=dev,
+            spec=spec,
+        )
+        self.tokenizer = load_tokenizer(tokenizer or model_dir)
+        target = load_model(cfg.model, dev)
+        factory = None
+        if spec is not None:
+            from tandem.spec.factory import SpeculatorFactory
+
+            factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev)
+        self.engine = Engine(cfg, target, self.tokenizer, eos_token_ids(model_dir, arch, self.tokenizer), factory)
+        self.config = self.engine.cfg
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise RequestError(
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
+                )
+        items = [self._tokenize(p) for p in prompts]
+        for (ids, _), p in zip(items, params):
+            self.engine.validate_request(ids, p)  # every request checked before any work starts
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if self.tokenizer is None:
+            raise RequestError("chat() needs a tokenizer, and this model directory has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                )
+            except ValueError as e:
+                raise RequestError(f"chat template could not be applied: {e}") from None
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("string prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
+            return self.tokenizer(prompt).input_ids, prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise RequestError("prompt_token_ids must be a list of integers")
+            return list(ids), prompt.get("prompt")
+        raise RequestError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        for (token_ids, text), p in zip(items, params):
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, token_ids, p, prompt=text)
+            ids.append(request_id)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def resolve_model_dir(model: str, dtype, load_format: str) -> Path:
+    """A local HF directory, a .gguf file or a known model name -> a directory with config.json."""
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise ConfigError(f"model={model!r} must be a path or a model name")
+    try:
+        from tandem.models.hub import resolve_model
+    except ImportError:  # pragma: no cover - hub support not installed
+        resolve_model = None
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if resolve_model is not None:
+        want = dtype if isinstance(dtype, torch.dtype) else {"float32": torch.float32, "float16": torch.float16}.get(
+            dtype, torch.bfloat16
+        )
+        return Path(resolve_model(str(model), want))
+    if not path.exists():
+        raise ConfigError(f"model path {model!r} does not exist; pass a Hugging Face model directory")
+    raise ConfigError(f"model: {model!r} has no config.json; pass a Hugging Face model directory")
+
+
+def load_tokenizer(path):
+    """AutoTokenizer from the directory, or None when it ships no tokenizer files."""
+    path = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if path.is_dir() and not any((path / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
+    ids = list(arch.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def _parse_spec(spec, target_max_len: int):
+    if spec is None:
+        return None
+    from tandem.spec.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_user(spec, target_max_len)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,115 @@
+"""Paged attention: the metadata a step passes to every layer, and the PyTorch reference.
+
+Metadata is built once per step by the runner and passed explicitly to each attention call
+(two models run in one process, so nothing here is ambient). The reference kernel handles
+queries of any length against a cached prefix: a request's query token i sits at position
+start_pos + i and sees every key at a position <= its own. Requests with the same query
+length are batched together (all decodes in one call, all verifications in another); each
+prefill chunk runs alone, with a plain causal kernel when it has no cached prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Requests sharing one query length, batched into one attention call."""
+
+    token_idx: Tensor  # [num_reqs_in_group, q_len] int64, rows of the flat token dim
+    kv_slots: Tensor | None  # [num_reqs_in_group, max_kv] int64 flat cache slots (None: no prefix)
+    mask: Tensor | None  # [num_reqs_in_group, 1, q_len, max_kv] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    """Everything attention needs for one step of one model; shared by all its layers."""
+
+    slot_mapping: Tensor  # [num_tokens] int64, flat KV slot (block * block_size + offset) per token
+    groups: list[AttnGroup]
+    num_tokens: int
+
+
+def build_attn_metadata(
+    start_pos: list[int],
+    q_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttnMetadata:
+    """Host-side construction from plain lists (the reference path: eager, no padding)."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    slots: list[int] = []
+    for start, n, table in zip(start_pos, q_lens, block_tables):
+        for p in range(start, start + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(q_lens):
+        if start_pos[i] == 0 and n > 1:
+            by_len.setdefault(-1 - i, []).append(i)  # prompt with no prefix: plain causal
+        else:
+            by_len.setdefault(n, []).append(i)
+
+    groups = []
+    for key, members in by_len.items():
+        q_len = q_lens[members[0]]
+        token_idx = torch.tensor([list(range(cu[i], cu[i] + q_len)) for i in members], dtype=torch.int64)
+        if key < 0:
+            groups.append(AttnGroup(token_idx.to(device), None, None))
+            continue
+        max_kv = max(start_pos[i] + q_len for i in members)
+        kv_slots = torch.zeros(len(members), max_kv, dtype=torch.int64)
+        kv_pos = torch.arange(max_kv)
+        for row, i in enumerate(members):
+            seq_len = start_pos[i] + q_len
+            table = torch.tensor(block_tables[i][: -(-seq_len // block_size)], dtype=torch.int64)
+            flat = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+            kv_slots[row, :seq_len] = flat
+        q_pos = torch.tensor([start_pos[i] for i in members])[:, None] + torch.arange(q_len)  # [G, q_len]
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [G, q_len, max_kv]
+        groups.append(AttnGroup(token_idx.to(device), kv_slots.to(device), mask[:, None].to(device)))
+    return AttnMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        groups=groups,
+        num_tokens=cu[-1],
+    )
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter new K/V rows [num_tokens, Hkv, D] into the paged cache [num_blocks, block_size, Hkv, D]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttnMetadata, scale: float
+) -> Tensor:
+    """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D]."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    rep = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
+    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
+    for g in attn.groups:
+        qg = q[g.token_idx].transpose(1, 2)  # [G, H, q_len, D]
+        if g.kv_slots is None:
+            kg = k[g.token_idx].transpose(1, 2)  # [G, Hkv, q_len, D]
+            vg = v[g.token_idx].transpose(1, 2)
+        else:
+            kg = flat_k[g.kv_slots].transpose(1, 2)  # [G, Hkv, max_kv, D]
+            vg = flat_v[g.kv_slots].transpose(1, 2)
+        if rep > 1:
+            kg = kg.repeat_interleave(rep, dim=1)
+            vg = vg.repeat_interleave(rep, dim=1)
+        og = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scale
+        )  # [G, H, q_len, D]
+        out[g.token_idx] = og.transpose(1, 2)
+    return out

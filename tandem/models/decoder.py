@@ -1,0 +1,120 @@
+"""Decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+
+Module and parameter names follow the Hugging Face checkpoints, so weights load by name.
+The families differ only in flags of ArchConfig: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3), RoPE scaling (Llama 3) and tied embeddings.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.config import ArchConfig
+from tandem.layers.attention import AttnMetadata, paged_attention, store_kv
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+
+class KVCache:
+    """One model's paged KV tensors: per layer k and v of [num_blocks, block_size, Hkv, D]."""
+
+    def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        h, d = arch.hidden_size, arch.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.rotary = rotary
+        self.scale = 1.0 / math.sqrt(d)
+
+    def forward(self, x: Tensor, positions: Tensor, attn: AttnMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(arch, rotary)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, attn: AttnMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ArchConfig, max_positions: int, rope_device=None):
+        super().__init__()
+        rotary = RotaryEmbedding(
+            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict, device=rope_device
+        )
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = rotary
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids, positions, attn, kv) -> hidden states; compute_logits(hidden) -> logits."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int, rope_device=None):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch, max_positions, rope_device)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttnMetadata, kv: KVCache) -> Tensor:
+        """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, attn, kv.k[i], kv.v[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype."""
+        return self.lm_head(hidden)

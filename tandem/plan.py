@@ -1,0 +1,80 @@
+"""Plain-data messages between the scheduler and the runner (no torch, no behaviour).
+
+The scheduler emits a StepPlan; the runner executes it and answers with a StepResult.
+Neither side imports the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewReq:
+    """A request (re)admitted to a slot: everything the runner keeps per slot."""
+
+    req_id: int
+    slot: int
+    token_ids: list[int]  # prompt + output so far (penalties count them)
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(slots=True)
+class ScheduledReq:
+    """One request's share of a step: a prefill chunk, or 1 token plus num_drafts drafts."""
+
+    req_id: int
+    slot: int
+    start_pos: int  # num_computed_tokens before this step = position of the first input token
+    input_token_ids: list[int]  # known tokens fed this step; drafts follow them, read on device
+    num_drafts: int  # drafts (pending in the slot) verified after the input tokens
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the chunk reaches the last known token, so a token is sampled
+    num_output_tokens: int  # output tokens before this step (min_tokens, penalties)
+    num_next_drafts: int = 0  # drafts to propose after this step (0: no drafting)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.input_token_ids) + self.num_drafts
+
+
+@dataclass(slots=True)
+class StepPlan:
+    new_reqs: list[NewReq]
+    reqs: list[ScheduledReq]  # batch order
+    freed_slots: list[int] = field(default_factory=list)  # released since the previous plan
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.reqs)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: the chosen one and the top-n of the processed distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the chosen token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Per scheduled request (same order as StepPlan.reqs): the tokens it emitted this step.
+
+    A request with drafts emits its accepted drafts plus one recovered or bonus token; a
+    prefill chunk that does not reach the end emits nothing.
+    """
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+    num_drafts_proposed: list[int]  # drafts now pending in each request's slot

@@ -1,0 +1,98 @@
+"""Build one step's model inputs from a StepPlan: ids, positions, attention metadata, logits rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tandem.layers.attention import AttnMetadata, build_attn_metadata
+from tandem.plan import StepPlan
+from tandem.sampling.processors import SampleRows
+
+
+@dataclass(slots=True)
+class Batch:
+    """A flat batch of mixed prefill chunks, decode tokens and verification runs."""
+
+    input_ids: Tensor  # [num_tokens] int64 (draft positions filled on device)
+    positions: Tensor  # [num_tokens] int64
+    attn: AttnMetadata
+    logits_indices: Tensor  # [num_rows] int64, token rows whose logits are needed
+    rows: SampleRows  # who each logits row belongs to
+    sampling: list[int]  # indices into plan.reqs of requests that sample this step
+    cu_num_rows: list[int]  # [len(sampling) + 1] prefix sums of rows per sampling request (1 + drafts)
+    row_draft_index: Tensor  # [num_rows] int64, j for the row after the request's j-th draft
+    draft_dst: Tensor | None  # [num_draft_tokens] int64 token rows that take a pending draft
+    draft_src: Tensor | None  # [num_draft_tokens, 2] int64 (slot, draft index) of each
+
+
+def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
+    ids: list[int] = []
+    positions: list[int] = []
+    logits_indices: list[int] = []
+    row_slots: list[int] = []
+    row_positions: list[int] = []
+    row_num_outputs: list[int] = []
+    row_draft_index: list[int] = []
+    draft_dst: list[int] = []
+    draft_src: list[tuple[int, int]] = []
+    sampling: list[int] = []
+    cu_num_rows = [0]
+    for i, r in enumerate(plan.reqs):
+        base = len(ids)
+        ids.extend(r.input_token_ids)
+        ids.extend([0] * r.num_drafts)
+        positions.extend(range(r.start_pos, r.start_pos + r.num_new_tokens))
+        for j in range(r.num_drafts):
+            draft_dst.append(base + len(r.input_token_ids) + j)
+            draft_src.append((r.slot, j))
+        if not r.sample:
+            continue
+        last = base + len(r.input_token_ids) - 1
+        for j in range(r.num_drafts + 1):
+            logits_indices.append(last + j)
+            row_slots.append(r.slot)
+            row_positions.append(r.start_pos + len(r.input_token_ids) + j)  # position generated
+            row_num_outputs.append(r.num_output_tokens + j)
+            row_draft_index.append(j)
+        sampling.append(i)
+        cu_num_rows.append(len(logits_indices))
+
+    attn = build_attn_metadata(
+        [r.start_pos for r in plan.reqs],
+        [r.num_new_tokens for r in plan.reqs],
+        [r.block_ids for r in plan.reqs],
+        block_size,
+        device,
+    )
+    rows = SampleRows(
+        slots=row_slots,
+        slot_ids=torch.tensor(row_slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(row_positions, dtype=torch.int64, device=device),
+        num_outputs=row_num_outputs,
+    )
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return Batch(
+        input_ids=as_tensor(ids),
+        positions=as_tensor(positions),
+        attn=attn,
+        logits_indices=as_tensor(logits_indices),
+        rows=rows,
+        sampling=sampling,
+        cu_num_rows=cu_num_rows,
+        row_draft_index=as_tensor(row_draft_index),
+        draft_dst=as_tensor(draft_dst) if draft_dst else None,
+        draft_src=as_tensor(draft_src) if draft_src else None,
+    )
+
+
+def row_prior_drafts(batch: Batch, drafts: Tensor) -> Tensor:
+    """[num_rows, k] the drafts preceding each logits row within its request (-1 padded).
+
+    drafts [max_num_seqs, k] int64 is the speculator's per-slot draft buffer.
+    """
+    k = drafts.shape[1]
+    cols = torch.arange(k, device=drafts.device)[None, :]
+    prior = drafts[batch.rows.slot_ids]  # [num_rows, k]
+    return torch.where(cols < batch.row_draft_index[:, None], prior, -1)

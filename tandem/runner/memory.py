@@ -1,0 +1,64 @@
+"""Size the paged KV pool: from an explicit byte budget, or on GPU from a memory fraction."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.errors import ConfigError
+from tandem.models.decoder import KVCache
+
+logger = logging.getLogger("tandem")
+
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> int:
+    """Blocks that fit the budget, counting target and draft KV bytes per block together.
+
+    Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
+    """
+    cache, sched = cfg.cache, cfg.sched
+    per_block = KVCache.bytes_per_block(cfg.model.arch, cache.block_size, cfg.model.dtype) + draft_bytes_per_block
+    tokens_per_req = sched.max_model_len + sched.num_lookahead_tokens
+    blocks_per_req = -(-tokens_per_req // cache.block_size)
+    if cache.num_blocks is not None:
+        budget = cache.num_blocks * per_block
+        source = f"num_blocks={cache.num_blocks}"
+    elif cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+        source = f"kv_cache_memory_bytes={budget}"
+    elif cfg.device.type == "cuda":
+        budget = _gpu_budget(cfg)
+        source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+    else:
+        budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)
+        source = "the CPU default (min of 4 GiB and max_num_seqs full-length requests)"
+    num_blocks = budget // per_block
+    if num_blocks < blocks_per_req:
+        need = blocks_per_req * per_block
+        raise ConfigError(
+            f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
+            f"({per_block} bytes each), but one request of max_model_len={sched.max_model_len} needs "
+            f"{blocks_per_req} blocks ({need} bytes); raise kv_cache_memory_bytes (or "
+            f"gpu_memory_utilization) or lower max_model_len"
+        )
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
+    return num_blocks
+
+
+def _gpu_budget(cfg: EngineConfig) -> int:
+    """What is left of total * utilization after the weights and activations measured so far."""
+    device = cfg.device
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    budget = int(total * cfg.cache.gpu_memory_utilization) - peak - used_by_others
+    if budget <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization={cfg.cache.gpu_memory_utilization} leaves no room for the KV cache after "
+            f"the weights ({peak / 2**30:.1f} GiB); raise gpu_memory_utilization or use a smaller model"
+        )
+    return budget

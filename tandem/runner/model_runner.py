@@ -1,0 +1,122 @@
+"""ModelRunner: executes a StepPlan on the device and answers with a StepResult.
+
+execute() reads top to bottom: install new slots, build the batch, run the model over every
+scheduled token, sample (or verify drafts when a speculator is present), let the speculator
+propose the next drafts, then copy the results to the host in one synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.models.decoder import CausalLM, KVCache
+from tandem.plan import StepPlan, StepResult, TokenLogprobs
+from tandem.runner.inputs import Batch, build_batch
+from tandem.sampling.processors import SampleRows
+from tandem.sampling.sampler import compute_logprobs, process_logits, sample
+from tandem.sampling.state import SamplingState
+
+
+class ModelRunner:
+    """Owns the target model, its KV cache and the per-slot sampling state."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cache: CacheConfig,
+        sched: SchedulerConfig,
+        device: torch.device,
+        model: CausalLM,
+        vocab_size: int | None = None,
+    ):
+        self.model = model
+        self.device = device
+        self.block_size = cache.block_size
+        self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
+        self.vocab_size = vocab_size or model_cfg.arch.vocab_size
+        self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device)
+        self.speculator = None  # set by the engine when a draft model is configured
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for slot in plan.freed_slots:
+            self.state.remove(slot)
+        for new in plan.new_reqs:
+            self.state.add(new)
+            if self.speculator is not None:
+                self.speculator.add(new)
+        batch = build_batch(plan, self.block_size, self.device)
+        if batch.draft_dst is not None:
+            batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab]
+        if self.speculator is None:
+            processed = process_logits(logits, self.state, batch.rows)
+            row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
+            num_emitted = torch.ones(len(batch.sampling), dtype=torch.int64, device=self.device)
+        else:
+            processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
+        self._record_outputs(batch, row_tokens, num_emitted)
+        if self.speculator is not None:
+            self.speculator.propose(plan, batch, row_tokens, num_emitted)
+        return self._to_host(plan, batch, processed, row_tokens, num_emitted)
+
+    def _record_outputs(self, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
+        """Penalty counts follow the emitted tokens on the device (no host round trip)."""
+        if not self.state.output_counts:
+            return
+        rows = batch.rows
+        row_req = torch.repeat_interleave(
+            torch.arange(len(batch.sampling), device=self.device),
+            torch.tensor([b - a for a, b in zip(batch.cu_num_rows, batch.cu_num_rows[1:])], device=self.device),
+        )
+        start = torch.tensor(batch.cu_num_rows[:-1], dtype=torch.int64, device=self.device)
+        emitted = (torch.arange(len(rows), device=self.device) - start[row_req]) < num_emitted[row_req]
+        tokens = torch.where(emitted, row_tokens, -1)
+        self.state.record_outputs(rows.slots, tokens[:, None])
+
+    def _to_host(
+        self, plan: StepPlan, batch: Batch, processed: Tensor, row_tokens: Tensor, num_emitted: Tensor
+    ) -> StepResult:
+        rows = batch.rows
+        want = [self.state.params[s].logprobs for s in rows.slots]
+        num_top = max((w for w in want if w is not None), default=None)
+        if num_top is None:
+            host = torch.cat([row_tokens, num_emitted]).tolist()  # SYNC: the only wait in execute()
+            lp_rows = None
+        else:
+            lp, rank, top_ids, top_lp = compute_logprobs(processed, row_tokens, num_top)
+            packed = torch.cat(
+                [row_tokens[:, None].double(), lp[:, None].double(), rank[:, None].double(),
+                 top_ids.double(), top_lp.double()], dim=1
+            )
+            flat = torch.cat([packed.flatten(), num_emitted.double()]).tolist()  # SYNC: the only wait
+            width = packed.shape[1]
+            lp_rows = [flat[i * width : (i + 1) * width] for i in range(len(rows))]
+            host = [int(r[0]) for r in lp_rows] + [int(x) for x in flat[len(rows) * width :]]
+
+        n_rows = len(rows)
+        tokens_host, emitted_host = host[:n_rows], host[n_rows:]
+        sampled: list[list[int]] = [[] for _ in plan.reqs]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(plan.reqs)
+        for n, i in enumerate(batch.sampling):
+            start = batch.cu_num_rows[n]
+            count = emitted_host[n]
+            sampled[i] = tokens_host[start : start + count]
+            slot = plan.reqs[i].slot
+            k = self.state.params[slot].logprobs
+            if lp_rows is not None and k is not None:
+                logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
+        proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
+        return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed)
+
+
+def _token_logprobs(row: list[float], k: int, num_top: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=int(row[0]),
+        logprob=row[1],
+        rank=int(row[2]),
+        top_ids=[int(t) for t in row[3 : 3 + k]],
+        top_logprobs=row[3 + num_top : 3 + num_top + k],
+    )

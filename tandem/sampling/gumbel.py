@@ -1,0 +1,65 @@
+"""Seeded Gumbel-max sampling whose noise is a pure function of (seed, position, salt, token).
+
+argmax_v(l_v / T + g_v) with g_v = -log(-log u_v) is an exact draw from softmax(l / T). The
+uniform u_v comes from a counter-based hash, so a request's draw never depends on what else
+is in the batch, on padding, or on whether drafts were used. The hash is 32-bit murmur3
+finalisation done in int64 tensors with exact wrap-around multiplication, so the GPU
+kernels (uint32 arithmetic) reproduce the same bits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Salts keep the noise streams disjoint: target sampling, draft sampling, the residual
+# resample after a rejection, and the uniforms of the accept test.
+TARGET_SALT = 0
+DRAFT_SALT = 1
+RECOVER_SALT = 2
+ACCEPT_SALT = 3
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: Tensor, b: int) -> Tensor:
+    """(a * b) mod 2**32 for a in [0, 2**32) without int64 overflow."""
+    lo = (a & 0xFFFF) * b
+    hi = ((a >> 16) * b) & 0xFFFF
+    return (lo + (hi << 16)) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def noise_key(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
+    """seeds [n] int64 (>= 0), positions [n] int64 -> per-row key [n] int64 in [0, 2**32)."""
+    salt_word = (salt * 0x9E3779B1 + 0x7F4A7C15) & _M32
+    h = _fmix32((seeds & _M32) ^ salt_word)
+    h = _fmix32(h ^ ((seeds >> 32) & _M32))
+    return _fmix32(h ^ (positions & _M32))
+
+
+def uniform(keys: Tensor, token_ids: Tensor) -> Tensor:
+    """keys [n, 1] or [n], token_ids broadcastable -> u in (0, 1) fp32, 24 random bits each.
+
+    For a fixed key the map token -> hash is a bijection, so no two tokens share a uniform.
+    """
+    h = _fmix32(keys ^ _mul32(token_ids, 0x27D4EB2D))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(seeds: Tensor, positions: Tensor, salt: int, vocab_size: int) -> Tensor:
+    """-> g [n, vocab_size] fp32 Gumbel(0, 1) noise keyed by (seed, position, salt, token)."""
+    keys = noise_key(seeds, positions, salt)[:, None]
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]
+    return -torch.log(-torch.log(uniform(keys, tokens)))
+
+
+def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
+    """logits [n, V] fp32 (already divided by temperature, -inf = masked) -> tokens [n] int64."""
+    return (logits + gumbel_noise(seeds, positions, salt, logits.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,106 @@
+"""Turn raw logits into the processed distribution a request samples from.
+
+Order (as vLLM): logit bias, min_tokens, penalties, then (sampled rows only) temperature,
+min-p, top-k, top-p. Masked tokens get -inf. Every stage works on fp32 rows and decides from
+host mirrors whether it has anything to do, so an unused feature costs nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tandem.sampling.state import SamplingState
+
+
+@dataclass(slots=True)
+class SampleRows:
+    """The logits rows of one step and whose they are."""
+
+    slots: list[int]  # [n] host
+    slot_ids: Tensor  # [n] int64 device
+    positions: Tensor  # [n] int64, position of the token each row generates (noise key)
+    num_outputs: list[int]  # [n] output tokens that precede the row's token
+    prior_drafts: Tensor | None = None  # [n, k] int64 earlier drafts of the same request, -1 pad
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
+    """Logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
+    for i, slot in enumerate(rows.slots):
+        bias = state.logit_bias.get(slot)
+        if bias is not None:
+            logits[i].index_add_(0, bias[0], bias[1])
+        stop_ids = state.min_tokens_ids.get(slot)
+        if stop_ids is not None and rows.num_outputs[i] < state.params[slot].min_tokens:
+            logits[i, stop_ids] = float("-inf")
+    pen = [i for i, slot in enumerate(rows.slots) if slot in state.output_counts]
+    if pen:
+        _apply_penalties(logits, state, rows, pen)
+
+
+def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen: list[int]) -> None:
+    idx = torch.tensor(pen, dtype=torch.int64, device=logits.device)
+    counts = torch.stack([state.output_counts[rows.slots[i]] for i in pen]).clone()  # [m, V] int32
+    if rows.prior_drafts is not None:
+        prior = rows.prior_drafts[idx]  # [m, k]
+        counts.scatter_add_(1, prior.clamp(min=0), (prior >= 0).to(torch.int32))
+    prompt = torch.stack([state.prompt_mask[rows.slots[i]] for i in pen])  # [m, V] bool
+    params = [state.params[rows.slots[i]] for i in pen]
+    dev = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    sub = logits[idx]
+    seen = prompt | (counts > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0)
+    logits[idx] = sub
+
+
+def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: SampleRows) -> Tensor:
+    """Sampled rows: divide by temperature, then min-p, top-k, top-p masks. -> new [n, V] fp32.
+
+    Greedy rows (temperature 0) pass through unchanged.
+    """
+    temp = state.temperature[rows.slot_ids]
+    out = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+    params = [state.params[s] for s in rows.slots]
+    if any(p.min_p > 0 for p in params if p.temperature > 0):
+        out = apply_min_p(out, state.min_p[rows.slot_ids])
+    if any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0):
+        out = apply_top_k_top_p(out, state.top_k[rows.slot_ids], state.top_p[rows.slot_ids])
+    greedy = (temp == 0)[:, None]
+    return torch.where(greedy, logits, out)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Keep tokens with prob >= min_p * max prob. min_p [n] fp32 (0 = off)."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Top-k (k [n] int64, 0 = off) then top-p (p [n] fp32, 1 = off) over the top-k survivors.
+
+    Top-k keeps every token whose logit is >= the k-th largest (ties at the cut survive).
+    Top-p keeps the smallest set of highest-probability tokens whose mass reaches p: a token
+    survives when the mass strictly above it in sorted order is < p (the top token always does).
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)  # [n, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [n, 1]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    keep_sorted = mass_above < top_p[:, None]
+    # Threshold: the smallest kept logit per row (the kept set is a prefix of the sorted order).
+    num_keep = keep_sorted.sum(dim=-1, keepdim=True).clamp(min=1)
+    cut = sorted_logits.gather(1, num_keep - 1)
+    return logits.masked_fill(logits < cut, float("-inf"))

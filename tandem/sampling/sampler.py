@@ -1,0 +1,41 @@
+"""Sampler: processed logits -> one token per row, plus logprobs when a request asks for them."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.sampling.gumbel import TARGET_SALT, gumbel_argmax
+from tandem.sampling.processors import SampleRows, apply_logits_processors, apply_temperature_and_masks
+from tandem.sampling.state import SamplingState
+
+
+def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Tensor:
+    """Raw logits [n, V] -> the processed distribution's logits [n, V] fp32 (-inf = masked).
+
+    Greedy rows get bias, min_tokens and penalties but no temperature or truncation.
+    """
+    logits = logits.float()[:, : state.vocab_size].clone()
+    apply_logits_processors(logits, state, rows)
+    return apply_temperature_and_masks(logits, state, rows)
+
+
+def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int = TARGET_SALT) -> Tensor:
+    """processed [n, V] fp32 -> tokens [n] int64: argmax for greedy rows, seeded Gumbel-max otherwise."""
+    tokens = processed.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(rows.slots) if state.params[s].temperature > 0]
+    if sampled:
+        idx = torch.tensor(sampled, dtype=torch.int64, device=processed.device)
+        seeds = state.seeds[rows.slot_ids[idx]]
+        tokens[idx] = gumbel_argmax(processed[idx], seeds, rows.positions[idx], salt)
+    return tokens
+
+
+def compute_logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> chosen logprob [n], chosen rank [n] (1-based), top ids [n, num_top], top logprobs [n, num_top]."""
+    logprobs = processed.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])  # [n, 1]
+    rank = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(num_top, dim=-1) if num_top > 0 else None
+    top_vals = top.values if top is not None else logprobs[:, :0]
+    top_ids = top.indices if top is not None else tokens[:, None][:, :0]
+    return chosen[:, 0], rank, top_ids, top_vals

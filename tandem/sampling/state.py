@@ -1,0 +1,85 @@
+"""SamplingState: per-slot sampling parameters on the device, plus host mirrors for decisions.
+
+Rows of a step gather their parameters through slot ids. Host mirrors (`params[slot]`) let the
+sampler decide which optional stages to run without reading device memory.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.plan import NewReq
+from tandem.sampling_params import SamplingParams
+
+
+class SamplingState:
+    """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        s = max_num_seqs
+        self.temperature = torch.zeros(s, dtype=torch.float32, device=device)  # [max_num_seqs]
+        self.top_k = torch.zeros(s, dtype=torch.int64, device=device)  # 0 = off
+        self.top_p = torch.ones(s, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(s, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(s, dtype=torch.int64, device=device)
+        self.params: list[SamplingParams | None] = [None] * s  # host mirror
+        self.seeds_cpu = [0] * s
+        self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
+        self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
+        self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
+        self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
+
+    def add(self, req: NewReq) -> None:
+        p, slot = req.params, req.slot
+        self.params[slot] = p
+        self.seeds_cpu[slot] = req.seed
+        top_k = p.top_k if p.top_k > 0 else 0
+        for buf, value in (
+            (self.temperature, p.temperature),
+            (self.top_k, top_k),
+            (self.top_p, p.top_p),
+            (self.min_p, p.min_p),
+            (self.seeds, req.seed),
+        ):
+            buf[slot] = value
+        self.logit_bias.pop(slot, None)
+        self.min_tokens_ids.pop(slot, None)
+        self.output_counts.pop(slot, None)
+        self.prompt_mask.pop(slot, None)
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
+            self.logit_bias[slot] = (
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor([p.logit_bias[t] for t in ids], dtype=torch.float32, device=self.device),
+            )
+        if p.min_tokens > 0:
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            stop_ids = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)
+            self.min_tokens_ids[slot] = torch.tensor(stop_ids, dtype=torch.int64, device=self.device)
+        if p.has_penalties:
+            ids = torch.tensor(req.token_ids, dtype=torch.int64, device=self.device)
+            ids = ids.clamp(max=self.vocab_size - 1)
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            mask[ids[: req.num_prompt_tokens]] = True
+            counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+            counts.index_add_(0, ids[req.num_prompt_tokens :], torch.ones_like(ids[req.num_prompt_tokens :], dtype=torch.int32))
+            self.prompt_mask[slot] = mask
+            self.output_counts[slot] = counts
+
+    def remove(self, slot: int) -> None:
+        self.params[slot] = None
+        for d in (self.logit_bias, self.min_tokens_ids, self.output_counts, self.prompt_mask):
+            d.pop(slot, None)
+
+    def record_outputs(self, slots: list[int], tokens: Tensor) -> None:
+        """Count emitted tokens for penalty slots. tokens [n, m] int64 (-1 = none), no host sync."""
+        for row, slot in enumerate(slots):
+            counts = self.output_counts.get(slot)
+            if counts is None:
+                continue
+            t = tokens[row]
+            ok = (t >= 0).to(torch.int32)
+            counts.index_add_(0, t.clamp(min=0), ok)

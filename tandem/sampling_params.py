@@ -1,0 +1,103 @@
+"""SamplingParams: what a request asks of the sampler, validated at construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tandem.errors import RequestError
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, named as in vLLM.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 disables top-p.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> RequestError:
+            return RequestError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "it must be an integer >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "it must be in (0, 1]; use 1 to disable")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "it must be an integer >= -1; use 0 or -1 to disable")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "it must be in [0, 1]; use 0 to disable")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "it must be > 0; use 1 to disable")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or not -2 <= value <= 2:
+                raise bad(name, "it must be in [-2, 2]; use 0 to disable")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "it must be an integer >= 1 (or None for up to max_model_len)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "it must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise bad("seed", f"it must be an integer in [0, {MAX_SEED}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "it must be an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be integers >= 0")
+        if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise bad("logit_bias", "biases must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

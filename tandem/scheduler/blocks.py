@@ -1,0 +1,119 @@
+"""BlockManager: the paged-KV block pool with reference counts and a prefix cache.
+
+A block id addresses one page of block_size token positions in every KV tensor (target and,
+when speculating, draft). Full blocks whose KV is computed are registered under a chained
+hash (parent hash, token ids), so requests sharing a prefix share blocks. Blocks whose
+reference count drops to zero keep their cached content and are evicted least recently
+used first, only when the free list is empty.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from tandem.scheduler.request import Request
+
+
+def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Free list + ref counts + hash-chained prefix cache with LRU eviction."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[tuple | None] = [None] * num_blocks  # cache key of a cached block
+        self.free_ids: deque[int] = deque(range(num_blocks))  # unreferenced, no cached content
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; LRU first
+        self.cached: dict[tuple, int] = {}  # (parent hash, token ids) -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's block table to cover num_tokens positions; False (and no change) if short."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            req.block_ids.append(self._take())
+        return True
+
+    def match_prefix(self, req: Request) -> int:
+        """Attach cached blocks holding a prefix of req's tokens; return the tokens they cover.
+
+        At least one token is always left to compute, so the step that follows has logits.
+        """
+        if not self.enable_prefix_caching or req.block_ids:
+            return 0
+        bs = self.block_size
+        tokens = req.all_token_ids
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            block = self.cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            req.block_ids.append(block)
+            parent = hash(key)
+            req.block_hashes.append(parent)
+        return len(req.block_ids) * bs
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register req's blocks that became full of computed tokens since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        tokens = None
+        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
+            tokens = tokens or req.all_token_ids
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            block = req.block_ids[i]
+            if key not in self.cached and self.block_keys[block] is None:
+                self.cached[key] = block
+                self.block_keys[block] = key
+            req.block_hashes.append(hash(key))
+
+    def free(self, req: Request) -> None:
+        """Drop req's references; tail blocks go to the eviction queue first."""
+        for block in reversed(req.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_keys[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_ids.append(block)
+        req.block_ids = []
+        req.block_hashes = []
+
+    def _take(self) -> int:
+        if self.free_ids:
+            block = self.free_ids.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_keys[block]]
+            self.block_keys[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.evictable):
+            del self.cached[self.block_keys[block]]
+            self.block_keys[block] = None
+            self.free_ids.append(block)
+        self.evictable.clear()

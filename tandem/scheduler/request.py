@@ -1,0 +1,62 @@
+"""Scheduler-side request state: token ids, progress, blocks, slot and status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the scheduler sees it. There are no phases: num_computed_tokens catches up
+    to num_tokens (prompt + outputs), a chunk at a time, then one token (+ drafts) per step."""
+
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
+    slot: int | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_pending_drafts: int = 0  # drafts in the runner's slot, proposed by the last step
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # Acceptance counters (speculative decoding).
+    num_draft_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

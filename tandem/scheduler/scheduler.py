@@ -1,0 +1,224 @@
+"""Scheduler: a phase-less token budget over waiting and running requests.
+
+Every step each running request asks for the tokens it has not computed yet: a prefill chunk,
+or its last token plus the drafts pending in its slot. Requests in decode are served first so
+long prompts never starve them; prefills (running, then waiting) share what is left of
+max_num_batched_tokens. When blocks run out, the most recently admitted request is preempted:
+its blocks are freed and it recomputes later from its tokens, so its output does not change.
+Plain Python: no torch, no device.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.plan import NewReq, ScheduledReq, StepPlan, StepResult
+from tandem.scheduler.blocks import BlockManager
+from tandem.scheduler.request import Request, Status
+
+
+class Scheduler:
+    """Decides what runs each step and applies each step's result to request state."""
+
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0):
+        assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
+        self.cfg = sched
+        self.k = num_speculative_tokens
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[int, Request] = {}
+        self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
+        self._freed_slots: list[int] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+    def add(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: int) -> Request | None:
+        req = self.requests.get(req_id)
+        if req is not None and not req.is_finished:
+            self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.is_finished:
+            return
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+            self.blocks.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        del self.requests[req.req_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> StepPlan:
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: dict[int, ScheduledReq] = {}
+        new_reqs: list[NewReq] = []
+
+        # Running requests: decodes first, then unfinished prefills, each in admission order.
+        order = [r for r in self.running if not r.is_prefilling] + [r for r in self.running if r.is_prefilling]
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            item = self._schedule_running(req, budget, scheduled)
+            if item is not None:
+                scheduled[req.req_id] = item
+                budget -= item.num_new_tokens
+
+        # Waiting requests, in arrival order, while budget, slots and blocks last. No preemption
+        # happened this step, or the freed room is left to the running requests.
+        preempted = any(r.status == Status.WAITING for r in order)
+        while self.waiting and budget > 0 and self.free_slots and not preempted:
+            req = self.waiting[0]
+            item = self._admit(req, budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            new_reqs.append(item[0])
+            scheduled[req.req_id] = item[1]
+            budget -= item[1].num_new_tokens
+
+        reqs = [scheduled[r.req_id] for r in self.running if r.req_id in scheduled]
+        freed, self._freed_slots = self._freed_slots, []
+        return StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=freed)
+
+    def _schedule_running(self, req: Request, budget: int, scheduled: dict) -> ScheduledReq | None:
+        while True:
+            item = self._make_item(req, budget)
+            if self.blocks.allocate(req, self._blocks_span(req, item)):
+                item.block_ids = list(req.block_ids)
+                return item
+            victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
+            self._preempt(victim)
+            if victim is req:
+                return None
+
+    def _admit(self, req: Request, budget: int) -> tuple[NewReq, ScheduledReq] | None:
+        num_cached = self.blocks.match_prefix(req)
+        req.num_computed_tokens = num_cached
+        item = self._make_item(req, budget)
+        if not self.blocks.allocate(req, self._blocks_span(req, item)):
+            self.blocks.free(req)
+            req.num_computed_tokens = 0
+            return None
+        req.num_cached_tokens = max(req.num_cached_tokens, num_cached) if req.num_preemptions else num_cached
+        req.slot = item.slot = self.free_slots.pop()
+        item.block_ids = list(req.block_ids)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        new = NewReq(
+            req_id=req.req_id,
+            slot=req.slot,
+            token_ids=req.all_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            params=req.params,
+            seed=req.seed,
+        )
+        return new, item
+
+    def _make_item(self, req: Request, budget: int) -> ScheduledReq:
+        start = req.num_computed_tokens
+        remaining = req.num_tokens - start
+        num_drafts = 0
+        if remaining == 1:
+            # Verify no more drafts than can still become output, nor run past max_model_len.
+            room_out = req.max_tokens - len(req.output_token_ids) - 1
+            room_len = self.cfg.max_model_len - req.num_tokens - 1
+            num_drafts = max(0, min(req.num_pending_drafts, room_out, room_len, budget - 1))
+        chunk = min(remaining, budget)
+        sample = start + chunk == req.num_tokens
+        return ScheduledReq(
+            req_id=req.req_id,
+            slot=req.slot,
+            start_pos=start,
+            input_token_ids=[req.token_id(p) for p in range(start, start + chunk)],
+            num_drafts=num_drafts,
+            block_ids=[],  # filled once the blocks are allocated
+            sample=sample,
+            num_output_tokens=len(req.output_token_ids),
+            num_next_drafts=self.k if sample else 0,
+        )
+
+    def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
+        """Positions whose KV this step may write: the new tokens plus the draft lookahead."""
+        end = item.start_pos + item.num_new_tokens + (self.k if item.sample else 0)
+        return min(end, self.cfg.max_model_len + self.k)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_pending_drafts = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req)
+        self.free_slots.append(req.slot)
+        self._freed_slots.append(req.slot)
+        req.slot = None
+
+    # ---------------------------------------------------------------- update
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
+        """Apply a step's result; return (request, newly emitted tokens) for every request that
+        emitted tokens or finished. Token-level stops (max_tokens, EOS, stop ids, max_model_len)
+        are applied here, one token at a time, so a stop inside an accepted run ends it exactly."""
+        events = []
+        for item, tokens, num_proposed in zip(plan.reqs, result.sampled_token_ids, result.num_drafts_proposed):
+            req = self.requests.get(item.req_id)
+            if req is None or req.status != Status.RUNNING:
+                continue
+            num_accepted = len(tokens) - 1 if item.num_drafts else 0
+            req.num_computed_tokens += len(item.input_token_ids) + num_accepted
+            if item.num_drafts:
+                self._count_acceptance(req, item.num_drafts, num_accepted)
+            req.num_pending_drafts = num_proposed
+            emitted = []
+            for token in tokens:
+                req.output_token_ids.append(token)
+                emitted.append(token)
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    self.finish(req, *reason)
+                    break
+            if not req.is_finished:
+                self.blocks.cache_full_blocks(req)
+            if emitted:
+                events.append((req, emitted))
+        return events
+
+    def _count_acceptance(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        req.num_draft_rounds += 1
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        if len(req.accepted_per_position) < num_drafts:
+            req.accepted_per_position += [0] * (num_drafts - len(req.accepted_per_position))
+        for i in range(num_accepted):
+            req.accepted_per_position[i] += 1
+
+    def _check_stop(self, req: Request, token: int) -> tuple[str, int | str | None] | None:
+        num_out = len(req.output_token_ids)
+        if num_out >= req.params.min_tokens:
+            if token in req.params.stop_token_ids:
+                return "stop", token
+            if not req.params.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length", None
+        return None

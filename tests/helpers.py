@@ -1,0 +1,106 @@
+"""Tiny random-weight Hugging Face models and a tokenizer, built in the test process."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    "Paris is the capital of France. Speculative decoding drafts tokens and verifies them in one pass.\n"
+)
+
+
+@functools.cache
+def _tokenizer_files() -> dict:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer)
+    return {"json": tok.to_str()}
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_files()["json"]), bos_token="<s>", eos_token="</s>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tok.save_pretrained(str(path))
+
+
+def make_hf_model(
+    path: Path,
+    arch: str = "llama",
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    tie: bool = False,
+    max_position_embeddings: int = 512,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    tokenizer: bool = True,
+    init_std: float = 0.2,
+) -> Path:
+    """Save a random transformers model (fp32 safetensors) and a tokenizer into path."""
+    import transformers
+
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=init_std,
+    )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = cls[0](**kwargs)
+    torch.manual_seed(seed)
+    model = cls[1](config).eval()
+    with torch.no_grad():  # make biases and norms non-trivial so their loading is tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(path)
+    return path
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
