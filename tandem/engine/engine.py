@@ -65,9 +65,16 @@ class Engine:
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
-        self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model)
+        vocab = speculator_factory.vocab_size if speculator_factory is not None else None
+        self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, vocab_size=vocab)
+        self.spec_metrics = None
         if speculator_factory is not None:
+            from tandem.spec.metrics import SpecMetrics
+
             self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
+            self.spec_metrics = SpecMetrics(k)
+        self.log_interval_s = 10.0
+        self._last_log = time.monotonic()
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
@@ -152,6 +159,11 @@ class Engine:
             result = self.runner.execute(plan)
             events = self.scheduler.update(plan, result)
             self._emit(plan, result, events, now, touched)
+            if self.spec_metrics is not None:
+                self.spec_metrics.observe(plan, result)
+                if now - self._last_log >= self.log_interval_s:
+                    self._last_log = now
+                    logger.info(self.spec_metrics.log_line())
         return [self._output(s) for s in touched.values()]
 
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:

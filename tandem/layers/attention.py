@@ -113,3 +113,17 @@ def paged_attention(
         )  # [G, H, q_len, D]
         out[g.token_idx] = og.transpose(1, 2)
     return out
+
+
+def build_decode_metadata(positions: Tensor, block_table: Tensor, block_size: int, max_kv: int) -> AttnMetadata:
+    """One query token per row at a device-side position (draft decode steps: no host sync).
+
+    positions [n] int64; block_table [n, max_blocks] int64 covering positions < max_kv.
+    """
+    n = positions.shape[0]
+    kv_pos = torch.arange(max_kv, device=positions.device)
+    kv_slots = block_table[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [n, max_kv]
+    mask = (kv_pos[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, max_kv]
+    slot_mapping = block_table.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    token_idx = torch.arange(n, device=positions.device)[:, None]
+    return AttnMetadata(slot_mapping=slot_mapping, groups=[AttnGroup(token_idx, kv_slots, mask)], num_tokens=n)

@@ -55,9 +55,13 @@ def uniform(keys: Tensor, token_ids: Tensor) -> Tensor:
 
 def gumbel_noise(seeds: Tensor, positions: Tensor, salt: int, vocab_size: int) -> Tensor:
     """-> g [n, vocab_size] fp32 Gumbel(0, 1) noise keyed by (seed, position, salt, token)."""
-    keys = noise_key(seeds, positions, salt)[:, None]
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]
-    return -torch.log(-torch.log(uniform(keys, tokens)))
+    return gumbel_from_keys(noise_key(seeds, positions, salt), vocab_size)
+
+
+def gumbel_from_keys(keys: Tensor, vocab_size: int) -> Tensor:
+    """keys [n] from noise_key -> g [n, vocab_size] fp32."""
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]
+    return -torch.log(-torch.log(uniform(keys[:, None], tokens)))
 
 
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, salt: int) -> Tensor:

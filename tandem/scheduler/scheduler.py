@@ -10,11 +10,14 @@ Plain Python: no torch, no device.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
-from tandem.config import CacheConfig, SchedulerConfig
 from tandem.plan import NewReq, ScheduledReq, StepPlan, StepResult
 from tandem.scheduler.blocks import BlockManager
 from tandem.scheduler.request import Request, Status
+
+if TYPE_CHECKING:
+    from tandem.config import CacheConfig, SchedulerConfig
 
 
 class Scheduler:

@@ -1,0 +1,136 @@
+"""SpeculativeConfig: the draft model and how its proposals are drawn and verified."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.errors import ConfigError
+
+METHODS = ("draft_model",)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Accepted by LLM(speculative_config=...) as this object or a dict with the same keys.
+
+    synthetic_acceptance_rates are unconditional: a_i = P(the first i+1 drafts are accepted).
+    synthetic_acceptance_length L in [1, k+1] is turned into the least-variance rates
+    [1] * floor(L - 1) + [frac(L - 1)] + [0] * ... (so E[tokens per round] = L).
+    """
+
+    model: str
+    num_speculative_tokens: int
+    method: str = "draft_model"
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    synthetic_acceptance_length: float | None = None
+    dtype: Any = "auto"
+    max_model_len: int | None = None
+    draft_load_format: str = "auto"
+    seed: int = 0
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @property
+    def synthetic(self) -> bool:
+        return self.rejection_sample_method == "synthetic"
+
+    @classmethod
+    def from_user(cls, spec: Any, target_max_model_len: int) -> "SpeculativeConfig":
+        if isinstance(spec, cls):
+            spec = dataclasses.asdict(spec)
+        if not isinstance(spec, dict):
+            raise ConfigError(f"speculative_config must be a dict or SpeculativeConfig, got {type(spec).__name__}")
+        spec = dict(spec)
+        if "num_speculative_tokens" not in spec:
+            raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
+        if not spec.get("model"):
+            raise ConfigError("speculative_config.model is required: the draft model's path or name")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        rates = spec.get("synthetic_acceptance_rates")
+        if rates is not None:
+            if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
+                raise ConfigError("speculative_config.synthetic_acceptance_rates must be a list of floats")
+            spec["synthetic_acceptance_rates"] = tuple(rates)
+        cfg = cls(**spec)
+        cfg._validate(target_max_model_len)
+        if cfg.synthetic_acceptance_length is not None:
+            cfg = dataclasses.replace(
+                cfg,
+                synthetic_acceptance_rates=length_to_rates(cfg.synthetic_acceptance_length, cfg.k),
+                synthetic_acceptance_length=None,
+            )
+        return cfg
+
+    def _validate(self, target_max_model_len: int) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
+        _one_of("method", self.method, METHODS)
+        _one_of("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        _one_of("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
+        _one_of("draft_load_format", self.draft_load_format, ("auto", "dummy"))
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if (rates is not None or length is not None) and not self.synthetic:
+            raise ConfigError(
+                "speculative_config.synthetic_acceptance_rates / synthetic_acceptance_length need "
+                "rejection_sample_method='synthetic'"
+            )
+        if self.synthetic and (rates is None) == (length is None):
+            raise ConfigError(
+                "rejection_sample_method='synthetic' needs exactly one of synthetic_acceptance_rates "
+                "or synthetic_acceptance_length"
+            )
+        if rates is not None:
+            if len(rates) != k:
+                raise ConfigError(
+                    f"speculative_config.synthetic_acceptance_rates has {len(rates)} entries; it needs k={k}"
+                )
+            if any(not isinstance(r, (int, float)) or not 0 <= r <= 1 for r in rates):
+                raise ConfigError(f"speculative_config.synthetic_acceptance_rates={list(rates)} must lie in [0, 1]")
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ConfigError(
+                    f"speculative_config.synthetic_acceptance_rates={list(rates)} must be non-increasing "
+                    "(they are unconditional: P(first i+1 drafts accepted))"
+                )
+        if length is not None and (not isinstance(length, (int, float)) or not 1 <= length <= k + 1):
+            raise ConfigError(f"speculative_config.synthetic_acceptance_length={length!r} must be in [1, k+1={k + 1}]")
+        mml = self.max_model_len
+        if mml is not None:
+            if not isinstance(mml, int) or isinstance(mml, bool) or mml < 1:
+                raise ConfigError(f"speculative_config.max_model_len={mml!r} must be a positive integer")
+            if mml > target_max_model_len:
+                raise ConfigError(
+                    f"speculative_config.max_model_len={mml} exceeds the target's max_model_len="
+                    f"{target_max_model_len}; use at most {target_max_model_len}"
+                )
+
+    def conditional_rates(self) -> list[float]:
+        """c_i = a_i / a_{i-1} (a_{-1} = 1; 0 after a zero): P(accept draft i | drafts < i accepted)."""
+        out, prev = [], 1.0
+        for a in self.synthetic_acceptance_rates or ():
+            out.append(a / prev if prev > 0 else 0.0)
+            prev = a
+        return out
+
+
+def length_to_rates(length: float, k: int) -> tuple[float, ...]:
+    full = math.floor(length - 1)
+    frac = (length - 1) - full
+    rates = [1.0] * full + ([frac] if full < k else [])
+    return tuple((rates + [0.0] * k)[:k])
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"speculative_config.{name}={value!r} is not supported; use one of {list(allowed)}")

@@ -1,0 +1,83 @@
+"""SpeculatorFactory: load and check the draft model, then build the DraftSpeculator.
+
+Checks at start-up: the draft's tokenizer maps tokens to ids exactly as the target's does;
+embedding tables may be padded to different sizes (sampling and verification use the
+shared part); the draft's context covers the target's max_model_len.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, read_arch_config, resolve_dtype
+from tandem.errors import ConfigError
+from tandem.models.decoder import KVCache
+from tandem.models.loader import load_model
+from tandem.models.source import load_tokenizer, resolve_model_dir
+from tandem.spec.config import SpeculativeConfig
+from tandem.spec.speculator import DraftSpeculator
+
+logger = logging.getLogger("tandem")
+
+
+class SpeculatorFactory:
+    def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_tokenizer, device: torch.device):
+        self.spec = spec
+        self.device = device
+        draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
+                                      spec.draft_load_format)
+        arch = read_arch_config(draft_dir)
+        dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device)
+        max_len = spec.max_model_len or target.max_model_len
+        if max_len < target.max_model_len:
+            raise ConfigError(
+                f"speculative_config.max_model_len={max_len} is below the target's max_model_len="
+                f"{target.max_model_len}; a shorter draft context is not supported: lower max_model_len to {max_len}"
+            )
+        if arch.max_position_embeddings < max_len:
+            raise ConfigError(
+                f"the draft model {spec.model!r} supports {arch.max_position_embeddings} positions, fewer than "
+                f"max_model_len={max_len}; lower max_model_len to {arch.max_position_embeddings}"
+            )
+        self.vocab_size = self._check_vocab(target, target_tokenizer, draft_dir, arch)
+        self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed)
+        self.model = load_model(self.draft_cfg, device)
+        if spec.synthetic:
+            logger.warning(
+                "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "
+                "outputs are NOT distributed as the target model's; use it for benchmarks only",
+                list(spec.synthetic_acceptance_rates),
+            )
+
+    def _check_vocab(self, target: ModelConfig, target_tok, draft_dir, arch) -> int:
+        t_size, d_size = target.arch.vocab_size, arch.vocab_size
+        shared = min(t_size, d_size)
+        draft_tok = load_tokenizer(draft_dir)
+        names = f"target {target.path!r} and draft {self.spec.model!r}"
+        if target_tok is not None and draft_tok is not None:
+            t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+            if t_vocab != d_vocab:
+                diff = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+                raise ConfigError(
+                    f"the tokenizers of {names} differ ({len(t_vocab)} vs {len(d_vocab)} tokens; e.g. "
+                    f"{diff}); the draft must share the target's token-to-id map"
+                )
+        tok = target_tok or draft_tok
+        if tok is not None and len(tok) > shared:
+            raise ConfigError(
+                f"{names}: the tokenizer has {len(tok)} tokens but the smaller embedding table has only "
+                f"{shared} rows ({t_size} vs {d_size}); the draft cannot score every token"
+            )
+        if tok is None and t_size != d_size:
+            raise ConfigError(
+                f"{names} have different vocabulary sizes ({t_size} vs {d_size}) and no tokenizer to prove "
+                "the shared part matches"
+            )
+        return shared
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return KVCache.bytes_per_block(self.draft_cfg.arch, block_size, self.draft_cfg.dtype)
+
+    def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
+        return DraftSpeculator(self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device)

@@ -1,0 +1,176 @@
+"""DraftSpeculator: a separate draft LM that proposes k tokens per request, kept on the device.
+
+Per step, after the target has verified: (1) the draft catches up over the target's batch,
+each sampling request extended by one slot that receives the token the target just emitted,
+at the position after the accepted drafts (rejected slots are left in place: the causal mask
+hides them and later steps overwrite their KV); (2) k - 1 single-token decode steps. Drafts
+(and, for probabilistic drafting, the draft logits) go to per-slot buffers; the next step
+reads them on the device. Positions that depend on acceptance are computed on the device, so
+proposing never waits for the host.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.layers.attention import build_attn_metadata, build_decode_metadata
+from tandem.models.decoder import CausalLM, KVCache
+from tandem.plan import NewReq, StepPlan
+from tandem.runner.inputs import Batch, row_prior_drafts
+from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
+from tandem.sampling.processors import apply_top_k_top_p
+from tandem.sampling.sampler import process_logits
+from tandem.sampling.state import SamplingState
+from tandem.spec.config import SpeculativeConfig
+from tandem.spec.rejection import rejection_sample
+
+
+class DraftSpeculator:
+    """Owns the draft model, its KV cache (same block ids as the target) and the draft buffers."""
+
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        draft_cfg: ModelConfig,
+        model: CausalLM,
+        cache: CacheConfig,
+        sched: SchedulerConfig,
+        state: SamplingState,
+        device: torch.device,
+    ):
+        self.k = spec.k
+        self.model = model
+        self.device = device
+        self.block_size = cache.block_size
+        self.max_model_len = sched.max_model_len
+        self.state = state
+        self.vocab_size = state.vocab_size
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
+        self.kv = KVCache(draft_cfg.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
+        s = sched.max_num_seqs
+        self.drafts = torch.zeros(s, self.k, dtype=torch.int64, device=device)  # [max_num_seqs, k]
+        # [max_num_seqs, k, vocab] fp32 pre-temperature (masked) draft logits, for the ratio test.
+        self.draft_logits = (
+            torch.zeros(s, self.k, self.vocab_size, dtype=torch.float32, device=device) if self.probabilistic else None
+        )
+        rates = spec.conditional_rates() if spec.synthetic else None
+        self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
+
+    def add(self, new: NewReq) -> None:
+        """Nothing per request: sampling parameters live in the shared SamplingState."""
+
+    def pending_drafts(self, src: Tensor) -> Tensor:
+        """src [n, 2] int64 (slot, draft index) -> draft tokens [n] int64."""
+        return self.drafts[src[:, 0], src[:, 1]]
+
+    # ---------------------------------------------------------------- verify
+    @torch.inference_mode()
+    def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState):
+        """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs])."""
+        rows = batch.rows
+        if state.output_counts:
+            rows.prior_drafts = row_prior_drafts(batch, self.drafts)  # penalties see earlier drafts
+        processed = process_logits(logits, state, rows)
+        row_req, row_index, row_is_bonus = [], [], []
+        for n, i in enumerate(batch.sampling):
+            d = plan.reqs[i].num_drafts
+            row_req += [n] * (d + 1)
+            row_index += list(range(d + 1))
+            row_is_bonus += [False] * d + [True]
+        dev = self.device
+        row_req_t = torch.tensor(row_req, dtype=torch.int64, device=dev)
+        row_index_t = torch.tensor(row_index, dtype=torch.int64, device=dev)
+        is_bonus = torch.tensor(row_is_bonus, dtype=torch.bool, device=dev)
+        col = row_index_t.clamp(max=self.k - 1)
+        row_draft = torch.where(is_bonus, -1, self.drafts[rows.slot_ids, col])
+        temperature = state.temperature[rows.slot_ids]
+        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0]
+        q_logits = None
+        if self.probabilistic:
+            q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        row_tokens, num_emitted = rejection_sample(
+            processed,
+            row_draft,
+            is_bonus,
+            temperature == 0,
+            torch.tensor(sampled, dtype=torch.int64, device=dev) if sampled else None,
+            q_logits,
+            state.seeds[rows.slot_ids],
+            rows.positions,
+            row_req_t,
+            row_index_t,
+            len(batch.sampling),
+            self.synthetic_rates,
+        )
+        return processed, row_tokens, num_emitted
+
+    # ---------------------------------------------------------------- propose
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
+        """Catch the draft up on this step's tokens, then draft k tokens for every sampling request."""
+        starts, lens, tables, src = [], [], [], []
+        extra_rows: list[int] = []  # draft-batch row of each sampling request's extra slot
+        offset = 0
+        target_offset = 0
+        for r in plan.reqs:
+            q = r.num_new_tokens
+            src.extend(range(target_offset, target_offset + q))
+            starts.append(r.start_pos)
+            tables.append(r.block_ids)
+            if r.sample:
+                src.append(batch.input_ids.shape[0])  # placeholder, replaced below
+                extra_rows.append(offset + len(r.input_token_ids))
+                lens.append(q + 1)
+            else:
+                lens.append(q)
+            offset += lens[-1]
+            target_offset += q
+        dev = self.device
+        padded_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])
+        ids = padded_ids[torch.tensor(src, dtype=torch.int64, device=dev)]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
+        if not batch.sampling:
+            attn = build_attn_metadata(starts, lens, tables, self.block_size, dev)
+            self.model(ids, positions, attn, self.kv)
+            return
+        # The token the target emitted goes right after the accepted drafts: base + num_accepted.
+        num_accepted = num_emitted - 1  # [num_sampling]
+        last_row = torch.tensor(batch.cu_num_rows[:-1], dtype=torch.int64, device=dev) + num_accepted
+        new_tokens = row_tokens[last_row]  # [num_sampling]
+        new_rows = torch.tensor(extra_rows, dtype=torch.int64, device=dev) + num_accepted
+        ids[new_rows] = new_tokens
+        attn = build_attn_metadata(starts, lens, tables, self.block_size, dev)
+        hidden = self.model(ids, positions, attn, self.kv)
+        sampling = [plan.reqs[i] for i in batch.sampling]
+        slots = torch.tensor([r.slot for r in sampling], dtype=torch.int64, device=dev)
+        pos = positions[new_rows]  # [num_sampling] position of the emitted token
+        self._draft_step(0, hidden[new_rows], slots, pos + 1, sampling)
+        max_kv = max(r.start_pos + r.num_new_tokens + self.k for r in sampling)
+        max_blocks = -(-max_kv // self.block_size)
+        table = torch.tensor(
+            [(r.block_ids + [0] * max_blocks)[:max_blocks] for r in sampling], dtype=torch.int64, device=dev
+        )
+        for step in range(1, self.k):
+            pos = pos + 1  # position of drafts[:, step - 1]
+            safe = pos.clamp(max=self.max_model_len - 1)
+            meta = build_decode_metadata(safe, table, self.block_size, max_kv)
+            hidden = self.model(self.drafts[slots, step - 1], safe, meta, self.kv)
+            self._draft_step(step, hidden, slots, pos + 1, sampling)
+
+    def _draft_step(self, step: int, hidden: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
+        """Sample drafts[:, step] from the draft's logits at hidden [n, H]; gen_pos [n] is the
+        position of the token being drafted (the noise key)."""
+        logits = self.model.compute_logits(hidden)[:, : self.vocab_size].float()  # [n, V]
+        params = [self.state.params[r.slot] for r in sampling]
+        if not self.probabilistic or all(p.temperature == 0 for p in params):
+            self.drafts[slots, step] = logits.argmax(dim=-1)
+            return
+        temp = self.state.temperature[slots]
+        scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            scaled = apply_top_k_top_p(scaled, self.state.top_k[slots], self.state.top_p[slots])
+        tokens = gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT)
+        tokens = torch.where(temp == 0, logits.argmax(dim=-1), tokens)
+        self.drafts[slots, step] = tokens
+        self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
