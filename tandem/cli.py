@@ -1,0 +1,135 @@
+"""Command line: `tandem generate [--model PATH] [--draft PATH] [sampling flags] "prompt"`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_K = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM inference with draft-model speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion, streaming it to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help=f"target model path or name (default: {DEFAULT_TARGET})")
+    gen.add_argument("--draft", default=None, help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT})")
+    gen.add_argument("--no-draft", action="store_true", help="run the target alone")
+    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help=f"drafts per step (default {DEFAULT_K})")
+    gen.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--min-tokens", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet", action="store_true", help="print only the completion")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tandem.errors import TandemError
+
+    try:
+        return _generate(args)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    from tandem import LLM, SamplingParams
+
+    model = args.model or DEFAULT_TARGET
+    draft = None if args.no_draft else (args.draft or (DEFAULT_DRAFT if args.model is None else None))
+    k = args.num_speculative_tokens or DEFAULT_K
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+    )
+    common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  load_format=args.load_format, max_num_seqs=8)
+    spec = None
+    if draft is not None:
+        spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method,
+                    draft_load_format=args.load_format)
+    t0 = time.perf_counter()
+    llm = LLM(model, speculative_config=spec, **common)
+    load_s = time.perf_counter() - t0
+    prompt_ids = _prompt_ids(llm, args.prompt, args.chat)
+    out, elapsed = _stream(llm, prompt_ids, params, echo=True)
+    n = len(out.outputs[0].token_ids)
+    m = out.metrics
+    if not args.quiet:
+        line = f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.2f} tok/s; load {load_s:.1f} s"
+        if m.num_draft_rounds:
+            line += f"; k={k}, acceptance rate {m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}"
+        print("\n" + line + "]", file=sys.stderr)
+    if args.compare:
+        base = llm if spec is None else LLM(model, **common)
+        base_out, base_s = _stream(base, prompt_ids, params, echo=False)
+        bn = len(base_out.outputs[0].token_ids)
+        same = base_out.outputs[0].token_ids == out.outputs[0].token_ids
+        print(
+            f"[target alone: {bn} tokens in {base_s:.2f} s: {bn / base_s:.2f} tok/s; speedup "
+            f"{(n / elapsed) / (bn / base_s):.2f}x; identical output: {same}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _prompt_ids(llm, prompt: str, chat: bool) -> list[int]:
+    tok = llm.get_tokenizer()
+    if tok is None:
+        from tandem.errors import RequestError
+
+        raise RequestError("this model has no tokenizer, so a text prompt cannot be encoded")
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False).input_ids
+    return tok(prompt).input_ids
+
+
+def _stream(llm, prompt_ids, params, echo: bool):
+    engine = llm.engine
+    request_id = f"cli-{time.monotonic_ns()}"
+    engine.add_request(request_id, prompt_ids, params)
+    printed = 0
+    start = time.perf_counter()
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            text = out.outputs[0].text
+            if echo and len(text) > printed:
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+            if out.finished:
+                final = out
+    return final, time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    sys.exit(main())
