@@ -1,0 +1,85 @@
+"""A request's output does not depend on what else runs: batch, preemption, prefix cache."""
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import read_arch_config
+from tandem.models.decoder import KVCache
+from tests.helpers import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("inv") / "m", "llama", num_layers=2, init_std=0.3)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(2, 300, (n,), generator=g).tolist()} for n in lengths]
+
+
+PROMPTS = _prompts([5, 40, 17, 70, 9, 26])
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = [
+    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, seed=100 + i)
+    for i in range(len(PROMPTS))
+]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(model, **kw):
+    kw.setdefault("max_model_len", 160)
+    return LLM(str(model), dtype="float32", block_size=8, **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    llm = _llm(model)
+    greedy = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    sampled = [llm.generate([p], s, use_tqdm=False)[0].outputs[0].token_ids for p, s in zip(PROMPTS, SAMPLED)]
+    return greedy, sampled
+
+
+def test_batched_equals_alone(model, alone):
+    llm = _llm(model)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == alone[0]
+    assert _tokens(llm.generate(PROMPTS, SAMPLED, use_tqdm=False)) == alone[1]
+    # Reversed order and mixed greedy/sampled in one batch.
+    mixed = [GREEDY if i % 2 else SAMPLED[i] for i in range(len(PROMPTS))]
+    outs = _tokens(llm.generate(PROMPTS[::-1], mixed[::-1], use_tqdm=False))[::-1]
+    expect = [alone[0][i] if i % 2 else alone[1][i] for i in range(len(PROMPTS))]
+    assert outs == expect
+
+
+def test_preemption_does_not_change_outputs(model, alone):
+    arch = read_arch_config(model)
+    per_block = KVCache.bytes_per_block(arch, 8, torch.float32)
+    llm = _llm(model, kv_cache_memory_bytes=per_block * 22)
+    assert _tokens(llm.generate(PROMPTS, SAMPLED, use_tqdm=False)) == alone[1]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == alone[0]
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+
+
+def test_prefix_cache_hits_do_not_change_outputs(model, alone):
+    llm = _llm(model)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # fills the prefix cache
+    outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    assert _tokens(outs) == alone[1]
+    assert outs[3].metrics.num_cached_tokens >= 64
+
+
+def test_chunked_prefill_does_not_change_outputs(model, alone):
+    llm = _llm(model, max_num_batched_tokens=16)
+    assert _tokens(llm.generate(PROMPTS, SAMPLED, use_tqdm=False)) == alone[1]
+
+
+def test_unseeded_requests_are_reproducible_per_engine_seed(model):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = _tokens(_llm(model, seed=5).generate(PROMPTS[:3], params, use_tqdm=False))
+    b = _tokens(_llm(model, seed=5).generate(PROMPTS[:3], params, use_tqdm=False))
+    assert a == b
+    assert len({tuple(t) for t in a}) == 3

@@ -1,0 +1,165 @@
+"""SpeculativeConfig validation, draft/target compatibility checks, and metrics arithmetic."""
+import logging
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.errors import ConfigError
+from tandem.plan import ScheduledReq, StepPlan, StepResult
+from tandem.spec.config import SpeculativeConfig, length_to_rates
+from tandem.spec.metrics import SpecMetrics
+from tests.helpers import make_hf_model
+
+
+def cfg(**kw):
+    base = dict(model="draft", num_speculative_tokens=3)
+    base.update(kw)
+    return SpeculativeConfig.from_user(base, target_max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
+        (dict(num_speculative_tokens=True), "num_speculative_tokens"),
+        (dict(method="eagle"), "method"),
+        (dict(draft_sample_method="nucleus"), "draft_sample_method"),
+        (dict(rejection_sample_method="block"), "rejection_sample_method"),
+        (dict(synthetic_acceptance_rates=[0.5, 0.4, 0.3]), "synthetic_method"),
+        (dict(synthetic_acceptance_length=2.0), "synthetic_method"),
+        (dict(rejection_sample_method="synthetic"), "exactly one"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 0.5]), "k=3"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 0.5, 1.2]), "[0, 1]"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.5, 0.6, 0.1]), "non-increasing"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=4.5), "synthetic_acceptance_length"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=0.5), "synthetic_acceptance_length"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=2.0,
+              synthetic_acceptance_rates=[1, 1, 0]), "exactly one"),
+        (dict(max_model_len=256), "max_model_len"),
+        (dict(draft_load_format="gguf"), "draft_load_format"),
+        (dict(bogus=1), "unknown keys"),
+    ],
+)
+def test_bad_config(kw, field):
+    with pytest.raises(ConfigError) as e:
+        cfg(**kw)
+    assert field.replace("synthetic_method", "rejection_sample_method='synthetic'") in str(e.value)
+
+
+def test_missing_required_keys():
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpeculativeConfig.from_user({"model": "x"}, 128)
+    with pytest.raises(ConfigError, match="model"):
+        SpeculativeConfig.from_user({"num_speculative_tokens": 2}, 128)
+    with pytest.raises(ConfigError, match="dict or SpeculativeConfig"):
+        SpeculativeConfig.from_user("draft", 128)
+
+
+def test_synthetic_length_becomes_rates():
+    c = cfg(rejection_sample_method="synthetic", synthetic_acceptance_length=2.5)
+    assert c.synthetic_acceptance_rates == (1.0, 0.5, 0.0) and c.synthetic_acceptance_length is None
+    assert length_to_rates(3.4, 5) == pytest.approx((1, 1, 0.4, 0, 0))
+    assert length_to_rates(4, 3) == (1.0, 1.0, 1.0)
+    c = cfg(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.8, 0.4, 0.0])
+    assert c.conditional_rates() == pytest.approx([0.8, 0.5, 0.0])
+
+
+def test_accepts_config_object():
+    obj = SpeculativeConfig(model="d", num_speculative_tokens=2, draft_sample_method="probabilistic")
+    assert SpeculativeConfig.from_user(obj, 64).draft_sample_method == "probabilistic"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return make_hf_model(root / "t", "llama"), make_hf_model(root / "d", "llama", num_layers=1, seed=3), root
+
+
+def test_draft_path_missing(pair):
+    target, _, root = pair
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(target), speculative_config={"model": str(root / "nope"), "num_speculative_tokens": 2})
+
+
+def test_vocabulary_mismatch_is_refused(pair, tmp_path):
+    target, _, _ = pair
+    other = make_hf_model(tmp_path / "o", "llama", vocab_size=200, tokenizer=False)
+    with pytest.raises(ConfigError, match="tokenizer has .* tokens but the smaller embedding table"):
+        LLM(str(target), speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_tokenizer_mismatch_is_refused(pair, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target, _, _ = pair
+    other = make_hf_model(tmp_path / "o", "llama", tokenizer=False)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(other))
+    with pytest.raises(ConfigError, match="tokenizers of target .* and draft .* differ"):
+        LLM(str(target), speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_draft_shorter_than_target_context(pair, tmp_path):
+    target, _, _ = pair
+    short = make_hf_model(tmp_path / "s", "llama", max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="lower max_model_len to 64"):
+        LLM(str(target), max_model_len=128, speculative_config={"model": str(short), "num_speculative_tokens": 2})
+
+
+def test_synthetic_mode_warns(pair, caplog):
+    target, draft, _ = pair
+    spec = dict(model=str(draft), num_speculative_tokens=2, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[0.5, 0.2])
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        LLM(str(target), max_model_len=64, speculative_config=spec)
+    assert any("NOT distributed as the target" in r.message for r in caplog.records)
+
+
+def test_synthetic_acceptance_matches_configured_rates(pair):
+    target, draft, _ = pair
+    rates = [0.8, 0.5, 0.2]
+    spec = dict(model=str(draft), num_speculative_tokens=3, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=rates)
+    llm = LLM(str(target), dtype="float32", max_model_len=128, speculative_config=spec)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 14]} for i in range(16)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    m = llm.engine.spec_metrics
+    for measured, drafted, expect in zip(m.accepted_per_position, m.drafted_per_position, rates):
+        # Rounds that verified fewer than 3 drafts (near max_tokens) still follow the same chain.
+        p = measured / drafted
+        sigma = (expect * (1 - expect) / drafted) ** 0.5
+        assert abs(p - expect) < 4 * sigma + 0.02, (p, expect, drafted)
+    assert m.mean_acceptance_length == pytest.approx(1 + sum(rates), abs=0.15)
+
+
+def _item(req_id, num_drafts):
+    return ScheduledReq(req_id, 0, 10, [1], num_drafts, [0], True, 3)
+
+
+def test_metrics_arithmetic():
+    m = SpecMetrics(k=3)
+    plan = StepPlan([], [_item(0, 3), _item(1, 3), _item(2, 2), _item(3, 0)])
+    result = StepResult([[5, 6, 7, 8], [5], [5, 6], [9]], [None] * 4, [3, 3, 3, 3])
+    m.observe(plan, result)
+    assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 8, 4)
+    assert m.acceptance_rate == pytest.approx(4 / 8)
+    assert m.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+    assert m.accepted_per_position == [2, 1, 1] and m.drafted_per_position == [3, 3, 2]
+    assert m.length_histogram == [0, 1, 1, 0, 1]
+    assert "acceptance rate 0.500" in m.log_line()
+
+
+def test_per_request_metrics(pair):
+    target, _, _ = pair
+    spec = dict(model=str(target), num_speculative_tokens=3)
+    llm = LLM(str(target), dtype="float32", max_model_len=128, speculative_config=spec)
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    # Target as draft: every round accepts all its drafts; 13 tokens = 1 (prefill) + 3 rounds of 4.
+    assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 9, 9)
+    assert m.acceptance_rate == 1.0 and m.mean_acceptance_length == 4.0
+    assert m.accepted_per_position == [3, 3, 3]

@@ -1,0 +1,163 @@
+"""Greedy speculative output equals target-only greedy output, token for token."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, SamplingParams
+from tandem.models.decoder import KVCache
+from tandem.config import read_arch_config
+from tests.helpers import make_hf_model
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    target = make_hf_model(root / "target", "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    other = make_hf_model(root / "other", "qwen2", num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1, seed=7)
+    near = root / "near"  # the target with noisy weights: partial acceptance
+    make_hf_model(near, "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    weights = load_file(str(near / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
+    save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": target, "other": other, "near": near}
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(2, 320, (n,), generator=g).tolist()} for n in lengths]
+
+
+PROMPTS = _prompts([4, 19, 64, 7, 33, 120])
+PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _llm(models, draft=None, k=4, method="greedy", **kw):
+    spec = None
+    if draft is not None:
+        spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method)
+    kw.setdefault("max_model_len", MAX_LEN)
+    return LLM(str(models["target"]), dtype="float32", block_size=8, speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    outs = _llm(models).generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_near_draft_matches_target(models, baseline, k, method):
+    llm = _llm(models, "near", k, method)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(outs) == baseline
+    m = llm.engine.spec_metrics
+    assert m.num_draft_rounds > 0
+    assert 0.05 < m.acceptance_rate < 0.98  # partial acceptance exercises both branches
+    assert all(o.metrics.num_draft_tokens > 0 for o in outs)
+
+
+def test_target_as_draft_accepts_everything(models, baseline):
+    llm = _llm(models, "target", 4)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(outs) == baseline
+    assert llm.engine.spec_metrics.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_unrelated_smaller_draft(models, baseline, method):
+    llm = _llm(models, "other", 3, method)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(outs) == baseline
+    assert llm.engine.spec_metrics.acceptance_rate < 0.1
+
+
+def test_chunked_prefill_with_mixed_batch(models, baseline):
+    llm = _llm(models, "near", 4, max_num_batched_tokens=24)
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == baseline
+
+
+def test_preemption(models, baseline):
+    target_arch = read_arch_config(models["target"])
+    draft_arch = read_arch_config(models["near"])
+    per_block = KVCache.bytes_per_block(target_arch, 8, torch.float32) + KVCache.bytes_per_block(
+        draft_arch, 8, torch.float32
+    )
+    llm = _llm(models, "near", 4, max_model_len=176, kv_cache_memory_bytes=per_block * 24)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(outs) == baseline
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+
+
+def test_prefix_cache_hits(models):
+    shared = _prompts([40])[0]["prompt_token_ids"]
+    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in _prompts([3, 9, 17], seed=5)]
+    ref = _tokens(_llm(models, enable_prefix_caching=False).generate(prompts, PARAMS, use_tqdm=False))
+    llm = _llm(models, "near", 4)
+    first = llm.generate(prompts[:1], PARAMS, use_tqdm=False)
+    rest = llm.generate(prompts[1:], PARAMS, use_tqdm=False)
+    assert _tokens(first + rest) == ref
+    assert all(o.metrics.num_cached_tokens >= 40 - 8 for o in rest)
+
+
+def test_max_tokens_and_stops_inside_accepted_runs(models):
+    """With the target as its own draft every draft is accepted, so limits land mid-run."""
+    prompts = PROMPTS[:3]
+    base_llm = _llm(models)
+    spec_llm = _llm(models, "target", 4)
+    for max_tokens in (1, 2, 3, 6, 7, 11):
+        p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        base = _tokens(base_llm.generate(prompts, p, use_tqdm=False))
+        spec = spec_llm.generate(prompts, p, use_tqdm=False)
+        assert _tokens(spec) == base
+        assert all(len(t) == max_tokens and o.outputs[0].finish_reason == "length"
+                   for t, o in zip(base, spec))
+    long = _tokens(base_llm.generate(prompts, PARAMS, use_tqdm=False))
+    # A stop token id that appears mid-run.
+    for toks, prompt in zip(long, prompts):
+        stop_id = toks[9]
+        p = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id])
+        a = base_llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        b = spec_llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason == "stop"
+        assert b.token_ids[-1] == stop_id and b.stop_reason == stop_id and len(b.token_ids) <= 10
+    # A stop string made of the text of tokens in the middle of the output.
+    tok = base_llm.get_tokenizer()
+    for toks, prompt in zip(long, prompts):
+        text = base_llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].text
+        stop = next((s for s in (tok.decode(toks[i : i + 2]) for i in range(6, 30)) if s.strip() and s in text), None)
+        if stop is None:
+            continue
+        p = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
+        a = base_llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        b = spec_llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
+        assert stop not in b.text and b.stop_reason == stop
+
+
+def test_near_max_model_len(models):
+    """A request close to max_model_len gets fewer drafts and never runs past the limit."""
+    prompt = _prompts([58])
+    p = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    base = _llm(models, max_model_len=64).generate(prompt, p, use_tqdm=False)[0].outputs[0]
+    spec = _llm(models, "target", 4, max_model_len=64).generate(prompt, p, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == base.token_ids and len(spec.token_ids) == 6
+    assert spec.finish_reason == "length"
+
+
+def test_greedy_and_sampled_requests_mix(models, baseline):
+    """Sampled requests in the batch do not change greedy ones."""
+    llm = _llm(models, "near", 4, method="probabilistic")
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
+    params = [PARAMS if i % 2 == 0 else sampled for i in range(len(PROMPTS))]
+    outs = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert [t for i, t in enumerate(outs) if i % 2 == 0] == [t for i, t in enumerate(baseline) if i % 2 == 0]
