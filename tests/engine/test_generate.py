@@ -1,0 +1,132 @@
+"""generate() features: logprobs, stop strings, n > 1, chat, min_tokens, abort, outputs."""
+import math
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tests.helpers import hf_model, make_hf_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("gen") / "m", "qwen3", init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(str(model), dtype="float32", max_model_len=128, block_size=8)
+
+
+def test_logprobs_match_transformers(llm, model):
+    prompt = [5, 17, 99, 3, 250]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                                      ignore_eos=True), use_tqdm=False)[0]
+    hf = hf_model(model)
+    ids = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    total = 0.0
+    for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        top = row.topk(3)
+        assert list(lp)[:3] == top.indices.tolist()
+        assert lp[tok].rank == 1 and math.isclose(lp[tok].logprob, row[tok].item(), abs_tol=1e-4)
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert math.isclose(lp[t].logprob, v, abs_tol=1e-4)
+        total += lp[tok].logprob
+    assert math.isclose(out.outputs[0].cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_logprobs_of_sampled_tokens_are_of_processed_distribution(llm):
+    p = SamplingParams(temperature=0.7, top_k=5, max_tokens=8, logprobs=2, seed=1, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0].outputs[0]
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and lp[tok].rank <= 5  # top-k survivors only
+        assert sum(math.exp(v.logprob) for t, v in lp.items() if t != tok or len(lp) == 2) <= 1 + 1e-5
+
+
+def test_stop_strings(llm):
+    base = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip()
+    for include in (False, True):
+        p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "zzzz"],
+                           include_stop_str_in_output=include)
+        out = llm.generate("The quick brown", p, use_tqdm=False)[0].outputs[0]
+        cut = text.index(stop)
+        assert out.text == (text[: cut + len(stop)] if include else text[:cut])
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.token_ids == base.token_ids[: len(out.token_ids)]
+
+
+def test_n_greater_than_one(llm):
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [4, 5, 6]}, p, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    again = llm.generate({"prompt_token_ids": [4, 5, 6]}, p, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    single = llm.generate({"prompt_token_ids": [4, 5, 6]}, p.clone(n=1), use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": "hello"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt.startswith("<s>user: hello") and out.prompt.endswith("assistant:")
+    expect = llm.get_tokenizer()(out.prompt, add_special_tokens=False).input_ids
+    assert out.prompt_token_ids == expect
+
+
+def test_min_tokens_and_eos(llm):
+    eos = llm.engine.eos_token_ids[0]
+    p = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0})
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+
+
+def test_penalties_change_greedy_output(llm):
+    prompt = {"prompt_token_ids": [8, 9, 10]}
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    pen = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0,
+                                              presence_penalty=2.0), use_tqdm=False)
+    a, b = base[0].outputs[0].token_ids, pen[0].outputs[0].token_ids
+    assert len(set(b)) >= len(set(a))
+    rep = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                              repetition_penalty=5.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(rep) & {8, 9, 10} or rep != a
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("x", [3] * 30, p)
+    engine.add_request("y", [4] * 20, p)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("x")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            finished[o.request_id] = o
+    assert finished["x"].outputs[0].finish_reason == "abort" and finished["x"].finished
+    assert len(finished["y"].outputs[0].token_ids) == 50
+    assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
+    assert not engine.abort_request("x")
+
+
+def test_request_output_fields(llm):
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt == "hello world" and out.prompt_token_ids == llm.get_tokenizer()("hello world").input_ids
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    m = out.metrics
+    assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generation_tokens == 5
+    assert m.first_token_time >= m.arrival_time and m.finished_time >= m.first_token_time
+    assert m.acceptance_rate is None and m.mean_acceptance_length is None
