@@ -1,0 +1,389 @@
+"""User mistakes raise a clear ConfigError / RequestError naming the field, before any work
+starts, and an invalid request never disturbs the others."""
+import json
+
+import pytest
+import torch
+
+import tandem.engine.llm as llm_module
+from tandem import LLM, SamplingParams
+from tandem.config import SUPPORTED_ARCHITECTURES
+from tandem.errors import ConfigError, RequestError, TandemError
+from tests.helpers import make_hf_model
+
+MAX_LEN = 128
+VOCAB = 320
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("bad_input") / "m", "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs of two prompts, each run alone."""
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if the weights start loading: the error must come before any work."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("load_model was called: the bad argument was not caught up front")
+
+    monkeypatch.setattr(llm_module, "load_model", forbidden)
+
+
+def assert_idle(llm):
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    assert not eng.scheduler.has_unfinished and eng.scheduler.requests == {}
+    assert eng.scheduler.blocks.num_free_blocks == eng.scheduler.blocks.num_blocks
+
+
+def test_error_types_are_value_errors():
+    assert issubclass(ConfigError, TandemError) and issubclass(RequestError, TandemError)
+    assert issubclass(TandemError, ValueError)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_missing_model_path(tmp_path, no_loading):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match="does not exist") as e:
+        LLM(str(missing), dtype="float32")
+    assert str(missing) in str(e.value)
+
+
+def test_directory_without_config_json(tmp_path, no_loading):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="config.json") as e:
+        LLM(str(empty), dtype="float32")
+    assert str(empty) in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="tandem.models.hub raises ModelNotFoundError/ModelFormatError (plain ValueError), not "
+    "ConfigError, so `except tandem.TandemError` misses a bad model path",
+)
+@pytest.mark.parametrize("kind", ["missing", "no_config"])
+def test_bad_model_path_is_a_config_error(tmp_path, kind, no_loading):
+    path = tmp_path / "x"
+    if kind == "no_config":
+        path.mkdir()
+    with pytest.raises(ConfigError, match="model"):
+        LLM(str(path), dtype="float32")
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path, no_loading):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="architecture") as e:
+        LLM(str(d), dtype="float32")
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg
+    assert all(a in msg for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_invalid_config_json(tmp_path, no_loading):
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json"):
+        LLM(str(d), dtype="float32")
+
+
+# ---------------------------------------------------------------- engine arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(dtype="float64"), "dtype"),
+        (dict(dtype="fp8"), "dtype"),
+        (dict(dtype=torch.float64), "dtype"),
+        (dict(dtype=torch.int8), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(max_model_len=1024), "max_model_len"),  # max_position_embeddings is 512
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=True), "max_model_len"),
+        (dict(max_model_len=64.0), "max_model_len"),
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=-16), "block_size"),
+        (dict(block_size=2.5), "block_size"),
+        (dict(block_size="16"), "block_size"),
+        (dict(block_size=True), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_seqs=True), "max_num_seqs"),
+        (dict(max_num_seqs=None), "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=-0.2), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
+        (dict(load_format="pt"), "load_format"),
+        (dict(load_format="safetensors"), "load_format"),
+        (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
+        (dict(seed=-1), "seed"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, str) else v,
+)
+def test_bad_engine_argument(model_dir, kwargs, field, no_loading):
+    args = dict(dtype="float32", max_model_len=MAX_LEN) | kwargs
+    with pytest.raises(ConfigError, match=field):
+        LLM(str(model_dir), **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda(model_dir, no_loading):
+    with pytest.raises(ConfigError, match="device='cuda'.*not available"):
+        LLM(str(model_dir), dtype="float32", device="cuda")
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="bools pass the number checks for gpu_memory_utilization and seed")
+@pytest.mark.parametrize("kwargs,field", [(dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
+                                          (dict(seed=True), "seed")])
+def test_bool_engine_argument(model_dir, kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, **kwargs)
+
+
+def test_kv_budget_too_small_for_one_request(model_dir):
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes") as e:
+        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=10_000)
+    assert f"max_model_len={MAX_LEN}" in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the message says 'num_blocks=1' and suggests raising kv_cache_memory_bytes; it never names "
+    "num_gpu_blocks_override, the argument the user gave",
+)
+def test_too_few_override_blocks_names_the_argument(model_dir):
+    with pytest.raises(ConfigError, match="num_gpu_blocks_override"):
+        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, num_gpu_blocks_override=1)
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+BAD_PARAMS = [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k=False), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens=4.0), "max_tokens"),
+    (dict(min_p=-0.01), "min_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(stop=""), "stop"),
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop=[3]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(n=0), "n"),
+    (dict(n=True), "n"),
+    (dict(n=2.0), "n"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_PARAMS, ids=[repr(k) for k, _ in BAD_PARAMS])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(RequestError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError, AttributeError), reason="malformed container arguments crash in __post_init__ with "
+                   "TypeError/ValueError/AttributeError before validation, naming no field")
+@pytest.mark.parametrize("kwargs,field", [(dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
+                                          (dict(logit_bias={"a": 1.0}), "logit_bias"),
+                                          (dict(logit_bias=[1]), "logit_bias")],
+                         ids=["stop=5", "stop_token_ids=5", "logit_bias-str-key", "logit_bias-list"])
+def test_malformed_sampling_params(kwargs, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_edge_sampling_params_are_accepted():
+    ok = [
+        SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1.0, max_tokens=1, min_tokens=1, seed=0, logprobs=20),
+        SamplingParams(max_tokens=None, min_tokens=1000, logprobs=0, stop="x", n=3, seed=2**63 - 1),
+    ]
+    assert ok[0].greedy and ok[1].stop == ["x"]
+
+
+# ---------------------------------------------------------------- requests through LLM.generate
+
+
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ({"prompt_token_ids": [5] * MAX_LEN}, "max_model_len"),
+        ({"prompt_token_ids": [5] * (MAX_LEN + 50)}, "max_model_len"),
+        ({"prompt_token_ids": []}, "empty"),
+        ("", "empty"),
+        ({"prompt_token_ids": [5, VOCAB]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [-1, 5]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [5, 6.0]}, "prompt_token_ids"),
+        ({"prompt_token_ids": ["5"]}, "prompt_token_ids"),
+        ({"prompt_token_ids": "5 6 7"}, "prompt_token_ids"),
+        ([123], "prompt"),
+        ({"text": "hi"}, "prompt_token_ids"),
+    ],
+    ids=["len=max", "len>max", "empty-ids", "empty-str", "id=vocab", "id<0", "float-id", "str-id", "ids-str",
+         "int-prompt", "dict-without-ids"],
+)
+def test_bad_prompt(llm, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert_idle(llm)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="generate(123) fails in list(prompts) with TypeError: 'int' object is not iterable")
+def test_prompts_argument_not_a_sequence(llm):
+    with pytest.raises(RequestError, match="prompt"):
+        llm.generate(123, GREEDY, use_tqdm=False)
+
+
+def test_longest_prompt_that_fits(llm):
+    (out,) = llm.generate({"prompt_token_ids": [5] * (MAX_LEN - 1)}, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="validate_request accepts bool token ids (isinstance(True, int))")
+def test_bool_token_id(llm):
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [5, True]}, GREEDY, use_tqdm=False)
+
+
+def test_mismatched_number_of_sampling_params(llm):
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}]
+    with pytest.raises(RequestError, match="sampling_params has 3 entries for 2 prompts"):
+        llm.generate(prompts, [GREEDY] * 3, use_tqdm=False)
+    with pytest.raises(RequestError, match="sampling_params has 1 entries for 2 prompts"):
+        llm.generate(prompts, [GREEDY], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_sampling_params_of_the_wrong_type(llm):
+    with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], [{"temperature": 0}], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_batch_with_one_bad_request_runs_nothing(llm, reference, monkeypatch):
+    prompts, expected = reference
+    steps = []
+    real_step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(1) or real_step())
+    batch = [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}, {"prompt_token_ids": [5, 9999]}]
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    bad_params = [GREEDY, GREEDY, "greedy"]
+    with pytest.raises(RequestError, match="sampling_params"):
+        llm.generate(batch[:2] + [{"prompt_token_ids": [5]}], bad_params, use_tqdm=False)
+    with pytest.raises(RequestError, match="prompt"):
+        llm.generate(batch[:2] + [None], GREEDY, use_tqdm=False)
+    assert steps == []  # not a single engine step ran
+    assert_idle(llm)
+    # The engine is intact: the good prompts still give their reference outputs.
+    outs = llm.generate(batch[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert steps
+
+
+def test_bad_request_via_engine_api_leaves_running_requests_alone(llm, reference):
+    prompts, expected = reference
+    eng = llm.engine
+    eng.add_request("a", prompts[0], GREEDY)
+    eng.add_request("b", prompts[1], GREEDY)
+    done = {}
+    for _ in range(2):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not done and eng.scheduler.running  # a and b are mid-flight
+    before = (sorted(eng.scheduler.requests), [r.req_id for r in eng.scheduler.running], len(eng.scheduler.waiting))
+    bad = [
+        ("c", [5, VOCAB + 1], GREEDY, "prompt_token_ids"),
+        ("c", [], GREEDY, "empty"),
+        ("c", [5] * (MAX_LEN + 1), GREEDY, "max_model_len"),
+        ("c", [5, 6], {"temperature": 0}, "sampling_params"),
+        ("a", [5, 6], GREEDY, "request_id 'a' is already in use"),
+    ]
+    for rid, ids, params, match in bad:
+        with pytest.raises(RequestError, match=match):
+            eng.add_request(rid, ids, params)
+        state = (sorted(eng.scheduler.requests), [r.req_id for r in eng.scheduler.running], len(eng.scheduler.waiting))
+        assert state == before
+    assert "c" not in eng._requests
+    # A failed id is not burned: a valid "c" can still be added, and everything completes.
+    eng.add_request("c", prompts[0], GREEDY)
+    for _ in range(100):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {"a", "b", "c"}
+    assert done["a"].outputs[0].token_ids == expected[0]
+    assert done["b"].outputs[0].token_ids == expected[1]
+    assert done["c"].outputs[0].token_ids == expected[0]
+    assert all(o.outputs[0].finish_reason == "length" for o in done.values())
+    assert_idle(llm)
+
+
+# ---------------------------------------------------------------- no tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm_no_tok(tmp_path_factory):
+    path = make_hf_model(tmp_path_factory.mktemp("bad_input_notok") / "m", "llama", tokenizer=False)
+    return LLM(str(path), dtype="float32", max_model_len=64)
+
+
+def test_string_prompt_without_tokenizer(llm_no_tok):
+    assert llm_no_tok.get_tokenizer() is None
+    with pytest.raises(RequestError, match="tokenizer"):
+        llm_no_tok.generate("hello", GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="tokenizer"):
+        llm_no_tok.generate([{"prompt_token_ids": [5, 6]}, "hello"], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="tokenizer"):
+        llm_no_tok.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    assert_idle(llm_no_tok)
+    # Token-id prompts still work without a tokenizer (no text, but tokens).
+    (out,) = llm_no_tok.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8
