@@ -1,0 +1,639 @@
+"""The OpenAI-compatible HTTP API: `build_app(llm_or_engine, model_name)` and `run_server(args)`.
+
+Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template), /v1/models, /health,
+/metrics. Bodies are parsed here (pydantic, strict types) so every error, malformed JSON included,
+gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
+responses are server-sent events ending with `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.errors import RequestError
+from tandem.outputs import Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SpecDecodeStats,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+
+logger = logging.getLogger("tandem.server")
+
+
+# ---------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(mode="json"), status_code=self.status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages.0.content' (pydantic's union tags dropped)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p not in _TYPE_TAGS and re.fullmatch(r"\w+", p))]
+    return ".".join(parts) or None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    param = _loc_to_param(first["loc"])
+    if param is None:
+        return APIError(400, f"the request body must be a JSON object: {first['msg']}")
+    same = [err for err in errors if _loc_to_param(err["loc"]) == param]
+    if first["type"] == "missing":
+        return APIError(400, f"'{param}' is required", param=param, code="missing_field")
+    if len(same) > 1:  # a union: say what each accepted form wanted
+        msgs = "; ".join(dict.fromkeys(err["msg"] for err in same))
+        return APIError(400, f"'{param}' is invalid ({msgs}); got {_short(first.get('input'))}", param=param)
+    return APIError(400, f"'{param}' is invalid: {first['msg']}; got {_short(first.get('input'))}", param=param)
+
+
+def request_error(e: RequestError, fields: dict[str, str], prompt_param: str) -> APIError:
+    """Map tandem's RequestError ("SamplingParams.top_p=2 is invalid: ...") onto the API's field names."""
+    msg = str(e)
+    m = re.match(r"SamplingParams\.(\w+)=", msg)
+    if m:
+        name = m.group(1)
+        param = fields.get(name, name)
+        return APIError(400, param + msg[len("SamplingParams.") + len(name):], param=param)
+    if msg.startswith("prompt"):
+        where = "" if prompt_param == "prompt" else f"the prompt built from '{prompt_param}': "
+        return APIError(400, where + msg, param=prompt_param)
+    return APIError(400, msg)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- output conversion
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
+    """Speculative figures summed over the requests (None when nothing was drafted)."""
+    ms = [o.metrics for o in outputs if o.metrics is not None]
+    rounds = sum(m.num_draft_rounds for m in ms)
+    if not rounds:
+        return None
+    drafts = sum(m.num_draft_tokens for m in ms)
+    accepted = sum(m.num_accepted_tokens for m in ms)
+    width = max(len(m.accepted_per_position) for m in ms)
+    per_pos = [sum(m.accepted_per_position[i] for m in ms if i < len(m.accepted_per_position)) for i in range(width)]
+    return SpecDecodeStats(
+        num_draft_rounds=rounds, num_draft_tokens=drafts, num_accepted_tokens=accepted,
+        accepted_per_position=per_pos, acceptance_rate=accepted / drafts if drafts else None,
+        mean_acceptance_length=1 + accepted / rounds,
+    )
+
+
+def _top(lp: dict[int, Logprob], k: int) -> list[Logprob]:
+    return sorted((v for v in lp.values() if v.rank <= k), key=lambda v: v.rank)[:k]
+
+
+def _token_text(lp: Logprob | None) -> str:
+    return lp.decoded_token or "" if lp is not None else ""
+
+
+def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for token, lp in zip(token_ids, lps):
+        chosen = lp.get(token)
+        text = _token_text(chosen)
+        out.tokens.append(text)
+        out.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        out.text_offset.append(offset)
+        top: dict[str, float] = {}
+        for v in _top(lp, k):  # tokens that decode alike share a key: keep the likeliest
+            top.setdefault(_token_text(v), v.logprob)
+        out.top_logprobs.append(top)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
+    content = []
+    for token, lp in zip(token_ids, lps):
+        chosen = lp.get(token)
+        text = _token_text(chosen)
+        top = [TopLogprob(token=_token_text(v), logprob=v.logprob, bytes=list(_token_text(v).encode()))
+               for v in _top(lp, k)]
+        content.append(ChatLogprob(token=text, logprob=chosen.logprob if chosen else float("-inf"),
+                                   bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+class _Renderer:
+    """Turns RequestOutputs (one per prompt) into an endpoint's response or stream chunks."""
+
+    def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
+                 include_usage: bool):
+        self.id, self.model, self.prompts, self.params = response_id, model, prompts, params
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.n = params.n
+        size = len(prompts) * self.n
+        self.sent_chars, self.sent_tokens, self.done = [0] * size, [0] * size, [False] * size
+        self.finals: dict[int, RequestOutput] = {}
+        # Streamed text holds back what could still turn out to be the start of a stop string.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def preamble(self) -> list[BaseModel]:
+        return []
+
+    def on_output(self, i: int, out: RequestOutput) -> list[BaseModel]:
+        chunks = []
+        for seq in out.outputs:
+            idx = i * self.n + seq.index
+            if self.done[idx]:
+                continue
+            end = len(seq.text) if seq.finish_reason else max(self.sent_chars[idx], len(seq.text) - self.holdback)
+            delta = seq.text[self.sent_chars[idx]:end]
+            if not delta and seq.finish_reason is None:
+                continue
+            start_tok = self.sent_tokens[idx]
+            lps = seq.logprobs[start_tok:] if seq.logprobs is not None else None
+            chunks.append(self.delta(idx, delta, seq.token_ids[start_tok:], lps, seq.finish_reason, seq.stop_reason))
+            self.sent_chars[idx], self.sent_tokens[idx] = end, len(seq.token_ids)
+            self.done[idx] = seq.finish_reason is not None
+        if out.finished:
+            self.finals[i] = out
+            if chunks:
+                chunks[-1].spec_decode = spec_stats([out])
+        return chunks
+
+    def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def final_chunks(self) -> list[BaseModel]:
+        if not self.include_usage:
+            return []
+        outputs = [self.finals[i] for i in sorted(self.finals)]
+        return [self.chunk([], usage=self.usage(outputs), spec_decode=spec_stats(outputs))]
+
+    def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel:
+        raise NotImplementedError
+
+    def chunk(self, choices: list, **extra) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, outputs: list[RequestOutput]) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionRenderer(_Renderer):
+    def __init__(self, *args, echo: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo = echo
+
+    def preamble(self) -> list[BaseModel]:
+        if not self.echo:
+            return []
+        return [self.chunk([CompletionChoice(index=i * self.n + j, text=p.text or "")])
+                for i, p in enumerate(self.prompts) for j in range(self.n)]
+
+    def chunk(self, choices: list, **extra) -> CompletionChunk:
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+
+    def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
+        logprobs = None
+        if lps is not None:
+            logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.sent_chars[idx])
+        return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
+                                            stop_reason=stop)])
+
+    def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(outputs):
+            prefix = (self.prompts[i].text or "") if self.echo else ""
+            for seq in out.outputs:
+                logprobs = None
+                if seq.logprobs is not None:
+                    logprobs = completion_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, len(prefix))
+                choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + seq.text,
+                                                logprobs=logprobs, finish_reason=seq.finish_reason,
+                                                stop_reason=seq.stop_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage(outputs), spec_decode=spec_stats(outputs))
+
+
+class ChatRenderer(_Renderer):
+    def preamble(self) -> list[BaseModel]:
+        return [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(len(self.done))]
+
+    def chunk(self, choices: list, **extra) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+
+    def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
+        logprobs = chat_logprobs(token_ids, lps, self.params.logprobs) if lps is not None else None
+        return self.chunk([ChatStreamChoice(index=idx, delta=DeltaMessage(content=text or None), logprobs=logprobs,
+                                            finish_reason=finish, stop_reason=stop)])
+
+    def response(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = []
+        for seq in outputs[0].outputs:
+            logprobs = None
+            if seq.logprobs is not None:
+                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs)
+            choices.append(ChatChoice(index=seq.index, message=ChatResponseMessage(content=seq.text),
+                                      logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage(outputs), spec_decode=spec_stats(outputs))
+
+
+def _sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await q.put((i, out, None))
+            await q.put((i, None, None))
+        except Exception as e:
+            await q.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await q.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs on_close however it ends (finished, client gone, or cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------- the server
+class OpenAIServer:
+    """Route handlers of the OpenAI API over one AsyncEngine."""
+
+    def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics):
+        engine = client.engine
+        self.client = client
+        # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
+        self.tokenizer = _copy_tokenizer(tokenizer)
+        self.model_names = model_names
+        self.metrics = metrics
+        self.max_model_len = engine.cfg.sched.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.root = engine.cfg.model.path
+
+    # ---------------------------------------------------------------- simple routes
+    async def health(self, request: Request) -> Response:
+        if not self.client.is_running:
+            raise APIError(503, "the engine loop is not running", type="service_unavailable_error")
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        cards = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len) for name in self.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    async def prometheus(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ---------------------------------------------------------------- generation routes
+    async def completions(self, request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        model = self._check_common(body)
+        if body.suffix:
+            raise APIError(400, "'suffix' is not supported; leave it out", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
+                           param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "'echo' with 'logprobs' would need prompt logprobs, which are not supported; "
+                           "drop one of them", param="echo")
+        params = self._params(body, {}, "prompt")
+        prompts = self._completion_prompts(body.prompt)
+        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo)
+        return await self._generate(request, prompts, params, renderer, body.stream, "prompt")
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        model = self._check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
+        params = self._params(body, fields, "messages")
+        prompts = [self._chat_prompt(body)]
+        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage)
+        return await self._generate(request, prompts, params, renderer, body.stream, "messages")
+
+    # ---------------------------------------------------------------- helpers
+    def _check_common(self, body) -> str:
+        model = body.model or self.model_names[0]
+        if model not in self.model_names:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {self.model_names}",
+                           type="invalid_request_error", param="model", code="model_not_found")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+        return model
+
+    def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:
+        if body.logit_bias:
+            for key in body.logit_bias:
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                    raise APIError(400, f"'logit_bias' key {key!r} is not a token id in [0, {self.vocab_size})",
+                                   param="logit_bias")
+        try:
+            return body.to_sampling_params()
+        except RequestError as e:
+            raise request_error(e, fields, prompt_param) from None
+
+    def _completion_prompts(self, prompt) -> list[Prompt]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "'prompt' is empty: give a string, strings, token ids or lists of token ids",
+                           param="prompt")
+        return [self._prompt(p) for p in prompt]
+
+    def _prompt(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer, so 'prompt' must be token ids", param="prompt")
+            return Prompt(self.tokenizer(prompt).input_ids, prompt)
+        text = None
+        if self.tokenizer is not None and all(0 <= t < self.vocab_size for t in prompt):
+            text = self.tokenizer.decode(prompt)  # out-of-vocab ids are refused by the engine
+        return Prompt(list(prompt), text)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
+        conversation = [m.template_dict() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:  # jinja errors, or a tokenizer without a template
+            raise APIError(400, f"the chat template could not be applied to 'messages': {e}", param="messages")
+        return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
+
+    async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
+                        renderer: _Renderer, stream: bool, prompt_param: str) -> Response:
+        streams = await self._submit(renderer.id, prompts, params, prompt_param)
+
+        def release() -> None:
+            for s in streams:
+                self.client.release(s)
+
+        if stream:
+            return _EventStream(self._events(streams, renderer), release)
+        try:
+            outputs = await self._finals(request, streams)
+        finally:
+            release()
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone; its requests were aborted
+        return JSONResponse(renderer.response(outputs).model_dump(mode="json"))
+
+    async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
+                      prompt_param: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(await self.client.add_request(f"{response_id}-{i}", p.token_ids, params, p.text))
+        except BaseException as e:
+            for s in streams:
+                self.client.release(s)
+            if isinstance(e, RequestError):
+                raise request_error(e, {}, prompt_param) from None
+            raise
+        return streams
+
+    async def _finals(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """Every request's final output, or None if the client disconnected first."""
+        results = asyncio.ensure_future(asyncio.gather(*(s.final() for s in streams)))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not results.done():
+                results.cancel()
+        return results.result() if not results.cancelled() else None
+
+    async def _events(self, streams: list[RequestStream], renderer: _Renderer) -> AsyncIterator[str]:
+        try:
+            for chunk in renderer.preamble():
+                yield _sse(chunk)
+            async for i, out in _merge(streams):
+                for chunk in renderer.on_output(i, out):
+                    yield _sse(chunk)
+            for chunk in renderer.final_chunks():
+                yield _sse(chunk)
+        except Exception as e:  # the engine stopped or failed mid-stream: report it in-band
+            logger.warning("stream %s ended with an error: %r", renderer.id, e)
+            err = _api_error(e)
+            self.metrics.on_error(err.status)
+            body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code))
+            yield _sse(body)
+        yield "data: [DONE]\n\n"
+
+
+def _copy_tokenizer(tokenizer):
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # some tokenizers do not copy; share it (encoding does not mutate it)
+        return tokenizer
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ServerOverloaded):
+        return APIError(503, str(e), type="service_unavailable_error", code="queue_full")
+    if isinstance(e, EngineStopped):
+        return APIError(503, str(e), type="service_unavailable_error", code="shutting_down")
+    if isinstance(e, RequestError):
+        return APIError(400, str(e))
+    return APIError(500, f"internal error: {e!r}", type="server_error")
+
+
+# ---------------------------------------------------------------- app factory
+def build_app(
+    llm_or_engine,
+    model_name: str | list[str],
+    *,
+    tokenizer=None,
+    max_queued_requests: int = 256,
+    drain_timeout_s: float = 0.0,
+) -> FastAPI:
+    """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
+
+    app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
+    """
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    if tokenizer is None:
+        tokenizer = getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names:
+        raise ValueError("model_name must name at least one served model")
+    k = engine.spec_metrics.k if engine.spec_metrics is not None else 0
+    metrics = ServerMetrics(names[0], num_speculative_tokens=k)
+    client = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+    server = OpenAIServer(client, tokenizer, names, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client.start()
+        try:
+            yield
+        finally:
+            await client.shutdown(drain_timeout_s)
+
+    app = FastAPI(title="tandem", lifespan=lifespan)
+    app.state.engine_client = client
+    app.state.metrics = metrics
+    app.state.server = server
+
+    def route(path: str, handler, method: str = "POST") -> None:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as e:
+                err = _api_error(e)
+                if err.status >= 500 and not isinstance(e, (ServerOverloaded, EngineStopped, APIError)):
+                    logger.exception("%s failed", path)
+                metrics.on_error(err.status)
+                return err.response()
+
+        app.add_api_route(path, endpoint, methods=[method])
+
+    route("/v1/completions", server.completions)
+    route("/v1/chat/completions", server.chat_completions)
+    route("/v1/models", server.models, "GET")
+    route("/health", server.health, "GET")
+    route("/metrics", server.prometheus, "GET")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        code=str(exc.status_code)).response()
+
+    return app
+
+
+# ---------------------------------------------------------------- command line
+def run_server(args: argparse.Namespace) -> int:
+    """`tandem serve`: load the model (and draft), then serve until interrupted. args: see add_serve_args."""
+    import uvicorn
+
+    from tandem.engine.llm import LLM
+
+    spec = None
+    if args.draft:
+        spec = dict(model=args.draft, num_speculative_tokens=args.num_speculative_tokens,
+                    draft_sample_method=args.draft_sample_method, draft_load_format=args.load_format)
+    llm = LLM(
+        args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
+        speculative_config=spec,
+    )
+    app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
+                    drain_timeout_s=args.shutdown_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,334 @@
+"""AsyncEngine: one thread owns the Engine; asyncio handlers submit requests and await their outputs.
+
+The Engine is not thread-safe, so only the loop thread touches it. Handlers put commands (add,
+abort, stop) on a thread-safe queue; the loop drains it before every step, steps while any request
+is unfinished, and hands each RequestOutput to its request's RequestStream on the handler's event
+loop. RequestOutputs are cumulative, so a stream keeps only the latest one: a slow client costs one
+output of memory, not one per step. Admission is bounded: a request that would leave more than
+max_queued_requests sequences waiting for a batch slot is refused with ServerOverloaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tandem.engine.engine import Engine
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.metrics import ServerMetrics
+
+logger = logging.getLogger("tandem.server")
+
+
+class ServerOverloaded(Exception):
+    """Too many requests are already waiting; the client should retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine loop is shutting down (or died) and takes no more work."""
+
+
+class EngineStepError(Exception):
+    """An engine step failed; every request in flight at that moment is ended with this error."""
+
+
+_ACCEPTED = object()
+
+
+class RequestStream:
+    """The event-loop side of one request: its acceptance, latest output, or the error that ended it."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.arrival_time = time.monotonic()
+        self.finished = False
+        self.released = False
+        self._loop = loop
+        self._event = asyncio.Event()
+        self._accepted = False
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+
+    # ---------------------------------------------------------------- loop-thread side
+    def put(self, item: object) -> bool:
+        """Hand an item to the event loop; False when that loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, item)
+            return True
+        except RuntimeError:  # the event loop is closed
+            return False
+
+    def _deliver(self, item: object) -> None:
+        if item is _ACCEPTED:
+            self._accepted = True
+        elif isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._latest = item
+        self._event.set()
+
+    # ---------------------------------------------------------------- event-loop side
+    async def accepted(self) -> None:
+        """Return once the engine took the request; raise the error if it refused it."""
+        while not self._accepted:
+            if self._error is not None:
+                raise self._error
+            self._event.clear()
+            await self._event.wait()
+
+    async def next_output(self) -> RequestOutput:
+        """The newest output not yet returned (waiting for one); raises the request's error."""
+        while self._latest is None:
+            if self._error is not None:
+                self.finished = True
+                raise self._error
+            self._event.clear()
+            await self._event.wait()
+        out, self._latest = self._latest, None
+        self.finished = out.finished
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.next_output()
+
+    async def final(self) -> RequestOutput:
+        out = None
+        async for out in self:
+            pass
+        assert out is not None
+        return out
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Tracked:
+    """Loop-thread bookkeeping of one live request."""
+
+    stream: RequestStream
+    num_tokens: list[int]  # tokens seen so far, per sequence
+    last_time: list[float] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Runs an Engine on a background thread and serves many asyncio requests concurrently."""
+
+    def __init__(self, engine: Engine, *, max_queued_requests: int = 256, metrics: ServerMetrics | None = None):
+        if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={max_queued_requests!r} must be an integer >= 0")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, _Tracked] = {}  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._needs_step = False
+        self.num_in_flight = 0  # event-loop side count of accepted, unfinished requests
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new requests, wait up to drain_timeout_s for those in flight, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    # ---------------------------------------------------------------- event-loop API
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it.
+
+        Raises RequestError (invalid request), ServerOverloaded or EngineStopped.
+        """
+        if not self._accepting or not self.is_running:
+            raise EngineStopped("the server is shutting down and takes no new requests")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._commands.put(_Add(stream, prompt_token_ids, params, prompt))
+        try:
+            await stream.accepted()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        self.num_in_flight += 1
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """The handler is done with stream: abort it in the engine unless it finished. Idempotent."""
+        if stream.released:
+            return
+        stream.released = True
+        self.num_in_flight -= 1
+        if not stream.finished:
+            stream.finished = True
+            self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---------------------------------------------------------------- the loop thread
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while True:
+            try:
+                if not self._handle_commands():
+                    break
+                if self.engine.has_unfinished_requests() or self._needs_step:
+                    self._step()
+                if self.metrics is not None:
+                    self.metrics.observe_engine(self.engine)
+            except Exception:  # never let one bad request or step end the loop for everyone
+                logger.exception("engine loop iteration failed; continuing")
+        self._abort_all(EngineStopped("the server shut down before this request finished"))
+        logger.info("engine loop stopped")
+
+    def _handle_commands(self) -> bool:
+        """Run queued commands (waiting for one when idle); False once told to stop."""
+        idle = not self.engine.has_unfinished_requests() and not self._needs_step
+        try:
+            cmd = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            try:
+                self._handle(cmd)
+            except Exception:
+                logger.exception("engine loop command %s failed", type(cmd).__name__)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self._abort(cmd.request_id, None)
+            return
+        stream = cmd.stream
+        if not self._accepting:
+            stream.put(EngineStopped("the server is shutting down and takes no new requests"))
+            return
+        if self._queued_after(cmd.params.n) > self.max_queued_requests:
+            stream.put(ServerOverloaded(
+                f"the server is overloaded: more than max_queued_requests={self.max_queued_requests} sequences "
+                "would be waiting for a batch slot; retry later"
+            ))
+            return
+        try:
+            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
+        except Exception as e:  # RequestError for bad input; anything else fails this request only
+            stream.put(e)
+            return
+        self._live[stream.request_id] = _Tracked(stream, [0] * cmd.params.n, [0.0] * cmd.params.n)
+        if self.metrics is not None:
+            self.metrics.on_accepted(len(cmd.prompt_token_ids))
+        stream.put(_ACCEPTED)
+
+    def _queued_after(self, n: int) -> int:
+        """Sequences that would wait for a batch slot if n more were added now."""
+        sched = self.engine.scheduler
+        free_slots = max(0, self.engine.cfg.sched.max_num_seqs - len(sched.running))
+        return max(0, len(sched.waiting) + n - free_slots)
+
+    def _abort(self, request_id: str, error: BaseException | None) -> None:
+        tracked = self._live.pop(request_id, None)
+        if tracked is None:
+            return
+        try:
+            self.engine.abort_request(request_id)
+        finally:
+            self._needs_step = True  # the next step() reports (and forgets) the aborted request
+            if error is not None:
+                tracked.stream.put(error)
+            if self.metrics is not None:
+                reason = "abort" if error is None else "error"
+                self.metrics.on_finished([reason] * len(tracked.num_tokens),
+                                         time.monotonic() - tracked.stream.arrival_time)
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in list(self._live):
+            try:
+                self._abort(request_id, error)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+
+    def _step(self) -> None:
+        self._needs_step = False
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; ending the %d requests in flight", len(self._live))
+            self._abort_all(EngineStepError(f"the engine failed while running this request: {e!r}"))
+            return
+        for out in outputs:
+            tracked = self._live.get(out.request_id)
+            if tracked is None:
+                continue  # aborted
+            try:
+                self._dispatch(tracked, out)
+            except Exception as e:
+                logger.exception("dispatching request %s failed", out.request_id)
+                self._abort(out.request_id, e)
+
+    def _dispatch(self, tracked: _Tracked, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if self.metrics is not None:
+            self._observe(tracked, out, now)
+        if out.finished:
+            del self._live[out.request_id]
+        if not tracked.stream.put(out) and not out.finished:
+            self._abort(out.request_id, None)  # nobody is listening any more
+
+    def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+        metrics = self.metrics
+        for seq in out.outputs:
+            seen = tracked.num_tokens[seq.index]
+            new = len(seq.token_ids) - seen
+            if new <= 0:
+                continue
+            if seen == 0:
+                metrics.on_first_token(now - tracked.stream.arrival_time)
+                metrics.on_tokens(new, None)
+            else:
+                metrics.on_tokens(new, now - tracked.last_time[seq.index])
+            tracked.num_tokens[seq.index] = len(seq.token_ids)
+            tracked.last_time[seq.index] = now
+        if out.finished:
+            metrics.on_finished([s.finish_reason or "abort" for s in out.outputs], now - tracked.stream.arrival_time)

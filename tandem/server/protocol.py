@@ -1,0 +1,284 @@
+"""Pydantic models of the OpenAI API: requests (with vLLM's extra sampling fields) and responses.
+
+Requests ignore unknown fields, as OpenAI clients send new ones before servers know them.
+`to_sampling_params` turns a request into tandem's SamplingParams, which does the range checks
+(its RequestError names the field). Responses may carry a `spec_decode` extension field.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request: more would take the whole batch
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    # strict: "5" is not an int and true is not a number; JSON ints still pass as floats.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------- errors
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- requests
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. prompt: a string, strings, token ids, or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_calls, ...) are passed on to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. logprobs is a bool here; top_logprobs gives how many alternatives."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---------------------------------------------------------------- responses
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SpecDecodeStats(_Response):
+    """Per-request speculative decoding figures (the `spec_decode` extension field)."""
+
+    num_draft_rounds: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    spec_decode: SpecDecodeStats | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    spec_decode: SpecDecodeStats | None = None
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    spec_decode: SpecDecodeStats | None = None
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    spec_decode: SpecDecodeStats | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

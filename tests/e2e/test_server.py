@@ -1,0 +1,491 @@
+"""End to end: the OpenAI-compatible server, live on 127.0.0.1, driven by the official openai client.
+
+One server (uvicorn on a background thread) serves the whole module: a tiny random target with a
+tiny draft (the target's weights plus noise, so some drafts are accepted and some rejected). A
+second LLM with the same configuration runs offline on the test thread as the reference.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.server.api import build_app  # noqa: E402
+from tests.helpers import make_hf_model  # noqa: E402
+
+MODEL = "tiny-spec"
+K = 3
+LLM_KWARGS = dict(dtype="float32", max_model_len=128, block_size=8, max_num_seqs=64, seed=0)
+PROMPTS = [
+    "The quick brown fox", "def fib(n):", "Paris is the capital", "Speculative decoding drafts",
+    "the lazy dog", "return n if n < 2", "verifies them in one pass", "capital of France.",
+]
+
+
+# ---------------------------------------------------------------- fixtures
+def _perturbed_copy(src: Path, dst: Path, scale: float = 0.05) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    noisy = {k: v + scale * torch.randn(v.shape, generator=gen) * v.std().clamp_min(1e-3) for k, v in weights.items()}
+    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("server_models")
+    target = make_hf_model(root / "target", seed=0)
+    return target, _perturbed_copy(target, root / "draft")
+
+
+def _llm(model_dirs, **overrides) -> LLM:
+    target, draft = model_dirs
+    kwargs = {**LLM_KWARGS, **overrides}
+    return LLM(str(target), speculative_config=dict(model=str(draft), num_speculative_tokens=K), **kwargs)
+
+
+class LiveServer:
+    """uvicorn serving build_app(llm) on a free port, on a background thread."""
+
+    def __init__(self, llm: LLM, **app_kwargs):
+        self.llm = llm
+        self.app = build_app(llm, MODEL, **app_kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server did not shut down"
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of /metrics as {(name, sorted labels without model_name): value}."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+                out[(s.name, labels)] = s.value
+        return out
+
+    def post(self, path: str, timeout: float = 120, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def live(model_dirs):
+    server = LiveServer(_llm(model_dirs))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs) -> LLM:
+    return _llm(model_dirs)
+
+
+def offline(reference: LLM, prompts, **params):
+    return reference.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def greedy(**kw) -> dict:
+    return dict(temperature=0.0, **kw)
+
+
+# ---------------------------------------------------------------- basic routes
+def test_health_and_models(live):
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+    models = live.client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == 128
+
+
+# ---------------------------------------------------------------- completions
+def test_completion_matches_offline_greedy(live, reference):
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    ref = offline(reference, PROMPTS[0], **greedy(max_tokens=16))[0]
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 16 and r.usage.total_tokens == r.usage.prompt_tokens + 16
+    spec = r.model_extra["spec_decode"]
+    assert spec["num_draft_rounds"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+    assert len(spec["accepted_per_position"]) == K
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_draft_rounds"])
+
+
+def test_seeded_sampling_is_reproducible_and_matches_offline(live, reference):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    a = live.client.completions.create(**kw)
+    b = live.client.completions.create(**kw)
+    ref = offline(reference, PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)[0]
+    assert a.choices[0].text == b.choices[0].text == ref.outputs[0].text
+
+
+def test_n_choices_match_offline(live, reference):
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, seed=7, n=3)
+    ref = offline(reference, PROMPTS[2], max_tokens=8, temperature=1.0, seed=7, n=3)[0]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [o.text for o in ref.outputs]
+    assert r.usage.completion_tokens == 24
+
+
+def test_prompt_forms(live, reference):
+    tok = reference.tokenizer
+    ids = [tok(p).input_ids for p in PROMPTS[:2]]
+    refs = offline(reference, PROMPTS[:2], **greedy(max_tokens=6))
+    want = [o.outputs[0].text for o in refs]
+    for prompt, expect in [(PROMPTS[:2], want), (ids[0], want[:1]), (ids, want)]:
+        r = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert [c.index for c in r.choices] == list(range(len(expect)))
+        assert [c.text for c in r.choices] == expect
+        assert r.usage.prompt_tokens == sum(len(i) for i in ids[: len(expect)])
+
+
+def test_stop_sequence(live, reference):
+    base = offline(reference, PROMPTS[3], **greedy(max_tokens=24))[0].outputs[0].text
+    stop = base[6:8]
+    assert len(stop) == 2, base
+    cut = base[: base.find(stop)]
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = live.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                            stop=stop, stream=True)
+    streamed = list(chunks)
+    assert "".join(c.choices[0].text for c in streamed) == cut  # no part of the stop string leaks out
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(live, reference):
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0, logprobs=3)
+    ref = offline(reference, PROMPTS[4], **greedy(max_tokens=6, logprobs=3))[0].outputs[0]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    want = [ref.logprobs[i][t].logprob for i, t in enumerate(ref.token_ids)]
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy: the chosen token is the top one
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_streaming_completion(live, reference):
+    ref = offline(reference, PROMPTS[5], **greedy(max_tokens=16))[0]
+    chunks = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) >= 2  # deltas as produced, not one blob
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.outputs[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert text_chunks[-1].model_extra["spec_decode"]["num_draft_rounds"] > 0
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 16
+    assert usage.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_sse_wire_format_ends_with_done(live):
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    json.loads(events[0][len("data: "):])
+
+
+# ---------------------------------------------------------------- chat
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_matches_offline(live, reference):
+    ref = reference.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    r = live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 12
+
+    chunks = list(live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].model_extra["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_chat_content_parts_logprobs_and_n(live, reference):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": " of France?"}]}]
+    r = live.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=5, temperature=0.8, seed=3, n=2,
+                                            logprobs=True, top_logprobs=2)
+    ref = reference.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=5, logprobs=2), use_tqdm=False)[0]
+    assert [c.message.content for c in r.choices] == [o.text for o in ref.outputs]
+    for choice, out in zip(r.choices, ref.outputs):
+        content = choice.logprobs.content
+        assert len(content) == len(out.token_ids) == 5
+        assert [c.logprob for c in content] == pytest.approx(
+            [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)], abs=1e-4)
+        assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+# ---------------------------------------------------------------- concurrency and disconnects
+def test_50_concurrent_streams_match_offline_greedy(live, reference):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(50)]
+    refs = offline(reference, prompts, **greedy(max_tokens=8))
+    want = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in refs]
+
+    async def one(client, prompt: str) -> tuple[str, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    running: list[float] = []
+
+    async def watch(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            while not done.is_set():
+                text = (await c.get(live.url + "/metrics")).text
+                running.extend(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                               if s.name == "tandem_num_requests_running")
+                await asyncio.sleep(0.05)
+
+    async def run_all():
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            results = await asyncio.gather(*(one(c, p) for p in prompts))
+        done.set()
+        await watcher
+        return results
+
+    results = asyncio.run(run_all())
+    assert results == want
+    assert max(running) >= 10  # the requests shared engine steps, not one after another
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+ABORTS = ("tandem_requests_finished_total", (("finished_reason", "abort"),))
+
+
+def _wait_until_aborted_and_freed(live: LiveServer, aborts_before: float) -> None:
+    def freed() -> bool:
+        m = live.metrics()
+        return (m[("tandem_num_requests_running", ())] == 0
+                and m[("tandem_kv_cache_free_blocks", ())] == m[("tandem_kv_cache_total_blocks", ())]
+                and m[ABORTS] == aborts_before + 1)
+
+    _wait_for(freed)
+    blocks = live.llm.engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert not live.llm.engine.has_unfinished_requests()
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
+    before = live.metrics()[ABORTS]
+    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert sum(line.startswith("data: {") for line in got) >= 2
+        m = live.metrics()
+        assert m[("tandem_num_requests_running", ())] == 1
+        assert m[("tandem_kv_cache_free_blocks", ())] < m[("tandem_kv_cache_total_blocks", ())]
+    _wait_until_aborted_and_freed(live, before)  # the connection closed mid-stream
+
+
+def test_client_giving_up_on_a_plain_request_aborts_it(live):
+    before = live.metrics()[ABORTS]
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        live.post("/v1/completions", json=body, timeout=1.0)
+    _wait_until_aborted_and_freed(live, before)
+
+
+def test_engine_failure_ends_requests_in_flight_but_not_the_loop(live, monkeypatch):
+    engine = live.llm.engine
+    real_step, calls = engine.step, []
+
+    def step_failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_failing_once)
+    r = live.post(C, json={**OK_C, "max_tokens": 3})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error" and "injected failure" in r.json()["error"]["message"]
+    assert live.client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+    assert httpx.get(live.url + "/health").status_code == 200
+    blocks = engine.scheduler.blocks
+    _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
+
+
+# ---------------------------------------------------------------- bad input
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK_C = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+OK_CH = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_INPUTS = [
+    # (id, path, body (dict merged onto a good one, or raw bytes), status, param)
+    ("malformed-json", C, b'{"prompt": "x",', 400, None),
+    ("not-an-object", C, b"[1, 2]", 400, None),
+    ("missing-prompt", C, {"prompt": None}, 400, "prompt"),
+    ("max-tokens-type", C, {"max_tokens": "ten"}, 400, "max_tokens"),
+    ("max-tokens-bool", C, {"max_tokens": True}, 400, "max_tokens"),
+    ("prompt-type", C, {"prompt": 12}, 400, "prompt"),
+    ("temperature", C, {"temperature": -0.5}, 400, "temperature"),
+    ("top-p", C, {"top_p": 1.5}, 400, "top_p"),
+    ("n-zero", C, {"n": 0}, 400, "n"),
+    ("logprobs", C, {"logprobs": 21}, 400, "logprobs"),
+    ("presence-penalty", C, {"presence_penalty": 3}, 400, "presence_penalty"),
+    ("seed", C, {"seed": -1}, 400, "seed"),
+    ("logit-bias-key", C, {"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+    ("logit-bias-value", C, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("empty-stop", C, {"stop": [""]}, 400, "stop"),
+    ("min-tokens", C, {"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("prompt-too-long", C, {"prompt": [5] * 200}, 400, "prompt"),
+    ("token-out-of-vocab", C, {"prompt": [5, 100000]}, 400, "prompt"),
+    ("empty-prompt", C, {"prompt": ""}, 400, "prompt"),
+    ("unknown-model", C, {"model": "gpt-4"}, 404, "model"),
+    ("stream-options-without-stream", C, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat-missing-messages", CH, {"messages": None}, 400, "messages"),
+    ("chat-empty-messages", CH, {"messages": []}, 400, "messages"),
+    ("chat-image-part", CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages.0.content"),
+    ("chat-top-logprobs-alone", CH, {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat-top-logprobs-range", CH, {"logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
+    ("chat-max-completion-tokens", CH, {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat-too-long", CH, {"messages": [{"role": "user", "content": "fox " * 300}]}, 400, "messages"),
+    ("chat-unknown-model", CH, {"model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_openai_error(live, path, body, status, param):
+    if isinstance(body, bytes):
+        r = live.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        merged = {**(OK_C if path == C else OK_CH), **body}
+        r = live.post(path, json={k: v for k, v in merged.items() if v is not None})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert param.split(".")[0] in error["message"], error  # the message names the field too
+
+
+def test_server_keeps_serving_after_errors(live):
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        live.client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+    r = live.client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    errors = live.metrics()
+    assert errors[("tandem_request_errors_total", (("status", "400"),))] >= 1
+    assert errors[("tandem_request_errors_total", (("status", "404"),))] >= 1
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_parse_and_move(live):
+    before = live.metrics()
+    live.client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=10, temperature=0)
+    after = live.metrics()
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert delta("tandem_requests_finished_total", (("finished_reason", "length"),)) == 1
+    assert delta("tandem_generation_tokens_total") == 10
+    assert delta("tandem_prompt_tokens_total") > 0
+    assert delta("tandem_time_to_first_token_seconds_count") == 1
+    assert delta("tandem_inter_token_latency_seconds_count") > 0
+    assert delta("tandem_e2e_request_latency_seconds_count") == 1
+    assert delta("tandem_spec_decode_num_draft_rounds_total") > 0
+    assert delta("tandem_spec_decode_num_draft_tokens_total") > 0
+    accepted = delta("tandem_spec_decode_num_accepted_tokens_total")
+    per_pos = [after[("tandem_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(K)]
+    assert per_pos == sorted(per_pos, reverse=True)  # accepting position i needs positions < i accepted
+    assert sum(per_pos) == after[("tandem_spec_decode_num_accepted_tokens_total", ())]
+    assert accepted >= 0 and after[("tandem_spec_decode_num_accepted_tokens_total", ())] > 0
+    for gauge in ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc"):
+        assert (gauge, ()) in after
+
+
+# ---------------------------------------------------------------- overload and shutdown
+def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
+    server = LiveServer(_llm(model_dirs, max_num_seqs=1), max_queued_requests=1)
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 30, "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(5)))
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert 200 in codes and 503 in codes, codes  # one runs, one waits, the rest are refused
+        refused = next(r for r in responses if r.status_code == 503).json()["error"]
+        assert refused["code"] == "queue_full" and "max_queued_requests=1" in refused["message"]
+        assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+        # shut down with a stream in flight: the request ends (drained or aborted) and the loop stops
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={**body, "max_tokens": 100, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.server.should_exit = True
+            rest = list(lines)
+        assert [line for line in rest if line][-1] == "data: [DONE]"
+        server.thread.join(60)
+        assert not server.thread.is_alive()
+        assert not server.app.state.engine_client.is_running
+        assert not server.llm.engine.has_unfinished_requests()
+    finally:
+        server.stop()
