@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="print only the completion")
+    from tandem.server import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     return parser
 
 
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.errors import TandemError
 
     try:
+        if args.command == "serve":
+            from tandem.server.api import run_server
+
+            return run_server(args)
         return _generate(args)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)

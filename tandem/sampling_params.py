@@ -38,9 +38,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise RequestError(f"SamplingParams.stop={self.stop!r} is invalid: give a string or a list of strings")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise RequestError(
+                f"SamplingParams.stop_token_ids={self.stop_token_ids!r} is invalid: give a list of token ids"
+            )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) or (isinstance(t, str) and t.lstrip("-").isdigit()) for t in self.logit_bias
+            ) or not all(_is_num(b) for b in self.logit_bias.values()):
+                raise RequestError(
+                    f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: give a dict of token id -> bias"
+                )
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         self._validate()
 

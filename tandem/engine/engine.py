@@ -91,8 +91,10 @@ class Engine:
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
             raise RequestError("prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise RequestError(f"SamplingParams.logit_bias has token ids outside [0, {self.vocab_size})")
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(

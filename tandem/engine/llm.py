@@ -56,11 +56,15 @@ class LLM:
             _check_positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
         if num_gpu_blocks_override is not None:
             _check_positive_int("num_gpu_blocks_override", num_gpu_blocks_override)
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        if (
+            not isinstance(gpu_memory_utilization, (int, float))
+            or isinstance(gpu_memory_utilization, bool)
+            or not 0 < gpu_memory_utilization <= 1
+        ):
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
-        if not isinstance(seed, int) or seed < 0:
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ConfigError(f"seed={seed!r} must be an integer >= 0")
 
         dev = resolve_device(device)
@@ -118,6 +122,11 @@ class LLM:
         """Generate for every prompt; returns one RequestOutput per prompt, in order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(
+                f"prompts must be a string, a {{'prompt_token_ids': [...]}} dict, or a list of them; "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

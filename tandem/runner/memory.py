@@ -25,7 +25,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
     blocks_per_req = -(-tokens_per_req // cache.block_size)
     if cache.num_blocks is not None:
         budget = cache.num_blocks * per_block
-        source = f"num_blocks={cache.num_blocks}"
+        source = f"num_gpu_blocks_override={cache.num_blocks}"
     elif cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={budget}"
@@ -41,8 +41,8 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         raise ConfigError(
             f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
             f"({per_block} bytes each), but one request of max_model_len={sched.max_model_len} needs "
-            f"{blocks_per_req} blocks ({need} bytes); raise kv_cache_memory_bytes (or "
-            f"gpu_memory_utilization) or lower max_model_len"
+            f"{blocks_per_req} blocks ({need} bytes); raise {source.split('=')[0].split(' ')[0]} or lower "
+            f"max_model_len"
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
     return num_blocks
