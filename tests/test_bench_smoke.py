@@ -1,0 +1,42 @@
+"""Smoke test of bench/cpu_throughput.py: the quick mode runs end to end and writes sane JSON."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cpu_throughput_quick(tmp_path):
+    out = tmp_path / "cpu_throughput.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/cpu_throughput.py", "--quick", "--dtype", "float32", "--batch-sizes", "1,3",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tandem/HF" in proc.stdout  # the table is printed last
+
+    report = json.loads(out.read_text())
+    assert {"benchmark", "env", "config", "load_s", "results"} <= set(report)
+    env = report["env"]
+    for key in ("torch", "torch_threads", "cpu", "date", "git_commit"):
+        assert key in env
+    assert env["torch_threads"] >= 1
+    cfg = report["config"]
+    assert cfg["quick"] and cfg["dtype"] == "float32" and cfg["new_tokens"] == 16
+    assert cfg["batch_sizes"] == [1, 3]
+
+    assert [r["batch_size"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["generated_tokens_per_run"] == r["batch_size"] * 16
+        for engine in ("tandem", "hf"):
+            e = r[engine]
+            assert len(e["times_s"]) == cfg["repeats"] == 1
+            for key in ("median_s", "tokens_per_s", "ttft_s", "decode_tokens_per_s"):
+                assert e[key] > 0, (engine, key, e[key])
+        assert r["ratio_tandem_over_hf"] > 0
+        m = r["greedy_match"]
+        assert m["sequences"] == 2 * r["batch_size"]  # warm-up + 1 timed run
+        # fp32 on the same weights: greedy tokens agree exactly.
+        assert m["identical_fraction"] == 1.0, m
