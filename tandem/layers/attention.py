@@ -33,6 +33,11 @@ class AttnMetadata:
     groups: list[AttnGroup]
     num_tokens: int
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+        """Store this step's k/v in the paged cache, then attend. -> [num_tokens, H, D]."""
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+
 
 def build_attn_metadata(
     start_pos: list[int],

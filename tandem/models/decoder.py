@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.config import ArchConfig
-from tandem.layers.attention import AttnMetadata, paged_attention, store_kv
+from tandem.layers.attention import AttnMetadata
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -56,8 +56,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale)
+        o = attn.attend(q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 

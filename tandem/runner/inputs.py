@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.layers.attention import AttnMetadata, build_attn_metadata
+from tandem.layers.backend import AttnBackend
 from tandem.plan import StepPlan
 from tandem.sampling.processors import SampleRows
 
@@ -17,7 +17,7 @@ class Batch:
 
     input_ids: Tensor  # [num_tokens] int64 (draft positions filled on device)
     positions: Tensor  # [num_tokens] int64
-    attn: AttnMetadata
+    attn: object  # AttnMetadata (CPU reference) or TableAttnMetadata (CUDA)
     logits_indices: Tensor  # [num_rows] int64, token rows whose logits are needed
     rows: SampleRows  # who each logits row belongs to
     sampling: list[int]  # indices into plan.reqs of requests that sample this step
@@ -27,7 +27,7 @@ class Batch:
     draft_src: Tensor | None  # [num_draft_tokens, 2] int64 (slot, draft index) of each
 
 
-def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
+def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> Batch:
     ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -59,12 +59,10 @@ def build_batch(plan: StepPlan, block_size: int, device: torch.device) -> Batch:
         sampling.append(i)
         cu_num_rows.append(len(logits_indices))
 
-    attn = build_attn_metadata(
+    attn = backend.prefill(
         [r.start_pos for r in plan.reqs],
         [r.num_new_tokens for r in plan.reqs],
         [r.block_ids for r in plan.reqs],
-        block_size,
-        device,
     )
     rows = SampleRows(
         slots=row_slots,

@@ -12,8 +12,8 @@ from torch import Tensor
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
+from tandem.layers.backend import AttnBackend
 from tandem.runner.inputs import Batch, build_batch
-from tandem.sampling.processors import SampleRows
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
 
@@ -33,6 +33,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = cache.block_size
+        self.attn_backend = AttnBackend(cache.block_size, device)
         self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
         self.vocab_size = vocab_size or model_cfg.arch.vocab_size
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device)
@@ -46,7 +47,7 @@ class ModelRunner:
             self.state.add(new)
             if self.speculator is not None:
                 self.speculator.add(new)
-        batch = build_batch(plan, self.block_size, self.device)
+        batch = build_batch(plan, self.attn_backend, self.device)
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [num_tokens, hidden]

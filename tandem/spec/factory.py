@@ -80,4 +80,6 @@ class SpeculatorFactory:
         return KVCache.bytes_per_block(self.draft_cfg.arch, block_size, self.draft_cfg.dtype)
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
-        return DraftSpeculator(self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device)
+        return DraftSpeculator(
+            self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend
+        )

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
-from tandem.layers.attention import build_attn_metadata, build_decode_metadata
+from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
@@ -38,11 +38,13 @@ class DraftSpeculator:
         sched: SchedulerConfig,
         state: SamplingState,
         device: torch.device,
+        attn_backend: AttnBackend,
     ):
         self.k = spec.k
         self.model = model
         self.device = device
         self.block_size = cache.block_size
+        self.attn_backend = attn_backend
         self.max_model_len = sched.max_model_len
         self.state = state
         self.vocab_size = state.vocab_size
@@ -131,8 +133,7 @@ class DraftSpeculator:
         ids = padded_ids[torch.tensor(src, dtype=torch.int64, device=dev)]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
         if not batch.sampling:
-            attn = build_attn_metadata(starts, lens, tables, self.block_size, dev)
-            self.model(ids, positions, attn, self.kv)
+            self.model(ids, positions, self.attn_backend.prefill(starts, lens, tables), self.kv)
             return
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
         num_accepted = num_emitted - 1  # [num_sampling]
@@ -140,8 +141,7 @@ class DraftSpeculator:
         new_tokens = row_tokens[last_row]  # [num_sampling]
         new_rows = torch.tensor(extra_rows, dtype=torch.int64, device=dev) + num_accepted
         ids[new_rows] = new_tokens
-        attn = build_attn_metadata(starts, lens, tables, self.block_size, dev)
-        hidden = self.model(ids, positions, attn, self.kv)
+        hidden = self.model(ids, positions, self.attn_backend.prefill(starts, lens, tables), self.kv)
         sampling = [plan.reqs[i] for i in batch.sampling]
         slots = torch.tensor([r.slot for r in sampling], dtype=torch.int64, device=dev)
         pos = positions[new_rows]  # [num_sampling] position of the emitted token
@@ -154,7 +154,7 @@ class DraftSpeculator:
         for step in range(1, self.k):
             pos = pos + 1  # position of drafts[:, step - 1]
             safe = pos.clamp(max=self.max_model_len - 1)
-            meta = build_decode_metadata(safe, table, self.block_size, max_kv)
+            meta = self.attn_backend.decode(safe, table, max_kv)
             hidden = self.model(self.drafts[slots, step - 1], safe, meta, self.kv)
             self._draft_step(step, hidden, slots, pos + 1, sampling)
 

@@ -1,0 +1,56 @@
+"""AttnBackend: builds the attention metadata the device wants, chosen once at start-up.
+
+CPU runs the grouped PyTorch reference (host-built groups, no padding). CUDA runs block-table
+metadata (fixed shapes, device-resident), executed by the Triton kernels when Triton is
+importable and by the dense torch fallback otherwise.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.layers.attention import build_attn_metadata, build_decode_metadata
+from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata
+
+
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import tandem.kernels.attention  # noqa: F401
+        import tandem.kernels.kv_store  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class AttnBackend:
+    def __init__(self, block_size: int, device: torch.device, use_table: bool | None = None,
+                 use_triton: bool | None = None):
+        self.block_size = block_size
+        self.device = device
+        self.use_table = device.type == "cuda" if use_table is None else use_table
+        self.use_triton = triton_available(device) if use_triton is None else use_triton
+
+    def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]]):
+        """Metadata for ragged queries (chunks, decodes, verifications) from host lists."""
+        if self.use_table:
+            return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, self.use_triton)
+        return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device)
+
+    def decode(self, positions: Tensor, block_table: Tensor, max_kv: int):
+        """One query per row at device-side positions [n]; block_table [n, max_blocks] int64."""
+        if not self.use_table:
+            return build_decode_metadata(positions, block_table, self.block_size, max_kv)
+        bs = self.block_size
+        n = positions.shape[0]
+        slot_mapping = block_table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        return TableAttnMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_table.to(torch.int32),
+            seq_lens=(positions + 1).to(torch.int32),
+            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=positions.device),
+            max_q_len=1,
+            block_size=bs,
+            use_triton=self.use_triton,
+        )

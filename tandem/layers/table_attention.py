@@ -1,0 +1,121 @@
+"""Block-table attention metadata: fixed-shape, device-resident, CUDA-graph friendly.
+
+Unlike the grouped reference metadata (built per step on the host), every field here is a
+device tensor of a shape fixed by upper bounds, so a captured graph replays it after the
+runner rewrites the buffers in place. Padding rows have seq_len 0 and slot -1.
+The Triton kernels run it on CUDA; `dense_paged_attention` is the torch fallback with the
+same contract (and the reference the kernels are tested against).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def build_table_metadata(
+    start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
+    device: torch.device, use_triton: bool, max_blocks: int | None = None,
+) -> "TableAttnMetadata":
+    """Host lists -> device metadata for an eager step."""
+    max_blocks = max_blocks or max(len(t) for t in block_tables)
+    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = torch.tensor(t[:max_blocks], dtype=torch.int32)
+    slots = []
+    for start, n, t in zip(start_pos, q_lens, block_tables):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    as_dev = lambda x, dt: torch.tensor(x, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+    return TableAttnMetadata(
+        slot_mapping=as_dev(slots, torch.int64),
+        block_tables=tables.to(device, non_blocking=True),
+        seq_lens=as_dev([s + n for s, n in zip(start_pos, q_lens)], torch.int32),
+        cu_q_lens=as_dev(cu, torch.int32),
+        max_q_len=max(q_lens),
+        block_size=block_size,
+        use_triton=use_triton,
+    )
+
+
+@dataclass(slots=True)
+class TableAttnMetadata:
+    """One model's attention inputs for a step; shared by all its layers."""
+
+    slot_mapping: Tensor  # [num_tokens] int64, -1 = padding (no KV written)
+    block_tables: Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: Tensor  # [num_reqs] int32, keys per request incl. this step's tokens (0 = padding)
+    cu_q_lens: Tensor  # [num_reqs + 1] int32, query start offsets
+    max_q_len: int  # host-known upper bound on any request's query length
+    block_size: int
+    use_triton: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+        if self.use_triton:
+            from tandem.kernels.attention import paged_attention
+            from tandem.kernels.kv_store import kv_store
+
+            kv_store(k, v, k_cache, v_cache, self.slot_mapping)
+            out = torch.empty_like(q)
+            paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,
+                            self.max_q_len, scale, out)
+            return out
+        store_kv_masked(k, v, k_cache, v_cache, self.slot_mapping)
+        return dense_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,
+                                     self.max_q_len, scale)
+
+
+def store_kv_masked(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter k/v rows into the cache; rows with slot -1 write into a scratch row that is
+    never read (no data-dependent control flow, so it can be captured)."""
+    flat_k = k_cache.view(-1, *k.shape[1:])
+    flat_v = v_cache.view(-1, *v.shape[1:])
+    valid = slot_mapping >= 0
+    # Padding rows rewrite slot 0 with its own current value.
+    safe = torch.where(valid, slot_mapping, 0)
+    keep = valid[:, None, None]
+    flat_k.index_copy_(0, safe, torch.where(keep, k, flat_k[safe]))
+    flat_v.index_copy_(0, safe, torch.where(keep, v, flat_v[safe]))
+
+
+def dense_paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, cu_q_lens: Tensor,
+    max_q_len: int, scale: float,
+) -> Tensor:
+    """q [num_tokens, H, D] -> [num_tokens, H, D]; each request attends its whole block table
+    with a mask (token i of request r at position seq_len_r - q_len_r + i sees keys <= it)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs, max_blocks = block_tables.shape
+    bs = k_cache.shape[1]
+    num_kv = k_cache.shape[2]
+    max_kv = max_blocks * bs
+    tables = block_tables.long()
+    keys = k_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim)  # [R, max_kv, Hkv, D]
+    vals = v_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim)
+    cu = cu_q_lens.long()
+    q_lens = cu[1:] - cu[:-1]  # [R]
+    # Token -> (request, index in request), computed on the device.
+    tok = torch.arange(num_tokens, device=q.device)
+    req = torch.searchsorted(cu[1:], tok, right=True).clamp(max=num_reqs - 1)  # [T]
+    # Padding tokens (seq_len 0) clamp to position 0 so no row is fully masked.
+    pos = (seq_lens.long()[req] - q_lens[req] + (tok - cu[req])).clamp(min=0)  # [T] query positions
+    kv_pos = torch.arange(max_kv, device=q.device)
+    mask = kv_pos[None, :] <= pos[:, None]  # [T, max_kv]
+    kt = keys[req].transpose(1, 2)  # [T, Hkv, max_kv, D]
+    vt = vals[req].transpose(1, 2)
+    rep = num_heads // num_kv
+    if rep > 1:
+        kt = kt.repeat_interleave(rep, dim=1)
+        vt = vt.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], kt, vt, attn_mask=mask[:, None, None, :], scale=scale
+    )  # [T, H, 1, D]
+    return out[:, :, 0, :]
