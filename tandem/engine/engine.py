@@ -75,6 +75,11 @@ class Engine:
             self.spec_metrics = SpecMetrics(k)
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
+        if cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False):
+            max_blocks = -(-(cfg.sched.max_model_len + k) // cache.block_size)
+            self.runner.capture_graphs([1] + ([1 + k] if k else []), cfg.sched.max_num_seqs, max_blocks)
+            if self.runner.speculator is not None:
+                self.runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size

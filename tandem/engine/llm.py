@@ -47,6 +47,7 @@ class LLM:
         seed: int = 0,
         speculative_config: Any = None,
         num_gpu_blocks_override: int | None = None,
+        enforce_eager: bool = False,
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -97,6 +98,7 @@ class LLM:
             ),
             device=dev,
             spec=spec,
+            extra={"enforce_eager": bool(enforce_eager)},
         )
         self.tokenizer = load_tokenizer(tokenizer or model_dir)
         target = load_model(cfg.model, dev)

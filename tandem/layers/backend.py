@@ -38,17 +38,22 @@ class AttnBackend:
             return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, self.use_triton)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device)
 
-    def decode(self, positions: Tensor, block_table: Tensor, max_kv: int):
-        """One query per row at device-side positions [n]; block_table [n, max_blocks] int64."""
+    def decode(self, positions: Tensor, block_table: Tensor, max_kv: int, valid: Tensor | None = None):
+        """One query per row at device-side positions [n]; block_table [n, max_blocks] int64.
+        valid [n] bool marks real rows (padding rows of a captured graph write no KV)."""
         if not self.use_table:
             return build_decode_metadata(positions, block_table, self.block_size, max_kv)
         bs = self.block_size
         n = positions.shape[0]
         slot_mapping = block_table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        seq_lens = positions + 1
+        if valid is not None:
+            slot_mapping = torch.where(valid, slot_mapping, -1)
+            seq_lens = torch.where(valid, seq_lens, 0)
         return TableAttnMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_table.to(torch.int32),
-            seq_lens=(positions + 1).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
             cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=positions.device),
             max_q_len=1,
             block_size=bs,

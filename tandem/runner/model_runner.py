@@ -13,6 +13,7 @@ from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.layers.backend import AttnBackend
+from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch, build_batch
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
@@ -38,6 +39,16 @@ class ModelRunner:
         self.vocab_size = vocab_size or model_cfg.arch.vocab_size
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device)
         self.speculator = None  # set by the engine when a draft model is configured
+        self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
+
+    def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int) -> None:
+        """Capture uniform decode / verification steps (CUDA only)."""
+        for t in tokens_per_req:
+            runner = GraphRunner(self.model, self.kv, tokens_per_req=t, max_num_reqs=max_num_reqs,
+                                 max_blocks=max_blocks, block_size=self.block_size, device=self.device,
+                                 use_triton=self.attn_backend.use_triton)
+            runner.capture()
+            self.graphs[t] = runner
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -50,8 +61,7 @@ class ModelRunner:
         batch = build_batch(plan, self.attn_backend, self.device)
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab]
+        logits = self._logits(plan, batch)  # [num_rows, vocab]
         if self.speculator is None:
             processed = process_logits(logits, self.state, batch.rows)
             row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
@@ -62,6 +72,27 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(plan, batch, row_tokens, num_emitted)
         return self._to_host(plan, batch, processed, row_tokens, num_emitted)
+
+    def _logits(self, plan: StepPlan, batch: Batch) -> Tensor:
+        graph = self._graph_for(plan)
+        if graph is not None:
+            a = batch.attn
+            return graph.replay(len(plan.reqs), batch.input_ids, batch.positions, a.slot_mapping, a.block_tables,
+                                a.seq_lens)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _graph_for(self, plan: StepPlan) -> GraphRunner | None:
+        """A captured graph when every request feeds 1 token + the same number of drafts."""
+        if not self.graphs:
+            return None
+        t = plan.reqs[0].num_new_tokens
+        graph = self.graphs.get(t)
+        if graph is None or graph.bucket(len(plan.reqs)) is None:
+            return None
+        if all(r.sample and len(r.input_token_ids) == 1 and r.num_new_tokens == t for r in plan.reqs):
+            return graph
+        return None
 
     def _record_outputs(self, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
         """Penalty counts follow the emitted tokens on the device (no host round trip)."""

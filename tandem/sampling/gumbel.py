@@ -45,12 +45,14 @@ def noise_key(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
 
 
 def uniform(keys: Tensor, token_ids: Tensor) -> Tensor:
-    """keys [n, 1] or [n], token_ids broadcastable -> u in (0, 1) fp32, 24 random bits each.
+    """keys [n, 1] or [n], token_ids broadcastable -> u in (0, 1) fp32 from 23 random bits.
 
-    For a fixed key the map token -> hash is a bijection, so no two tokens share a uniform.
+    u = (top 23 bits + 0.5) / 2**23 is exact in fp32 and lies in [2**-24, 1 - 2**-24], so the
+    Gumbel noise is always finite (with 24 bits the largest value would round to 1.0, giving
+    infinite noise that beats even a masked -inf logit).
     """
     h = _fmix32(keys ^ _mul32(token_ids, 0x27D4EB2D))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_noise(seeds: Tensor, positions: Tensor, salt: int, vocab_size: int) -> Tensor:

@@ -4,7 +4,9 @@ Every step each running request asks for the tokens it has not computed yet: a p
 or its last token plus the drafts pending in its slot. Requests in decode are served first so
 long prompts never starve them; prefills (running, then waiting) share what is left of
 max_num_batched_tokens. When blocks run out, the most recently admitted request is preempted:
-its blocks are freed and it recomputes later from its tokens, so its output does not change.
+its blocks are freed and it recomputes later from its tokens, so its output does not change
+(with a draft model, a sampled request's draws after that point come from other noise streams,
+because its pending drafts are dropped: still the target's distribution, not the same tokens).
 Plain Python: no torch, no device.
 """
 from __future__ import annotations

@@ -23,6 +23,7 @@ from tandem.sampling.processors import apply_top_k_top_p
 from tandem.sampling.sampler import process_logits
 from tandem.sampling.state import SamplingState
 from tandem.spec.config import SpeculativeConfig
+from tandem.spec.draft_graphs import DraftGraphs
 from tandem.spec.rejection import rejection_sample
 
 
@@ -51,13 +52,23 @@ class DraftSpeculator:
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.kv = KVCache(draft_cfg.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
-        self.drafts = torch.zeros(s, self.k, dtype=torch.int64, device=device)  # [max_num_seqs, k]
+        # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
+        self.drafts = torch.zeros(s + 1, self.k, dtype=torch.int64, device=device)
         # [max_num_seqs, k, vocab] fp32 pre-temperature (masked) draft logits, for the ratio test.
         self.draft_logits = (
             torch.zeros(s, self.k, self.vocab_size, dtype=torch.float32, device=device) if self.probabilistic else None
         )
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
+        self.graphs: DraftGraphs | None = None
+
+    def capture_graphs(self, max_num_reqs: int, max_blocks: int) -> None:
+        """Capture the catch-up forward and the greedy draft loop (CUDA only)."""
+        self.graphs = DraftGraphs(
+            self.model, self.kv, self.drafts, k=self.k, vocab_size=self.vocab_size, max_num_reqs=max_num_reqs,
+            max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
+        )
+        self.graphs.capture()
 
     def add(self, new: NewReq) -> None:
         """Nothing per request: sampling parameters live in the shared SamplingState."""
@@ -141,29 +152,48 @@ class DraftSpeculator:
         new_tokens = row_tokens[last_row]  # [num_sampling]
         new_rows = torch.tensor(extra_rows, dtype=torch.int64, device=dev) + num_accepted
         ids[new_rows] = new_tokens
-        hidden = self.model(ids, positions, self.attn_backend.prefill(starts, lens, tables), self.kv)
+        meta = self.attn_backend.prefill(starts, lens, tables)
         sampling = [plan.reqs[i] for i in batch.sampling]
+        if self._catchup_graph_fits(plan, batch):
+            logits = self.graphs.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
+                                                meta.block_tables, meta.seq_lens)[new_rows]
+        else:
+            logits = self.model.compute_logits(self.model(ids, positions, meta, self.kv)[new_rows])
         slots = torch.tensor([r.slot for r in sampling], dtype=torch.int64, device=dev)
         pos = positions[new_rows]  # [num_sampling] position of the emitted token
-        self._draft_step(0, hidden[new_rows], slots, pos + 1, sampling)
+        self._draft_step(0, logits, slots, pos + 1, sampling)
         max_kv = max(r.start_pos + r.num_new_tokens + self.k for r in sampling)
         max_blocks = -(-max_kv // self.block_size)
         table = torch.tensor(
             [(r.block_ids + [0] * max_blocks)[:max_blocks] for r in sampling], dtype=torch.int64, device=dev
         )
+        if self.graphs is not None and self.graphs.loops and self._greedy(sampling) \
+                and self.graphs.bucket(len(sampling)) is not None:
+            self.graphs.run_loop(slots, pos, table)
+            return
         for step in range(1, self.k):
             pos = pos + 1  # position of drafts[:, step - 1]
             safe = pos.clamp(max=self.max_model_len - 1)
             meta = self.attn_backend.decode(safe, table, max_kv)
             hidden = self.model(self.drafts[slots, step - 1], safe, meta, self.kv)
-            self._draft_step(step, hidden, slots, pos + 1, sampling)
+            self._draft_step(step, self.model.compute_logits(hidden), slots, pos + 1, sampling)
 
-    def _draft_step(self, step: int, hidden: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
-        """Sample drafts[:, step] from the draft's logits at hidden [n, H]; gen_pos [n] is the
+    def _greedy(self, sampling) -> bool:
+        return not self.probabilistic or all(self.state.params[r.slot].temperature == 0 for r in sampling)
+
+    def _catchup_graph_fits(self, plan: StepPlan, batch: Batch) -> bool:
+        if self.graphs is None or self.graphs.catchup.bucket(len(plan.reqs)) is None:
+            return False
+        return len(batch.sampling) == len(plan.reqs) and all(
+            len(r.input_token_ids) == 1 and r.num_drafts == self.k for r in plan.reqs
+        )
+
+    def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
+        """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
         position of the token being drafted (the noise key)."""
-        logits = self.model.compute_logits(hidden)[:, : self.vocab_size].float()  # [n, V]
+        logits = logits[:, : self.vocab_size].float()  # [n, V]
         params = [self.state.params[r.slot] for r in sampling]
-        if not self.probabilistic or all(p.temperature == 0 for p in params):
+        if self._greedy(sampling):
             self.drafts[slots, step] = logits.argmax(dim=-1)
             return
         temp = self.state.temperature[slots]

