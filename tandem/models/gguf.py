@@ -34,6 +34,9 @@ from tandem.models.hub import ModelFormatError
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "GGUFInfo",
+    "GGUFTensor",
+    "DTYPE_NAMES",
+    "write_tiny_gguf",
     "read_gguf",
     "supported_tensor_types",
     "build_config",
@@ -121,11 +124,34 @@ def supported_tensor_types() -> set[str]:
 
 
 @dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # GGUF order (fastest-moving dimension first), like gguf.GGUFReader
+    tensor_type: object  # gguf.GGMLQuantizationType
+    offset: int  # absolute offset in the file
+    n_bytes: int
+    _map: np.ndarray | None = None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape))
+
+    @property
+    def data(self) -> np.ndarray:
+        """The raw bytes as a read-only uint8 view, shaped (rows..., bytes per row)."""
+        from gguf.quants import quant_shape_to_byte_shape
+
+        raw = self._map[self.offset : self.offset + self.n_bytes]
+        return raw.reshape(quant_shape_to_byte_shape(self.hf_shape, self.tensor_type))
+
+
+@dataclass
 class GGUFInfo:
     path: pathlib.Path
-    reader: object  # gguf.GGUFReader
     arch: str
     meta: dict = field(default_factory=dict)
+    tensors: list[GGUFTensor] = field(default_factory=list)
+    file_size: int = 0
 
     def get(self, key: str, default=None):
         return self.meta.get(key, default)
@@ -134,23 +160,80 @@ class GGUFInfo:
         return self.meta.get(f"{self.arch}.{key}", default)
 
 
-def _field_value(f):
-    from gguf import GGUFValueType
+@dataclass(frozen=True)
+class StringArray:
+    """A long string array in the metadata (vocabulary, merges), left unread."""
 
-    try:
-        return f.contents()
-    except Exception:  # very old/odd fields: fall back to raw parts
-        if f.types and f.types[0] == GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-        return None
+    count: int
 
 
-_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+# GGUF metadata value types
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_KEEP_STRINGS = 256  # string arrays up to this length are read, longer ones only counted
+
+
+class _Cursor:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        vals = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return vals
+
+    def string(self) -> str:
+        (n,) = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise EOFError("string runs past the end of the file")
+        v = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", "replace")
+        self.pos += n
+        return v
+
+    def skip_strings(self, count: int) -> None:
+        buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+        for _ in range(count):
+            pos += 8 + unpack("<Q", buf, pos)[0]
+        if pos > len(buf):
+            raise EOFError("string array runs past the end of the file")
+        self.pos = pos
+
+    def value(self, vtype: int, keep_long_strings: bool = False):
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])[0]
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("IQ")
+            if etype in _SCALARS:
+                fmt = _SCALARS[etype]
+                vals = np.frombuffer(self.buf, dtype="<" + {"?": "b1"}.get(fmt, fmt), count=count, offset=self.pos)
+                self.pos += vals.nbytes
+                return vals.tolist() if count <= _KEEP_STRINGS else vals.copy()
+            if etype == _STRING:
+                if count <= _KEEP_STRINGS or keep_long_strings:
+                    return [self.string() for _ in range(count)]
+                self.skip_strings(count)
+                return StringArray(count)
+            if etype == _ARRAY:
+                return [self.value(_ARRAY) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def _open_map(path: pathlib.Path) -> np.ndarray:
+    return np.memmap(path, dtype=np.uint8, mode="r")
 
 
 def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
-    """Open and validate a GGUF file (header, metadata, tensor extents, architecture)."""
-    import gguf
+    """Open and validate a GGUF file: header, metadata, tensor table and extents, architecture.
+
+    A small pure-Python parser (the gguf package's GGUFReader spends ~20 s building numpy
+    views of a 150k-token vocabulary that conversion never needs).
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
 
     path = pathlib.Path(path)
     size = path.stat().st_size
@@ -161,28 +244,66 @@ def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
             f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'). "
             "Pass a .gguf model file, or an HF model directory containing config.json."
         )
+    corrupt = (
+        f"{path} is truncated or corrupt ({{}}). Delete it and download it again, or check the file you passed."
+    )
+    mm = _open_map(path)
+    cur = _Cursor(mm)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # struct errors, numpy errors, ValueError on truncated data
-        raise ModelFormatError(
-            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it is probably truncated or "
-            "corrupt. Delete it and download it again."
-        ) from None
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+        _, version = cur.unpack("4sI")
+        if version not in (2, 3):
+            if version in (0x02000000, 0x03000000):
+                raise ModelFormatError(f"{path} is a big-endian GGUF file; only little-endian files are supported.")
+            raise ModelFormatError(f"{path}: GGUF version {version} is not supported (versions 2 and 3 are).")
+        n_tensors, n_kv = cur.unpack("QQ")
+        if n_tensors > 1_000_000 or n_kv > 1_000_000:
+            raise ValueError(f"implausible header counts ({n_tensors} tensors, {n_kv} metadata keys)")
+        meta: dict = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.unpack("I")
+            meta[key] = cur.value(vtype)
+        raw_tensors = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            (n_dims,) = cur.unpack("I")
+            if n_dims > 8:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = cur.unpack(f"{n_dims}Q")
+            ttype, off = cur.unpack("IQ")
+            raw_tensors.append((name, tuple(int(d) for d in dims), ttype, off))
+    except ModelFormatError:
+        raise
+    except (struct.error, EOFError, ValueError, UnicodeDecodeError) as e:
+        raise ModelFormatError(corrupt.format(f"bad header: {e}")) from None
+
+    align = int(meta.get("general.alignment", 32) or 32)
+    data_start = (cur.pos + align - 1) // align * align
+    tensors = []
+    for name, dims, ttype, off in raw_tensors:
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
             raise ModelFormatError(
-                f"{path} is truncated: tensor {t.name!r} needs bytes {t.data_offset}..{t.data_offset + t.n_bytes} "
-                f"but the file has {size} bytes. Delete it and download it again."
+                f"{path.name}: tensor {name!r} has unknown ggml type id {ttype}; supported types: "
+                f"{', '.join(sorted(supported_tensor_types()))}. Upgrade the `gguf` package or use another file."
+            ) from None
+        block, tsize = GGML_QUANT_SIZES[qtype]
+        n_el = int(np.prod(dims)) if dims else 1
+        if n_el % block or (dims and dims[0] % block):
+            raise ModelFormatError(corrupt.format(f"tensor {name!r} shape {dims} does not fit {qtype.name} blocks"))
+        nbytes = n_el // block * tsize
+        start = data_start + off
+        if start + nbytes > size:
+            raise ModelFormatError(
+                f"{path} is truncated: tensor {name!r} needs bytes {start}..{start + nbytes} but the file has {size} "
+                "bytes. Delete it and download it again."
             )
-    meta = {}
-    for k, f in reader.fields.items():
-        if k in _BIG_ARRAYS:
-            continue
-        meta[k] = _field_value(f)
+        tensors.append(GGUFTensor(name, dims, qtype, start, nbytes, mm))
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFormatError(f"{path} has no general.architecture metadata; it is not a model GGUF file.")
-    info = GGUFInfo(path=path, reader=reader, arch=arch, meta=meta)
+    info = GGUFInfo(path=path, arch=arch, meta=meta, tensors=tensors, file_size=size)
     if check_arch:
         check_supported(info)
     return info
@@ -196,14 +317,14 @@ def check_supported(info: GGUFInfo) -> None:
             "directory (config.json + safetensors)."
         )
     ok = supported_tensor_types()
-    bad = sorted({t.tensor_type.name for t in info.reader.tensors if t.tensor_type.name not in ok})
+    bad = sorted({t.tensor_type.name for t in info.tensors if t.tensor_type.name not in ok})
     if bad:
         raise ModelFormatError(
             f"{info.path.name}: tensor type(s) {', '.join(bad)} cannot be dequantized by the installed gguf "
             f"package; supported types: {', '.join(sorted(ok))}. Use another quantization of the model, or "
             "upgrade the `gguf` package."
         )
-    names = {t.name for t in info.reader.tensors}
+    names = {t.name for t in info.tensors}
     unknown = sorted(n for n in names if hf_name_for(n) is None)
     if unknown:
         shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
@@ -231,7 +352,7 @@ def _int(v):
 def build_config(info: GGUFInfo, dtype: torch.dtype = torch.float32) -> dict:
     """HF config.json content from GGUF metadata."""
     a = info.arch_get
-    names = {t.name: t for t in info.reader.tensors}
+    names = {t.name: t for t in info.tensors}
     emb = names["token_embd.weight"]
     hidden = _int(a("embedding_length")) or int(emb.shape[0])
     n_layers = _int(a("block_count"))
@@ -317,15 +438,13 @@ def build_generation_config(info: GGUFInfo, cfg: dict) -> dict:
 
 
 def _tensor_plan(info: GGUFInfo) -> list[tuple[str, object, tuple[int, ...]]]:
-    """[(hf_name, reader_tensor, hf_shape)] in file order."""
+    """[(hf_name, GGUFTensor, hf_shape)] in file order."""
     plan = []
-    for t in info.reader.tensors:
+    for t in info.tensors:
         hf = hf_name_for(t.name)
         if hf is None:  # check_supported already rejected these
             raise ModelFormatError(f"{info.path.name}: unsupported tensor {t.name!r}")
-        shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
-        # GGUF stores 1-D tensors with shape [n]; keep as is.
-        plan.append((hf, t, shape))
+        plan.append((hf, t, t.hf_shape))
     return plan
 
 
@@ -424,32 +543,60 @@ def write_safetensors(
 # --------------------------------------------------------------------------- tokenizer
 
 
-def convert_tokenizer(gguf_path: str | os.PathLike, out_dir: str | os.PathLike):
-    """Build the tokenizer from the GGUF metadata (transformers' converter) and save it to out_dir."""
-    from transformers import AutoTokenizer
+def _tokenizer_class(arch: str):
+    """The class AutoTokenizer would pick for a GGUF of this architecture, without its slow config pass.
 
+    (AutoTokenizer.from_pretrained(gguf_file=...) first builds the model config through the gguf package's
+    GGUFReader, which takes ~20 s on a 150k-token vocabulary; the tokenizer itself needs ~1 s.)
+    """
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    name = TOKENIZER_MAPPING_NAMES.get(arch)
+    cls = tokenizer_class_from_name(name) if name else TokenizersBackend
+    if cls is None:
+        raise LookupError(f"no tokenizer class for {arch}")
+    return cls
+
+
+def convert_tokenizer(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    arch: str | None = None,
+    tokenizer_model: str | None = None,
+    chat_template: str | None = None,
+    model_max_length: int | None = None,
+):
+    """Build the tokenizer from the GGUF metadata (transformers' GGUF converter) and save it to out_dir.
+
+    Never touches a hub: the GGUF holds the vocabulary, merges, special tokens and chat template.
+    """
     gguf_path = pathlib.Path(gguf_path)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:
-        raise ModelFormatError(
-            f"{gguf_path.name}: could not build a tokenizer from the GGUF metadata ({type(e).__name__}: {e})."
-        ) from None
+    folder, fname = str(gguf_path.parent), gguf_path.name
+    tok = None
+    if arch in ("llama", "qwen2") and tokenizer_model == "gpt2":  # the combinations checked to match AutoTokenizer
+        try:
+            tok = _tokenizer_class(arch).from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        except Exception:  # transformers internals moved: take the documented (slower) route below
+            tok = None
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        except Exception as e:
+            raise ModelFormatError(
+                f"{fname}: could not build a tokenizer from the GGUF metadata ({type(e).__name__}: {e})."
+            ) from None
     # GGUF files carry the chat template in tokenizer.chat_template; make sure it survived.
-    if not getattr(tok, "chat_template", None):
-        tmpl = _read_chat_template(gguf_path)
-        if tmpl:
-            tok.chat_template = tmpl
-    tok.save_pretrained(str(out_dir))
+    if not getattr(tok, "chat_template", None) and isinstance(chat_template, str):
+        tok.chat_template = chat_template
+    if model_max_length:
+        tok.model_max_length = int(model_max_length)
+    if out_dir is not None:
+        tok.save_pretrained(str(out_dir))
     return tok
-
-
-def _read_chat_template(gguf_path: pathlib.Path) -> str | None:
-    import gguf
-
-    r = gguf.GGUFReader(str(gguf_path), "r")
-    f = r.fields.get("tokenizer.chat_template")
-    return None if f is None else _field_value(f)
 
 
 # --------------------------------------------------------------------------- driver
@@ -480,7 +627,14 @@ def convert_gguf(
         raise ModelFormatError(f"{info.path.name}: duplicate tensors after name mapping")
 
     # Tokenizer first: it is quick and fails early on odd metadata.
-    convert_tokenizer(info.path, out)
+    convert_tokenizer(
+        info.path,
+        out,
+        arch=info.arch,
+        tokenizer_model=info.get("tokenizer.ggml.model"),
+        chat_template=info.get("tokenizer.chat_template"),
+        model_max_length=cfg["max_position_embeddings"],
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(build_generation_config(info, cfg), indent=2) + "\n")
 
@@ -502,3 +656,142 @@ def convert_gguf(
     finally:
         bar.close()
     return {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- tiny synthetic models (tests)
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode() characters, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def write_tiny_gguf(
+    path: str | os.PathLike,
+    *,
+    arch: str = "llama",
+    n_layers: int = 2,
+    hidden: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    ffn: int = 96,
+    tied: bool | None = None,
+    qkv_bias: bool | None = None,
+    qtype: str | None = None,
+    seed: int = 0,
+    context_length: int = 256,
+    chat_template: str | None = TINY_CHAT_TEMPLATE,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write a tiny random model as GGUF the way llama.cpp's converter would (q/k rows permuted for llama,
+    optionally quantized) with a small byte-level BPE tokenizer; return the float32 HF state dict it encodes.
+
+    Meant for fast tests of anything that loads models.  ``qtype`` (e.g. "Q8_0", "Q4_0") quantizes the 2-D
+    weights (their inner dimension must be a multiple of the block size); the returned tensors are then the
+    dequantized values.  ``arch`` may be any string, to exercise the unsupported-architecture path.
+    """
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    tied = (arch != "qwen2") if tied is None else tied
+    qkv_bias = (arch == "qwen2") if qkv_bias is None else qkv_bias
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // n_head
+
+    alphabet = _byte_level_alphabet()
+    merges = ["Ġ t", "h e", "i n", "Ġt he", "a n", "Ġ a", "e r", "o n", "r e", "Ġ s"]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = len(tokens)
+    types = [1] * (vocab - 3) + [3, 3, 3]
+
+    def w(*shape, scale=0.05):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": w(vocab, hidden, scale=0.5)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        hf[p + "self_attn.q_proj.weight"] = w(n_head * head_dim, hidden)
+        hf[p + "self_attn.k_proj.weight"] = w(n_kv_head * head_dim, hidden)
+        hf[p + "self_attn.v_proj.weight"] = w(n_kv_head * head_dim, hidden)
+        if qkv_bias:
+            hf[p + "self_attn.q_proj.bias"] = w(n_head * head_dim, scale=0.1)
+            hf[p + "self_attn.k_proj.bias"] = w(n_kv_head * head_dim, scale=0.1)
+            hf[p + "self_attn.v_proj.bias"] = w(n_kv_head * head_dim, scale=0.1)
+        hf[p + "self_attn.o_proj.weight"] = w(hidden, n_head * head_dim)
+        hf[p + "mlp.gate_proj.weight"] = w(ffn, hidden)
+        hf[p + "mlp.up_proj.weight"] = w(ffn, hidden)
+        hf[p + "mlp.down_proj.weight"] = w(hidden, ffn)
+        hf[p + "input_layernorm.weight"] = 1.0 + w(hidden, scale=0.1)
+        hf[p + "post_attention_layernorm.weight"] = 1.0 + w(hidden, scale=0.1)
+    hf["model.norm.weight"] = 1.0 + w(hidden, scale=0.1)
+    if not tied:
+        hf["lm_head.weight"] = w(vocab, hidden, scale=0.5)
+
+    candidates = [f"blk.{i}.{b}.{k}" for i in range(n_layers) for b in _BLOCK_MAP for k in ("weight", "bias")]
+    candidates += [f"{b}.{k}" for b in _TOP_MAP for k in ("weight", "bias")]
+    to_gguf = {hf_name_for(g): g for g in candidates}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab - 3)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 3)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+    expected: dict[str, torch.Tensor] = {}
+    for name, arr in hf.items():
+        gname = to_gguf[name]
+        stored = arr
+        if arch == "llama" and _is_qk(gname):
+            stored = permute_llama_qk(arr, n_kv_head if ".attn_k." in gname else n_head)
+        if qtype and arr.ndim == 2:
+            qt = Q[qtype]
+            data = quants.quantize(stored, qt)
+            writer.add_tensor(gname, data, raw_dtype=qt)
+            deq = quants.dequantize(data, qt).reshape(stored.shape)
+            if arch == "llama" and _is_qk(gname):
+                deq = unpermute_llama_qk(deq, n_kv_head if ".attn_k." in gname else n_head)
+            expected[name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
+        else:
+            writer.add_tensor(gname, stored)
+            expected[name] = torch.from_numpy(arr.copy())
+    for gname, arr in (extra_tensors or {}).items():
+        writer.add_tensor(gname, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _is_qk(gguf_name: str) -> bool:
+    return ".attn_q." in gguf_name or ".attn_k." in gguf_name

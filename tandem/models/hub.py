@@ -22,6 +22,7 @@ parses and accounts for the whole file; otherwise it is rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import hashlib
@@ -221,6 +222,16 @@ def _disk_full_error(e: OSError, where: pathlib.Path) -> CacheError:
     )
 
 
+def _unwritable_error(e: OSError, where: pathlib.Path) -> CacheError:
+    if _is_disk_full(e):
+        return _disk_full_error(e, where)
+    return CacheError(
+        e.errno,
+        f"cannot write to the model cache at {where} ({e.strerror or e}). Point $TANDEM_CACHE (or cache_dir=) at a "
+        "writable directory.",
+    )
+
+
 def _fsync_dir(d: pathlib.Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -346,23 +357,36 @@ def _ensure_converted(
     target = parent / f"{_slug(name)}-{sha256[:12]}-{_DTYPES[dtype]}"
     why = check_converted_dir(target, sha256, dtype) if target.exists() else "absent"
     if why is None:
-        return target
-    if target.exists():
-        logger.warning("cached model at %s is unusable (%s); rebuilding it", target, why)
+        return target  # fast path: no lock, works on a read-only cache too
+    with _locked(parent / f".lock-{target.name}"):  # a concurrent conversion of the same entry: wait for it
+        why = check_converted_dir(target, sha256, dtype) if target.exists() else "absent"
+        if why is None:
+            return target
+        if target.exists():
+            logger.warning("cached model at %s is unusable (%s); rebuilding it", target, why)
+        _convert_into(target, name, sha256, dtype, progress, get_source)
+    return target
 
+
+def _convert_into(
+    target: pathlib.Path,
+    name: str,
+    sha256: str,
+    dtype: torch.dtype,
+    progress: bool,
+    get_source: Callable[[], pathlib.Path],
+) -> None:
+    parent = target.parent
     src = get_source()
     from tandem.models import gguf as _gguf
 
     info = _gguf.read_gguf(src)  # validates before any writing
     try:
-        parent.mkdir(parents=True, exist_ok=True)
         _clean_stale_tmp(parent)
         tmp = parent / _tmp_name(target.name)
         tmp.mkdir()
     except OSError as e:
-        if _is_disk_full(e):
-            raise _disk_full_error(e, parent) from None
-        raise
+        raise _unwritable_error(e, parent) from None
     try:
         files = _gguf.convert_gguf(src, tmp, dtype, progress=progress, info=info)
         marker = {
@@ -384,7 +408,26 @@ def _ensure_converted(
         if _is_disk_full(e):
             raise _disk_full_error(e, parent) from None
         raise
-    return target
+
+
+@contextlib.contextmanager
+def _locked(lock_path: pathlib.Path):
+    """Exclusive advisory lock (POSIX flock) held while building one cache entry."""
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lock_path, "a+")
+    except OSError as e:
+        raise _unwritable_error(e, lock_path.parent) from None
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock (Windows, some network file systems): go unlocked
+            pass
+        yield
+    finally:
+        fh.close()  # closing releases the lock
 
 
 def _place_dir(tmp: pathlib.Path, target: pathlib.Path, target_ok: Callable[[], bool]) -> None:
@@ -502,6 +545,11 @@ def fetch_known_gguf(
         raise ModelNotFoundError(f"{name!r} is not a known model name; known names: {_known_names()}.")
     km = KNOWN_MODELS[key]
     root = cache_root(cache_dir)
+    with _locked(root / "gguf" / f".lock-{km.filename}"):
+        return _fetch_known_locked(km, root, progress, verify)
+
+
+def _fetch_known_locked(km: KnownModel, root: pathlib.Path, progress: bool, verify: bool) -> pathlib.Path:
     final = root / "gguf" / km.filename
     if final.is_file():
         size = final.stat().st_size
@@ -522,6 +570,9 @@ def fetch_known_gguf(
         _clean_stale_tmp(dl_parent)
         _clean_stale_tmp(final.parent)
         dl.mkdir()
+    except OSError as e:
+        raise _unwritable_error(e, root) from None
+    try:
         _pip_download(km, dl, progress)
         h = hashlib.sha256()
         n = 0
