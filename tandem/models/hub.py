@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.errors import ConfigError
+
 __all__ = [
     "ModelNotFoundError",
     "ModelFormatError",
@@ -63,11 +65,11 @@ MARKER = "tandem-complete.json"
 CACHE_FORMAT = 1
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(ConfigError):
     """The model named by the user does not exist / cannot be fetched."""
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(ConfigError):
     """The model exists but is not in a form tandem can use (or failed its integrity check)."""
 
 

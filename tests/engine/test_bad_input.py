@@ -74,12 +74,6 @@ def test_directory_without_config_json(tmp_path, no_loading):
     assert str(empty) in str(e.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="tandem.models.hub raises ModelNotFoundError/ModelFormatError (plain ValueError), not "
-    "ConfigError, so `except tandem.TandemError` misses a bad model path",
-)
 @pytest.mark.parametrize("kind", ["missing", "no_config"])
 def test_bad_model_path_is_a_config_error(tmp_path, kind, no_loading):
     path = tmp_path / "x"

@@ -78,7 +78,7 @@ def pair(tmp_path_factory):
 
 def test_draft_path_missing(pair):
     target, _, root = pair
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         LLM(str(target), speculative_config={"model": str(root / "nope"), "num_speculative_tokens": 2})
 
 
