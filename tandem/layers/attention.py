@@ -96,27 +96,48 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 def paged_attention(
     q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttnMetadata, scale: float
 ) -> Tensor:
-    """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D]."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D].
+
+    GQA without copying keys: the rep = H / Hkv query heads of a KV head are folded into the
+    query-length dim, [G, Hkv, rep * q_len, D], with the causal mask repeated along them.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     rep = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
-    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    whole = len(attn.groups) == 1
+    out = None if whole else torch.empty_like(q)
     for g in attn.groups:
-        qg = q[g.token_idx].transpose(1, 2)  # [G, H, q_len, D]
-        if g.kv_slots is None:
-            kg = k[g.token_idx].transpose(1, 2)  # [G, Hkv, q_len, D]
-            vg = v[g.token_idx].transpose(1, 2)
-        else:
-            kg = flat_k[g.kv_slots].transpose(1, 2)  # [G, Hkv, max_kv, D]
-            vg = flat_v[g.kv_slots].transpose(1, 2)
+        n, q_len = g.token_idx.shape
+        qg = q.view(n, q_len, num_heads, head_dim) if whole else q[g.token_idx]  # [G, q_len, H, D]
+        if g.kv_slots is None:  # a prompt with no cached prefix: plain causal attention
+            src_k = k.view(n, q_len, num_kv_heads, head_dim) if whole else k[g.token_idx]
+            src_v = v.view(n, q_len, num_kv_heads, head_dim) if whole else v[g.token_idx]
+            og = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), src_k.transpose(1, 2), src_v.transpose(1, 2), is_causal=True, scale=scale,
+                enable_gqa=rep > 1,
+            ).transpose(1, 2)  # [G, q_len, H, D]
+            if whole:
+                return og.reshape(num_tokens, num_heads, head_dim)
+            out[g.token_idx] = og
+            continue
+        # [G, q_len, Hkv, rep, D] -> [G, Hkv, rep, q_len, D] -> [G, Hkv, rep * q_len, D]
+        qg = qg.view(n, q_len, num_kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(
+            n, num_kv_heads, rep * q_len, head_dim
+        )
+        mask = g.mask
         if rep > 1:
-            kg = kg.repeat_interleave(rep, dim=1)
-            vg = vg.repeat_interleave(rep, dim=1)
+            mask = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(n, 1, rep * q_len, mask.shape[-1])
         og = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=scale
-        )  # [G, H, q_len, D]
-        out[g.token_idx] = og.transpose(1, 2)
+            qg, flat_k[g.kv_slots].transpose(1, 2), flat_v[g.kv_slots].transpose(1, 2), attn_mask=mask, scale=scale
+        )  # [G, Hkv, rep * q_len, D]
+        og = og.view(n, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(
+            n, q_len, num_heads, head_dim
+        )
+        if whole:
+            return og.reshape(num_tokens, num_heads, head_dim)
+        out[g.token_idx] = og
     return out
 
 
