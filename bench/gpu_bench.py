@@ -1,0 +1,322 @@
+"""GPU benchmark (issue 5): target-only decode vs the roofline, speculative decoding with
+synthetic acceptance and on the eps pair, and transformers as the peer, in one run.
+
+    python3 bench/gpu_bench.py --out $OUT/gpu_bench.json           # on the H200
+    python3 bench/gpu_bench.py --quick                              # small shapes, minutes
+
+Models use load_format="dummy" (seeded random weights, real shapes). Step times are medians
+over timed engine steps after warm-up (each step includes its one device->host sync); graph
+replay times (target verify vs decode, draft catch-up and loop) come from CUDA events.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, print_table, write_json  # noqa: E402
+
+LLAMA_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192),
+                bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
+LLAMA_1B = dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
+QWEN_15B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+                bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+QWEN_05B = dict(QWEN_15B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, tie_word_embeddings=True)
+TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=32000)
+TINY_DRAFT = dict(TINY, num_hidden_layers=1)
+
+# Per-position unconditional acceptance measured on the real Qwen2.5-Coder pair on CPU
+# (docs/benchmarks.md); overridable with --real-rates.
+REAL_RATES = None
+
+
+def write_config(root: Path, name: str, shape: dict) -> str:
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(shape))
+    return str(d)
+
+
+def weight_bytes(shape: dict) -> int:
+    """Bytes of every weight a decode step reads (all but the input embedding; a tied table
+    is read once, as the LM head). bf16."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape.get("head_dim", h // heads)
+    layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
+    return 2 * (n * layer + h + shape["vocab_size"] * h)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    return 2 * (2 << 30) / statistics.median(times)
+
+
+def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int):
+    from tandem import LLM
+
+    return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False)
+
+
+def free(*objs) -> None:
+    for o in objs:
+        del o
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8) -> dict:
+    """Decode-phase step time: add `batch` requests, prefill them, then time `steps` steps."""
+    from tandem import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=warmup + steps * 10 + 64, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(10, 30000, (prompt_len,), generator=g).tolist(), params)
+    produced = {rid: 0 for rid in ids}
+
+    def step() -> int:
+        n = 0
+        for out in engine.step():
+            new = len(out.outputs[0].token_ids) - produced.get(out.request_id, 0)
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+            n += new
+        return n
+
+    while any(v == 0 for v in produced.values()):
+        step()
+    for _ in range(warmup):
+        step()
+    times, tokens = [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens += step()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    med = statistics.median(times)
+    return {"ms_per_step": med * 1e3, "tokens_per_step": tokens / steps, "tok_s": tokens / sum(times),
+            "steps": steps}
+
+
+def graph_time(graph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    ts = []
+    for _ in range(20):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end))
+    return statistics.median(ts)
+
+
+def target_only(root, shapes, batches, args, bw, results) -> dict:
+    base = {}
+    for name, shape in shapes:
+        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len)
+        wb = weight_bytes(shape)
+        for b in batches:
+            r = measure_steps(llm, b, args.prompt_len, args.steps)
+            g = llm.engine.runner.graphs[1]
+            r["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
+            r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
+            r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
+            r.update(model=name, batch=b, weight_gb=wb / 1e9)
+            results["target_only"].append(r)
+            base[(name, b)] = r
+            print(f"[target-only] {name} b={b}: {r['ms_per_step']:.2f} ms/step ({r['graph_ms']:.2f} graph), "
+                  f"{r['tok_s']:.1f} tok/s, roofline {r['roofline_frac']:.2f} ({r['roofline_frac_graph']:.2f})",
+                  flush=True)
+        free(llm)
+    return base
+
+
+def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -> None:
+    tname, tshape = target
+    dname, dshape = draft
+    tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
+    for k in ks:
+        spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy")
+        llm = make_llm(tdir, spec, max(batches), args.max_model_len)
+        sp = llm.engine.runner.speculator
+        for b in batches:
+            n = llm.engine.runner.graphs[1].bucket(b)
+            decode_ms = graph_time(llm.engine.runner.graphs[1].graphs[n])
+            verify_ms = graph_time(llm.engine.runner.graphs[1 + k].graphs[n])
+            catchup_ms = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
+            loop_ms = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+            for pname, rates in profiles(k):
+                uncond = torch.tensor(rates, dtype=torch.float32)
+                cond = uncond / torch.cat([torch.ones(1), uncond[:-1]]).clamp(min=1e-9)
+                sp.synthetic_rates.copy_(cond.clamp(max=1.0).cuda())
+                r = measure_steps(llm, b, args.prompt_len, args.steps)
+                ref = base[(tname, b)]
+                r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
+                         verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
+                         draft_step_ms=(catchup_ms + loop_ms) / k, decode_ms=decode_ms, verify_ms=verify_ms)
+                results["synthetic"].append(r)
+                print(f"[synthetic] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f}, "
+                      f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
+        free(llm, sp)
+
+
+def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
+    """Draft = the target's first 4 layers (+ its embeddings, norm, head); in the target, layers
+    >= 4 have o_proj and down_proj scaled by eps."""
+    tdir = write_config(root, base_name, shape)
+    ddir = write_config(root, base_name + "-first4", dict(shape, num_hidden_layers=4))
+    spec = dict(model=ddir, num_speculative_tokens=4, draft_load_format="dummy")
+    llm = make_llm(tdir, spec, 1, args.max_model_len)
+    target = llm.engine.runner.model
+    draft = llm.engine.runner.speculator.model
+    with torch.no_grad():
+        for (name, p) in draft.named_parameters():
+            p.copy_(target.get_parameter(name))
+        originals = {i: (layer.self_attn.o_proj.weight.clone(), layer.mlp.down_proj.weight.clone())
+                     for i, layer in enumerate(target.model.layers) if i >= 4}
+    for eps in epss:
+        with torch.no_grad():
+            for i, (o, d) in originals.items():
+                layer = target.model.layers[i]
+                layer.self_attn.o_proj.weight.copy_(o * eps)
+                layer.mlp.down_proj.weight.copy_(d * eps)
+        m0 = llm.engine.spec_metrics
+        before = (m0.num_draft_rounds, m0.num_accepted_tokens)
+        r = measure_steps(llm, 1, args.prompt_len, args.steps)
+        rounds = m0.num_draft_rounds - before[0]
+        acc = m0.num_accepted_tokens - before[1]
+        r.update(eps=eps, k=4, batch=1, mean_acceptance_length=1 + acc / max(rounds, 1),
+                 speedup=r["tok_s"] / base[(base_name, 1)]["tok_s"])
+        results["eps_pair"].append(r)
+        print(f"[eps] eps={eps}: {r['tok_s']:.1f} tok/s, AL {r['mean_acceptance_length']:.2f}, x{r['speedup']:.2f}",
+              flush=True)
+    free(llm, target, draft)
+
+
+def hf_peer(target_shape, draft_shape, args, results) -> None:
+    import transformers
+
+    def build(shape):
+        cfg = dict(shape)
+        arch = cfg.pop("architectures")[0]
+        cfg.pop("torch_dtype", None)
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        return model.eval()
+
+    target = build(target_shape)
+    draft = build(draft_shape)
+    ids = torch.randint(10, 30000, (1, args.prompt_len), device="cuda")
+    n = args.hf_tokens
+    for name, kw in (("hf_generate", {}), ("hf_assisted", {"assistant_model": draft})):
+        target.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        r = {"engine": name, "batch": 1, "tok_s": (out.shape[1] - ids.shape[1]) / dt}
+        results["hf"].append(r)
+        print(f"[hf] {name}: {r['tok_s']:.1f} tok/s", flush=True)
+    free(target, draft)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/gpu_bench.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--hf-tokens", type=int, default=64)
+    p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
+    p.add_argument("--sections", default="target,synthetic,eps,hf")
+    args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": []}
+    bw = copy_bandwidth()
+    results["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    target, draft = (("tiny", TINY), ("tiny-draft", TINY_DRAFT)) if args.quick else (
+        ("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B))
+    batches = [1, 8] if args.quick else [1, 8, 32, 64]
+    real = [float(x) for x in args.real_rates.split(",")] if args.real_rates else None
+
+    def profiles(k):
+        out = [(f"uniform-{a}", [a ** (i + 1) for i in range(k)]) for a in (0.6, 0.8, 0.9)]
+        if real:
+            out.append(("real-cpu", (real + [real[-1] * 0.9 ** j for j in range(1, k + 1)])[:k]))
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
+        base = target_only(root, shapes, batches, args, bw, results) if sections & {"target", "synthetic", "eps"} else {}
+        if "synthetic" in sections:
+            ks = [1, 2, 4] if args.quick else list(range(1, 9))
+            synthetic(root, target, draft, base, ks, profiles, [1] if args.quick else [1, 8], args, results)
+        if "eps" in sections:
+            eps_pair(root, target[1], target[0], base, [0.1, 0.05, 0.02, 0.0], args, results)
+        if "hf" in sections:
+            hf_peer(target[1], draft[1], args, results)
+    write_json(args.out, results)
+    rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}",
+             f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
+    print_table(["model", "batch", "ms/step", "graph ms", "tok/s", "roofline"], rows)
+    rows = [(r["k"], r["batch"], r["profile"], f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}",
+             f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
+    if rows:
+        print_table(["k", "batch", "profile", "tok/s", "speedup", "verify/decode", "draft ms/step"], rows)
+    rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
+            for r in results["eps_pair"]]
+    if rows:
+        print_table(["eps", "tok/s", "accept len", "speedup"], rows)
+    if results["hf"]:
+        print_table(["peer", "tok/s"], [(r["engine"], f"{r['tok_s']:.1f}") for r in results["hf"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
