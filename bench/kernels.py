@@ -1,0 +1,258 @@
+"""Micro-benchmark of the Triton kernels (tandem/kernels/) against their torch counterparts.
+
+    python bench/kernels.py                 # needs CUDA and Triton; prints one table
+    python bench/kernels.py --json out.json
+
+Main times are GPU times: 10 calls replayed in a CUDA graph (as the engine runs them), the L2
+flushed by a 256 MB memset before every call and the memsets' own time (a graph of memsets
+alone) subtracted; median of 7 replays. "eager us" is the wall time per call of the Triton
+wrapper called in a plain loop (host launch overhead included). Each row gives the minimal
+bytes the kernel must move (every input read once, every output written once) and the
+bandwidth that implies, against the 4.3 TB/s device-to-device copy measured on the H200
+(read + write). Attention prefill rows give TFLOP/s instead.
+Shapes: Llama-3-8B attention (32 query heads, 8 KV heads, D 128, bf16, block size 16) and
+its 128256-token vocabulary for the samplers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table  # noqa: E402
+
+COPY_BW = 4.3e12  # bytes/s, H200 device-to-device copy (read + write), measured here
+H, HKV, D, BS = 32, 8, 128, 16
+VOCAB = 128256
+DEV = "cuda"
+
+
+def _replay_s(graph, reps: int = 7) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def bench(fn, n: int = 10) -> float:
+    """GPU seconds per call of fn: n calls in a CUDA graph, each after an L2 flush, minus the
+    flushes alone. nan if fn cannot be captured."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    both, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(both):
+            for _ in range(n):
+                flush.zero_()
+                fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.synchronize()
+        return float("nan")
+    with torch.cuda.graph(flush_only):
+        for _ in range(n):
+            flush.zero_()
+    t = (_replay_s(both) - _replay_s(flush_only)) / n
+    del both, flush_only, flush
+    return max(t, 0.0)
+
+
+def eager(fn, n: int = 50) -> float:
+    """Wall seconds per call of fn in a plain loop (host overhead or GPU time, whichever is larger)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def paged_setup(q_lens: list[int], ctx_lens: list[int], dtype=torch.bfloat16):
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    nblk = [-(-s // BS) for s in seq_lens]
+    perm = torch.randperm(sum(nblk)).tolist()
+    tables, off = [], 0
+    for n in nblk:
+        tables.append(perm[off : off + n])
+        off += n
+    k_cache = torch.randn(sum(nblk), BS, HKV, D, device=DEV, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(q_lens), H, D, device=DEV, dtype=dtype)
+    bt = torch.zeros(len(tables), max(nblk), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return q, k_cache, v_cache, bt.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), cu, tables
+
+
+def row_attention(name: str, q_lens: list[int], ctx_lens: list[int], flops_mode: bool = False) -> dict:
+    from tandem.kernels.attention import paged_attention
+    from tandem.layers.attention import build_attn_metadata
+    from tandem.layers.attention import paged_attention as torch_attention
+
+    q, kc, vc, bt, sl, cu, tables = paged_setup(q_lens, ctx_lens)
+    out = torch.empty_like(q)
+    scale = D**-0.5
+    tri = lambda: paged_attention(q, kc, vc, bt, sl, cu, max(q_lens), scale, out)  # noqa: E731
+    t_tri, t_eager = bench(tri), eager(tri)
+    meta = build_attn_metadata(ctx_lens, q_lens, tables, BS, torch.device(DEV))
+    k_new = torch.randn(q.shape[0], HKV, D, device=DEV, dtype=q.dtype)  # only read by no-prefix groups
+    try:
+        t_ref = bench(lambda: torch_attention(q, k_new, k_new, kc, vc, meta, scale))
+    except torch.OutOfMemoryError:
+        t_ref = float("nan")
+    kv_bytes = sum(s for s in sl.tolist()) * HKV * D * 2 * q.element_size()
+    nbytes = kv_bytes + 2 * q.numel() * q.element_size()
+    pairs = sum(c * n + n * (n + 1) // 2 for c, n in zip(ctx_lens, q_lens))
+    flops = 4 * H * D * pairs
+    return dict(kernel="paged_attention", case=name, triton_us=t_tri * 1e6, torch_us=t_ref * 1e6, bytes=nbytes,
+                flops=flops, compute_bound=flops_mode, eager_us=t_eager * 1e6)
+
+
+def row_kv_store(num_tokens: int) -> dict:
+    from tandem.kernels.kv_store import kv_store
+    from tandem.layers.attention import store_kv
+
+    num_blocks = 4096
+    kc = torch.randn(num_blocks, BS, HKV, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    k = torch.randn(num_tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * BS, device=DEV)[:num_tokens]
+    tri = lambda: kv_store(k, v, kc, vc, slots)  # noqa: E731
+    t_tri, t_eager = bench(tri), eager(tri)
+    t_ref = bench(lambda: store_kv(k, v, kc, vc, slots))
+    nbytes = 2 * 2 * k.numel() * k.element_size()
+    return dict(kernel="kv_store", case=f"{num_tokens} tokens", triton_us=t_tri * 1e6, torch_us=t_ref * 1e6,
+                bytes=nbytes, eager_us=t_eager * 1e6)
+
+
+def row_gumbel(n: int) -> dict:
+    from tandem.kernels.gumbel import gumbel_sample
+    from tandem.sampling.gumbel import TARGET_SALT, gumbel_argmax
+
+    logits = torch.randn(n, VOCAB, device=DEV) * 3
+    temp = torch.full((n,), 0.8, device=DEV)
+    seeds = torch.randint(0, 2**62, (n,), device=DEV)
+    pos = torch.randint(0, 4096, (n,), device=DEV)
+    out = torch.empty(n, dtype=torch.int64, device=DEV)
+    tri = lambda: gumbel_sample(logits, temp, seeds, pos, TARGET_SALT, out)  # noqa: E731
+    t_tri, t_eager = bench(tri), eager(tri)
+    t_ref = bench(lambda: gumbel_argmax(logits / temp[:, None], seeds, pos, TARGET_SALT))
+    return dict(kernel="gumbel_sample", case=f"n={n} V={VOCAB}", triton_us=t_tri * 1e6, torch_us=t_ref * 1e6,
+                bytes=logits.numel() * 4, eager_us=t_eager * 1e6)
+
+
+def row_rejection(num_reqs: int, k: int) -> dict:
+    from tandem.kernels.rejection import rejection_sample
+    from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
+    from tandem.spec.rejection import rejection_sample as torch_rejection
+
+    rows = num_reqs * (k + 1)
+    p = torch.randn(rows, VOCAB, device=DEV) * 2
+    q = p + torch.randn_like(p) * 0.5
+    row_req = torch.arange(num_reqs, device=DEV).repeat_interleave(k + 1)
+    row_index = torch.arange(k + 1, device=DEV).repeat(num_reqs)
+    bonus = row_index == k
+    seeds = torch.randint(0, 2**62, (num_reqs,), device=DEV)[row_req]
+    pos = torch.randint(0, 4096, (num_reqs,), device=DEV)[row_req] + row_index
+    drafts = torch.where(bonus, -1, gumbel_argmax(q, seeds, pos, DRAFT_SALT))
+    greedy = torch.zeros(rows, dtype=torch.bool, device=DEV)
+    sampled = torch.arange(rows, device=DEV)
+    args = (p, drafts, bonus, greedy, sampled, q, seeds, pos, row_req, row_index, num_reqs)
+    tri = lambda: rejection_sample(*args)  # noqa: E731
+    t_tri, t_eager = bench(tri), eager(tri)
+    t_ref = bench(lambda: torch_rejection(*args))
+    _, emitted = rejection_sample(*args)
+    # Rows a request reaches are read (p and q) once, and the stop row once more.
+    reached = float(emitted.sum())
+    nbytes = int((reached * 2 + num_reqs * 2) * VOCAB * 4)
+    return dict(kernel="rejection_sample", case=f"reqs={num_reqs} k={k} V={VOCAB} (acc {reached / num_reqs - 1:.1f})",
+                triton_us=t_tri * 1e6, torch_us=t_ref * 1e6, bytes=nbytes, eager_us=t_eager * 1e6)
+
+
+def sweep_decode() -> list[list]:
+    """Decode-attention tile sweep (BLOCK_N, num_warps, num_stages) at B=8 / 32 / 64, ctx 4096."""
+    from tandem.kernels.attention import paged_attention
+
+    rows = []
+    for b in (8, 32, 64):
+        q, kc, vc, bt, sl, cu, _ = paged_setup([1] * b, [4095] * b)
+        out = torch.empty_like(q)
+        nbytes = b * 4096 * HKV * D * 2 * 2
+        for tile in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)):
+            try:
+                t = bench(lambda: paged_attention(q, kc, vc, bt, sl, cu, 1, D**-0.5, out, tile_override=tile))
+            except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
+                print(f"tile {tile}: {type(e).__name__}", flush=True)
+                continue
+            rows.append([f"B={b}", str(tile), f"{t * 1e6:.1f}", f"{100 * nbytes / t / COPY_BW:.0f}%"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write the rows and environment here")
+    ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs CUDA"
+    torch.manual_seed(0)
+    rows = []
+    for b in (1, 8, 32, 64):
+        rows.append(row_attention(f"decode B={b} ctx=4096", [1] * b, [4095] * b))
+    rows.append(row_attention("verify B=32 q=5 ctx=4096", [5] * 32, [4091] * 32))
+    rows.append(row_attention("mixed 8 dec + 8 verify + 2k chunk", [1] * 8 + [5] * 8 + [2048],
+                              [4095] * 8 + [4091] * 8 + [2048]))
+    rows.append(row_attention("prefill 1x4096 (no prefix)", [4096], [0], flops_mode=True))
+    rows.append(row_attention("prefill 8x2048 chunk, 2k prefix", [2048] * 8, [2048] * 8, flops_mode=True))
+    for n in (64, 4096):
+        rows.append(row_kv_store(n))
+    for n in (1, 64):
+        rows.append(row_gumbel(n))
+    for b in (1, 32):
+        rows.append(row_rejection(b, 4))
+
+    if args.sweep:
+        print_table(["batch", "(BLOCK_N, warps, stages)", "us", "of 4.3 TB/s"], sweep_decode(),
+                    title="decode attention tile sweep (ctx 4096, default splits)")
+    table = []
+    for r in rows:
+        t = r["triton_us"] * 1e-6
+        bw = r["bytes"] / t
+        r["gb_per_s"] = bw / 1e9
+        r["tflops"] = r.get("flops", 0) / t / 1e12
+        achieved = f"{r['tflops']:.0f} TFLOP/s" if r.get("compute_bound") else f"{bw / 1e9:.0f} GB/s"
+        table.append([r["kernel"], r["case"], f"{r['triton_us']:.1f}", f"{r['torch_us']:.1f}",
+                      f"{r['torch_us'] / r['triton_us']:.1f}x", f"{r['eager_us']:.1f}", f"{r['bytes'] / 1e6:.1f}",
+                      achieved, "-" if r.get("compute_bound") else f"{100 * bw / COPY_BW:.0f}%"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(env=environment(), device=torch.cuda.get_device_name(),
+                                                   rows=rows), indent=2, default=str))
+    print_table(["kernel", "case", "triton us", "torch us", "speedup", "eager us", "MB moved", "achieved",
+                 "of 4.3 TB/s"], table,
+                title=f"tandem kernels on {torch.cuda.get_device_name()} (GPU time in CUDA graphs, cold L2, median)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""Triton kernels for the GPU hot path, each checked against a pure-torch `*_ref` in tests/kernels/.
+
+- kv_store.kv_store: scatter this step's K/V rows into the paged cache.
+- attention.paged_attention: flash-style paged attention for decode, verification and prefill
+  chunks in one launch (GQA, causal within each request, CUDA-graph safe).
+- gumbel.gumbel_sample: seeded Gumbel-max sampling, bit-exact with tandem.sampling.gumbel.
+- rejection.rejection_sample: the fused rejection sampler of tandem.spec.rejection.
+
+Submodules import triton; this package file does not, so `import tandem.kernels` is free on
+machines without it. Every wrapper takes its sizes from tensor shapes and host-known bounds
+only (no device-to-host reads), so each launch can be captured in a CUDA graph.
+"""
