@@ -1,7 +1,8 @@
+import os
+import pathlib
+
 import pytest
 import torch
-
-torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +12,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tandem_cache(tmp_path_factory) -> pathlib.Path:
+    """The model cache for real-model tests: $TANDEM_CACHE when set (downloads reused across
+    runs), else one cache for this test session, exported so LLM("<name>") finds it too."""
+    env = os.environ.get("TANDEM_CACHE")
+    path = pathlib.Path(env) if env else tmp_path_factory.getbasetemp() / "tandem-cache"
+    os.environ["TANDEM_CACHE"] = str(path)
+    return path

@@ -37,7 +37,8 @@ class ModelRunner:
         self.attn_backend = AttnBackend(cache.block_size, device)
         self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
         self.vocab_size = vocab_size or model_cfg.arch.vocab_size
-        self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device)
+        self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
+                                   use_triton=self.attn_backend.use_triton)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
 

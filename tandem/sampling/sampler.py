@@ -26,13 +26,21 @@ def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int 
     if sampled:
         idx = torch.tensor(sampled, dtype=torch.int64, device=processed.device)
         seeds = state.seeds[rows.slot_ids[idx]]
-        tokens[idx] = gumbel_argmax(processed[idx], seeds, rows.positions[idx], salt)
+        if state.use_triton:
+            from tandem.kernels.gumbel import gumbel_sample
+
+            ones = torch.ones(idx.shape[0], dtype=torch.float32, device=processed.device)
+            out = torch.empty(idx.shape[0], dtype=torch.int64, device=processed.device)
+            tokens[idx] = gumbel_sample(processed[idx], ones, seeds, rows.positions[idx], salt, out)
+        else:
+            tokens[idx] = gumbel_argmax(processed[idx], seeds, rows.positions[idx], salt)
     return tokens
 
 
 def compute_logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> chosen logprob [n], chosen rank [n] (1-based), top ids [n, num_top], top logprobs [n, num_top]."""
     logprobs = processed.log_softmax(dim=-1)
+    tokens = tokens.clamp(min=0)  # rows past a rejection may hold -1; nothing reads them
     chosen = logprobs.gather(1, tokens[:, None])  # [n, 1]
     rank = (logprobs > chosen).sum(dim=-1) + 1
     top = logprobs.topk(num_top, dim=-1) if num_top > 0 else None

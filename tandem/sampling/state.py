@@ -15,9 +15,11 @@ from tandem.sampling_params import SamplingParams
 class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
-    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+    def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
+                 use_triton: bool = False):
         self.vocab_size = vocab_size
         self.device = device
+        self.use_triton = use_triton  # Triton sampling kernels (CUDA), else the torch reference
         self.eos_token_ids = eos_token_ids
         s = max_num_seqs
         self.temperature = torch.zeros(s, dtype=torch.float32, device=device)  # [max_num_seqs]

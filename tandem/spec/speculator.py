@@ -46,6 +46,12 @@ class DraftSpeculator:
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = attn_backend
+        if attn_backend.use_triton:
+            from tandem.kernels.rejection import rejection_sample as fused_rejection_sample
+
+            self.rejection_sample = fused_rejection_sample
+        else:
+            self.rejection_sample = rejection_sample
         self.max_model_len = sched.max_model_len
         self.state = state
         self.vocab_size = state.vocab_size
@@ -102,7 +108,7 @@ class DraftSpeculator:
         q_logits = None
         if self.probabilistic:
             q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
-        row_tokens, num_emitted = rejection_sample(
+        row_tokens, num_emitted = self.rejection_sample(
             processed,
             row_draft,
             is_bonus,

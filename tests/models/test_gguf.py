@@ -23,13 +23,6 @@ from tandem.models.hub import ModelFormatError, fetch_known_gguf, resolve_model
 SMOL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="session")
-def tandem_cache(tmp_path_factory) -> pathlib.Path:
-    """$TANDEM_CACHE when set (downloads reused across runs), else one cache shared by this session."""
-    env = os.environ.get("TANDEM_CACHE")
-    return pathlib.Path(env) if env else tmp_path_factory.getbasetemp() / "tandem-cache"
-
-
 def _cache_entries(d: pathlib.Path) -> list[str]:
     """What a cache folder holds, apart from lock files."""
     return sorted(p.name for p in d.iterdir() if not p.name.startswith(".lock-")) if d.exists() else []

@@ -36,13 +36,6 @@ QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
 SMOL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="session")
-def tandem_cache(tmp_path_factory) -> pathlib.Path:
-    """$TANDEM_CACHE when set (downloads reused across runs), else one cache shared by this session."""
-    env = os.environ.get("TANDEM_CACHE")
-    return pathlib.Path(env) if env else tmp_path_factory.getbasetemp() / "tandem-cache"
-
-
 @pytest.fixture
 def tiny(tmp_path):
     src = tmp_path / "src" / "tiny-model.gguf"

