@@ -293,12 +293,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
-        base = target_only(root, shapes, batches, args, bw, results) if sections & {"target", "synthetic", "eps"} else {}
+        base = target_only(root, shapes if "target" in sections else [target], batches, args, bw, results)
+        write_json(args.out, results)
         if "synthetic" in sections:
             ks = [1, 2, 4] if args.quick else list(range(1, 9))
             synthetic(root, target, draft, base, ks, profiles, [1] if args.quick else [1, 8], args, results)
+        write_json(args.out, results)
         if "eps" in sections:
             eps_pair(root, target[1], target[0], base, [0.1, 0.05, 0.02, 0.0], args, results)
+        write_json(args.out, results)
         if "hf" in sections:
             hf_peer(target[1], draft[1], args, results)
     write_json(args.out, results)

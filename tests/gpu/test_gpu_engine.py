@@ -13,7 +13,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu")
     target = make_hf_model(root / "t", "qwen2", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
                            init_std=0.3, max_position_embeddings=1024)
-    draft = make_hf_model(root / "d", "llama", num_layers=1, hidden_size=64, seed=3, max_position_embeddings=1024)
+    draft = make_hf_model(root / "d", "qwen2", num_layers=1, hidden_size=64, seed=3, max_position_embeddings=1024)
     return target, draft
 
 
