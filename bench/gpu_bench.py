@@ -293,7 +293,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
-        base = target_only(root, shapes if "target" in sections else [target], batches, args, bw, results)
+        full = "target" in sections
+        base = target_only(root, shapes if full else [target], batches if full else [1], args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
             ks = [1, 2, 4] if args.quick else list(range(1, 9))
