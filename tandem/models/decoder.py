@@ -37,9 +37,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         h, d = arch.hidden_size, arch.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
+        # q, k and v projections packed into one matmul (rows [q | k | v]); see loader.PACKED.
+        self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -50,9 +50,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, attn: AttnMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # row-strided views
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -63,12 +64,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        # gate and up projections packed into one matmul (rows [gate | up]).
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.intermediate_size = arch.intermediate_size
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

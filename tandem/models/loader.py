@@ -15,6 +15,30 @@ from tandem.models.registry import model_class
 # Checkpoint entries that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# Checkpoint projection -> (our packed parameter, shard index); shards are stacked along dim 0.
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _shard_rows(packed: str, arch) -> list[int]:
+    if packed == "qkv_proj":
+        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
+    return [arch.intermediate_size, arch.intermediate_size]
+
+
+def _packed_target(name: str) -> tuple[str, str, int] | None:
+    """'model.layers.3.self_attn.k_proj.bias' -> ('model.layers.3.self_attn.qkv_proj.bias', 'qkv_proj', 1)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in PACKED:
+        packed, shard = PACKED[parts[-2]]
+        return ".".join(parts[:-2] + [packed, parts[-1]]), packed, shard
+    return None
+
 
 def load_model(cfg: ModelConfig, device: torch.device) -> CausalLM:
     """Instantiate the model without initialising it, then fill every parameter once."""
@@ -41,10 +65,24 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> d
     if not files:
         raise ConfigError(f"model: no *.safetensors files in {cfg.path}; use load_format='dummy' for random weights")
     loaded = {}
+    shards_seen: dict[str, set[int]] = {}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                packed = _packed_target(name)
+                if packed is not None and packed[0] in params:
+                    target, kind, shard = packed
+                    rows = _shard_rows(kind, cfg.arch)
+                    tensor = f.get_tensor(name)
+                    if tensor.shape[0] != rows[shard]:
+                        raise ConfigError(f"model: tensor {name!r} has {tensor.shape[0]} rows, the config implies {rows[shard]}")
+                    if target not in loaded:
+                        loaded[target] = torch.empty(params[target].shape, dtype=cfg.dtype, device=device)
+                    start = sum(rows[:shard])
+                    loaded[target][start : start + rows[shard]].copy_(tensor)
+                    shards_seen.setdefault(target, set()).add(shard)
                     continue
                 if name not in params:
                     if name == "lm_head.weight" and cfg.arch.tie_word_embeddings:
@@ -58,6 +96,10 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> d
                         f"the config implies {tuple(param.shape)}"
                     )
                 loaded[name] = tensor.to(device=device, dtype=cfg.dtype)
+    for target, seen in shards_seen.items():
+        kind = target.split(".")[-2]
+        if len(seen) != len(_shard_rows(kind, cfg.arch)):
+            raise ConfigError(f"model: {cfg.path} lacks some of the projections packed into {target!r}")
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise ConfigError(f"model: {cfg.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
