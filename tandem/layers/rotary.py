@@ -6,6 +6,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tandem.layers.norm import fused_kernels_available
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
     """Inverse frequencies [head_dim // 2] fp32, after the configured scaling rule."""
@@ -44,7 +46,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [num_tokens] int64; q [num_tokens, H, D]; k [num_tokens, Hkv, D]."""
+        """positions [num_tokens] int64; q [num_tokens, H, D]; k [num_tokens, Hkv, D].
+        On CUDA the fused kernel rotates q and k in place (they may be views of a qkv buffer)."""
+        if q.is_cuda and fused_kernels_available():
+            from tandem.kernels.fused import rotary_embedding
+
+            rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from tandem.config import ArchConfig
 from tandem.layers.attention import AttnMetadata
-from tandem.layers.norm import RMSNorm
+from tandem.layers.norm import RMSNorm, fused_kernels_available
 from tandem.layers.rotary import RotaryEmbedding
 
 
@@ -70,7 +70,12 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if gate_up.is_cuda and fused_kernels_available():
+            from tandem.kernels.fused import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -82,9 +87,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, attn: AttnMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's output (not yet added); residual: the stream before it.
+        -> (this layer's MLP output, the stream before it). Same arithmetic as
+        `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into the next norm."""
+        if residual is None:
+            residual = x  # the embedding output becomes the residual stream (updated in place)
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, attn, k_cache, v_cache)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -113,9 +130,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttnMetadata, kv: KVCache) -> Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, attn, kv.k[i], kv.v[i])
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, attn, kv.k[i], kv.v[i])
+        return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype."""
