@@ -141,6 +141,10 @@ class Series:
         return statistics.median(self.seconds)
 
     @property
+    def cpu_median(self) -> float:
+        return statistics.median(r.cpu_seconds for r in self.runs)
+
+    @property
     def spread(self) -> float:
         """(max - min) / median: the run-to-run noise a difference must beat."""
         s = self.seconds
@@ -154,6 +158,10 @@ class Series:
             "min_s": min(s),
             "max_s": max(s),
             "spread": self.spread,
+            # CPU seconds of this process per run. With one thread this barely depends on other
+            # load on the machine, so it is the robust figure on a shared box.
+            "cpu_times_s": [r.cpu_seconds for r in self.runs],
+            "cpu_median_s": self.cpu_median,
             # CPU seconds per wall second: near the thread count when the process had the cores
             # to itself, lower when other processes competed for them.
             "cpu_per_wall": [r.cpu_seconds / r.seconds for r in self.runs if r.seconds > 0],

@@ -213,6 +213,7 @@ def bench_batch(tandem: TandemRunner, hf: HFRunner, batch: int, args, vocab: int
         result[name] = {
             **s.summary(),
             "tokens_per_s": batch * n / s.median,
+            "tokens_per_cpu_s": batch * n / s.cpu_median if s.cpu_median > 0 else None,
             "ttft_s": ttft,
             "ttft_times_s": [r["ttft_s"] for r in timed],
             "decode_tokens_per_s": batch * (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
@@ -220,6 +221,9 @@ def bench_batch(tandem: TandemRunner, hf: HFRunner, batch: int, args, vocab: int
         }
     t, h = result["tandem"], result["hf"]
     result["ratio_tandem_over_hf"] = t["tokens_per_s"] / h["tokens_per_s"]
+    result["cpu_time_ratio_tandem_over_hf"] = (
+        t["tokens_per_cpu_s"] / h["tokens_per_cpu_s"] if t["tokens_per_cpu_s"] and h["tokens_per_cpu_s"] else None
+    )
     result["decode_ratio_tandem_over_hf"] = (
         t["decode_tokens_per_s"] / h["decode_tokens_per_s"] if t["decode_tokens_per_s"] and h["decode_tokens_per_s"] else None
     )
@@ -312,6 +316,7 @@ def main(argv=None) -> dict:
             f"{t['tokens_per_s']:.1f}",
             f"{h['tokens_per_s']:.1f}",
             f"{r['ratio_tandem_over_hf']:.2f}",
+            f"{r['cpu_time_ratio_tandem_over_hf'] or 0:.2f}",
             f"{1000 * t['ttft_s']:.0f}/{1000 * h['ttft_s']:.0f}",
             f"{t['decode_tokens_per_s'] or 0:.1f}/{h['decode_tokens_per_s'] or 0:.1f}",
             f"{100 * max(t['spread'], h['spread']):.0f}%",
@@ -319,12 +324,13 @@ def main(argv=None) -> dict:
         ])
     name = model_desc.get("shape_name") or Path(path).name
     print_table(
-        ["batch", "tandem tok/s", "HF tok/s", "tandem/HF", "TTFT ms (t/HF)", "decode tok/s (t/HF)", "spread",
+        ["batch", "tandem tok/s", "HF tok/s", "tandem/HF", "(by CPU time)", "TTFT ms (t/HF)", "decode tok/s (t/HF)", "spread",
          "same seqs (prefix)"],
         rows,
         title=(
             f"\nCPU throughput: {name}, {args.dtype}, prompt {args.prompt_len}, {args.new_tokens} new tokens greedy, "
-            f"median of {args.repeats}, {env['torch_threads']} threads, {env['cpu']['model']}"
+            f"median of {args.repeats}, {env['torch_threads']} threads, {env['cpu']['model']}, "
+            f"load avg {env['loadavg'][0] if env['loadavg'] else '?'} -> {report['loadavg_end'][0] if report['loadavg_end'] else '?'}"
         ),
     )
     return report

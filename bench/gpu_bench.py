@@ -273,6 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
     p.add_argument("--sections", default="target,synthetic,eps,hf")
+    p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": []}
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
         base = target_only(root, shapes if full else [target], batches if full else [1], args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
-            ks = [1, 2, 4] if args.quick else list(range(1, 9))
+            ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))
             synthetic(root, target, draft, base, ks, profiles, [1] if args.quick else [1, 8], args, results)
         write_json(args.out, results)
         if "eps" in sections:

@@ -20,22 +20,23 @@ def build_table_metadata(
     device: torch.device, use_triton: bool, max_blocks: int | None = None,
 ) -> "TableAttnMetadata":
     """Host lists -> device metadata for an eager step."""
+    from tandem.runner.upload import upload
+
     max_blocks = max_blocks or max(len(t) for t in block_tables)
-    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(block_tables):
-        tables[i, : len(t)] = torch.tensor(t[:max_blocks], dtype=torch.int32)
+    tables = [v for t in block_tables for v in (t + [0] * max_blocks)[:max_blocks]]
     slots = []
     for start, n, t in zip(start_pos, q_lens, block_tables):
         slots += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    as_dev = lambda x, dt: torch.tensor(x, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+    seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
+    slot_t, tables_t, seq_t, cu_t = upload(device, slots, tables, seq_lens, cu)
     return TableAttnMetadata(
-        slot_mapping=as_dev(slots, torch.int64),
-        block_tables=tables.to(device, non_blocking=True),
-        seq_lens=as_dev([s + n for s, n in zip(start_pos, q_lens)], torch.int32),
-        cu_q_lens=as_dev(cu, torch.int32),
+        slot_mapping=slot_t,
+        block_tables=tables_t.view(len(block_tables), max_blocks).to(torch.int32),
+        seq_lens=seq_t.to(torch.int32),
+        cu_q_lens=cu_t.to(torch.int32),
         max_q_len=max(q_lens),
         block_size=block_size,
         use_triton=use_triton,

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
 from tandem.plan import StepPlan
+from tandem.runner.upload import upload
 from tandem.sampling.processors import SampleRows
 
 
@@ -64,24 +65,22 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         [r.num_new_tokens for r in plan.reqs],
         [r.block_ids for r in plan.reqs],
     )
-    rows = SampleRows(
-        slots=row_slots,
-        slot_ids=torch.tensor(row_slots, dtype=torch.int64, device=device),
-        positions=torch.tensor(row_positions, dtype=torch.int64, device=device),
-        num_outputs=row_num_outputs,
+    flat_src = [v for pair in draft_src for v in pair]
+    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t) = upload(
+        device, ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src
     )
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    rows = SampleRows(slots=row_slots, slot_ids=slots_t, positions=row_pos_t, num_outputs=row_num_outputs)
     return Batch(
-        input_ids=as_tensor(ids),
-        positions=as_tensor(positions),
+        input_ids=ids_t,
+        positions=pos_t,
         attn=attn,
-        logits_indices=as_tensor(logits_indices),
+        logits_indices=logits_t,
         rows=rows,
         sampling=sampling,
         cu_num_rows=cu_num_rows,
-        row_draft_index=as_tensor(row_draft_index),
-        draft_dst=as_tensor(draft_dst) if draft_dst else None,
-        draft_src=as_tensor(draft_src) if draft_src else None,
+        row_draft_index=draft_idx_t,
+        draft_dst=dst_t if draft_dst else None,
+        draft_src=src_t.view(-1, 2) if draft_src else None,
     )
 
 

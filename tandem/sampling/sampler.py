@@ -14,8 +14,14 @@ def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Te
 
     Greedy rows get bias, min_tokens and penalties but no temperature or truncation.
     """
-    logits = logits.float()[:, : state.vocab_size].clone()
-    apply_logits_processors(logits, state, rows)
+    # NOTE: processors write in place; for fp32 models that is the step's own logits buffer
+    # (or a graph's static output), which nothing reads after sampling.
+    logits = logits[:, : state.vocab_size].float()
+    params = [state.params[s] for s in rows.slots]
+    if any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
+        apply_logits_processors(logits, state, rows)
+    if all(p.temperature == 0 for p in params):
+        return logits  # greedy rows: no temperature, no truncation
     return apply_temperature_and_masks(logits, state, rows)
 
 

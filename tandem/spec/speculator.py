@@ -18,6 +18,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
+from tandem.runner.upload import upload
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
 from tandem.sampling.sampler import process_logits
@@ -128,51 +129,34 @@ class DraftSpeculator:
     @torch.inference_mode()
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
         """Catch the draft up on this step's tokens, then draft k tokens for every sampling request."""
-        starts, lens, tables, src = [], [], [], []
-        extra_rows: list[int] = []  # draft-batch row of each sampling request's extra slot
-        offset = 0
-        target_offset = 0
-        for r in plan.reqs:
-            q = r.num_new_tokens
-            src.extend(range(target_offset, target_offset + q))
-            starts.append(r.start_pos)
-            tables.append(r.block_ids)
-            if r.sample:
-                src.append(batch.input_ids.shape[0])  # placeholder, replaced below
-                extra_rows.append(offset + len(r.input_token_ids))
-                lens.append(q + 1)
-            else:
-                lens.append(q)
-            offset += lens[-1]
-            target_offset += q
+        starts, lens, tables, src, extra_rows = _catchup_layout(plan, batch.input_ids.shape[0])
         dev = self.device
-        padded_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])
-        ids = padded_ids[torch.tensor(src, dtype=torch.int64, device=dev)]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
-        if not batch.sampling:
-            self.model(ids, positions, self.attn_backend.prefill(starts, lens, tables), self.kv)
+        sampling = [plan.reqs[i] for i in batch.sampling]
+        positions_host = [p for st, n in zip(starts, lens) for p in range(st, st + n)]
+        max_kv = max((r.start_pos + r.num_new_tokens + self.k for r in sampling), default=0)
+        max_blocks = -(-max_kv // self.block_size)
+        table_host = [b for r in sampling for b in (r.block_ids + [0] * max_blocks)[:max_blocks]]
+        src_t, positions, row_base, extra_t, slots, table = upload(
+            dev, src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
+        )
+        ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
+        meta = self.attn_backend.prefill(starts, lens, tables)
+        if not sampling:
+            self.model(ids, positions, meta, self.kv)
             return
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
         num_accepted = num_emitted - 1  # [num_sampling]
-        last_row = torch.tensor(batch.cu_num_rows[:-1], dtype=torch.int64, device=dev) + num_accepted
-        new_tokens = row_tokens[last_row]  # [num_sampling]
-        new_rows = torch.tensor(extra_rows, dtype=torch.int64, device=dev) + num_accepted
+        new_tokens = row_tokens[row_base + num_accepted]  # [num_sampling]
+        new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
-        meta = self.attn_backend.prefill(starts, lens, tables)
-        sampling = [plan.reqs[i] for i in batch.sampling]
         if self._catchup_graph_fits(plan, batch):
             logits = self.graphs.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
                                                 meta.block_tables, meta.seq_lens)[new_rows]
         else:
             logits = self.model.compute_logits(self.model(ids, positions, meta, self.kv)[new_rows])
-        slots = torch.tensor([r.slot for r in sampling], dtype=torch.int64, device=dev)
         pos = positions[new_rows]  # [num_sampling] position of the emitted token
         self._draft_step(0, logits, slots, pos + 1, sampling)
-        max_kv = max(r.start_pos + r.num_new_tokens + self.k for r in sampling)
-        max_blocks = -(-max_kv // self.block_size)
-        table = torch.tensor(
-            [(r.block_ids + [0] * max_blocks)[:max_blocks] for r in sampling], dtype=torch.int64, device=dev
-        )
+        table = table.view(len(sampling), max_blocks)
         if self.graphs is not None and self.graphs.loops and self._greedy(sampling) \
                 and self.graphs.bucket(len(sampling)) is not None:
             self.graphs.run_loop(slots, pos, table)
@@ -210,3 +194,23 @@ class DraftSpeculator:
         tokens = torch.where(temp == 0, logits.argmax(dim=-1), tokens)
         self.drafts[slots, step] = tokens
         self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
+
+
+def _catchup_layout(plan: StepPlan, num_target_tokens: int):
+    """The draft's catch-up batch: each request's target tokens, plus (for sampling requests)
+    one slot for the token the target emits. -> (starts, lens, block tables, src rows into the
+    target's ids (num_target_tokens = a zero placeholder), draft row of each extra slot's base)."""
+    starts, lens, tables, src, extra_rows = [], [], [], [], []
+    offset = target_offset = 0
+    for r in plan.reqs:
+        q = r.num_new_tokens
+        src.extend(range(target_offset, target_offset + q))
+        starts.append(r.start_pos)
+        tables.append(r.block_ids)
+        if r.sample:
+            src.append(num_target_tokens)
+            extra_rows.append(offset + len(r.input_token_ids))
+        lens.append(q + 1 if r.sample else q)
+        offset += lens[-1]
+        target_offset += q
+    return starts, lens, tables, src, extra_rows

@@ -36,7 +36,6 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
-from tandem.layers.norm import RMSNorm  # noqa: E402
 from tandem.layers.rotary import RotaryEmbedding, _rotate_half  # noqa: E402
 
 
@@ -112,13 +111,12 @@ def padding_intact(view: Tensor) -> bool:
 def rms_norm_ref(x, weight, eps, residual=None):
     """-> (out, new residual or None, y): RMSNorm.forward of x (+ residual), and its normalized
     value before the weight, y = (r32 * rsqrt(mean(r32^2) + eps)).to(dtype)."""
+    # The torch path of tandem.layers.norm.RMSNorm, written out: on CUDA the module itself
+    # dispatches to the kernel under test.
     r = x if residual is None else x + residual
-    norm = RMSNorm(x.shape[1], eps).to(x.device)
-    norm.weight.data = weight
-    out = norm(r)
     r32 = r.float()
     y = (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    assert torch.equal(weight * y, out)
+    out = weight * y
     return out, (r if residual is not None else None), y
 
 
