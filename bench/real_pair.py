@@ -1,0 +1,157 @@
+"""CPU benchmark on the real Qwen2.5-Coder pair (issue 4): tandem vs transformers, side by side.
+
+    python bench/real_pair.py                     # 10 prompts (5 code, 5 chat), 128 tokens, bf16
+    python bench/real_pair.py --tokens 32 --prompts 2   # a quick look
+
+Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
+(c) transformers `generate` target-only, (d) transformers assisted generation with the same
+draft (its default assistant settings). Greedy, batch 1, exactly --tokens new tokens for every
+prompt (EOS ignored on both sides). Each configuration runs over all prompts after one
+warm-up generation; tokens/s is per prompt class (tokens / seconds over its prompts).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, print_table, write_json  # noqa: E402
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+CODE = [
+    "def quicksort(arr):\n",
+    "def is_prime(n: int) -> bool:\n",
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n",
+    "import csv\n\ndef read_rows(path):\n",
+]
+CHAT = [
+    "Explain what a Python generator is, with a short example.",
+    "Write a function that reverses a linked list and explain how it works.",
+    "What is the difference between a list and a tuple in Python?",
+    "How do I read a JSON file in Python and handle errors?",
+    "Give three tips for writing fast NumPy code.",
+]
+
+
+def prompt_ids(tok, n: int):
+    code = [tok(p).input_ids for p in CODE[:n]]
+    chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in CHAT[:n]]
+    return [("code", ids) for ids in code] + [("chat", tok(t, add_special_tokens=False).input_ids) for t in chat]
+
+
+def run_tandem(llm, prompts, tokens):
+    from tandem import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompts[0][1]}, params.clone(max_tokens=8), use_tqdm=False)
+    rows = []
+    for cls, ids in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        m = out.metrics
+        rows.append(dict(cls=cls, seconds=dt, tokens=len(out.outputs[0].token_ids), token_ids=out.outputs[0].token_ids,
+                         rounds=m.num_draft_rounds, drafts=m.num_draft_tokens, accepted=m.num_accepted_tokens))
+    return rows
+
+
+def run_hf(model, prompts, tokens, assistant=None):
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+    model.generate(torch.tensor([prompts[0][1]]), **dict(kw, max_new_tokens=8, min_new_tokens=8))
+    rows = []
+    for cls, ids in prompts:
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([ids]), **kw)
+        dt = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        rows.append(dict(cls=cls, seconds=dt, tokens=len(new), token_ids=new))
+    return rows
+
+
+def summarize(name, rows, ref_rows=None):
+    out = {"config": name}
+    for cls in ("code", "chat"):
+        sel = [r for r in rows if r["cls"] == cls]
+        if not sel:
+            continue
+        out[f"{cls}_tok_s"] = sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel)
+        rounds = sum(r.get("rounds", 0) for r in sel)
+        drafts = sum(r.get("drafts", 0) for r in sel)
+        acc = sum(r.get("accepted", 0) for r in sel)
+        if drafts:
+            out[f"{cls}_acceptance_rate"] = acc / drafts
+            out[f"{cls}_mean_acceptance_length"] = 1 + acc / rounds
+    if ref_rows is not None:
+        out["identical_to_target"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rows, ref_rows)) / len(rows)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=5, help="prompts per class")
+    p.add_argument("--ks", default="2,4,6")
+    p.add_argument("--default-k", type=int, default=None, help="k of `tandem generate` (default: cli.DEFAULT_K)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default="bench/results/real_pair.json")
+    args = p.parse_args(argv)
+    from tandem import LLM
+    from tandem.cli import DEFAULT_K
+
+    default_k = args.default_k or DEFAULT_K
+    ks = sorted({int(k) for k in args.ks.split(",")} | {default_k})
+    results = {"env": environment(), "config": vars(args) | {"default_k": default_k}, "runs": []}
+    common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4)
+    llm = LLM(TARGET, **common)
+    prompts = prompt_ids(llm.get_tokenizer(), args.prompts)
+    base = run_tandem(llm, prompts, args.tokens)
+    results["runs"].append(summarize("tandem target-only", base))
+    print(results["runs"][-1], flush=True)
+    del llm
+    for k in ks:
+        llm = LLM(TARGET, speculative_config=dict(model=DRAFT, num_speculative_tokens=k), **common)
+        rows = run_tandem(llm, prompts, args.tokens)
+        name = f"tandem k={k}" + (" (default)" if k == default_k else "")
+        results["runs"].append(summarize(name, rows, base))
+        print(results["runs"][-1], flush=True)
+        del llm
+        write_json(args.out, results)
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        from tandem.models.hub import resolve_model
+
+        hf_t = AutoModelForCausalLM.from_pretrained(resolve_model(TARGET, torch.bfloat16), dtype=torch.bfloat16).eval()
+        hf_d = AutoModelForCausalLM.from_pretrained(resolve_model(DRAFT, torch.bfloat16), dtype=torch.bfloat16).eval()
+        for m in (hf_t, hf_d):
+            m.generation_config.eos_token_id = None
+        rows = run_hf(hf_t, prompts, args.tokens)
+        results["runs"].append(summarize("transformers generate", rows, base))
+        print(results["runs"][-1], flush=True)
+        rows = run_hf(hf_t, prompts, args.tokens, assistant=hf_d)
+        results["runs"].append(summarize("transformers assisted", rows, base))
+        print(results["runs"][-1], flush=True)
+    write_json(args.out, results)
+    table = []
+    for r in results["runs"]:
+        table.append((r["config"], f"{r.get('code_tok_s', 0):.2f}", f"{r.get('chat_tok_s', 0):.2f}",
+                      f"{r['code_acceptance_rate']:.3f}" if "code_acceptance_rate" in r else "-",
+                      f"{r['code_mean_acceptance_length']:.2f}" if "code_mean_acceptance_length" in r else "-",
+                      f"{r['chat_acceptance_rate']:.3f}" if "chat_acceptance_rate" in r else "-",
+                      f"{r['chat_mean_acceptance_length']:.2f}" if "chat_mean_acceptance_length" in r else "-",
+                      f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else "-"))
+    print_table(["config", "code tok/s", "chat tok/s", "code acc", "code AL", "chat acc", "chat AL", "same"], table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
