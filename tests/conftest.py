@@ -22,3 +22,12 @@ def tandem_cache(tmp_path_factory) -> pathlib.Path:
     path = pathlib.Path(env) if env else tmp_path_factory.getbasetemp() / "tandem-cache"
     os.environ["TANDEM_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention (sdpa on 2 busy cores is ~1000x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

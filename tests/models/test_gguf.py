@@ -8,7 +8,6 @@ against transformers' own GGUF loading.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import numpy as np

@@ -28,57 +28,18 @@ from tandem.sampling.gumbel import (
 )
 from tandem.sampling.processors import SampleRows, apply_logits_processors, apply_min_p, apply_top_k_top_p
 from tandem.sampling.state import SamplingState
+from tests.stats import ALPHA, chisq_counts_pvalue, chisq_pvalue
 from tests.helpers import hf_model, make_hf_model
 
-ALPHA = 1e-3
 SALTS = (TARGET_SALT, DRAFT_SALT, RECOVER_SALT, ACCEPT_SALT)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention (sdpa on 2 busy cores is ~1000x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- statistics
-def chisq_pvalue(samples, probs) -> float:
-    """Goodness of fit of integer samples to probs [V]; bins with expected < 5 are pooled.
-
-    Samples in zero-probability bins fail outright (pooling would hide them).
-    """
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    probs = probs / probs.sum()
-    counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size).astype(np.float64)
-    assert counts.size == probs.size, "sample outside the support"
-    assert counts[probs == 0].sum() == 0, f"samples in zero-probability bins {np.nonzero(counts * (probs == 0))[0]}"
-    return chisq_counts_pvalue(counts, probs)
-
-
-def chisq_counts_pvalue(counts, probs) -> float:
-    counts = np.asarray(counts, dtype=np.float64)
-    n = counts.sum()
-    expected = np.asarray(probs, dtype=np.float64) * n
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    rest_o, rest_e = counts[~big].sum(), expected[~big].sum()
-    if rest_e > 0:
-        if rest_e >= 5 or not exp:
-            obs.append(rest_o)
-            exp.append(rest_e)
-        else:  # merge the small pooled bin into the smallest kept one
-            j = int(np.argmin(exp))
-            obs[j] += rest_o
-            exp[j] += rest_e
-    if len(obs) < 2:
-        return 1.0
-    exp = np.asarray(exp)
-    exp *= np.sum(obs) / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 # ----------------------------------------------------------------------------- Gumbel-max
 def _keys(n: int, mode: str, seed: int):
     g = torch.Generator().manual_seed(seed)

@@ -21,25 +21,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scipy import stats
 
 import tandem.spec.speculator as speculator_mod
 from tandem import LLM, SamplingParams
+from tests.stats import ALPHA, chisq_counts_pvalue
 from tests.helpers import hf_model, make_hf_model
 
-ALPHA = 1e-3
 V = 32
 PROMPT = [5, 9, 3]
 DEPTH = 4  # tokens whose joint distribution is tested
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention (sdpa on 2 busy cores is ~1000x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- models
@@ -127,29 +122,6 @@ def exact_joint(path, cfg: dict) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- statistics
-def chisq_counts_pvalue(counts, probs) -> float:
-    """Chi-square of counts against probs; bins with expected < 5 are pooled."""
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    expected = np.asarray(probs, dtype=np.float64).ravel()
-    expected = expected / expected.sum() * counts.sum()
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    rest_o, rest_e = counts[~big].sum(), expected[~big].sum()
-    if rest_e > 0:
-        if rest_e >= 5 or not exp:
-            obs.append(rest_o)
-            exp.append(rest_e)
-        else:
-            j = int(np.argmin(exp))
-            obs[j] += rest_o
-            exp[j] += rest_e
-    if len(obs) < 2:
-        return 1.0
-    exp = np.asarray(exp)
-    exp *= np.sum(obs) / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 def fit_pvalues(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
     """tokens [n, DEPTH] against the exact joint: full joint, marginals, adjacent pairs."""
     n = tokens.shape[0]

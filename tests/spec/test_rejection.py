@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from tandem.plan import NewReq
 from tandem.sampling.gumbel import (
@@ -27,45 +26,14 @@ from tandem.sampling.sampler import sample
 from tandem.sampling.state import SamplingState
 from tandem.sampling_params import SamplingParams
 from tandem.spec.rejection import rejection_sample, rejection_sample_ref
+from tests.stats import ALPHA, chisq_pvalue
 
-ALPHA = 1e-3
 NEG_INF = float("-inf")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
-
-
-def chisq_pvalue(samples, probs) -> float:
-    """Goodness of fit of integer samples to probs [V]; bins with expected < 5 pooled; samples
-    in zero-probability bins fail outright."""
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    probs = probs / probs.sum()
-    counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size).astype(np.float64)
-    assert counts.size == probs.size
-    assert counts[probs == 0].sum() == 0, f"samples in zero-probability bins {np.nonzero(counts * (probs == 0))[0]}"
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    rest_o, rest_e = counts[~big].sum(), expected[~big].sum()
-    if rest_e > 0:
-        if rest_e >= 5 or not exp:
-            obs.append(rest_o)
-            exp.append(rest_e)
-        else:
-            j = int(np.argmin(exp))
-            obs[j] += rest_o
-            exp[j] += rest_e
-    if len(obs) < 2:
-        return 1.0
-    exp = np.asarray(exp)
-    exp *= np.sum(obs) / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 # ----------------------------------------------------------------------------- batch builder
