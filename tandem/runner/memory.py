@@ -30,6 +30,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         budget = cache.kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={budget}"
     elif cfg.device.type == "cuda":
+        _profile_forward(cfg, model)
         budget = _gpu_budget(cfg)
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
@@ -46,6 +47,26 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
     return num_blocks
+
+
+@torch.inference_mode()
+def _profile_forward(cfg: EngineConfig, model) -> None:
+    """Run the largest step the scheduler can emit (max_num_batched_tokens tokens, logits for
+    every sequence's verification rows) against a scratch KV cache, so the allocator's peak
+    includes activations before the KV pool takes what is left."""
+    from tandem.layers.backend import AttnBackend
+
+    n = min(cfg.sched.max_num_batched_tokens, cfg.sched.max_model_len)
+    bs = cfg.cache.block_size
+    num_blocks = -(-n // bs)
+    kv = KVCache(cfg.model.arch, num_blocks, bs, cfg.model.dtype, cfg.device)
+    meta = AttnBackend(bs, cfg.device).prefill([0], [n], [list(range(num_blocks))])
+    ids = torch.zeros(n, dtype=torch.int64, device=cfg.device)
+    hidden = model(ids, torch.arange(n, device=cfg.device), meta, kv)
+    rows = min(n, cfg.sched.max_num_seqs * (1 + cfg.sched.num_lookahead_tokens))
+    model.compute_logits(hidden[:rows]).float()
+    del kv, meta, hidden
+    torch.cuda.synchronize(cfg.device)
 
 
 def _gpu_budget(cfg: EngineConfig) -> int:
