@@ -65,3 +65,16 @@ def test_sampled_speculation_runs_on_gpu(models):
     a, _ = _run(target, "bfloat16", spec, params=params)
     b, _ = _run(target, "bfloat16", spec, params=params)
     assert a == b and all(len(t) == 32 for t in a)
+
+
+def test_kv_pool_sized_from_memory_fraction(models):
+    """No explicit byte budget: the pool comes from gpu_memory_utilization after profiling."""
+    target, draft = models
+    llm = LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=8,
+              gpu_memory_utilization=0.3, speculative_config=dict(model=str(draft), num_speculative_tokens=3))
+    free, total = torch.cuda.mem_get_info()
+    assert llm.engine.cfg.cache.num_blocks > 0
+    assert torch.cuda.memory_reserved() <= 0.3 * total + (256 << 20)
+    base, _ = _run(target, "bfloat16")
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == base
