@@ -23,7 +23,7 @@ CASES = [
 ]
 
 
-def _ours(path, chunks, block_size=8, reuse_prefix=False):
+def _ours(path, chunks, block_size=8):
     """Run our model over a prompt in the given chunk sizes; logits for every position."""
     arch = read_arch_config(path)
     cfg = ModelConfig(str(path), arch, torch.float32, 512)
