@@ -18,6 +18,7 @@ from tandem.config import (
 )
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
+from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
@@ -48,6 +49,7 @@ class LLM:
         speculative_config: Any = None,
         num_gpu_blocks_override: int | None = None,
         enforce_eager: bool = False,
+        cpu_matmul: str = "auto",
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -63,6 +65,8 @@ class LLM:
             or not 0 < gpu_memory_utilization <= 1
         ):
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
+        if cpu_matmul not in CPU_MATMULS:
+            raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -82,7 +86,7 @@ class LLM:
                 f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one verification of 1 + k={1 + k} tokens"
             )
         cfg = EngineConfig(
-            model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed),
+            model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -41,7 +41,8 @@ class SpeculatorFactory:
                 f"max_model_len={max_len}; lower max_model_len to {arch.max_position_embeddings}"
             )
         self.vocab_size = self._check_vocab(target, target_tokenizer, draft_dir, arch)
-        self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed)
+        self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
+                                     target.cpu_matmul)
         self.model = load_model(self.draft_cfg, device)
         if spec.synthetic:
             logger.warning(
