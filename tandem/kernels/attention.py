@@ -11,8 +11,10 @@ queries. Softmax is online (flash-style) in fp32, in base 2. Keys before the til
 query position need no causal mask and run in an unmasked loop; the rest run masked.
 
 Split-K: when the batch is one tile per request and too small to fill the chip, each program
-takes 1/NUM_SPLITS of its request's keys and writes (acc, max, sum) partials, which a second
-kernel merges. The grid comes from host-known bounds (num_reqs, max_q_len); programs past a
+takes 1/NUM_SPLITS of its request's keys (at least MIN_SPLIT_KEYS) and writes (acc, max, sum)
+partials, which a second kernel merges. The number of splits with keys is decided on the device
+from seq_len, so a short context runs one split that writes the output itself and the merge
+exits at once: a captured graph serves every context length without paying for empty splits. The grid comes from host-known bounds (num_reqs, max_q_len); programs past a
 request's real length exit, so the launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if NUM_SPLITS > 1:
@@ -125,8 +127,12 @@ def _paged_attention_kernel(
     hi = ctx + tl.minimum((tile + 1) * BLOCK_Q, q_len)
     diag = ctx + tile * BLOCK_Q
     lo = 0
+    num_active = 1
     if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = _split_chunk(hi, NUM_SPLITS, BLOCK_N, MIN_SPLIT_KEYS)
+        num_active = tl.maximum(1, tl.cdiv(hi, chunk))
+        if split >= num_active:
+            return
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
     full_end = tl.maximum(lo, lo + ((tl.minimum(hi, diag) - lo) // BLOCK_N) * BLOCK_N)
@@ -147,7 +153,7 @@ def _paged_attention_kernel(
         MASKED=True, BLOCK_N=BLOCK_N, CACHE_BLOCK=CACHE_BLOCK, DOT_PREC=DOT_PREC, UPCAST_DOT=UPCAST_DOT,
     )
 
-    if NUM_SPLITS == 1:
+    if num_active == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no visible key (seq_len 0 padding): 0
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
@@ -161,29 +167,41 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _split_chunk(hi, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
+    """Keys per split for a request whose queries see keys [0, hi): a multiple of BLOCK_N."""
+    chunk = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(chunk, MIN_SPLIT_KEYS)
+
+
+@triton.jit
 def _split_merge_kernel(
-    out_ptr, cu_q_lens_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+    out_ptr, cu_q_lens_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
 ):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one (req, kv head)."""
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the active splits of one
+    (req, kv head); with one active split the attention kernel wrote out itself."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(cu_q_lens_ptr + req).to(tl.int32)
     q_len = tl.load(cu_q_lens_ptr + req + 1).to(tl.int32) - q_start
-    if q_len > 0:
+    hi = tl.load(seq_lens_ptr + req).to(tl.int32)  # one query tile: the last query sees every key
+    num_active = tl.maximum(1, tl.cdiv(hi, _split_chunk(hi, NUM_SPLITS, BLOCK_N, MIN_SPLIT_KEYS)))
+    if q_len > 0 and num_active > 1:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_s = tl.arange(0, NUM_SPLITS)
         base = (req * tl.num_programs(1) + kvh).to(tl.int64) * NUM_SPLITS
         ml = part_ml_ptr + base * (2 * BLOCK_M)
-        m_all = tl.load(ml + offs_s[:, None] * (2 * BLOCK_M) + offs_m[None, :])  # [NUM_SPLITS, BLOCK_M]
+        m_all = tl.load(ml + offs_s[:, None] * (2 * BLOCK_M) + offs_m[None, :],
+                        mask=(offs_s < num_active)[:, None], other=-float("inf"))  # [NUM_SPLITS, BLOCK_M]
         m_max = tl.max(m_all, 0)
         m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
         l_tot = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in range(NUM_SPLITS):
+        for s in range(0, num_active):
             w = tl.exp2(tl.load(ml + s * (2 * BLOCK_M) + offs_m) - m_max)
             l_tot += w * tl.load(ml + s * (2 * BLOCK_M) + BLOCK_M + offs_m)
             a = tl.load(part_acc_ptr + (base + s) * (BLOCK_M * BLOCK_D) + offs_m[:, None] * BLOCK_D + offs_d[None, :])
@@ -243,6 +261,7 @@ def paged_attention(
     out: Tensor,
     num_splits: int | None = None,
     tile_override: tuple[int, int, int] | None = None,
+    min_split_keys: int | None = None,
 ) -> Tensor:
     """Causal paged attention over a batch of requests; writes and returns out.
 
@@ -254,7 +273,8 @@ def paged_attention(
     Rows of q past cu_q_lens[-1] are not written; a query with no visible key (a padding
     request with seq_len 0) gets zeros. fp32 runs IEEE dots (no tf32).
     num_splits: split-K factor for one-tile batches (None: pick from the SM count; forced
-    to 1 when a request spans several query tiles). tile_override: (BLOCK_N, num_warps,
+    to 1 when a request spans several query tiles); min_split_keys: fewest keys a split takes
+    (None: BLOCK_N, one key tile; rounded up to BLOCK_N), so short contexts use fewer splits. tile_override: (BLOCK_N, num_warps,
     num_stages) in place of the built-in choice, for tuning sweeps.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -285,6 +305,8 @@ def paged_attention(
         num_splits = _default_splits(num_reqs, num_kv_heads, q.device)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_m = block_q * group_pad
+    if min_split_keys is not None:
+        min_split_keys = triton.cdiv(min_split_keys, block_n) * block_n
     if num_splits > 1:
         part_acc = torch.empty((num_reqs, num_kv_heads, num_splits, block_m, block_d), dtype=torch.float32,
                                device=q.device)
@@ -292,7 +314,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  NUM_SPLITS=num_splits)
+                  NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys or block_n)
     _paged_attention_kernel[(num_q_tiles * num_splits, num_reqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_q_lens, part_acc, part_ml, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -307,7 +329,8 @@ def paged_attention(
     )
     if num_splits > 1:
         _split_merge_kernel[(num_reqs, num_kv_heads)](
-            out, cu_q_lens, part_acc, part_ml, out.stride(0), out.stride(1), num_warps=4, **consts,
+            out, cu_q_lens, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), BLOCK_N=block_n, num_warps=4,
+            **consts,
         )
     return out
 

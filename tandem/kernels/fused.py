@@ -149,8 +149,11 @@ def _rotate_heads(
     o1 = x1 * c1[None, :] - x2 * s1[None, :]
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
     dtype = base_ptr.dtype.element_ty
-    tl.store(p1, _round(o1, dtype, SOFT_BF16), mask=mask)
-    tl.store(p2, _round(o2, dtype, SOFT_BF16), mask=mask)
+    o1 = _round(o1, dtype, SOFT_BF16).to(dtype)
+    o2 = _round(o2, dtype, SOFT_BF16).to(dtype)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p2, o2, mask=mask)
+    return o1, o2, heads, mask
 
 
 @triton.jit
@@ -160,7 +163,12 @@ def _rotary_kernel(
     k_ptr,  # [T, NUM_K, 2 * HALF]
     cos_ptr,  # [max_pos, 2 * HALF] fp32
     sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    v_ptr,  # [T, NUM_K, 2 * HALF] (STORE only)
+    k_cache_ptr,  # [num_slots, NUM_K, 2 * HALF] contiguous (STORE only)
+    v_cache_ptr,
+    slot_ptr,  # [T] int32 / int64, -1 = padding (STORE only)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, stride_vt, stride_vh,
+    STORE: tl.constexpr,  # also write the rotated k and v into the paged cache
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
     HALF: tl.constexpr,
@@ -185,13 +193,30 @@ def _rotary_kernel(
         _rotate_heads(q_ptr + token * stride_qt, stride_qh, hb * BLOCK_H, c1, c2, s1, s2, offs_d, d_mask,
                       NUM_HEADS=NUM_Q, HALF=HALF, BLOCK_H=BLOCK_H, SOFT_BF16=SOFT_BF16)
     else:
-        _rotate_heads(k_ptr + token * stride_kt, stride_kh, (hb - Q_BLOCKS) * BLOCK_H, c1, c2, s1, s2, offs_d,
-                      d_mask, NUM_HEADS=NUM_K, HALF=HALF, BLOCK_H=BLOCK_H, SOFT_BF16=SOFT_BF16)
+        k1, k2, heads, mask = _rotate_heads(
+            k_ptr + token * stride_kt, stride_kh, (hb - Q_BLOCKS) * BLOCK_H, c1, c2, s1, s2, offs_d, d_mask,
+            NUM_HEADS=NUM_K, HALF=HALF, BLOCK_H=BLOCK_H, SOFT_BF16=SOFT_BF16,
+        )
+        if STORE:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            if slot >= 0:
+                row = slot * (NUM_K * 2 * HALF) + heads[:, None].to(tl.int64) * (2 * HALF) + offs_d[None, :]
+                tl.store(k_cache_ptr + row, k1, mask=mask)
+                tl.store(k_cache_ptr + row + HALF, k2, mask=mask)
+                v_src = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh + offs_d[None, :]
+                tl.store(v_cache_ptr + row, tl.load(v_src, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + row + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
 
 
-def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                     store: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
     """Rotate q and k in place: x = x * cos[p] + rotate_half(x) * sin[p] (rotate-half layout:
     dims i and i + D/2 pair up), in fp32 with one rounding to the dtype.
+
+    store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged
+    cache in the same launch (as kernels.kv_store.kv_store would): v like k; caches
+    [num_blocks, block_size, Hkv, D] contiguous, same dtype; slot_mapping [T] int32 / int64
+    (-1 = padding, not written).
 
     positions [T] int32 / int64 (each < max_pos; not checked); q [T, H, D], k [T, Hkv, D]
     bf16 / fp16 / fp32, same dtype, last dim contiguous, token and head strides free (views of
@@ -206,6 +231,14 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: 
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
     assert cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == head_dim
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride(1) == 1 and sin.stride(1) == 1
+    if store is not None:
+        v, k_cache, v_cache, slot_mapping = store
+        assert v.shape == k.shape and v.dtype == k.dtype and v.stride(2) == 1
+        assert k_cache.shape == v_cache.shape and k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim)
+        assert k_cache.dtype == v_cache.dtype == k.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused
     if num_tokens == 0:
         return
     half = head_dim // 2
@@ -213,9 +246,9 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: 
     block_h = max(1, min(triton.next_power_of_2(max(num_heads, num_kv_heads)), 1024 // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     _rotary_kernel[grid](
-        positions, q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        NUM_Q=num_heads, NUM_K=num_kv_heads, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
+        positions, q, k, cos, sin, v, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
+        STORE=store is not None, NUM_Q=num_heads, NUM_K=num_kv_heads, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
         SOFT_BF16=_numerics(q)["SOFT_BF16"], num_warps=4 if block_h * block_d >= 512 else 2,
         enable_fp_fusion=False,
     )

@@ -33,8 +33,12 @@ class AttnMetadata:
     groups: list[AttnGroup]
     num_tokens: int
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+    fuses_kv_store = False  # the rotary kernel never stores K/V for this path
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float,
+               kv_stored: bool = False) -> Tensor:
         """Store this step's k/v in the paged cache, then attend. -> [num_tokens, H, D]."""
+        assert not kv_stored
         store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from tandem.layers.attention import build_attn_metadata, build_decode_metadata
 from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata
+from tandem.runner.upload import Uploader
 
 
 def triton_available(device: torch.device) -> bool:
@@ -31,11 +32,13 @@ class AttnBackend:
         self.device = device
         self.use_table = device.type == "cuda" if use_table is None else use_table
         self.use_triton = triton_available(device) if use_triton is None else use_triton
+        self.upload = Uploader(device)  # shared by the runner and the speculator
 
     def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]]):
         """Metadata for ragged queries (chunks, decodes, verifications) from host lists."""
         if self.use_table:
-            return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, self.use_triton)
+            return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.upload,
+                                        self.use_triton)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device)
 
     def decode(self, positions: Tensor, block_table: Tensor, max_kv: int, valid: Tensor | None = None):
@@ -52,8 +55,8 @@ class AttnBackend:
             seq_lens = torch.where(valid, seq_lens, 0)
         return TableAttnMetadata(
             slot_mapping=slot_mapping,
-            block_tables=block_table.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_table,
+            seq_lens=seq_lens,
             cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=positions.device),
             max_q_len=1,
             block_size=bs,

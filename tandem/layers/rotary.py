@@ -45,14 +45,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor, store=None) -> tuple[Tensor, Tensor]:
         """positions [num_tokens] int64; q [num_tokens, H, D]; k [num_tokens, Hkv, D].
-        On CUDA the fused kernel rotates q and k in place (they may be views of a qkv buffer)."""
+        On CUDA the fused kernel rotates q and k in place (they may be views of a qkv buffer);
+        store = (v, k_cache, v_cache, slot_mapping) also writes k and v into the paged cache
+        in the same launch (CUDA only)."""
         if q.is_cuda and fused_kernels_available():
             from tandem.kernels.fused import rotary_embedding
 
-            rotary_embedding(positions, q, k, self.cos, self.sin)
+            rotary_embedding(positions, q, k, self.cos, self.sin, store)
             return q, k
+        assert store is None, "the fused rotary + KV store runs on CUDA only"
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

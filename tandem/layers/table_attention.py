@@ -17,11 +17,9 @@ from torch import Tensor
 
 def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device, use_triton: bool, max_blocks: int | None = None,
+    upload, use_triton: bool, max_blocks: int | None = None,
 ) -> "TableAttnMetadata":
-    """Host lists -> device metadata for an eager step."""
-    from tandem.runner.upload import upload
-
+    """Host lists -> device metadata for an eager step; upload: a runner.upload.Uploader."""
     max_blocks = max_blocks or max(len(t) for t in block_tables)
     tables = [v for t in block_tables for v in (t + [0] * max_blocks)[:max_blocks]]
     slots = []
@@ -31,12 +29,12 @@ def build_table_metadata(
     for n in q_lens:
         cu.append(cu[-1] + n)
     seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
-    slot_t, tables_t, seq_t, cu_t = upload(device, slots, tables, seq_lens, cu)
+    slot_t, tables_t, seq_t, cu_t = upload(slots, tables, seq_lens, cu)
     return TableAttnMetadata(
         slot_mapping=slot_t,
-        block_tables=tables_t.view(len(block_tables), max_blocks).to(torch.int32),
-        seq_lens=seq_t.to(torch.int32),
-        cu_q_lens=cu_t.to(torch.int32),
+        block_tables=tables_t.view(len(block_tables), max_blocks),
+        seq_lens=seq_t,
+        cu_q_lens=cu_t,
         max_q_len=max(q_lens),
         block_size=block_size,
         use_triton=use_triton,
@@ -48,9 +46,9 @@ class TableAttnMetadata:
     """One model's attention inputs for a step; shared by all its layers."""
 
     slot_mapping: Tensor  # [num_tokens] int64, -1 = padding (no KV written)
-    block_tables: Tensor  # [num_reqs, max_blocks] int32
-    seq_lens: Tensor  # [num_reqs] int32, keys per request incl. this step's tokens (0 = padding)
-    cu_q_lens: Tensor  # [num_reqs + 1] int32, query start offsets
+    block_tables: Tensor  # [num_reqs, max_blocks] int32 / int64
+    seq_lens: Tensor  # [num_reqs] int32 / int64, keys per request incl. this step's tokens (0 = padding)
+    cu_q_lens: Tensor  # [num_reqs + 1] int32 / int64, query start offsets
     max_q_len: int  # host-known upper bound on any request's query length
     block_size: int
     use_triton: bool = False
@@ -59,12 +57,19 @@ class TableAttnMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+    @property
+    def fuses_kv_store(self) -> bool:
+        """True: the model's rotary kernel also writes this step's K/V (attend(kv_stored=True))."""
+        return self.use_triton
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float,
+               kv_stored: bool = False) -> Tensor:
         if self.use_triton:
             from tandem.kernels.attention import paged_attention
             from tandem.kernels.kv_store import kv_store
 
-            kv_store(k, v, k_cache, v_cache, self.slot_mapping)
+            if not kv_stored:
+                kv_store(k, v, k_cache, v_cache, self.slot_mapping)
             out = torch.empty_like(q)
             paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,
                             self.max_q_len, scale, out)

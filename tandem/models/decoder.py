@@ -56,8 +56,12 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = attn.attend(q, k, v, k_cache, v_cache, self.scale)
+        if attn.fuses_kv_store:  # one launch rotates q, k and writes k, v into the cache
+            q, k = self.rotary(positions, q, k, store=(v, k_cache, v_cache, attn.slot_mapping))
+            o = attn.attend(q, k, v, k_cache, v_cache, self.scale, kv_stored=True)
+        else:
+            q, k = self.rotary(positions, q, k)
+            o = attn.attend(q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 

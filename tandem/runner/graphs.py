@@ -73,18 +73,19 @@ class GraphRunner:
 
     def replay(self, num_reqs: int, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
                block_tables: Tensor, seq_lens: Tensor) -> Tensor:
-        """Device inputs for num_reqs * t tokens; block_tables [num_reqs, nb] int32 (nb <= max_blocks).
+        """Device inputs for num_reqs * t tokens; block_tables [num_reqs, nb] (nb <= max_blocks).
         -> logits [num_reqs * t, vocab] (a view of the graph's static output)."""
         n = self.bucket(num_reqs)
         m, pad = num_reqs * self.t, n * self.t
         self.input_ids[:m].copy_(input_ids)
         self.positions[:m].copy_(positions)
         self.slot_mapping[:m].copy_(slot_mapping)
-        self.slot_mapping[m:pad].fill_(-1)
-        self.positions[m:pad].zero_()
+        if pad > m:  # inert padding rows: no KV write, no keys
+            self.slot_mapping[m:pad].fill_(-1)
+            self.positions[m:pad].zero_()
+            self.seq_lens[num_reqs:n].zero_()
         nb = block_tables.shape[1]
         self.block_tables[:num_reqs, :nb].copy_(block_tables)
         self.seq_lens[:num_reqs].copy_(seq_lens)
-        self.seq_lens[num_reqs:n].zero_()
         self.graphs[n].replay()
         return self.outputs[n][:m]

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
 from tandem.plan import StepPlan
-from tandem.runner.upload import upload
 from tandem.sampling.processors import SampleRows
 
 
@@ -66,8 +65,8 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         [r.block_ids for r in plan.reqs],
     )
     flat_src = [v for pair in draft_src for v in pair]
-    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t) = upload(
-        device, ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src
+    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t) = backend.upload(
+        ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src
     )
     rows = SampleRows(slots=row_slots, slot_ids=slots_t, positions=row_pos_t, num_outputs=row_num_outputs)
     return Batch(

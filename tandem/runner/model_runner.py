@@ -38,7 +38,7 @@ class ModelRunner:
         self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
         self.vocab_size = vocab_size or model_cfg.arch.vocab_size
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
-                                   use_triton=self.attn_backend.use_triton)
+                                   use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
 
@@ -53,6 +53,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        self.attn_backend.upload.new_step()  # the previous step's sync finished its copies
         for slot in plan.freed_slots:
             self.state.remove(slot)
         for new in plan.new_reqs:
@@ -100,11 +101,9 @@ class ModelRunner:
         if not self.state.output_counts:
             return
         rows = batch.rows
-        row_req = torch.repeat_interleave(
-            torch.arange(len(batch.sampling), device=self.device),
-            torch.tensor([b - a for a, b in zip(batch.cu_num_rows, batch.cu_num_rows[1:])], device=self.device),
-        )
-        start = torch.tensor(batch.cu_num_rows[:-1], dtype=torch.int64, device=self.device)
+        cu = batch.cu_num_rows
+        row_req_host = [n for n in range(len(batch.sampling)) for _ in range(cu[n + 1] - cu[n])]
+        row_req, start = self.attn_backend.upload(row_req_host, cu[:-1])
         emitted = (torch.arange(len(rows), device=self.device) - start[row_req]) < num_emitted[row_req]
         tokens = torch.where(emitted, row_tokens, -1)
         self.state.record_outputs(rows.slots, tokens[:, None])

@@ -43,17 +43,16 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
 
 
 def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen: list[int]) -> None:
-    idx = torch.tensor(pen, dtype=torch.int64, device=logits.device)
+    (idx,) = state.upload(pen)
     counts = torch.stack([state.output_counts[rows.slots[i]] for i in pen]).clone()  # [m, V] int32
     if rows.prior_drafts is not None:
         prior = rows.prior_drafts[idx]  # [m, k]
         counts.scatter_add_(1, prior.clamp(min=0), (prior >= 0).to(torch.int32))
     prompt = torch.stack([state.prompt_mask[rows.slots[i]] for i in pen])  # [m, V] bool
-    params = [state.params[rows.slots[i]] for i in pen]
-    dev = logits.device
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    slot_ids = rows.slot_ids[idx]
+    rep = state.repetition_penalty[slot_ids][:, None]  # [m, 1]
+    freq = state.frequency_penalty[slot_ids][:, None]
+    pres = state.presence_penalty[slot_ids][:, None]
     sub = logits[idx]
     seen = prompt | (counts > 0)
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)

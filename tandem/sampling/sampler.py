@@ -25,12 +25,21 @@ def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Te
     return apply_temperature_and_masks(logits, state, rows)
 
 
+def greedy_tokens(logits: Tensor, use_triton: bool) -> Tensor:
+    """logits [n, V] -> argmax [n] int64 (ties to the lower token), chip-wide on CUDA."""
+    if use_triton:
+        from tandem.kernels.gumbel import argmax_rows
+
+        return argmax_rows(logits, torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device))
+    return logits.argmax(dim=-1)
+
+
 def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int = TARGET_SALT) -> Tensor:
     """processed [n, V] fp32 -> tokens [n] int64: argmax for greedy rows, seeded Gumbel-max otherwise."""
-    tokens = processed.argmax(dim=-1)
+    tokens = greedy_tokens(processed, state.use_triton)
     sampled = [i for i, s in enumerate(rows.slots) if state.params[s].temperature > 0]
     if sampled:
-        idx = torch.tensor(sampled, dtype=torch.int64, device=processed.device)
+        (idx,) = state.upload(sampled)
         seeds = state.seeds[rows.slot_ids[idx]]
         if state.use_triton:
             from tandem.kernels.gumbel import gumbel_sample

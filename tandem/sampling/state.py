@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from tandem.plan import NewReq
+from tandem.runner.upload import Uploader
 from tandem.sampling_params import SamplingParams
 
 
@@ -16,9 +17,12 @@ class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
     def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 use_triton: bool = False):
+                 use_triton: bool = False, upload: Uploader | None = None):
         self.vocab_size = vocab_size
         self.device = device
+        # Host index lists reach the device through the runner's pinned uploader: a plain
+        # torch.tensor(list, device="cuda") would wait for all queued GPU work (a hidden sync).
+        self.upload = upload or Uploader(device)
         self.use_triton = use_triton  # Triton sampling kernels (CUDA), else the torch reference
         self.eos_token_ids = eos_token_ids
         s = max_num_seqs
@@ -27,6 +31,9 @@ class SamplingState:
         self.top_p = torch.ones(s, dtype=torch.float32, device=device)
         self.min_p = torch.zeros(s, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(s, dtype=torch.int64, device=device)
+        self.repetition_penalty = torch.ones(s, dtype=torch.float32, device=device)
+        self.frequency_penalty = torch.zeros(s, dtype=torch.float32, device=device)
+        self.presence_penalty = torch.zeros(s, dtype=torch.float32, device=device)
         self.params: list[SamplingParams | None] = [None] * s  # host mirror
         self.seeds_cpu = [0] * s
         self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
@@ -45,6 +52,9 @@ class SamplingState:
             (self.top_p, p.top_p),
             (self.min_p, p.min_p),
             (self.seeds, req.seed),
+            (self.repetition_penalty, p.repetition_penalty),
+            (self.frequency_penalty, p.frequency_penalty),
+            (self.presence_penalty, p.presence_penalty),
         ):
             buf[slot] = value
         self.logit_bias.pop(slot, None)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import CAPTURE_SIZES, GraphRunner
+from tandem.sampling.sampler import greedy_tokens
 
 
 class DraftGraphs:
@@ -39,7 +40,8 @@ class DraftGraphs:
             safe = pos.clamp(max=self.max_model_len - 1)
             meta = self.backend.decode(safe, table, self.max_kv, valid)
             hidden = self.model(self.drafts[slots, step - 1], safe, meta, self.kv)
-            self.drafts[slots, step] = self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1)
+            logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [n, V]
+            self.drafts[slots, step] = greedy_tokens(logits, self.backend.use_triton)
 
     @torch.inference_mode()
     def capture(self) -> None:

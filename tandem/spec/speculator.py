@@ -18,10 +18,9 @@ from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
-from tandem.runner.upload import upload
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
-from tandem.sampling.sampler import process_logits
+from tandem.sampling.sampler import greedy_tokens, process_logits
 from tandem.sampling.state import SamplingState
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
@@ -98,14 +97,14 @@ class DraftSpeculator:
             row_req += [n] * (d + 1)
             row_index += list(range(d + 1))
             row_is_bonus += [False] * d + [True]
-        dev = self.device
-        row_req_t = torch.tensor(row_req, dtype=torch.int64, device=dev)
-        row_index_t = torch.tensor(row_index, dtype=torch.int64, device=dev)
-        is_bonus = torch.tensor(row_is_bonus, dtype=torch.bool, device=dev)
+        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0]
+        # One pinned, non-blocking upload: torch.tensor(list, device=cuda) would wait for the
+        # verification forward queued just before (a hidden sync that idles the GPU).
+        row_req_t, row_index_t, bonus_t, sampled_t = self.attn_backend.upload(row_req, row_index, row_is_bonus, sampled)
+        is_bonus = bonus_t.bool()
         col = row_index_t.clamp(max=self.k - 1)
         row_draft = torch.where(is_bonus, -1, self.drafts[rows.slot_ids, col])
         temperature = state.temperature[rows.slot_ids]
-        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0]
         q_logits = None
         if self.probabilistic:
             q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -114,7 +113,7 @@ class DraftSpeculator:
             row_draft,
             is_bonus,
             temperature == 0,
-            torch.tensor(sampled, dtype=torch.int64, device=dev) if sampled else None,
+            sampled_t if sampled else None,
             q_logits,
             state.seeds[rows.slot_ids],
             rows.positions,
@@ -136,8 +135,8 @@ class DraftSpeculator:
         max_kv = max((r.start_pos + r.num_new_tokens + self.k for r in sampling), default=0)
         max_blocks = -(-max_kv // self.block_size)
         table_host = [b for r in sampling for b in (r.block_ids + [0] * max_blocks)[:max_blocks]]
-        src_t, positions, row_base, extra_t, slots, table = upload(
-            dev, src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
+        src_t, positions, row_base, extra_t, slots, table = self.attn_backend.upload(
+            src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
         )
         ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
         meta = self.attn_backend.prefill(starts, lens, tables)
@@ -181,11 +180,12 @@ class DraftSpeculator:
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
         """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
         position of the token being drafted (the noise key)."""
-        logits = logits[:, : self.vocab_size].float()  # [n, V]
-        params = [self.state.params[r.slot] for r in sampling]
+        logits = logits[:, : self.vocab_size]  # [n, V]
         if self._greedy(sampling):
-            self.drafts[slots, step] = logits.argmax(dim=-1)
+            self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
+        logits = logits.float()
+        params = [self.state.params[r.slot] for r in sampling]
         temp = self.state.temperature[slots]
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):

@@ -37,6 +37,7 @@ triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from tandem.layers.rotary import RotaryEmbedding, _rotate_half  # noqa: E402
+from tests.kernels.refs import kv_store_ref  # noqa: E402
 
 
 def _interpreter_ok() -> str | None:
@@ -278,6 +279,52 @@ def test_rotary_llama3_scaling_fp16_gpu():
 def test_rotary_interpret(heads, dtype):
     h, hkv, d = heads
     check_rotary("cpu", 5, h, hkv, d, dtype, seed=h * d, max_pos=512)
+
+
+def check_rotary_store(device, num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed, block_size=16):
+    """rotary_embedding(..., store=...) == rotary_embedding then kv_store, bit for bit; padding
+    slots (-1) and every other cache row untouched."""
+    g = torch.Generator().manual_seed(seed)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, device=torch.device(device))
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width, generator=g) * 2).to(dtype).to(device)
+    num_blocks = 2 * num_tokens // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.3] = -1  # graph padding rows
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=g).to(dtype).to(device)
+
+    def split(t):
+        q = t[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+        k = t[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+        return q, k, t[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = split(ref_qkv)
+    rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
+    kv_store_ref(k, v, ref_k_cache, ref_v_cache, slots)
+    q, k, v = split(qkv)
+    rotary_embedding(positions, q, k, rotary.cos, rotary.sin, store=(v, k_cache, v_cache, slots))
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("heads", ROTARY_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}")
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_rotary_store_gpu(num_tokens, heads, dtype):
+    h, hkv, d = heads
+    check_rotary_store(GPU, num_tokens, h, hkv, d, dtype, seed=num_tokens * d + h)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_rotary_store_interpret(dtype):
+    check_rotary_store("cpu", 9, 4, 2, 16, dtype, seed=1, block_size=4)
 
 
 # ----------------------------------------------------------------------------- silu_and_mul

@@ -27,7 +27,7 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.attention import paged_attention  # noqa: E402
-from tandem.kernels.gumbel import gumbel_sample, gumbel_uniform  # noqa: E402
+from tandem.kernels.gumbel import argmax_rows, gumbel_sample, gumbel_uniform  # noqa: E402
 from tandem.kernels.kv_store import kv_store  # noqa: E402
 from tandem.kernels.rejection import rejection_sample  # noqa: E402
 from tandem.sampling.gumbel import ACCEPT_SALT, DRAFT_SALT, RECOVER_SALT, TARGET_SALT, gumbel_argmax  # noqa: E402
@@ -129,7 +129,7 @@ def make_attention_batch(device, q_lens, ctx_lens, num_heads, num_kv_heads, head
 
 
 def check_attention(device, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16,
-                    num_splits=None, seed=0, padding_reqs=()):
+                    num_splits=None, seed=0, padding_reqs=(), min_split_keys=None):
     q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens = make_attention_batch(
         device, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, block_size, seed)
     seq_lens[list(padding_reqs)] = 0  # graph padding rows: q_len 1, no keys
@@ -137,7 +137,7 @@ def check_attention(device, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim,
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, max(q_lens), scale, out,
-                    num_splits=num_splits)
+                    num_splits=num_splits, min_split_keys=min_split_keys)
     ref = torch.full(q.shape, float("nan"), dtype=torch.float64, device=device)
     paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens, cu_q_lens,
                         max(q_lens), scale, ref)
@@ -189,6 +189,7 @@ def test_attention_decode_verify_gpu(case):
     ctx = torch.randint(0, 2001, (6,), generator=g).tolist() + [0, 2000]
     check_attention(GPU, [1] * 8, ctx, h, hkv, d, dtype, seed=1)
     check_attention(GPU, [1] * 8, ctx, h, hkv, d, dtype, num_splits=1, seed=2)
+    check_attention(GPU, [1] * 8, ctx, h, hkv, d, dtype, num_splits=8, min_split_keys=1, seed=4)
     check_attention(GPU, [5] * 8, ctx, h, hkv, d, dtype, seed=3)
 
 
@@ -202,6 +203,19 @@ def test_attention_single_long_prefill_gpu():
 def test_attention_zero_length_request_gpu():
     """A padded request (q_len 0) is skipped; its neighbours are unaffected."""
     check_attention(GPU, [1, 0, 5], [100, 50, 30], 32, 8, 128, torch.bfloat16, num_splits=4, seed=7)
+    check_attention(GPU, [1, 0, 5], [700, 50, 300], 32, 8, 128, torch.bfloat16, num_splits=4, seed=7,
+                    min_split_keys=1)
+
+
+@pytest.mark.gpu
+def test_attention_active_splits_follow_context_gpu():
+    """One captured launch, contexts from 1 key to many splits: each request runs only the
+    splits its keys need (the rest exit) and the merge combines exactly those."""
+    ctx = [0, 1, 127, 128, 129, 255, 256, 257, 511, 1024, 3000, 4095]
+    check_attention(GPU, [1] * len(ctx), ctx, 32, 8, 128, torch.bfloat16, num_splits=16, seed=11)
+    check_attention(GPU, [1] * len(ctx), ctx, 32, 8, 128, torch.bfloat16, num_splits=16, min_split_keys=1,
+                    seed=12)
+    check_attention(GPU, [4] * len(ctx), ctx, 32, 8, 128, torch.bfloat16, num_splits=16, seed=13)
 
 
 @pytest.mark.gpu
@@ -216,6 +230,8 @@ def test_attention_padding_rows_gpu(num_splits):
 def test_attention_padding_rows_interpret():
     check_attention("cpu", [1] * 4, [5, 0, 30, 0], 4, 2, 16, torch.float32, block_size=4, num_splits=2,
                     seed=9, padding_reqs=(1, 3))
+    check_attention("cpu", [1] * 4, [5, 0, 30, 0], 4, 2, 16, torch.float32, block_size=4, num_splits=2,
+                    seed=9, padding_reqs=(1, 3), min_split_keys=1)
     check_attention("cpu", [1] * 4, [5, 0, 30, 0], 4, 2, 16, torch.float32, block_size=4, num_splits=1,
                     seed=9, padding_reqs=(1, 3))
 
@@ -226,6 +242,8 @@ def test_attention_padding_rows_interpret():
 def test_attention_interpret(h, hkv, d, dtype):
     check_attention("cpu", [1, 5, 40, 0], [0, 70, 20, 3], h, hkv, d, dtype, block_size=4, seed=h)
     check_attention("cpu", [1, 1, 1], [0, 37, 100], h, hkv, d, dtype, block_size=4, num_splits=4, seed=h + 1)
+    check_attention("cpu", [1, 1, 1], [0, 37, 100], h, hkv, d, dtype, block_size=4, num_splits=4, seed=h + 1,
+                    min_split_keys=1)
     check_attention("cpu", [3, 5], [33, 0], h, hkv, d, dtype, block_size=16, seed=h + 2)
 
 
@@ -273,6 +291,30 @@ def test_gumbel_sample_gpu(dtype, n, vocab):
 def test_gumbel_sample_interpret():
     check_gumbel("cpu", 6, 3001, torch.float32, TARGET_SALT, seed=0)
     check_gumbel("cpu", 5, 700, torch.float32, RECOVER_SALT, seed=1)
+
+
+def check_argmax(device, n, vocab, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab + 7, generator=g) * 3).to(dtype)
+    logits[0, :] = 1.0  # all tied: the lowest token wins
+    logits[1, vocab // 2 :] = logits[1].max() + 1  # ties across chunks
+    logits[2, :-1] = NEG_INF
+    view = logits.to(device)[:, :vocab]  # a row-strided slice, as the padded LM head gives
+    out = torch.full((n,), -1, dtype=torch.int64, device=device)
+    argmax_rows(view, out)
+    assert torch.equal(out.cpu(), view.cpu().float().argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,vocab", [(3, 128256), (8, 151936), (300, 32000)])
+def test_argmax_rows_gpu(dtype, n, vocab):
+    check_argmax(GPU, n, vocab, dtype, seed=n)
+
+
+@interpret
+def test_argmax_rows_interpret():
+    check_argmax("cpu", 4, 5000, torch.float32, seed=0)
 
 
 # ----------------------------------------------------------------------------- rejection

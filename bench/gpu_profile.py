@@ -1,0 +1,261 @@
+"""GPU profile of target decode steps (issue 5): where a step's time goes.
+
+    python3 bench/gpu_profile.py --out $OUT/gpu_profile.json
+
+Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draft shape:
+(1) host time per engine phase, between one step's sync and the next (the GPU idles there);
+(2) device time per kernel family for eager decode steps (torch.profiler), against the
+    captured graph's replay time (the difference is launch gaps inside the graph);
+(3) each linear layer shape at M = batch as a graph of repeated calls over rotating weights,
+    as achieved bandwidth (what the matmul library gives us at this shape);
+(4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
+    sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, print_table, write_json  # noqa: E402
+from bench.gpu_bench import LLAMA_1B, LLAMA_8B, copy_bandwidth, graph_time, make_llm, write_config  # noqa: E402
+
+
+def drive(llm, batch: int, prompt_len: int, steps: int, hook=None) -> list[float]:
+    """Run `batch` requests to decode and time `steps` engine steps (host clock)."""
+    from tandem import SamplingParams
+
+    engine = llm.engine
+    k = llm.engine.runner.speculator.k if llm.engine.runner.speculator is not None else 0
+    params = SamplingParams(temperature=0, max_tokens=(steps + 13) * (k + 1) + 64, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [f"p{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(10, 30000, (prompt_len,), generator=g).tolist(), params)
+    for _ in range(12):
+        engine.step()
+    times = []
+    if hook is not None:
+        hook(True)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if hook is not None:
+        hook(False)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+class PhaseTimer:
+    """Wraps methods to accumulate host time per phase."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.on = False
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            if not self.on:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def host_phases(llm, args) -> dict:
+    import tandem.runner.model_runner as mr
+
+    engine, runner = llm.engine, llm.engine.runner
+    timer = PhaseTimer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "update", "update")
+    timer.wrap(runner, "_logits", "forward (launch)")
+    timer.wrap(runner, "_to_host", "to_host (incl. wait)")
+    orig_build = mr.build_batch
+
+    def build(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return orig_build(*a, **kw)
+        finally:
+            if timer.on:
+                timer.total["build_batch"] += time.perf_counter() - t0
+
+    mr.build_batch = build
+
+    def hook(on):
+        timer.on = on
+
+    steps = drive(llm, 1, args.prompt_len, args.steps, hook)
+    mr.build_batch = orig_build
+    out = {k: v / args.steps * 1e3 for k, v in timer.total.items()}
+    out["step"] = statistics.median(steps) * 1e3
+    prof = cProfile.Profile()
+    drive(llm, 1, args.prompt_len, 20, lambda on: prof.enable() if on else prof.disable())
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    out["cprofile"] = s.getvalue()
+    return out
+
+
+def kernel_table(llm, args) -> list[tuple[str, float, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 5
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    drive(llm, 1, args.prompt_len, steps, lambda on: prof.start() if on else (torch.cuda.synchronize(), prof.stop()))
+    agg = defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.key][0] += t
+            agg[e.key][1] += e.count
+    rows = sorted(((k[:90], v[0] / steps, v[1] // steps) for k, v in agg.items()), key=lambda r: -r[1])
+    return rows
+
+
+def linear_shapes(shape: dict) -> list[tuple[str, int, int]]:
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape.get("head_dim", h // heads)
+    return [("qkv", (heads + 2 * kv) * d, h), ("o", h, heads * d), ("gate_up", 2 * i, h), ("down", h, i),
+            ("lm_head", shape["vocab_size"], h)]
+
+
+def linear_bench(shape: dict, m: int, bw: float) -> list[dict]:
+    out = []
+    for name, n, k in linear_shapes(shape):
+        nbytes = 2 * n * k
+        reps = max(4, min(64, (3 << 30) // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(reps)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = {"layer": name, "n": n, "k": k, "m": m}
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            for w in ws:
+                F.linear(x, w)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for w in ws:
+                    F.linear(x, w)
+            ms = graph_time(g) / reps
+            row[f"{lib}_us"] = ms * 1e3
+            row[f"{lib}_frac"] = nbytes / (ms / 1e3) / bw
+            del g
+        torch.backends.cuda.preferred_blas_library("cublas")
+        out.append(row)
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def spec_round(root: Path, args, results: dict) -> None:
+    from tandem import LLM
+
+    tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
+    k = 4
+    spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy")
+    llm = make_llm(tdir, spec, 4, args.max_model_len)
+    times = drive(llm, 1, args.prompt_len, args.steps)
+    runner, sp = llm.engine.runner, llm.engine.runner.speculator
+    n = runner.graphs[1].bucket(1)
+    parts = {"verify": graph_time(runner.graphs[1 + k].graphs[n]),
+             "catchup": graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)]),
+             "loop": graph_time(sp.graphs.loops[sp.graphs.bucket(1)])}
+    out = {"step_ms": statistics.median(times) * 1e3, **{f"{k_}_ms": v for k_, v in parts.items()}}
+    out["exposed_ms"] = out["step_ms"] - sum(parts.values())
+    print("[spec k=4 b=1]", {k_: round(v, 3) for k_, v in out.items()}, flush=True)
+    del llm, runner, sp
+    torch.cuda.empty_cache()
+    eager = LLM(tdir, dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=4,
+                kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False, enforce_eager=True,
+                speculative_config=spec)
+    rows = kernel_table(eager, args)
+    out["kernels"] = rows
+    print(f"[spec k=4 b=1] eager round kernels: total {sum(r[1] for r in rows) / 1e3:.3f} ms")
+    print_table(["kernel", "us/step", "calls/step"], [(k_, f"{t:.1f}", c) for k_, t, c in rows[:30]])
+    results["spec_round"] = out
+    del eager
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/gpu_profile.json")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--sections", default="linear,target,spec")
+    args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    results = {"env": environment()}
+    bw = copy_bandwidth()
+    results["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for m in (1, 5) if "linear" in sections else ():
+        results[f"linear_8b_m{m}"] = linear_bench(LLAMA_8B, m, bw)
+        results[f"linear_1b_m{m}"] = linear_bench(LLAMA_1B, m, bw)
+    for key in [k for k in results if k.startswith("linear_")]:
+        print(key)
+        print_table(["layer", "n", "k", "cublas us", "frac", "cublasLt us", "frac"],
+                    [(r["layer"], r["n"], r["k"], f"{r['cublas_us']:.1f}", f"{r['cublas_frac']:.2f}",
+                      f"{r['cublaslt_us']:.1f}", f"{r['cublaslt_frac']:.2f}") for r in results[key]])
+    with tempfile.TemporaryDirectory() as tmp:
+        if "spec" in sections:
+            spec_round(Path(tmp), args, results)
+        for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():
+            path = write_config(Path(tmp), name, shape)
+            llm = make_llm(path, None, 4, args.max_model_len)
+            phases = host_phases(llm, args)
+            g = llm.engine.runner.graphs[1]
+            phases["graph_replay"] = graph_time(g.graphs[g.bucket(1)])
+            print(f"[{name}] host phases (ms per step):", {k: round(v, 3) for k, v in phases.items()
+                                                         if k != "cprofile"})
+            print(phases["cprofile"])
+            results[f"{name}_phases"] = phases
+            del llm
+            torch.cuda.empty_cache()
+            from tandem import LLM
+
+            eager = LLM(path, dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len,
+                        max_num_seqs=4, kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False,
+                        enforce_eager=True)
+            rows = kernel_table(eager, args)
+            total = sum(r[1] for r in rows)
+            print(f"[{name}] eager kernels per step: total {total / 1e3:.3f} ms; graph replay "
+                  f"{phases['graph_replay']:.3f} ms")
+            print_table(["kernel", "us/step", "calls/step"], [(k, f"{t:.1f}", c) for k, t, c in rows[:25]])
+            results[f"{name}_kernels"] = rows
+            del eager
+            torch.cuda.empty_cache()
+            write_json(args.out, results)
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
