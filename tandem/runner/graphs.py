@@ -27,8 +27,8 @@ class GraphRunner:
         self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n_tok, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n_tok,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.cu_q_lens = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device) * tokens_per_req
         sizes = [s for s in CAPTURE_SIZES if s < max_num_reqs] + [max_num_reqs]
         self.sizes = sorted(set(sizes))
@@ -77,15 +77,16 @@ class GraphRunner:
         -> logits [num_reqs * t, vocab] (a view of the graph's static output)."""
         n = self.bucket(num_reqs)
         m, pad = num_reqs * self.t, n * self.t
-        self.input_ids[:m].copy_(input_ids)
-        self.positions[:m].copy_(positions)
-        self.slot_mapping[:m].copy_(slot_mapping)
+        # One multi-tensor launch for the contiguous inputs (each launch costs ~10-40 us of host).
+        torch._foreach_copy_(
+            [self.input_ids[:m], self.positions[:m], self.slot_mapping[:m], self.seq_lens[:num_reqs]],
+            [input_ids, positions, slot_mapping, seq_lens.to(torch.int64)],
+        )
         if pad > m:  # inert padding rows: no KV write, no keys
             self.slot_mapping[m:pad].fill_(-1)
             self.positions[m:pad].zero_()
             self.seq_lens[num_reqs:n].zero_()
         nb = block_tables.shape[1]
         self.block_tables[:num_reqs, :nb].copy_(block_tables)
-        self.seq_lens[:num_reqs].copy_(seq_lens)
         self.graphs[n].replay()
         return self.outputs[n][:m]

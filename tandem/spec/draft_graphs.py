@@ -70,10 +70,10 @@ class DraftGraphs:
         """slots [n], pos [n] (position of the token the target emitted), table [n, nb] int64."""
         n = slots.shape[0]
         b = self.bucket(n)
-        self.slots[:n].copy_(slots)
-        self.slots[n:b].fill_(self.scratch_slot)
-        self.pos[:n].copy_(pos)
+        torch._foreach_copy_([self.slots[:n], self.pos[:n]], [slots, pos])  # one launch
         self.table[:n, : table.shape[1]].copy_(table)
         self.valid[:n].fill_(True)
-        self.valid[n:b].fill_(False)
+        if b > n:  # padding rows draft into the scratch slot and write no KV
+            self.slots[n:b].fill_(self.scratch_slot)
+            self.valid[n:b].fill_(False)
         self.loops[b].replay()
