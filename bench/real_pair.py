@@ -58,7 +58,8 @@ def run_tandem(llm, prompts, tokens):
         dt = time.perf_counter() - t0
         m = out.metrics
         rows.append(dict(cls=cls, seconds=dt, tokens=len(out.outputs[0].token_ids), token_ids=out.outputs[0].token_ids,
-                         rounds=m.num_draft_rounds, drafts=m.num_draft_tokens, accepted=m.num_accepted_tokens))
+                         rounds=m.num_draft_rounds, drafts=m.num_draft_tokens, accepted=m.num_accepted_tokens,
+                         accepted_per_position=list(m.accepted_per_position)))
     return rows
 
 
@@ -90,6 +91,11 @@ def summarize(name, rows, ref_rows=None):
         if drafts:
             out[f"{cls}_acceptance_rate"] = acc / drafts
             out[f"{cls}_mean_acceptance_length"] = 1 + acc / rounds
+            width = max(len(r["accepted_per_position"]) for r in sel)
+            per_pos = [sum(r["accepted_per_position"][i] for r in sel if i < len(r["accepted_per_position"]))
+                       for i in range(width)]
+            # unconditional: P(the first i+1 drafts of a round are accepted), the synthetic mode's input
+            out[f"{cls}_acceptance_per_position"] = [a / rounds for a in per_pos]
     if ref_rows is not None:
         out["identical_to_target"] = sum(a["token_ids"] == b["token_ids"] for a, b in zip(rows, ref_rows)) / len(rows)
     return out
