@@ -152,8 +152,10 @@ def build_decode_metadata(positions: Tensor, block_table: Tensor, block_size: in
     """
     n = positions.shape[0]
     kv_pos = torch.arange(max_kv, device=positions.device)
+    visible = kv_pos[None, :] <= positions[:, None]  # [n, max_kv]
     kv_slots = block_table[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [n, max_kv]
-    mask = (kv_pos[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, max_kv]
+    kv_slots = torch.where(visible, kv_slots, 0)  # masked keys read the zeroed slot 0, never garbage
+    mask = visible[:, None, None, :]  # [n, 1, 1, max_kv]
     slot_mapping = block_table.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
     token_idx = torch.arange(n, device=positions.device)[:, None]
     return AttnMetadata(slot_mapping=slot_mapping, groups=[AttnGroup(token_idx, kv_slots, mask)], num_tokens=n)

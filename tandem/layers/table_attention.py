@@ -115,6 +115,10 @@ def dense_paged_attention(
     pos = (seq_lens.long()[req] - q_lens[req] + (tok - cu[req])).clamp(min=0)  # [T] query positions
     kv_pos = torch.arange(max_kv, device=q.device)
     mask = kv_pos[None, :] <= pos[:, None]  # [T, max_kv]
+    # Keys past a request's length may be unwritten memory: zero them so masking stays exact.
+    have = (kv_pos[None, :] < seq_lens.long()[:, None])[:, :, None, None]  # [R, max_kv, 1, 1]
+    keys = torch.where(have, keys, 0)
+    vals = torch.where(have, vals, 0)
     kt = keys[req].transpose(1, 2)  # [T, Hkv, max_kv, D]
     vt = vals[req].transpose(1, 2)
     rep = num_heads // num_kv

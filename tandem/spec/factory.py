@@ -7,6 +7,7 @@ shared part); the draft's context covers the target's max_model_len.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -54,7 +55,8 @@ class SpeculatorFactory:
     def _check_vocab(self, target: ModelConfig, target_tok, draft_dir, arch) -> int:
         t_size, d_size = target.arch.vocab_size, arch.vocab_size
         shared = min(t_size, d_size)
-        draft_tok = load_tokenizer(draft_dir)
+        # Byte-identical tokenizer files mean the same token-to-id map: skip loading it again.
+        draft_tok = target_tok if _same_tokenizer_files(target.path, draft_dir) else load_tokenizer(draft_dir)
         names = f"target {target.path!r} and draft {self.spec.model!r}"
         if target_tok is not None and draft_tok is not None:
             t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -84,3 +86,14 @@ class SpeculatorFactory:
         return DraftSpeculator(
             self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend
         )
+
+
+def _same_tokenizer_files(a, b) -> bool:
+    a, b = Path(a), Path(b)
+    if not (a / "tokenizer.json").is_file() or not (b / "tokenizer.json").is_file():
+        return False
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        fa, fb = a / name, b / name
+        if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True
