@@ -190,9 +190,14 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 uncond = torch.tensor(rates, dtype=torch.float32)
                 cond = uncond / torch.cat([torch.ones(1), uncond[:-1]]).clamp(min=1e-9)
                 sp.synthetic_rates.copy_(cond.clamp(max=1.0).cuda())
-                r = measure_steps(llm, b, args.prompt_len, args.steps)
+                m0 = llm.engine.spec_metrics
+                before = (m0.num_draft_rounds, m0.num_accepted_tokens)
+                r = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
+                rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
                 ref = base[(tname, b)]
+                expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
                 r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
+                         mean_acceptance_length=1 + acc / max(rounds, 1), expected_acceptance_length=expected,
                          verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
                          draft_step_ms=(catchup_ms + loop_ms) / k, decode_ms=decode_ms, verify_ms=verify_ms)
                 results["synthetic"].append(r)
@@ -268,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/gpu_bench.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--synthetic-steps", type=int, default=None,
+                   help="timed steps per synthetic configuration (default --steps); more steps, less "
+                        "sampling noise in the realised acceptance")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--hf-tokens", type=int, default=64)
@@ -295,11 +303,12 @@ def main(argv=None) -> int:
         root = Path(tmp)
         shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
         full = "target" in sections
-        base = target_only(root, shapes if full else [target], batches if full else [1], args, bw, results)
+        spec_batches = [1] if args.quick else [1, 8]  # the synthetic section's batches need a baseline
+        base = target_only(root, shapes if full else [target], batches if full else spec_batches, args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
             ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))
-            synthetic(root, target, draft, base, ks, profiles, [1] if args.quick else [1, 8], args, results)
+            synthetic(root, target, draft, base, ks, profiles, spec_batches, args, results)
         write_json(args.out, results)
         if "eps" in sections:
             eps_pair(root, target[1], target[0], base, [0.1, 0.05, 0.02, 0.0], args, results)
@@ -311,9 +320,11 @@ def main(argv=None) -> int:
              f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
     print_table(["model", "batch", "ms/step", "graph ms", "tok/s", "roofline"], rows)
     rows = [(r["k"], r["batch"], r["profile"], f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}",
+             f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",
              f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
     if rows:
-        print_table(["k", "batch", "profile", "tok/s", "speedup", "verify/decode", "draft ms/step"], rows)
+        print_table(["k", "batch", "profile", "tok/s", "speedup", "AL real / expected", "verify/decode",
+                     "draft ms/step"], rows)
     rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
             for r in results["eps_pair"]]
     if rows:
