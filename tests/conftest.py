@@ -31,3 +31,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_engines_outside_gpu_tests(request):
+    """On a CUDA machine, engines built by modules outside tests/gpu still run the CPU
+    reference paths they were written for (device="auto" would give each LLM 90% of the GPU,
+    and a module holding two of them could not size the second pool)."""
+    if not torch.cuda.is_available() or request.node.path.parent.name == "gpu":
+        yield
+        return
+    import tandem.engine.llm as llm_module
+
+    real = llm_module.resolve_device
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_module, "resolve_device", lambda device: real("cpu" if device == "auto" else device))
+        yield
