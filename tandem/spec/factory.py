@@ -6,6 +6,7 @@ shared part); the draft's context covers the target's max_model_len.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -89,11 +90,21 @@ class SpeculatorFactory:
 
 
 def _same_tokenizer_files(a, b) -> bool:
+    """Same tokenizer.json bytes and the same added tokens: the token-to-id maps are equal
+    (other tokenizer_config fields, such as model_max_length, do not change ids)."""
     a, b = Path(a), Path(b)
-    if not (a / "tokenizer.json").is_file() or not (b / "tokenizer.json").is_file():
+    ta, tb = a / "tokenizer.json", b / "tokenizer.json"
+    if not ta.is_file() or not tb.is_file() or ta.read_bytes() != tb.read_bytes():
         return False
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
-        fa, fb = a / name, b / name
-        if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
-            return False
-    return True
+    if (a / "added_tokens.json").exists() or (b / "added_tokens.json").exists():
+        return False
+
+    def added(path: Path):
+        cfg = path / "tokenizer_config.json"
+        data = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        return data.get("added_tokens_decoder"), data.get("additional_special_tokens")
+
+    try:
+        return added(a) == added(b)
+    except (OSError, ValueError):
+        return False
