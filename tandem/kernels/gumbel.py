@@ -146,20 +146,7 @@ def gumbel_sample(
     assert seeds.dtype == positions.dtype == torch.int64
     assert out.shape == (n,) and out.dtype == torch.int64
     assert vocab < 2**31
-    if n == 0:
-        return out
-    chunk = _chunk_size(n, vocab, logits.device)
-    num_chunks = triton.cdiv(vocab, chunk)
-    part_val = torch.empty((n, num_chunks), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((n, num_chunks), dtype=torch.int32, device=logits.device)
-    _gumbel_block_kernel[(n, num_chunks)](
-        logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks,
-        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=True, num_warps=8,
-    )
-    _argmax_reduce_kernel[(n,)](
-        part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
-    )
-    return out
+    return _blocked_argmax(logits, (temperature, seeds, positions), salt, out)
 
 
 def argmax_rows(logits: Tensor, out: Tensor) -> Tensor:
@@ -169,15 +156,23 @@ def argmax_rows(logits: Tensor, out: Tensor) -> Tensor:
     n, vocab = logits.shape
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert out.shape == (n,) and out.dtype == torch.int64 and vocab < 2**31
+    return _blocked_argmax(logits, None, 0, out)
+
+
+def _blocked_argmax(logits: Tensor, noise: tuple[Tensor, Tensor, Tensor] | None, salt: int, out: Tensor) -> Tensor:
+    """Per-chunk (max, argmax) of the scores, then one program per row picks the best chunk.
+    noise = (temperature, seeds, positions) scores logits / T + Gumbel; None: the logits."""
+    n, vocab = logits.shape
     if n == 0:
         return out
     chunk = _chunk_size(n, vocab, logits.device)
     num_chunks = triton.cdiv(vocab, chunk)
     part_val = torch.empty((n, num_chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((n, num_chunks), dtype=torch.int32, device=logits.device)
+    temperature, seeds, positions = noise if noise is not None else (logits, logits, logits)  # unread
     _gumbel_block_kernel[(n, num_chunks)](
-        logits, logits, logits, logits, part_val, part_idx, logits.stride(0), vocab, num_chunks,
-        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=0, SAMPLE=False, num_warps=8,
+        logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks,
+        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8,
     )
     _argmax_reduce_kernel[(n,)](
         part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
