@@ -99,7 +99,8 @@ def _generate(args) -> int:
         base_out, base_s = _stream(base, prompt_ids, params, echo=False)
         bn = len(base_out.outputs[0].token_ids)
         a, b = base_out.outputs[0].token_ids, out.outputs[0].token_ids
-        same = "yes" if a == b else f"no, from token {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}"
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same = "yes" if a == b else f"no, from token {first}"
         if a != b and params.temperature == 0 and llm.config.model.dtype != torch.float32:
             same += (" (greedy: in bf16/fp16 the 1 + k row verification rounds differently from a 1-row"
                      " decode, so near-ties can flip; float32 gives identical tokens)")

@@ -14,8 +14,9 @@ Split-K: when the batch is one tile per request and too small to fill the chip, 
 takes 1/NUM_SPLITS of its request's keys (at least MIN_SPLIT_KEYS) and writes (acc, max, sum)
 partials, which a second kernel merges. The number of splits with keys is decided on the device
 from seq_len, so a short context runs one split that writes the output itself and the merge
-exits at once: a captured graph serves every context length without paying for empty splits. The grid comes from host-known bounds (num_reqs, max_q_len); programs past a
-request's real length exit, so the launch can be captured in a CUDA graph.
+exits at once: a captured graph serves every context length without paying for empty splits.
+The grid comes from host-known bounds (num_reqs, max_q_len); programs past a request's real
+length exit, so the launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -274,8 +275,9 @@ def paged_attention(
     request with seq_len 0) gets zeros. fp32 runs IEEE dots (no tf32).
     num_splits: split-K factor for one-tile batches (None: pick from the SM count; forced
     to 1 when a request spans several query tiles); min_split_keys: fewest keys a split takes
-    (None: BLOCK_N, one key tile; rounded up to BLOCK_N), so short contexts use fewer splits. tile_override: (BLOCK_N, num_warps,
-    num_stages) in place of the built-in choice, for tuning sweeps.
+    (None: BLOCK_N, one key tile; rounded up to BLOCK_N), so short contexts use fewer splits.
+    tile_override: (BLOCK_N, num_warps, num_stages) in place of the built-in choice, for
+    tuning sweeps.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
