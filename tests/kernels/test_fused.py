@@ -35,27 +35,12 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.fused import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
+from tandem.kernels.fused import _rms_norm_kernel, rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from tandem.layers.rotary import RotaryEmbedding, _rotate_half  # noqa: E402
+from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.refs import kv_store_ref  # noqa: E402
 
-
-def _interpreter_ok() -> str | None:
-    if not INTERPRET:
-        return "set TANDEM_TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
-    import numpy as np
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from tandem.kernels.fused import _rms_norm_kernel
-
-    if not isinstance(_rms_norm_kernel, InterpretedFunction):
-        return "tandem.kernels was imported before TRITON_INTERPRET was set"
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4) and triton.__version__ < "3.7":
-        return "Triton < 3.7's interpreter needs numpy < 2.4 (triton#9171)"
-    return None
-
-
-interpret = pytest.mark.skipif(_interpreter_ok() is not None, reason=str(_interpreter_ok()))
+interpret = interpret_mark(_rms_norm_kernel)
 GPU = "cuda"
 DTYPES = [torch.bfloat16, torch.float32]
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}

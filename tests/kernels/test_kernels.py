@@ -28,9 +28,10 @@ triton = pytest.importorskip("triton")
 
 from tandem.kernels.attention import paged_attention  # noqa: E402
 from tandem.kernels.gumbel import argmax_rows, gumbel_sample, gumbel_uniform  # noqa: E402
-from tandem.kernels.kv_store import kv_store  # noqa: E402
+from tandem.kernels.kv_store import _kv_store_kernel, kv_store  # noqa: E402
 from tandem.kernels.rejection import rejection_sample  # noqa: E402
 from tandem.sampling.gumbel import ACCEPT_SALT, DRAFT_SALT, RECOVER_SALT, TARGET_SALT, gumbel_argmax  # noqa: E402
+from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.refs import (  # noqa: E402
     gumbel_sample_ref,
     gumbel_scores_ref,
@@ -44,22 +45,7 @@ NEG_INF = float("-inf")
 TIE_RTOL = 1e-5
 
 
-def _interpreter_ok() -> str | None:
-    if not INTERPRET:
-        return "set TANDEM_TRITON_INTERPRET=1 to run the kernels in Triton's interpreter"
-    import numpy as np
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from tandem.kernels.kv_store import _kv_store_kernel
-
-    if not isinstance(_kv_store_kernel, InterpretedFunction):
-        return "tandem.kernels was imported before TRITON_INTERPRET was set"
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4) and triton.__version__ < "3.7":
-        return "Triton < 3.7's interpreter needs numpy < 2.4 (triton#9171)"
-    return None
-
-
-interpret = pytest.mark.skipif(_interpreter_ok() is not None, reason=str(_interpreter_ok()))
+interpret = interpret_mark(_kv_store_kernel)
 GPU = "cuda"
 
 
