@@ -2,6 +2,7 @@
 
     python bench/real_pair.py                     # 10 prompts (5 code, 5 chat), 128 tokens, bf16
     python bench/real_pair.py --tokens 32 --prompts 2   # a quick look
+    python bench/real_pair.py --cpu-matmuls avx2,fbgemm --ks 4 --skip-hf   # CPU kernels side by side
 
 Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=5, help="prompts per class")
     p.add_argument("--ks", default="2,4,6")
     p.add_argument("--default-k", type=int, default=None, help="k of `tandem generate` (default: cli.DEFAULT_K)")
+    p.add_argument("--cpu-matmuls", default="auto", help="comma list of LLM(cpu_matmul=...) to compare")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench/results/real_pair.json")
     args = p.parse_args(argv)
@@ -116,21 +118,30 @@ def main(argv=None) -> int:
     default_k = args.default_k or DEFAULT_K
     ks = sorted({int(k) for k in args.ks.split(",")} | {default_k})
     results = {"env": environment(), "config": vars(args) | {"default_k": default_k}, "runs": []}
-    common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4)
-    llm = LLM(TARGET, **common)
-    prompts = prompt_ids(llm.get_tokenizer(), args.prompts)
-    base = run_tandem(llm, prompts, args.tokens)
-    results["runs"].append(summarize("tandem target-only", base))
-    print(results["runs"][-1], flush=True)
-    del llm
-    for k in ks:
-        llm = LLM(TARGET, speculative_config=dict(model=DRAFT, num_speculative_tokens=k), **common)
+    matmuls = args.cpu_matmuls.split(",")
+    base = None
+    for matmul in matmuls:
+        tag = f" [{matmul}]" if len(matmuls) > 1 else ""
+        common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, cpu_matmul=matmul)
+        t0 = time.perf_counter()
+        llm = LLM(TARGET, **common)
+        load_s = time.perf_counter() - t0
+        prompts = prompt_ids(llm.get_tokenizer(), args.prompts)
         rows = run_tandem(llm, prompts, args.tokens)
-        name = f"tandem k={k}" + (" (default)" if k == default_k else "")
-        results["runs"].append(summarize(name, rows, base))
+        base = base or rows
+        results["runs"].append(summarize("tandem target-only" + tag, rows, base) | {"load_s": load_s})
         print(results["runs"][-1], flush=True)
         del llm
-        write_json(args.out, results)
+        for k in ks:
+            t0 = time.perf_counter()
+            llm = LLM(TARGET, speculative_config=dict(model=DRAFT, num_speculative_tokens=k), **common)
+            load_s = time.perf_counter() - t0
+            rows = run_tandem(llm, prompts, args.tokens)
+            name = f"tandem k={k}" + (" (default)" if k == default_k else "") + tag
+            results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
+            print(results["runs"][-1], flush=True)
+            del llm
+            write_json(args.out, results)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -154,8 +165,10 @@ def main(argv=None) -> int:
                       f"{r['code_mean_acceptance_length']:.2f}" if "code_mean_acceptance_length" in r else "-",
                       f"{r['chat_acceptance_rate']:.3f}" if "chat_acceptance_rate" in r else "-",
                       f"{r['chat_mean_acceptance_length']:.2f}" if "chat_mean_acceptance_length" in r else "-",
-                      f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else "-"))
-    print_table(["config", "code tok/s", "chat tok/s", "code acc", "code AL", "chat acc", "chat AL", "same"], table)
+                      f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else "-",
+                      f"{r['load_s']:.1f}" if "load_s" in r else "-"))
+    print_table(["config", "code tok/s", "chat tok/s", "code acc", "code AL", "chat acc", "chat AL", "same", "load s"],
+                table)
     return 0
 
 

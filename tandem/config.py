@@ -70,7 +70,7 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
-    cpu_matmul: str = "auto"  # "auto" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
+    cpu_matmul: str = "auto"  # "auto" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
 
 
 @dataclass(frozen=True)

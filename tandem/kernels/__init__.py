@@ -5,8 +5,13 @@
   chunks in one launch (GQA, causal within each request, CUDA-graph safe).
 - gumbel.gumbel_sample: seeded Gumbel-max sampling, bit-exact with tandem.sampling.gumbel.
 - rejection.rejection_sample: the fused rejection sampler of tandem.spec.rejection.
+- fused: RMSNorm (+ residual), rotary (+ paged KV store), SiLU-and-mul.
 
-Submodules import triton; this package file does not, so `import tandem.kernels` is free on
+And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
+AVX2 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in
+tests/models/test_cpu_linear.py). It needs no triton.
+
+The Triton submodules import triton; this package file does not, so `import tandem.kernels` is free on
 machines without it. Every wrapper takes its sizes from tensor shapes and host-known bounds
 only (no device-to-host reads), so each launch can be captured in a CUDA graph.
 """

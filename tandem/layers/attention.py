@@ -3,9 +3,16 @@
 Metadata is built once per step by the runner and passed explicitly to each attention call
 (two models run in one process, so nothing here is ambient). The reference kernel handles
 queries of any length against a cached prefix: a request's query token i sits at position
-start_pos + i and sees every key at a position <= its own. Requests with the same query
-length are batched together (all decodes in one call, all verifications in another); each
-prefill chunk runs alone, with a plain causal kernel when it has no cached prefix.
+start_pos + i and sees every key at a position <= its own.
+
+Grouping. A prompt chunk with no cached prefix runs alone through a plain causal kernel; a
+longer chunk against a prefix (more than ROWWISE_MAX_Q tokens) runs alone with a causal mask.
+Every other query token (decodes, verifications, short chunks) is attended as a one-token
+query against exactly its visible keys, batched with the tokens that see the same number of
+keys: no padding, no mask. A token's attention output is then computed the same way whether
+it is decoded alone or verified among 1 + k draft tokens, so (with the row-invariant CPU
+linears of tandem/layers/cpu_linear.py) speculative greedy output equals target-only greedy
+output bit for bit, in bf16 too.
 """
 from __future__ import annotations
 
@@ -15,14 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Longest query chunk against a cached prefix that is attended token by token (see above).
+ROWWISE_MAX_Q = 16
+
 
 @dataclass(slots=True)
 class AttnGroup:
-    """Requests sharing one query length, batched into one attention call."""
+    """Query rows attended in one call: G sequences of q_len tokens, each against max_kv keys."""
 
-    token_idx: Tensor  # [num_reqs_in_group, q_len] int64, rows of the flat token dim
-    kv_slots: Tensor | None  # [num_reqs_in_group, max_kv] int64 flat cache slots (None: no prefix)
-    mask: Tensor | None  # [num_reqs_in_group, 1, q_len, max_kv] bool, True = attend
+    token_idx: Tensor  # [G, q_len] int64, rows of the flat token dim
+    kv_slots: Tensor | None  # [G, max_kv] int64 flat cache slots (None: a prompt with no prefix)
+    mask: Tensor | None  # [G, 1, q_len, max_kv] bool, True = attend (None: every key is visible)
 
 
 @dataclass(slots=True)
@@ -59,36 +69,43 @@ def build_attn_metadata(
         for p in range(start, start + n):
             slots.append(table[p // block_size] * block_size + p % block_size)
 
-    by_len: dict[int, list[int]] = {}
-    for i, n in enumerate(q_lens):
-        if start_pos[i] == 0 and n > 1:
-            by_len.setdefault(-1 - i, []).append(i)  # prompt with no prefix: plain causal
-        else:
-            by_len.setdefault(n, []).append(i)
-
     groups = []
-    for key, members in by_len.items():
-        q_len = q_lens[members[0]]
-        token_idx = torch.tensor([list(range(cu[i], cu[i] + q_len)) for i in members], dtype=torch.int64)
-        if key < 0:
+    by_kv_len: dict[int, list[tuple[int, int]]] = {}  # visible keys -> [(request, token row)]
+    for i, (start, n) in enumerate(zip(start_pos, q_lens)):
+        if start == 0 and n > 1:  # prompt with no prefix: plain causal
+            token_idx = torch.arange(cu[i], cu[i] + n, dtype=torch.int64)[None]
             groups.append(AttnGroup(token_idx.to(device), None, None))
-            continue
-        max_kv = max(start_pos[i] + q_len for i in members)
-        kv_slots = torch.zeros(len(members), max_kv, dtype=torch.int64)
-        kv_pos = torch.arange(max_kv)
-        for row, i in enumerate(members):
-            seq_len = start_pos[i] + q_len
-            table = torch.tensor(block_tables[i][: -(-seq_len // block_size)], dtype=torch.int64)
-            flat = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
-            kv_slots[row, :seq_len] = flat
-        q_pos = torch.tensor([start_pos[i] for i in members])[:, None] + torch.arange(q_len)  # [G, q_len]
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [G, q_len, max_kv]
-        groups.append(AttnGroup(token_idx.to(device), kv_slots.to(device), mask[:, None].to(device)))
+        elif n > ROWWISE_MAX_Q:  # long chunk against a prefix: one masked call
+            groups.append(_chunk_group(cu[i], start, n, block_tables[i], block_size, device))
+        else:
+            for t in range(n):
+                by_kv_len.setdefault(start + t + 1, []).append((i, cu[i] + t))
+    for kv_len, rows in by_kv_len.items():
+        kv_slots = torch.stack([_kv_slots(block_tables[i], kv_len, block_size) for i, _ in rows])  # [G, kv_len]
+        token_idx = torch.tensor([[row] for _, row in rows], dtype=torch.int64)  # [G, 1]
+        groups.append(AttnGroup(token_idx.to(device), kv_slots.to(device), None))
     return AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         groups=groups,
         num_tokens=cu[-1],
     )
+
+
+def _kv_slots(block_table: list[int], kv_len: int, block_size: int) -> Tensor:
+    """Flat cache slots of positions [0, kv_len) -> [kv_len] int64."""
+    table = torch.tensor(block_table[: -(-kv_len // block_size)], dtype=torch.int64)
+    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:kv_len]
+
+
+def _chunk_group(first: int, start: int, n: int, block_table: list[int], block_size: int,
+                 device: torch.device) -> AttnGroup:
+    """One prompt chunk of n tokens at positions start.. against its cached prefix, causal mask."""
+    kv_len = start + n
+    q_pos = start + torch.arange(n)  # [n]
+    mask = torch.arange(kv_len)[None, :] <= q_pos[:, None]  # [n, kv_len]
+    token_idx = torch.arange(first, first + n, dtype=torch.int64)[None]  # [1, n]
+    return AttnGroup(token_idx.to(device), _kv_slots(block_table, kv_len, block_size)[None].to(device),
+                     mask[None, None].to(device))
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -131,7 +148,7 @@ def paged_attention(
             n, num_kv_heads, rep * q_len, head_dim
         )
         mask = g.mask
-        if rep > 1:
+        if mask is not None and rep > 1:
             mask = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(n, 1, rep * q_len, mask.shape[-1])
         og = F.scaled_dot_product_attention(
             qg, flat_k[g.kv_slots].transpose(1, 2), flat_v[g.kv_slots].transpose(1, 2), attn_mask=mask, scale=scale

@@ -1,17 +1,21 @@
-"""CPU matmuls for bf16/fp16 models through FBGEMM's fp16-weight GEMM.
+"""CPU matmuls for bf16/fp16 models: our AVX2 kernel, or FBGEMM's fp16-weight GEMM.
 
 On CPUs without native bf16 matrix instructions (AVX2-only x86), PyTorch's bf16 linear costs
 the same per input row: verifying 1 + k tokens costs 1 + k decode steps, which leaves
-speculative decoding nothing to gain. FBGEMM's fp16-weight GEMM (the kernel behind PyTorch's
-dynamic fp16 linear) streams the weights once for a small batch of rows and computes in fp32:
-on the 2-core AVX2 dev machine a 17920 x 1536 layer takes 3.1 / 13.6 ms for 1 / 5 rows in
-torch bf16 and 1.9 / 2.7 ms here. Packing costs 6-9 ns per weight on 2 cores at load time.
+speculative decoding nothing to gain. Two kernels stream the weights once for a small batch of
+rows and compute in fp32:
 
-Weights are stored as fp16. Every bf16 value of magnitude in [2^-14, 65504] is exactly
-representable in fp16, so trained weights convert exactly apart from the tiniest magnitudes
-(< 6.1e-5, rounded to fp16's subnormal grid, an absolute error below 3e-8); a weight above
-65504 cannot be stored and is refused. Activations go in as fp32 and come back in the model
-dtype, so a linear's output matches a bf16 matmul with fp32 accumulation up to summation order.
+- "avx2" (tandem/kernels/cpu_gemm.c): reads the bf16/fp16 weights exactly as loaded, so it
+  costs nothing at load time and loses no precision, and each row's result is bit-identical
+  whatever the batch (a verified token sees the same logits as a decoded one). On the 2-core
+  dev machine a 17920 x 1536 bf16 layer takes about 1.8 / 2.9 ms for 1 / 5 rows (torch bf16:
+  3.1 / 13.6 ms). Needs a C compiler at first use (the build is cached).
+- "fbgemm": the kernel behind PyTorch's dynamic fp16 linear, about as fast, but its weights
+  must be repacked to fp16 at load (6-9 ns per weight on 2 cores: 14-19 s for the
+  Qwen2.5-Coder pair), tiny weights (< 6.1e-5) are rounded to fp16's subnormal grid, and a
+  weight above 65504 cannot be stored and is refused.
+
+"auto" takes avx2 where it can be built, else fbgemm, else torch's own linear.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from tandem.errors import ConfigError
+from tandem.kernels import cpu_gemm
 
-CPU_MATMULS = ("auto", "fbgemm", "torch")
+CPU_MATMULS = ("auto", "avx2", "fbgemm", "torch")
 
 
 def fbgemm_available() -> bool:
@@ -48,22 +53,62 @@ class FbgemmLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weights (FBGEMM)"
 
 
-def use_fbgemm(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` runs its linears through FBGEMM."""
+class Avx2Linear(nn.Module):
+    """y = x W^T (+ b) through tandem/kernels/cpu_gemm.c on the weight as loaded; called like nn.Linear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # [out, in] bf16/fp16, shared with a tied embedding if any
+        self.bias32 = linear.bias.detach().float() if linear.bias is not None else None  # [out]
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = cpu_gemm.gemm_w16(x.reshape(-1, self.in_features), self.weight, self.bias32, self.weight.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} (AVX2 kernel)"
+
+
+def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel a model on `device` in `dtype` runs its linears through: "avx2", "fbgemm"
+    or "torch" (the nn.Linear as built). An explicit choice that cannot run here is an error."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or cpu_matmul == "torch":
-        return False
-    if not fbgemm_available():
-        if cpu_matmul == "fbgemm":
-            raise ConfigError("cpu_matmul='fbgemm' but this PyTorch build has no FBGEMM; use cpu_matmul='torch'")
-        return False
-    return True
+        return "torch"
+    if cpu_matmul in ("auto", "avx2"):
+        err = cpu_gemm.load_error()
+        if err is None:
+            return "avx2"
+        if cpu_matmul == "avx2":
+            raise ConfigError(f"cpu_matmul='avx2' cannot run here: {err}; use cpu_matmul='auto' or 'torch'")
+    if fbgemm_available():
+        return "fbgemm"
+    if cpu_matmul == "fbgemm":
+        raise ConfigError("cpu_matmul='fbgemm' but this PyTorch build has no FBGEMM; use cpu_matmul='torch'")
+    return "torch"
+
+
+def _linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
+            if isinstance(child, nn.Linear)]
+
+
+def prepare_linears(model: nn.Module, kind: str) -> None:
+    """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place."""
+    if kind == "avx2":
+        for module, name, child in _linear_sites(model):
+            if not child.weight.is_contiguous():
+                child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
+            setattr(module, name, Avx2Linear(child))
+    elif kind == "fbgemm":
+        pack_linears(model)
 
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of `model` by an FbgemmLinear, in place, packing on all threads
     (the bf16 weights are released unless another module, e.g. a tied embedding, holds them)."""
-    sites = [(module, name, child) for module in model.modules() for name, child in module.named_children()
-             if isinstance(child, nn.Linear)]
+    sites = _linear_sites(model)
     limit = torch.finfo(torch.float16).max
 
     def pack(site):

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from tandem.config import ModelConfig
 from tandem.errors import ConfigError
-from tandem.layers.cpu_linear import pack_linears, use_fbgemm
+from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
 
@@ -58,8 +58,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> CausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.requires_grad_(False)
-    if use_fbgemm(cfg.cpu_matmul, device, cfg.dtype):
-        pack_linears(model)
+    prepare_linears(model, cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype))
     return model
 
 

@@ -1,4 +1,4 @@
-"""CPU bf16/fp16 linears through FBGEMM's fp16-weight GEMM (tandem.layers.cpu_linear)."""
+"""CPU bf16/fp16 linears: our AVX2 kernel (tandem/kernels/cpu_gemm.c) and FBGEMM's fp16 GEMM."""
 from __future__ import annotations
 
 import pytest
@@ -7,14 +7,107 @@ from torch import nn
 
 from tandem import LLM, SamplingParams
 from tandem.errors import ConfigError
-from tandem.layers.cpu_linear import FbgemmLinear, fbgemm_available, pack_linears, use_fbgemm
+from tandem.kernels import cpu_gemm
+from tandem.layers.cpu_linear import Avx2Linear, FbgemmLinear, cpu_linear_kind, fbgemm_available, pack_linears
 from tests.helpers import make_hf_model
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="this PyTorch build has no FBGEMM")
+needs_avx2 = pytest.mark.skipif(cpu_gemm.load_error() is not None, reason=f"cpu_gemm: {cpu_gemm.load_error()}")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+
+
+@needs_avx2
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 50, 100])
+@pytest.mark.parametrize("n,k", [(200, 96), (7, 90), (33, 16), (5, 3)])
+def test_gemm_w16_matches_reference(wdtype, out_dtype, rows, n, k):
+    """Tile tails in N (odd N), in rows (6-row tiles, 48-row panels) and in K (16-column chunks)."""
+    w = _weights(n, k, wdtype, seed=rows * 1000 + n + k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        out = cpu_gemm.gemm_w16(x, w, b, out_dtype)
+        ref = cpu_gemm.gemm_w16_ref(x, w, b, torch.float64)
+        assert out.shape == (rows, n) and out.dtype == out_dtype
+        if out_dtype == torch.float32:  # only the summation order differs from float64
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        else:  # one rounding of the fp32 result: half an ulp of the output dtype
+            torch.testing.assert_close(out, ref.to(out_dtype), rtol=torch.finfo(out_dtype).eps, atol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [2, 5, 6, 7, 12, 13, 49])
+def test_each_row_is_bit_identical_to_computing_it_alone(rows):
+    """A verified token's row equals the decode step's row exactly, whatever the batch."""
+    w = _weights(70, 1000, torch.bfloat16, seed=rows)
+    x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    bias = torch.randn(70)
+    batched = cpu_gemm.gemm_w16(x, w, bias, torch.bfloat16)
+    alone = torch.cat([cpu_gemm.gemm_w16(x[i:i + 1], w, bias, torch.bfloat16) for i in range(rows)])
+    assert torch.equal(batched, alone)
+
+
+@needs_avx2
+def test_thread_count_does_not_change_results():
+    w = _weights(301, 640, torch.bfloat16, seed=3)
+    x = torch.randn(5, 640).to(torch.bfloat16)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.gemm_w16(x, w, None, torch.float32)
+        torch.set_num_threads(2)
+        two = cpu_gemm.gemm_w16(x, w, None, torch.float32)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+@needs_avx2
+def test_special_values_and_empty_input():
+    w = _weights(4, 32, torch.bfloat16, seed=0)
+    x = torch.zeros(3, 32)
+    x[1, 5] = float("nan")
+    x[2, 0] = 1e38
+    w[:, 0] = 1e4
+    out = cpu_gemm.gemm_w16(x, w, None, torch.bfloat16)
+    assert torch.equal(out[0], torch.zeros(4, dtype=torch.bfloat16))
+    assert out[1].isnan().all()
+    assert out[2].isinf().all()
+    assert cpu_gemm.gemm_w16(x[:0], w, None, torch.bfloat16).shape == (0, 4)
+
+
+@needs_avx2
+def test_bad_operands_are_refused():
+    w = _weights(4, 32, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="weight must be a contiguous bf16/fp16"):
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.t(), None, torch.float32)
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.float(), None, torch.float32)
+    with pytest.raises(ValueError, match="bias must be a contiguous fp32"):
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w, torch.zeros(4, dtype=torch.bfloat16), torch.float32)
+
+
+@needs_avx2
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_linear_matches_nn_linear(bias):
+    lin = nn.Linear(96, 200, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(2, 5, 96).to(torch.bfloat16)
+    ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+    fast = Avx2Linear(lin)
+    assert fast.weight is lin.weight  # no copy: a tied embedding keeps sharing it
+    out = fast(x)
+    assert out.shape == (2, 5, 200) and out.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= rel_err(lin(x), ref) * 1.5 + 1e-6
 
 
 @needs_fbgemm
@@ -54,10 +147,25 @@ def test_weight_beyond_fp16_range_is_refused():
 
 def test_selection():
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert not use_fbgemm("auto", cpu, torch.float32)  # fp32 keeps torch's exact path
-    assert not use_fbgemm("torch", cpu, bf16)
-    assert not use_fbgemm("auto", torch.device("cuda"), bf16)
-    assert use_fbgemm("auto", cpu, bf16) == fbgemm_available()
+    assert cpu_linear_kind("auto", cpu, torch.float32) == "torch"  # fp32 keeps torch's exact path
+    assert cpu_linear_kind("torch", cpu, bf16) == "torch"
+    assert cpu_linear_kind("auto", torch.device("cuda"), bf16) == "torch"
+    fallback = "fbgemm" if fbgemm_available() else "torch"
+    assert cpu_linear_kind("auto", cpu, bf16) == ("avx2" if cpu_gemm.load_error() is None else fallback)
+
+
+def test_unbuildable_kernel_falls_back_or_says_why(monkeypatch):
+    """No compiler: "auto" falls back, an explicit "avx2" names the reason and the fix."""
+    cpu_gemm._load.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    try:
+        assert "no C compiler" in cpu_gemm.load_error()
+        assert cpu_linear_kind("auto", torch.device("cpu"), torch.bfloat16) in ("fbgemm", "torch")
+        with pytest.raises(ConfigError, match="cpu_matmul='avx2' cannot run here: .*no C compiler.*cpu_matmul='auto'"):
+            cpu_linear_kind("avx2", torch.device("cpu"), torch.bfloat16)
+    finally:
+        monkeypatch.undo()
+        cpu_gemm._load.cache_clear()
 
 
 def test_bad_cpu_matmul_is_a_config_error(tmp_path):
@@ -66,20 +174,23 @@ def test_bad_cpu_matmul_is_a_config_error(tmp_path):
         LLM(str(tmp_path / "m"), cpu_matmul="fast")
 
 
-@needs_fbgemm
 def test_engine_greedy_matches_torch_matmul(tmp_path):
-    """The same bf16 model through both CPU matmuls gives the same greedy text, and the
-    packed engine really runs FBGEMM linears (draft included)."""
+    """The same bf16 model through every CPU matmul gives the same greedy text, and each engine
+    really runs the kernel it was asked for (draft included)."""
     make_hf_model(tmp_path / "m")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["The quick brown fox", "def fib(n):"]
+    modes = {"torch": nn.Linear}
+    if cpu_gemm.load_error() is None:
+        modes["avx2"] = Avx2Linear
+    if fbgemm_available():
+        modes["fbgemm"] = FbgemmLinear
     outs = {}
-    for mode in ("torch", "auto"):
+    for mode, kind in modes.items():
         llm = LLM(str(tmp_path / "m"), dtype="bfloat16", cpu_matmul=mode, max_model_len=256,
                   speculative_config={"model": str(tmp_path / "m"), "num_speculative_tokens": 3})
-        kinds = {type(m) for m in llm.engine.runner.model.modules()}
-        draft_kinds = {type(m) for m in llm.engine.runner.speculator.model.modules()}
-        assert (FbgemmLinear in kinds) == (FbgemmLinear in draft_kinds) == (mode == "auto")
-        assert (nn.Linear in kinds) == (mode == "torch")
+        for model in (llm.engine.runner.model, llm.engine.runner.speculator.model):
+            kinds = {type(m) for m in model.modules()} & {nn.Linear, Avx2Linear, FbgemmLinear}
+            assert kinds == {kind}, mode
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outs["auto"] == outs["torch"]
+    assert all(out == outs["torch"] for out in outs.values())

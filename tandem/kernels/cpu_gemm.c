@@ -1,0 +1,179 @@
+/* Small-batch GEMM with 16-bit weights for AVX2 + FMA + F16C CPUs: y = x W^T (+ b).
+ *
+ * x is fp32 [M, K], W is bf16 or fp16 [N, K] exactly as the checkpoint stores it (no packing,
+ * so loading a model costs nothing here), b is fp32 [N] or NULL, y is fp32, bf16 or fp16 [M, N].
+ * Decoding and verification are bound by reading W: each weight is read from memory once per
+ * panel of up to PANEL_M rows and widened to fp32 in registers (bf16: a 16-bit shift; fp16: F16C),
+ * so 1 + k rows cost about what one row costs.
+ *
+ * Every output element is computed the same way whatever M is and wherever its row falls in a
+ * tile: one 8-lane fp32 accumulator over the 16-column chunks in order (two FMAs per chunk), a
+ * fixed horizontal sum, the scalar tail k >= K - K % 16 in order, then the bias, then one
+ * rounding. A row's result is therefore bit-identical whether it is multiplied alone (a decode
+ * step) or among others (verification, prefill).
+ *
+ * Threads: output rows are split into contiguous blocks across an OpenMP team of the size the
+ * caller passes (torch.get_num_threads()); the runtime is the libgomp.so.1 PyTorch has already
+ * loaded, so both share one pool of threads.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { W_BF16 = 0, W_F16 = 1 };
+enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
+
+#define TILE_N 2      /* weight rows per tile */
+#define TILE_M 6      /* input rows per tile: 1 + k verification rows in one pass for k <= 5 */
+#define PANEL_M 48    /* input rows per pass over W (prefill): x panel stays in cache */
+
+/* 16 weights at p as two fp32 vectors. bf16: lo holds the even-indexed weights (shifted up),
+ * hi the odd ones (low halves masked off), so x must be split the same way (split_x); fp16:
+ * lo = p[0:8], hi = p[8:16]. */
+static inline void load_w16(const uint16_t *p, int wkind, __m256 *lo, __m256 *hi) {
+    if (wkind == W_BF16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)p);
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        *hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    }
+}
+
+static inline float load_w1(uint16_t h, int wkind) {
+    if (wkind == W_BF16) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void store1(void *y, int64_t at, float v, int ykind) {
+    if (ykind == Y_F32)
+        ((float *)y)[at] = v;
+    else if (ykind == Y_BF16)
+        ((uint16_t *)y)[at] = to_bf16(v);
+    else
+        ((uint16_t *)y)[at] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* y[m0 : m0 + mb, n0 : n0 + nb]: TILE_N weight rows (those past N re-read row n0 and are not
+ * stored) times mb <= TILE_M input rows, mb a constant after inlining. xs is x laid out for
+ * load_w16 (16-column chunks), x the original rows (for the tail columns). */
+static inline __attribute__((always_inline)) void tile(
+    const float *xs, const float *x, const uint16_t *w, const float *bias, void *y, int64_t K,
+    int64_t N, int64_t n0, int64_t m0, const int nb, const int mb, const int wkind, const int ykind)
+{
+    __m256 acc[TILE_N][TILE_M];
+    const uint16_t *wr[TILE_N];
+    for (int i = 0; i < TILE_N; i++) {
+        wr[i] = w + (n0 + (i < nb ? i : 0)) * K;
+        for (int j = 0; j < mb; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    const int64_t k16 = K - K % 16;
+    /* The next tile's rows follow this one's in memory: fetch them at the rate this tile reads. */
+    const char *ahead = (const char *)(w + (n0 + TILE_N) * K);
+    for (int64_t k = 0; k < k16; k += 16) {
+        for (int c = 0; c < TILE_N / 2; c++)
+            _mm_prefetch(ahead + k * 2 * TILE_N + 64 * c, _MM_HINT_T0);
+        __m256 lo[TILE_N], hi[TILE_N];
+        for (int i = 0; i < TILE_N; i++)
+            load_w16(wr[i] + k, wkind, &lo[i], &hi[i]);
+        for (int j = 0; j < mb; j++) {
+            const __m256 xe = _mm256_loadu_ps(xs + (m0 + j) * K + k);
+            const __m256 xo = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
+            for (int i = 0; i < TILE_N; i++) {
+                acc[i][j] = _mm256_fmadd_ps(lo[i], xe, acc[i][j]);
+                acc[i][j] = _mm256_fmadd_ps(hi[i], xo, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        for (int j = 0; j < mb; j++) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t k = k16; k < K; k++)
+                s += load_w1(wr[i][k], wkind) * x[(m0 + j) * K + k];
+            if (bias)
+                s += bias[n0 + i];
+            store1(y, (m0 + j) * N + n0 + i, s, ykind);
+        }
+    }
+}
+
+#define TILE_CASE(MB) \
+    case MB: if (MB <= TILE_M) tile(xs, x, w, bias, y, K, N, n0, m0, nb, MB, wkind, ykind); break;
+
+static inline __attribute__((always_inline)) void gemm(
+    const float *xs, const float *x, const uint16_t *w, const float *bias, void *y, int64_t M,
+    int64_t K, int64_t N, int num_threads, const int wkind, const int ykind)
+{
+    const int64_t num_blocks = (N + TILE_N - 1) / TILE_N;
+    for (int64_t p0 = 0; p0 < M; p0 += PANEL_M) {
+        const int64_t p1 = M < p0 + PANEL_M ? M : p0 + PANEL_M;
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t n0 = b * TILE_N;
+            const int nb = (int)(N - n0 < TILE_N ? N - n0 : TILE_N);
+            for (int64_t m0 = p0; m0 < p1; m0 += TILE_M) {
+                switch ((int)(p1 - m0 < TILE_M ? p1 - m0 : TILE_M)) {
+                    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+                    TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+                    default: break;
+                }
+            }
+        }
+    }
+}
+
+/* xs[m, c*16 + t] = x[m, c*16 + 2t] and xs[m, c*16 + 8 + t] = x[m, c*16 + 2t + 1] for t < 8:
+ * the even/odd split load_w16 gives bf16 weights. Columns past the last full chunk are unused. */
+static void split_x(const float *x, float *xs, int64_t M, int64_t K) {
+    const int64_t k16 = K - K % 16;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < k16; k += 16)
+            for (int t = 0; t < 8; t++) {
+                xs[m * K + k + t] = x[m * K + k + 2 * t];
+                xs[m * K + k + 8 + t] = x[m * K + k + 2 * t + 1];
+            }
+}
+
+/* Entry point. scratch: M * K floats for the bf16 layout of x (unused for fp16 weights).
+ * Returns 0, or -1 for a dtype code it does not know. */
+int tandem_gemm_w16(const float *x, const uint16_t *w, const float *bias, void *y, float *scratch,
+                    int64_t M, int64_t K, int64_t N, int wkind, int ykind, int num_threads)
+{
+    const float *xs = x;
+    if (wkind == W_BF16) {
+        split_x(x, scratch, M, K);
+        xs = scratch;
+    }
+    switch (wkind * 4 + ykind) {
+        case W_BF16 * 4 + Y_F32: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_F32); return 0;
+        case W_BF16 * 4 + Y_BF16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_BF16); return 0;
+        case W_BF16 * 4 + Y_F16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_F16); return 0;
+        case W_F16 * 4 + Y_F32: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_F32); return 0;
+        case W_F16 * 4 + Y_BF16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_BF16); return 0;
+        case W_F16 * 4 + Y_F16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_F16); return 0;
+        default: return -1;
+    }
+}

@@ -1,0 +1,116 @@
+"""Build, load and call cpu_gemm.c: small-batch GEMM with bf16/fp16 weights on AVX2 CPUs.
+
+The C file is compiled once per source version and compiler into
+``$TANDEM_CACHE/kernels/cpu_gemm-<hash>.so`` (written under a temporary name, then renamed, so
+an interrupted build is never loaded) and called through ctypes, which releases the GIL. It
+needs an x86-64 CPU with AVX2 + FMA + F16C and a C compiler (``$CC``, else ``cc``) with
+OpenMP; `load_error()` says what is missing where it is not available.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import torch
+from torch import Tensor
+
+_SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_WEIGHT_KIND = {torch.bfloat16: 0, torch.float16: 1}
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build_dir() -> pathlib.Path:
+    root = os.environ.get("TANDEM_CACHE") or os.path.join("~", ".cache", "tandem")
+    return pathlib.Path(root).expanduser() / "kernels"
+
+
+def _compile(cc: str) -> pathlib.Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256("\0".join([_SOURCE.read_text(), version, *_FLAGS]).encode()).hexdigest()[:16]
+    out_dir = _build_dir()
+    target = out_dir / f"cpu_gemm-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-cpu_gemm-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[object | None, str | None]:
+    """(the C entry point, None), or (None, why it is unavailable). Built at most once per process."""
+    if not _cpu_has_avx2():
+        return None, f"this CPU lacks AVX2/FMA (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        return None, f"no C compiler: {cc!r} is not on PATH (install gcc or set $CC)"
+    try:
+        path = _compile(cc)
+        fn = ctypes.CDLL(str(path)).tandem_gemm_w16
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"building {_SOURCE.name} failed: {e}"
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
+    fn.restype = ctypes.c_int
+    return fn, None
+
+
+def load_error() -> str | None:
+    """None when the kernel can run here, else the reason it cannot."""
+    return _load()[1]
+
+
+def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """y = x weight^T (+ bias) on the CPU.
+
+    x: [M, K] any float dtype (widened to fp32); weight: [N, K] bf16 or fp16, contiguous;
+    bias: [N] fp32 or None. Returns [M, N] in out_dtype (fp32, bf16 or fp16), fp32 accumulation,
+    each row bit-identical to computing it alone."""
+    fn, err = _load()
+    if fn is None:
+        raise RuntimeError(f"cpu_gemm is unavailable: {err}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or not weight.is_contiguous() or weight.dtype not in _WEIGHT_KIND:
+        raise ValueError(f"gemm_w16: weight must be a contiguous bf16/fp16 [N, {K}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"gemm_w16: bias must be a contiguous fp32 [{N}]")
+    xf = x.to(torch.float32).contiguous()  # [M, K]
+    y = torch.empty(M, N, dtype=out_dtype)  # [M, N]
+    if M == 0:
+        return y
+    scratch = torch.empty(M * K, dtype=torch.float32)  # x split for bf16 weights (see split_x)
+    rc = fn(xf.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), scratch.data_ptr(), M, K, N, _WEIGHT_KIND[weight.dtype], _OUT_KIND[out_dtype],
+            torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"gemm_w16: unsupported dtypes {weight.dtype} -> {out_dtype}")
+    return y
+
+
+def gemm_w16_ref(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """Plain-torch reference: fp32 matmul of the widened weights, one rounding to out_dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
