@@ -23,9 +23,15 @@
 enum { W_BF16 = 0, W_F16 = 1 };
 enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
 
-#define TILE_N 2      /* weight rows per tile */
-#define TILE_M 6      /* input rows per tile: 1 + k verification rows in one pass for k <= 5 */
-#define PANEL_M 48    /* input rows per pass over W (prefill): x panel stays in cache */
+/* Tiles: weight rows x input rows. Up to SMALL_TILE_M rows (1 + k verification rows for
+ * k <= 5) run in one pass; more rows (prefill) in panels of PANEL_M rows with wider tiles. */
+#define SMALL_TILE_N 2
+#define SMALL_TILE_M 6
+#define WIDE_TILE_N 4
+#define WIDE_TILE_M 2
+#define PANEL_M 48
+#define MAX_TILE_N 4
+#define MAX_TILE_M 6
 
 /* 16 weights at p as two fp32 vectors. bf16: lo holds the even-indexed weights (shifted up),
  * hi the odd ones (low halves masked off), so x must be split the same way (split_x); fp16:
@@ -76,35 +82,54 @@ static inline void store1(void *y, int64_t at, float v, int ykind) {
         ((uint16_t *)y)[at] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* y[m0 : m0 + mb, n0 : n0 + nb]: TILE_N weight rows (those past N re-read row n0 and are not
- * stored) times mb <= TILE_M input rows, mb a constant after inlining. xs is x laid out for
- * load_w16 (16-column chunks), x the original rows (for the tail columns). */
+/* y[m0 : m0 + mb, n0 : n0 + nb]: tn weight rows (those past N re-read row n0 and are not
+ * stored) times mb input rows; tn, mb and rows_outer are constants after inlining. xs is x laid
+ * out for load_w16 (16-column chunks), x the original rows (for the tail columns). rows_outer
+ * only changes which operands stay in registers: every accumulator sees the same FMAs in the
+ * same order either way. */
 static inline __attribute__((always_inline)) void tile(
     const float *xs, const float *x, const uint16_t *w, const float *bias, void *y, int64_t K,
-    int64_t N, int64_t n0, int64_t m0, const int nb, const int mb, const int wkind, const int ykind)
+    int64_t N, int64_t n0, int64_t m0, const int nb, const int tn, const int mb, const int rows_outer,
+    const int wkind, const int ykind)
 {
-    __m256 acc[TILE_N][TILE_M];
-    const uint16_t *wr[TILE_N];
-    for (int i = 0; i < TILE_N; i++) {
+    __m256 acc[MAX_TILE_N][MAX_TILE_M];
+    const uint16_t *wr[MAX_TILE_N];
+    for (int i = 0; i < tn; i++) {
         wr[i] = w + (n0 + (i < nb ? i : 0)) * K;
         for (int j = 0; j < mb; j++)
             acc[i][j] = _mm256_setzero_ps();
     }
     const int64_t k16 = K - K % 16;
     /* The next tile's rows follow this one's in memory: fetch them at the rate this tile reads. */
-    const char *ahead = (const char *)(w + (n0 + TILE_N) * K);
+    const char *ahead = (const char *)(w + (n0 + tn) * K);
     for (int64_t k = 0; k < k16; k += 16) {
-        for (int c = 0; c < TILE_N / 2; c++)
-            _mm_prefetch(ahead + k * 2 * TILE_N + 64 * c, _MM_HINT_T0);
-        __m256 lo[TILE_N], hi[TILE_N];
-        for (int i = 0; i < TILE_N; i++)
-            load_w16(wr[i] + k, wkind, &lo[i], &hi[i]);
-        for (int j = 0; j < mb; j++) {
-            const __m256 xe = _mm256_loadu_ps(xs + (m0 + j) * K + k);
-            const __m256 xo = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
-            for (int i = 0; i < TILE_N; i++) {
-                acc[i][j] = _mm256_fmadd_ps(lo[i], xe, acc[i][j]);
-                acc[i][j] = _mm256_fmadd_ps(hi[i], xo, acc[i][j]);
+        for (int c = 0; c < tn / 2; c++)
+            _mm_prefetch(ahead + k * 2 * tn + 64 * c, _MM_HINT_T0);
+        if (rows_outer) {  /* x of the mb rows in registers, one weight row at a time */
+            __m256 xe[MAX_TILE_M], xo[MAX_TILE_M];
+            for (int j = 0; j < mb; j++) {
+                xe[j] = _mm256_loadu_ps(xs + (m0 + j) * K + k);
+                xo[j] = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
+            }
+            for (int i = 0; i < tn; i++) {
+                __m256 lo, hi;
+                load_w16(wr[i] + k, wkind, &lo, &hi);
+                for (int j = 0; j < mb; j++) {
+                    acc[i][j] = _mm256_fmadd_ps(lo, xe[j], acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(hi, xo[j], acc[i][j]);
+                }
+            }
+        } else {  /* the tn weight rows in registers, one x row at a time */
+            __m256 lo[MAX_TILE_N], hi[MAX_TILE_N];
+            for (int i = 0; i < tn; i++)
+                load_w16(wr[i] + k, wkind, &lo[i], &hi[i]);
+            for (int j = 0; j < mb; j++) {
+                const __m256 xe = _mm256_loadu_ps(xs + (m0 + j) * K + k);
+                const __m256 xo = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
+                for (int i = 0; i < tn; i++) {
+                    acc[i][j] = _mm256_fmadd_ps(lo[i], xe, acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(hi[i], xo, acc[i][j]);
+                }
             }
         }
     }
@@ -120,28 +145,55 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define TILE_CASE(MB) \
-    case MB: if (MB <= TILE_M) tile(xs, x, w, bias, y, K, N, n0, m0, nb, MB, wkind, ykind); break;
+/* One pass of weight rows [0, N) over input rows [p0, p1) in TN x TM tiles. A macro, not an
+ * inline function: GCC outlines an OpenMP region before it inlines, so the tile shape must be
+ * a literal inside the region for the accumulators to live in registers. */
+#define DEFINE_SWEEP(NAME, TN, TM, ROWS_OUTER)                                                      \
+static void NAME(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,  \
+                 int64_t p0, int64_t p1, int64_t K, int64_t N, int num_threads, int wkind,       \
+                 int ykind)                                                                       \
+{                                                                                                 \
+    const int64_t num_blocks = (N + (TN) - 1) / (TN);                                            \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
+    for (int64_t b = 0; b < num_blocks; b++) {                                                    \
+        const int64_t n0 = b * (TN);                                                              \
+        const int nb = (int)(N - n0 < (TN) ? N - n0 : (TN));                                     \
+        for (int64_t m0 = p0; m0 < p1; m0 += (TM)) {                                              \
+            switch ((int)(p1 - m0 < (TM) ? p1 - m0 : (TM))) {                                     \
+                SWEEP_CASE(TN, TM, ROWS_OUTER, 1) SWEEP_CASE(TN, TM, ROWS_OUTER, 2)               \
+                SWEEP_CASE(TN, TM, ROWS_OUTER, 3) SWEEP_CASE(TN, TM, ROWS_OUTER, 4)               \
+                SWEEP_CASE(TN, TM, ROWS_OUTER, 5) SWEEP_CASE(TN, TM, ROWS_OUTER, 6)               \
+                default: break;                                                                   \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
 
-static inline __attribute__((always_inline)) void gemm(
-    const float *xs, const float *x, const uint16_t *w, const float *bias, void *y, int64_t M,
-    int64_t K, int64_t N, int num_threads, const int wkind, const int ykind)
+#define SWEEP_CASE(TN, TM, ROWS_OUTER, MB)                                                        \
+    case MB:                                                                                      \
+        if ((MB) <= (TM)) {                                                                       \
+            if (wkind == W_BF16 && ykind == Y_BF16)  /* the common case, fully specialised */     \
+                tile(xs, x, w, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, W_BF16, Y_BF16);    \
+            else                                                                                  \
+                tile(xs, x, w, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, wkind, ykind);      \
+        }                                                                                         \
+        break;
+
+DEFINE_SWEEP(sweep_small, SMALL_TILE_N, SMALL_TILE_M, 0)
+DEFINE_SWEEP(sweep_wide, WIDE_TILE_N, WIDE_TILE_M, 1)
+
+static void gemm(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,
+                 int64_t M, int64_t K, int64_t N, int num_threads, int wkind, int ykind)
 {
-    const int64_t num_blocks = (N + TILE_N - 1) / TILE_N;
+    if (M <= SMALL_TILE_M) {  /* decode / verification: every weight read once from memory */
+        sweep_small(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        return;
+    }
+    /* Prefill: panels of rows; 4 x 2 tiles read each x element once per 4 weight rows, which
+     * keeps the x traffic from L2 within its bandwidth. */
     for (int64_t p0 = 0; p0 < M; p0 += PANEL_M) {
         const int64_t p1 = M < p0 + PANEL_M ? M : p0 + PANEL_M;
-        #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const int64_t n0 = b * TILE_N;
-            const int nb = (int)(N - n0 < TILE_N ? N - n0 : TILE_N);
-            for (int64_t m0 = p0; m0 < p1; m0 += TILE_M) {
-                switch ((int)(p1 - m0 < TILE_M ? p1 - m0 : TILE_M)) {
-                    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-                    TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
-                    default: break;
-                }
-            }
-        }
+        sweep_wide(xs, x, w, bias, y, p0, p1, K, N, num_threads, wkind, ykind);
     }
 }
 
@@ -167,13 +219,12 @@ int tandem_gemm_w16(const float *x, const uint16_t *w, const float *bias, void *
         split_x(x, scratch, M, K);
         xs = scratch;
     }
-    switch (wkind * 4 + ykind) {
-        case W_BF16 * 4 + Y_F32: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_F32); return 0;
-        case W_BF16 * 4 + Y_BF16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_BF16); return 0;
-        case W_BF16 * 4 + Y_F16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_BF16, Y_F16); return 0;
-        case W_F16 * 4 + Y_F32: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_F32); return 0;
-        case W_F16 * 4 + Y_BF16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_BF16); return 0;
-        case W_F16 * 4 + Y_F16: gemm(xs, x, w, bias, y, M, K, N, num_threads, W_F16, Y_F16); return 0;
+    if (wkind != W_BF16 && wkind != W_F16)
+        return -1;
+    switch (ykind) {
+        case Y_F32: case Y_BF16: case Y_F16:
+            gemm(xs, x, w, bias, y, M, K, N, num_threads, wkind, ykind);
+            return 0;
         default: return -1;
     }
 }

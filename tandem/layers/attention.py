@@ -5,14 +5,15 @@ Metadata is built once per step by the runner and passed explicitly to each atte
 queries of any length against a cached prefix: a request's query token i sits at position
 start_pos + i and sees every key at a position <= its own.
 
-Grouping. A prompt chunk with no cached prefix runs alone through a plain causal kernel; a
-longer chunk against a prefix (more than ROWWISE_MAX_Q tokens) runs alone with a causal mask.
-Every other query token (decodes, verifications, short chunks) is attended as a one-token
-query against exactly its visible keys, batched with the tokens that see the same number of
-keys: no padding, no mask. A token's attention output is then computed the same way whether
-it is decoded alone or verified among 1 + k draft tokens, so (with the row-invariant CPU
-linears of tandem/layers/cpu_linear.py) speculative greedy output equals target-only greedy
-output bit for bit, in bf16 too.
+Grouping. A prompt with no cached prefix runs alone through a plain causal kernel. With
+`rowwise` (the target model's steps), every other request of at most ROWWISE_MAX_Q query
+tokens (decodes, verifications, short chunks) is a RowGroup: its tokens are attended one at
+a time, each against exactly its visible keys (no padding, no mask), so a token's attention
+output is computed the same way whether it is decoded alone or verified among 1 + k draft
+tokens; with the row-invariant CPU linears of tandem/layers/cpu_linear.py, speculative greedy
+output then equals target-only greedy output bit for bit, in bf16 too. The rest (longer
+chunks, and everything when not `rowwise`, as in the draft's catch-up, whose numerics cannot
+change the output) is batched by equal query length with a causal mask.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Longest query chunk against a cached prefix that is attended token by token (see above).
+# Longest query chunk against a cached prefix attended token by token (see above).
 ROWWISE_MAX_Q = 16
 
 
@@ -36,11 +37,22 @@ class AttnGroup:
 
 
 @dataclass(slots=True)
+class RowGroup:
+    """One request's query tokens [first, first + n), attended one at a time: token t sees the
+    keys at positions [0, start + t + 1)."""
+
+    first: int
+    n: int
+    start: int
+    kv_slots: Tensor  # [start + n] int64 flat cache slots
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     """Everything attention needs for one step of one model; shared by all its layers."""
 
     slot_mapping: Tensor  # [num_tokens] int64, flat KV slot (block * block_size + offset) per token
-    groups: list[AttnGroup]
+    groups: list[AttnGroup | RowGroup]
     num_tokens: int
 
     fuses_kv_store = False  # the rotary kernel never stores K/V for this path
@@ -59,6 +71,7 @@ def build_attn_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    rowwise: bool = True,
 ) -> AttnMetadata:
     """Host-side construction from plain lists (the reference path: eager, no padding)."""
     cu = [0]
@@ -69,21 +82,25 @@ def build_attn_metadata(
         for p in range(start, start + n):
             slots.append(table[p // block_size] * block_size + p % block_size)
 
-    groups = []
-    by_kv_len: dict[int, list[tuple[int, int]]] = {}  # visible keys -> [(request, token row)]
+    groups: list[AttnGroup | RowGroup] = []
+    by_len: dict[int, list[int]] = {}
     for i, (start, n) in enumerate(zip(start_pos, q_lens)):
         if start == 0 and n > 1:  # prompt with no prefix: plain causal
             token_idx = torch.arange(cu[i], cu[i] + n, dtype=torch.int64)[None]
             groups.append(AttnGroup(token_idx.to(device), None, None))
-        elif n > ROWWISE_MAX_Q:  # long chunk against a prefix: one masked call
-            groups.append(_chunk_group(cu[i], start, n, block_tables[i], block_size, device))
+        elif rowwise and n <= ROWWISE_MAX_Q:
+            groups.append(RowGroup(cu[i], n, start, _kv_slots(block_tables[i], start + n, block_size).to(device)))
         else:
-            for t in range(n):
-                by_kv_len.setdefault(start + t + 1, []).append((i, cu[i] + t))
-    for kv_len, rows in by_kv_len.items():
-        kv_slots = torch.stack([_kv_slots(block_tables[i], kv_len, block_size) for i, _ in rows])  # [G, kv_len]
-        token_idx = torch.tensor([[row] for _, row in rows], dtype=torch.int64)  # [G, 1]
-        groups.append(AttnGroup(token_idx.to(device), kv_slots.to(device), None))
+            by_len.setdefault(n, []).append(i)
+    for q_len, members in by_len.items():
+        max_kv = max(start_pos[i] + q_len for i in members)
+        kv_slots = torch.zeros(len(members), max_kv, dtype=torch.int64)  # masked keys read slot 0
+        for row, i in enumerate(members):
+            kv_slots[row, : start_pos[i] + q_len] = _kv_slots(block_tables[i], start_pos[i] + q_len, block_size)
+        token_idx = torch.tensor([list(range(cu[i], cu[i] + q_len)) for i in members], dtype=torch.int64)
+        q_pos = torch.tensor([start_pos[i] for i in members])[:, None] + torch.arange(q_len)  # [G, q_len]
+        mask = torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None]  # [G, q_len, max_kv]
+        groups.append(AttnGroup(token_idx.to(device), kv_slots.to(device), mask[:, None].to(device)))
     return AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         groups=groups,
@@ -95,17 +112,6 @@ def _kv_slots(block_table: list[int], kv_len: int, block_size: int) -> Tensor:
     """Flat cache slots of positions [0, kv_len) -> [kv_len] int64."""
     table = torch.tensor(block_table[: -(-kv_len // block_size)], dtype=torch.int64)
     return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:kv_len]
-
-
-def _chunk_group(first: int, start: int, n: int, block_table: list[int], block_size: int,
-                 device: torch.device) -> AttnGroup:
-    """One prompt chunk of n tokens at positions start.. against its cached prefix, causal mask."""
-    kv_len = start + n
-    q_pos = start + torch.arange(n)  # [n]
-    mask = torch.arange(kv_len)[None, :] <= q_pos[:, None]  # [n, kv_len]
-    token_idx = torch.arange(first, first + n, dtype=torch.int64)[None]  # [1, n]
-    return AttnGroup(token_idx.to(device), _kv_slots(block_table, kv_len, block_size)[None].to(device),
-                     mask[None, None].to(device))
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -127,9 +133,12 @@ def paged_attention(
     rep = num_heads // num_kv_heads
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    whole = len(attn.groups) == 1
+    whole = len(attn.groups) == 1 and isinstance(attn.groups[0], AttnGroup)
     out = None if whole else torch.empty_like(q)
     for g in attn.groups:
+        if isinstance(g, RowGroup):
+            _attend_rows(q, flat_k, flat_v, g, scale, out)
+            continue
         n, q_len = g.token_idx.shape
         qg = q.view(n, q_len, num_heads, head_dim) if whole else q[g.token_idx]  # [G, q_len, H, D]
         if g.kv_slots is None:  # a prompt with no cached prefix: plain causal attention
@@ -160,6 +169,20 @@ def paged_attention(
             return og.reshape(num_tokens, num_heads, head_dim)
         out[g.token_idx] = og
     return out
+
+
+def _attend_rows(q: Tensor, flat_k: Tensor, flat_v: Tensor, g: RowGroup, scale: float, out: Tensor) -> None:
+    """Each token of g as a one-token query against exactly its keys: [1, Hkv, rep, D] x [1, Hkv, L, D]."""
+    num_kv_heads, head_dim = flat_k.shape[1:]
+    keys = flat_k[g.kv_slots].transpose(0, 1)  # [Hkv, start + n, D]
+    values = flat_v[g.kv_slots].transpose(0, 1)
+    for t in range(g.n):
+        row = g.first + t
+        visible = g.start + t + 1
+        og = F.scaled_dot_product_attention(
+            q[row].view(1, num_kv_heads, -1, head_dim), keys[None, :, :visible], values[None, :, :visible], scale=scale
+        )  # [1, Hkv, rep, D]
+        out[row] = og.view(-1, head_dim)
 
 
 def build_decode_metadata(positions: Tensor, block_table: Tensor, block_size: int, max_kv: int) -> AttnMetadata:

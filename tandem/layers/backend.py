@@ -34,12 +34,14 @@ class AttnBackend:
         self.use_triton = triton_available(device) if use_triton is None else use_triton
         self.upload = Uploader(device)  # shared by the runner and the speculator
 
-    def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]]):
-        """Metadata for ragged queries (chunks, decodes, verifications) from host lists."""
+    def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], rowwise: bool = True):
+        """Metadata for ragged queries (chunks, decodes, verifications) from host lists.
+        rowwise=False lets the CPU reference batch short queries (see layers/attention.py):
+        for a draft model, whose numerics cannot change the output."""
         if self.use_table:
             return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.upload,
                                         self.use_triton)
-        return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device)
+        return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, rowwise)
 
     def decode(self, positions: Tensor, block_table: Tensor, max_kv: int, valid: Tensor | None = None):
         """One query per row at device-side positions [n]; block_table [n, max_blocks] int64.

@@ -139,7 +139,7 @@ class DraftSpeculator:
             src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
         )
         ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
-        meta = self.attn_backend.prefill(starts, lens, tables)
+        meta = self.attn_backend.prefill(starts, lens, tables, rowwise=False)  # draft: batched is fine
         if not sampling:
             self.model(ids, positions, meta, self.kv)
             return

@@ -6,6 +6,7 @@ from safetensors.torch import load_file, save_file
 from tandem import LLM, SamplingParams
 from tandem.models.decoder import KVCache
 from tandem.config import read_arch_config
+from tandem.kernels import cpu_gemm
 from tests.helpers import make_hf_model
 
 MAX_LEN = 256
@@ -63,6 +64,21 @@ def test_near_draft_matches_target(models, baseline, k, method):
     assert m.num_draft_rounds > 0
     assert 0.05 < m.acceptance_rate < 0.98  # partial acceptance exercises both branches
     assert all(o.metrics.num_draft_tokens > 0 for o in outs)
+
+
+@pytest.mark.skipif(cpu_gemm.load_error() is not None, reason=f"cpu_gemm: {cpu_gemm.load_error()}")
+@pytest.mark.parametrize("k", [2, 4, 7])
+def test_bf16_matches_target_only_bit_for_bit(models, k):
+    """In bf16 too: the CPU linears give a row the same bits in any batch and attention runs
+    each decode / verification token alone against exactly its keys, so a verified token sees
+    the logits a decoded one would (batched requests, long outputs, partial acceptance)."""
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    target = LLM(str(models["target"]), dtype="bfloat16", block_size=8, max_model_len=MAX_LEN)
+    expect = _tokens(target.generate(PROMPTS[:5], params, use_tqdm=False))
+    llm = LLM(str(models["target"]), dtype="bfloat16", block_size=8, max_model_len=MAX_LEN,
+              speculative_config=dict(model=str(models["near"]), num_speculative_tokens=k))
+    assert _tokens(llm.generate(PROMPTS[:5], params, use_tqdm=False)) == expect
+    assert 0.05 < llm.engine.spec_metrics.acceptance_rate < 0.98
 
 
 def test_target_as_draft_accepts_everything(models, baseline):
