@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tandem  # noqa: F401,E402  (before torch: it sets the OpenMP wait policy)
+import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_json  # noqa: E402
 

@@ -24,13 +24,16 @@ enum { W_BF16 = 0, W_F16 = 1 };
 enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
 
 /* Tiles: weight rows x input rows. Up to SMALL_TILE_M rows (1 + k verification rows for
- * k <= 5) run in one pass; more rows (prefill) in panels of PANEL_M rows with wider tiles. */
+ * k <= 5) run in one pass; more rows (prefill) in panels of PANEL_M rows with wider tiles.
+ * One and two rows get taller tiles: each accumulator takes two dependent FMAs per chunk
+ * (8 cycles of latency), so a 2 x 1 tile could not keep the FMA units busy and a decode step
+ * would be latency-bound rather than bandwidth-bound. */
 #define SMALL_TILE_N 2
 #define SMALL_TILE_M 6
 #define WIDE_TILE_N 4
 #define WIDE_TILE_M 2
 #define PANEL_M 48
-#define MAX_TILE_N 4
+#define MAX_TILE_N 8
 #define MAX_TILE_M 6
 
 /* 16 weights at p as two fp32 vectors. bf16: lo holds the even-indexed weights (shifted up),
@@ -179,13 +182,24 @@ static void NAME(const float *xs, const float *x, const uint16_t *w, const float
         }                                                                                         \
         break;
 
+DEFINE_SWEEP(sweep_one, 8, 1, 1)
+DEFINE_SWEEP(sweep_two, 4, 2, 1)
 DEFINE_SWEEP(sweep_small, SMALL_TILE_N, SMALL_TILE_M, 0)
 DEFINE_SWEEP(sweep_wide, WIDE_TILE_N, WIDE_TILE_M, 1)
 
 static void gemm(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,
                  int64_t M, int64_t K, int64_t N, int num_threads, int wkind, int ykind)
 {
-    if (M <= SMALL_TILE_M) {  /* decode / verification: every weight read once from memory */
+    /* decode / verification: every weight read once from memory */
+    if (M == 1) {
+        sweep_one(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        return;
+    }
+    if (M == 2) {
+        sweep_two(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        return;
+    }
+    if (M <= SMALL_TILE_M) {
         sweep_small(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
         return;
     }
