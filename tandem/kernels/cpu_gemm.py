@@ -20,6 +20,8 @@ import tempfile
 import torch
 from torch import Tensor
 
+from tandem.models.hub import cache_root
+
 _SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _WEIGHT_KIND = {torch.bfloat16: 0, torch.float16: 1}
@@ -30,15 +32,10 @@ def _cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _build_dir() -> pathlib.Path:
-    root = os.environ.get("TANDEM_CACHE") or os.path.join("~", ".cache", "tandem")
-    return pathlib.Path(root).expanduser() / "kernels"
-
-
 def _compile(cc: str) -> pathlib.Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256("\0".join([_SOURCE.read_text(), version, *_FLAGS]).encode()).hexdigest()[:16]
-    out_dir = _build_dir()
+    out_dir = cache_root() / "kernels"
     target = out_dir / f"cpu_gemm-{digest}.so"
     if target.exists():
         return target
