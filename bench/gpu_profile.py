@@ -90,9 +90,11 @@ def host_phases(llm, args) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "schedule_ahead", "schedule_ahead")
     timer.wrap(engine.scheduler, "update", "update")
     timer.wrap(runner, "_logits", "forward (launch)")
-    timer.wrap(runner, "_to_host", "to_host (incl. wait)")
+    timer.wrap(runner, "_copy_results", "copy_results")
+    timer.wrap(runner, "collect", "collect (incl. wait)")
     orig_build = mr.build_batch
 
     def build(*a, **kw):

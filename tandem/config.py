@@ -92,6 +92,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     num_lookahead_tokens: int = 0  # KV slots reserved past the known tokens (k with a draft)
+    # Plan and launch the next decode step before the current one's result reaches the host
+    # (Scheduler.schedule_ahead), so host work overlaps device work. Target-only.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 from tandem.sampling_params import SamplingParams
 
+# An input token the host does not know yet: the token the previous step samples for this slot.
+# Only plans made ahead of that step's result (Scheduler.schedule_ahead) carry it; the runner
+# reads the token on the device.
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True)
 class NewReq:
@@ -29,7 +34,7 @@ class ScheduledReq:
     req_id: int
     slot: int
     start_pos: int  # num_computed_tokens before this step = position of the first input token
-    input_token_ids: list[int]  # known tokens fed this step; drafts follow them, read on device
+    input_token_ids: list[int]  # tokens fed this step (or [PENDING_TOKEN]); drafts follow them, read on device
     num_drafts: int  # drafts (pending in the slot) verified after the input tokens
     block_ids: list[int]  # the request's whole block table
     sample: bool  # the chunk reaches the last known token, so a token is sampled

@@ -1,7 +1,10 @@
 """Engine: builds the model, KV pool, runner and scheduler in order, and runs the step loop.
 
 step() is the three hops: scheduler.schedule -> runner.execute -> scheduler.update, then the
-emitted tokens are detokenized, stop strings applied and RequestOutputs produced.
+emitted tokens are detokenized, stop strings applied and RequestOutputs produced. execute is
+launch + collect; with async scheduling, when the next step does not depend on the current
+one's result (steady decoding), step() plans and launches it before collecting the current one,
+so the host's work for a step overlaps the device's work for the next.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from tandem.errors import RequestError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.runner.memory import num_kv_blocks
-from tandem.runner.model_runner import ModelRunner
+from tandem.runner.model_runner import Launched, ModelRunner
 from tandem.sampling_params import MAX_SEED, SamplingParams
 from tandem.scheduler.request import Request
 from tandem.scheduler.scheduler import Scheduler
@@ -81,6 +84,10 @@ class Engine:
             if self.runner.speculator is not None:
                 self.runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
+        self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
+        if self.async_scheduling:
+            self.runner.enable_pending_inputs()
+        self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
         self._rng = random.Random(cfg.model.seed)
@@ -158,19 +165,31 @@ class Engine:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of every request that progressed."""
-        plan = self.scheduler.schedule()
         touched = {s.request_id: s for s in self._aborted}
         self._aborted = []
-        if not plan.is_empty:
-            now = time.monotonic()
-            result = self.runner.execute(plan)
-            events = self.scheduler.update(plan, result)
-            self._emit(plan, result, events, now, touched)
-            if self.spec_metrics is not None:
-                self.spec_metrics.observe(plan, result)
-                if now - self._last_log >= self.log_interval_s:
-                    self._last_log = now
-                    logger.info(self.spec_metrics.log_line())
+        if self._inflight is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return [self._output(s) for s in touched.values()]
+            self._inflight = (plan, self.runner.launch(plan), time.monotonic())
+        plan, launched, start = self._inflight
+        self._inflight = None
+        if self.async_scheduling:
+            ahead = self.scheduler.schedule_ahead(plan)
+            if ahead is not None:
+                self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
+        result = self.runner.collect(launched)
+        events = self.scheduler.update(plan, result)
+        self._emit(plan, result, events, start, touched)
+        if self.spec_metrics is not None:
+            self.spec_metrics.observe(plan, result)
+            if start - self._last_log >= self.log_interval_s:
+                self._last_log = start
+                logger.info(self.spec_metrics.log_line())
+        if self._inflight is not None and not self.scheduler.has_unfinished:
+            # Everything stopped at this step: the step launched ahead has no one left to serve.
+            self.runner.collect(self._inflight[1])
+            self._inflight = None
         return [self._output(s) for s in touched.values()]
 
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:

@@ -50,6 +50,7 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         enforce_eager: bool = False,
         cpu_matmul: str = "auto",
+        async_scheduling: bool | None = None,
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -79,6 +80,15 @@ class LLM:
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
         k = spec.num_speculative_tokens if spec is not None else 0
+        if async_scheduling not in (None, True, False):
+            raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
+        if async_scheduling and spec is not None:
+            raise ConfigError(
+                "async_scheduling=True is not supported with speculative_config: with a draft model the host "
+                "already applies each step while the device drafts; leave async_scheduling unset"
+            )
+        if async_scheduling is None:  # auto: on a GPU without a draft (on a CPU nothing overlaps)
+            async_scheduling = dev.type == "cuda" and spec is None
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs * (1 + k))
         if max_num_batched_tokens < 1 + k:
@@ -99,6 +109,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_len,
                 num_lookahead_tokens=k,
+                async_scheduling=async_scheduling,
             ),
             device=dev,
             spec=spec,

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
-from tandem.plan import StepPlan
+from tandem.plan import PENDING_TOKEN, StepPlan
 from tandem.sampling.processors import SampleRows
 
 
@@ -25,6 +25,8 @@ class Batch:
     row_draft_index: Tensor  # [num_rows] int64, j for the row after the request's j-th draft
     draft_dst: Tensor | None  # [num_draft_tokens] int64 token rows that take a pending draft
     draft_src: Tensor | None  # [num_draft_tokens, 2] int64 (slot, draft index) of each
+    pending_dst: Tensor | None  # [num_pending] int64 token rows fed the slot's last sampled token
+    pending_slots: Tensor | None  # [num_pending] int64 the slot of each
 
 
 def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> Batch:
@@ -37,10 +39,15 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
     row_draft_index: list[int] = []
     draft_dst: list[int] = []
     draft_src: list[tuple[int, int]] = []
+    pending_dst: list[int] = []
+    pending_slots: list[int] = []
     sampling: list[int] = []
     cu_num_rows = [0]
     for i, r in enumerate(plan.reqs):
         base = len(ids)
+        if r.input_token_ids[0] == PENDING_TOKEN:  # planned ahead: the token is on the device
+            pending_dst.append(base)
+            pending_slots.append(r.slot)
         ids.extend(r.input_token_ids)
         ids.extend([0] * r.num_drafts)
         positions.extend(range(r.start_pos, r.start_pos + r.num_new_tokens))
@@ -65,8 +72,9 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         [r.block_ids for r in plan.reqs],
     )
     flat_src = [v for pair in draft_src for v in pair]
-    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t) = backend.upload(
-        ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src
+    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t, pend_dst_t, pend_slots_t) = backend.upload(
+        ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src, pending_dst,
+        pending_slots,
     )
     rows = SampleRows(slots=row_slots, slot_ids=slots_t, positions=row_pos_t, num_outputs=row_num_outputs)
     return Batch(
@@ -80,6 +88,8 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         row_draft_index=draft_idx_t,
         draft_dst=dst_t if draft_dst else None,
         draft_src=src_t.view(-1, 2) if draft_src else None,
+        pending_dst=pend_dst_t if pending_dst else None,
+        pending_slots=pend_slots_t if pending_dst else None,
     )
 
 

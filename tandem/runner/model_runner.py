@@ -1,10 +1,16 @@
 """ModelRunner: executes a StepPlan on the device and answers with a StepResult.
 
-execute() reads top to bottom: install new slots, build the batch, run the model over every
-scheduled token, sample (or verify drafts when a speculator is present), let the speculator
-propose the next drafts, then copy the results to the host in one synchronisation.
+A step is launch() then collect(). launch() reads top to bottom: install new slots, build the
+batch, run the model over every scheduled token, sample (or verify drafts when a speculator is
+present), start the copy of the results to the host, then let the speculator propose the next
+drafts; nothing in it waits for the device. collect() waits for that copy (the step's one
+synchronisation) and reads it. So the host applies a step's result while the device still
+drafts, and the engine may launch the next decode step before collecting this one
+(Scheduler.schedule_ahead).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,6 +23,19 @@ from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch, build_batch
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose device work is queued; ModelRunner.collect() turns it into a StepResult."""
+
+    plan: StepPlan
+    sampling: list[int]  # indices into plan.reqs of the requests that sample
+    cu_num_rows: list[int]  # [len(sampling) + 1] logits rows per sampling request
+    row_logprobs: list[int | None]  # per logits row: top-n logprobs wanted (None: none)
+    num_top: int | None  # widest top-n of the step (None: no logprobs)
+    host: Tensor  # the results, being copied to (pinned) host memory
+    ready: torch.cuda.Event | None  # recorded after the copy (None on CPU: already there)
 
 
 class ModelRunner:
@@ -41,6 +60,16 @@ class ModelRunner:
                                    use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
+        # [max_num_seqs] int64: each slot's last sampled token, for steps planned ahead of it
+        # (PENDING_TOKEN inputs); allocated by enable_pending_inputs().
+        self.last_tokens: Tensor | None = None
+        self._max_num_seqs = sched.max_num_seqs
+
+    def enable_pending_inputs(self) -> None:
+        """Keep each slot's sampled token on the device so a plan made before the host knows
+        it (Scheduler.schedule_ahead) can feed it. Target-only: drafts bring their own."""
+        assert self.speculator is None, "steps are planned ahead only without a draft model"
+        self.last_tokens = torch.zeros(self._max_num_seqs, dtype=torch.int64, device=self.device)
 
     def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int) -> None:
         """Capture uniform decode / verification steps (CUDA only)."""
@@ -51,9 +80,13 @@ class ModelRunner:
             runner.capture()
             self.graphs[t] = runner
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self.attn_backend.upload.new_step()  # the previous step's sync finished its copies
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue a step's device work; never waits for the device."""
+        self.attn_backend.upload.new_step()  # the step before the previous one was collected
         for slot in plan.freed_slots:
             self.state.remove(slot)
         for new in plan.new_reqs:
@@ -61,6 +94,8 @@ class ModelRunner:
             if self.speculator is not None:
                 self.speculator.add(new)
         batch = build_batch(plan, self.attn_backend, self.device)
+        if batch.pending_dst is not None:
+            batch.input_ids[batch.pending_dst] = self.last_tokens[batch.pending_slots]
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
         logits = self._logits(plan, batch)  # [num_rows, vocab]
@@ -68,12 +103,15 @@ class ModelRunner:
             processed = process_logits(logits, self.state, batch.rows)
             row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
             num_emitted = torch.ones(len(batch.sampling), dtype=torch.int64, device=self.device)
+            if self.last_tokens is not None:
+                self.last_tokens[batch.rows.slot_ids] = row_tokens  # one row per sampling request
         else:
             processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
         self._record_outputs(batch, row_tokens, num_emitted)
-        if self.speculator is not None:
+        launched = self._copy_results(plan, batch, processed, row_tokens, num_emitted)
+        if self.speculator is not None:  # the draft runs while the host applies this result
             self.speculator.propose(plan, batch, row_tokens, num_emitted)
-        return self._to_host(plan, batch, processed, row_tokens, num_emitted)
+        return launched
 
     def _logits(self, plan: StepPlan, batch: Batch) -> Tensor:
         graph = self._graph_for(plan)
@@ -108,36 +146,51 @@ class ModelRunner:
         tokens = torch.where(emitted, row_tokens, -1)
         self.state.record_outputs(rows.slots, tokens[:, None])
 
-    def _to_host(
+    def _copy_results(
         self, plan: StepPlan, batch: Batch, processed: Tensor, row_tokens: Tensor, num_emitted: Tensor
-    ) -> StepResult:
-        rows = batch.rows
-        want = [self.state.params[s].logprobs for s in rows.slots]
+    ) -> Launched:
+        """Pack the step's results into one tensor and start its copy to pinned host memory."""
+        want = [self.state.params[s].logprobs for s in batch.rows.slots]
         num_top = max((w for w in want if w is not None), default=None)
         if num_top is None:
-            host = torch.cat([row_tokens, num_emitted]).tolist()  # SYNC: the only wait in execute()
-            lp_rows = None
+            packed = torch.cat([row_tokens, num_emitted])  # [num_rows + num_sampling] int64
         else:
             lp, rank, top_ids, top_lp = compute_logprobs(processed, row_tokens, num_top)
-            packed = torch.cat(
+            rows = torch.cat(
                 [row_tokens[:, None].double(), lp[:, None].double(), rank[:, None].double(),
                  top_ids.double(), top_lp.double()], dim=1
-            )
-            flat = torch.cat([packed.flatten(), num_emitted.double()]).tolist()  # SYNC: the only wait
-            width = packed.shape[1]
-            lp_rows = [flat[i * width : (i + 1) * width] for i in range(len(rows))]
-            host = [int(r[0]) for r in lp_rows] + [int(x) for x in flat[len(rows) * width :]]
+            )  # [num_rows, 3 + 2 * num_top]
+            packed = torch.cat([rows.flatten(), num_emitted.double()])
+        ready = None
+        if packed.is_cuda:
+            packed = packed.to("cpu", non_blocking=True)  # into pinned memory, no wait
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(plan, batch.sampling, batch.cu_num_rows, want, num_top, packed, ready)
 
-        n_rows = len(rows)
-        tokens_host, emitted_host = host[:n_rows], host[n_rows:]
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's results and read them (host data only: the slot state may
+        already belong to a later step)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()  # SYNC: the one wait of a step
+        flat = launched.host.tolist()
+        plan, num_top = launched.plan, launched.num_top
+        n_rows = launched.cu_num_rows[-1]
+        if num_top is None:
+            tokens_host, emitted_host = flat[:n_rows], flat[n_rows:]
+            lp_rows = None
+        else:
+            width = 3 + 2 * num_top
+            lp_rows = [flat[i * width : (i + 1) * width] for i in range(n_rows)]
+            tokens_host = [int(r[0]) for r in lp_rows]
+            emitted_host = [int(x) for x in flat[n_rows * width :]]
         sampled: list[list[int]] = [[] for _ in plan.reqs]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(plan.reqs)
-        for n, i in enumerate(batch.sampling):
-            start = batch.cu_num_rows[n]
+        for n, i in enumerate(launched.sampling):
+            start = launched.cu_num_rows[n]
             count = emitted_host[n]
             sampled[i] = tokens_host[start : start + count]
-            slot = plan.reqs[i].slot
-            k = self.state.params[slot].logprobs
+            k = launched.row_logprobs[start]
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from tandem.plan import NewReq, ScheduledReq, StepPlan, StepResult
+from tandem.plan import PENDING_TOKEN, NewReq, ScheduledReq, StepPlan, StepResult
 from tandem.scheduler.blocks import BlockManager
 from tandem.scheduler.request import Request, Status
 
@@ -100,6 +100,45 @@ class Scheduler:
         reqs = [scheduled[r.req_id] for r in self.running if r.req_id in scheduled]
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=freed)
+
+    def schedule_ahead(self, prev: StepPlan) -> StepPlan | None:
+        """The next step, planned while `prev` still runs (before its result is known), for the
+        one case whose plan does not depend on that result: without drafts, when every running
+        request samples in `prev`, each continues with the one token `prev` samples for it (a
+        PENDING_TOKEN the runner reads on the device). None when anything else may happen
+        (requests waiting, drafts, a prefill chunk, the budget, a block shortage, a request near
+        its token limits): the caller then waits for `prev` and calls schedule().
+
+        A request that stops at `prev` (EOS, a stop string) has already been given this step:
+        update() drops its result, and its KV write lands past its last token."""
+        if self.k or self.waiting or not self.running or len(self.running) > self.cfg.max_num_batched_tokens:
+            return None
+        prev_items = {r.req_id: r for r in prev.reqs}
+        for req in self.running:
+            p = prev_items.get(req.req_id)
+            # prev's tokens are not applied yet: req.output_token_ids lags it by one.
+            if p is None or not p.sample or p.num_drafts or p.num_output_tokens + 2 > req.max_tokens:
+                return None
+            if p.start_pos + p.num_new_tokens + 2 > self.cfg.max_model_len:
+                return None
+        reqs = []
+        for req in self.running:
+            p = prev_items[req.req_id]
+            start = p.start_pos + p.num_new_tokens  # the token prev samples sits here
+            if not self.blocks.allocate(req, start + 1):
+                return None  # a preemption decision: schedule() makes it with prev applied
+            reqs.append(ScheduledReq(
+                req_id=req.req_id,
+                slot=req.slot,
+                start_pos=start,
+                input_token_ids=[PENDING_TOKEN],
+                num_drafts=0,
+                block_ids=list(req.block_ids),
+                sample=True,
+                num_output_tokens=p.num_output_tokens + 1,
+            ))
+        freed, self._freed_slots = self._freed_slots, []
+        return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
 
     def _schedule_running(self, req: Request, budget: int, scheduled: dict) -> ScheduledReq | None:
         while True:

@@ -1,4 +1,5 @@
-"""GPU: speculative greedy output equals target-only output; graphs equal eager; fp32 and bf16."""
+"""GPU: speculative greedy output equals target-only output; graphs equal eager; fp32 and bf16;
+async scheduling equals synchronous; a steady step waits for the device once."""
 import pytest
 import torch
 
@@ -22,9 +23,10 @@ def _prompts():
     return [{"prompt_token_ids": torch.randint(2, 300, (n,), generator=g).tolist()} for n in (3, 17, 64, 200, 9, 33)]
 
 
-def _run(target, dtype, spec=None, enforce_eager=False, device="cuda", params=None):
+def _run(target, dtype, spec=None, enforce_eager=False, device="cuda", params=None, async_scheduling=None):
     llm = LLM(str(target), dtype=dtype, device=device, max_model_len=512, block_size=16, max_num_seqs=8,
-              speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20)
+              speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20,
+              async_scheduling=async_scheduling)
     params = params or SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)], llm
 
@@ -78,3 +80,38 @@ def test_kv_pool_sized_from_memory_fraction(models):
     base, _ = _run(target, "bfloat16")
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_equals_synchronous(models, dtype):
+    target, _ = models
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_k=40, max_tokens=40, seed=7, logprobs=2)
+    for params in (greedy, sampled):
+        sync, _ = _run(target, dtype, params=params, async_scheduling=False)
+        overlapped, llm = _run(target, dtype, params=params)
+        assert llm.engine.async_scheduling  # the default on a GPU without a draft
+        assert overlapped == sync
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_steady_step_waits_for_the_device_once(models, spec_on):
+    """In steady decoding nothing but the step's own result copy waits for the device: any
+    hidden synchronisation (.item(), a pageable copy, torch.tensor(list, device=cuda)) raises."""
+    target, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
+              speculative_config=spec, kv_cache_memory_bytes=64 << 20)
+    engine = llm.engine
+    for i, p in enumerate(_prompts()[:3]):
+        engine.add_request(str(i), p["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=60,
+                                                                          ignore_eos=True))
+    for _ in range(4):  # prefills, first decodes
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert engine.has_unfinished_requests()

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.plan import StepPlan, StepResult
+from tandem.plan import PENDING_TOKEN, StepPlan, StepResult
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.request import Request, Status
 from tandem.scheduler.scheduler import Scheduler
@@ -35,6 +35,7 @@ class SchedCfg:
     max_num_batched_tokens: int = 64
     max_model_len: int = 256
     num_lookahead_tokens: int = 0
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,46 @@ class Harness:
         self.check_state()
         return plan, result, events
 
+    def run_async(self, arrivals=None, max_steps=10_000):
+        """The engine's overlapped loop: plan the next step ahead of the current one's result
+        when the scheduler allows it (the fake runner executes at launch, as a GPU would queue
+        it). arrivals: {step index: [prompt, kwargs]} added between steps. -> steps planned ahead."""
+        arrivals = arrivals or {}
+        inflight, num_ahead = None, 0
+        for i in range(max_steps):
+            for p, kw in arrivals.get(i, []):
+                self.add(p, **kw)
+            if inflight is None:
+                plan = self.s.schedule()
+                if plan.is_empty:
+                    self.check_plan(plan)  # takes the freed slots it reports
+                    if not self.s.has_unfinished and not any(j > i for j in arrivals):
+                        return num_ahead
+                    continue
+                self.check_plan(plan)
+                inflight = (plan, self.execute(plan), False)
+            plan, result, was_ahead = inflight
+            inflight = None
+            ahead = self.s.schedule_ahead(plan)
+            if ahead is not None:
+                for item in ahead.reqs:  # one token each, after what plan computes, fed on the device
+                    prev = next(r for r in plan.reqs if r.req_id == item.req_id)
+                    assert item.input_token_ids == [PENDING_TOKEN] and item.num_drafts == 0 and item.sample
+                    assert item.start_pos == prev.start_pos + prev.num_new_tokens
+                    assert item.num_output_tokens == prev.num_output_tokens + 1
+                    assert len(item.block_ids) * self.cache_cfg.block_size > item.start_pos
+                inflight = (ahead, self.execute(ahead), True)
+                num_ahead += 1
+            events = self.s.update(plan, result)
+            for req, emitted in events:
+                if req.is_finished:
+                    self.finished.append(req)
+            if was_ahead:  # now the state it was planned for: check what is still running
+                for slot in plan.freed_slots:
+                    del self.slot_table[slot]
+            self.check_state()
+        raise AssertionError("did not finish")
+
     def run(self, max_steps=10_000):
         for i in range(max_steps):
             if not self.s.has_unfinished:
@@ -123,7 +164,10 @@ class Harness:
             # Writes: the known input tokens, then the drafts verified behind them.
             n_out = item.num_output_tokens
             drafts = [self.token_fn(req, n_out + j) for j in range(item.num_drafts)]
-            for j, tok in enumerate(list(item.input_token_ids) + drafts):
+            inputs = list(item.input_token_ids)
+            if inputs == [PENDING_TOKEN]:  # planned ahead: the previous step's token, "on the device"
+                inputs = [self.token_fn(req, n_out - 1)]
+            for j, tok in enumerate(inputs + drafts):
                 pos = item.start_pos + j
                 self.kv[(table[pos // bs], pos % bs)] = tok
             if not item.sample:
@@ -605,6 +649,58 @@ def test_eos_ids_come_from_the_request():
     h.run()
     assert a.output_token_ids == [3, 1, 4] and a.finish_reason == "stop"
     assert len(b.output_token_ids) == 5 and b.finish_reason == "length"
+
+
+# ---------------------------------------------------------------- planning ahead (async scheduling)
+
+
+def test_schedule_ahead_gives_the_synchronous_outputs():
+    """Steps planned before the previous result is known give every request the same tokens and
+    finish reasons as the synchronous loop, through EOS, stop ids, max_tokens, max_model_len,
+    arrivals mid-run and a block shortage; blocks and slots are all returned."""
+    script = {1: [5, EOS, 6], 2: [5, 77, 6], 4: [5, 5, 5, 5, 5, 5, EOS]}
+
+    def run(overlap: bool):
+        h = Harness(SchedCfg(max_model_len=40), CacheCfg(block_size=4, num_blocks=24), token_fn=scripted(script))
+        h.add(prompt(6), max_tokens=12)
+        h.add(prompt(5), max_tokens=10)
+        h.add(prompt(7), max_tokens=10, stop_token_ids=[77])
+        h.add(prompt(30), max_tokens=100, eos=())  # max_model_len=40 caps it at 10 outputs
+        arrivals = {5: [(prompt(9), dict(max_tokens=14))], 6: [(prompt(3), dict(max_tokens=1))]}
+        if overlap:
+            num_ahead = h.run_async(arrivals)
+        else:
+            for i in bounded(lambda: h.s.has_unfinished or i <= max(arrivals), 200):
+                for p, kw in arrivals.get(i, []):
+                    h.add(p, **kw)
+                h.step()
+            num_ahead = 0
+        h.check_no_leaks()
+        return {r.req_id: (r.output_token_ids, r.finish_reason, r.stop_reason) for r in h.reqs.values()}, num_ahead
+
+    sync, _ = run(False)
+    overlapped, num_ahead = run(True)
+    assert overlapped == sync
+    assert sync[1][0] == [5, EOS] and sync[2][1:] == ("stop", 77) and sync[3][1] == "length"
+    assert num_ahead >= 5  # steady decoding between the arrivals and the stops was planned ahead
+
+
+def test_schedule_ahead_declines_what_needs_the_result():
+    h = Harness(SchedCfg(max_num_batched_tokens=24))
+    a = h.add(prompt(40), max_tokens=5)
+    plan, _, _ = h.step()  # a prefill chunk that does not reach the end: nothing sampled
+    assert not plan.reqs[0].sample and h.s.schedule_ahead(plan) is None
+    plan, _, _ = h.step()
+    assert h.s.schedule_ahead(plan) is not None  # the last chunk samples: decode follows
+    h.add(prompt(4))
+    assert h.s.schedule_ahead(plan) is None  # a waiting request is admitted by schedule()
+    h.run()
+    assert len(a.output_token_ids) == 5
+    # Drafts: what the next step verifies depends on what this one accepts.
+    hk = Harness(k=2)
+    hk.add(prompt(4), max_tokens=8)
+    plan, _, _ = hk.step()
+    assert hk.s.schedule_ahead(plan) is None
 
 
 def test_prefix_cache_hit_through_the_scheduler():

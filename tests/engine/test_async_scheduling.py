@@ -1,0 +1,100 @@
+"""Async scheduling: steps planned and launched before the previous result reaches the host give
+the same outputs as the synchronous loop (on the CPU the overlap buys nothing, but the logic is
+the GPU's)."""
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.errors import ConfigError
+from tests.helpers import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("async") / "m", "llama", init_std=0.3)
+
+
+def _llm(model, overlap):
+    return LLM(str(model), dtype="float32", max_model_len=96, block_size=8, max_num_seqs=6,
+               async_scheduling=overlap)
+
+
+def _workload(tok):
+    """Greedy and seeded sampled requests that stop by EOS, a stop string, a stop id,
+    max_tokens and max_model_len, with logprobs, penalties, min_tokens and n = 2."""
+    base = "The quick brown"
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = [
+        ("The quick brown", greedy),
+        ({"prompt_token_ids": [7] * 90}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)),
+        ("def fib(n):", SamplingParams(temperature=0.8, seed=3, max_tokens=20, logprobs=2)),
+        ("lazy dog", SamplingParams(temperature=1.0, seed=5, max_tokens=16, n=2, min_tokens=4,
+                                    presence_penalty=0.5, ignore_eos=True)),
+        (base, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tok(base)[-1]], ignore_eos=True)),
+        ("jumps over", SamplingParams(temperature=0.7, seed=11, max_tokens=1)),
+        ("return n", SamplingParams(temperature=0, max_tokens=2)),
+    ]
+    return reqs
+
+
+def _summary(outs):
+    return [
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+          [{t: (round(lp.logprob, 5), lp.rank) for t, lp in d.items()} for d in c.logprobs or []])
+         for c in o.outputs]
+        for o in outs
+    ]
+
+
+def test_async_outputs_equal_synchronous_outputs(model):
+    sync_llm, async_llm = _llm(model, False), _llm(model, True)
+    assert async_llm.engine.async_scheduling and not sync_llm.engine.async_scheduling
+    tok = lambda s: sync_llm.get_tokenizer()(s).input_ids  # noqa: E731
+    reqs = _workload(tok)
+    prompts, params = [p for p, _ in reqs], [sp for _, sp in reqs]
+    # A stop string cut from the greedy text of the first prompt.
+    text = sync_llm.generate(prompts[0], params[0], use_tqdm=False)[0].outputs[0].text
+    prompts.append(prompts[0])
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[10:13]]))
+
+    ahead = []
+    sched = async_llm.engine.scheduler
+    plan_ahead = sched.schedule_ahead
+    sched.schedule_ahead = lambda prev: ahead.append(plan_ahead(prev)) or ahead[-1]
+    expected = _summary(sync_llm.generate(prompts, params, use_tqdm=False))
+    got = _summary(async_llm.generate(prompts, params, use_tqdm=False))
+    assert got == expected
+    assert sum(p is not None for p in ahead) >= 10  # the steady decode steps ran planned ahead
+    # Nothing is left in flight or allocated once every request has finished.
+    assert async_llm.engine._inflight is None
+    assert sched.blocks.num_free_blocks == async_llm.engine.cfg.cache.num_blocks
+    # Again, now that the engine is warm (the stop string's request reuses freed slots).
+    assert _summary(async_llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
+def test_abort_while_a_step_is_in_flight(model):
+    llm = _llm(model, True)
+    engine = llm.engine
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("x", [3] * 30, p)
+    engine.add_request("y", [4] * 20, p)
+    for _ in range(4):
+        engine.step()
+    assert engine._inflight is not None  # decoding: the next step is already launched
+    assert engine.abort_request("x")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            finished[o.request_id] = o
+    assert finished["x"].outputs[0].finish_reason == "abort"
+    ref = _llm(model, False).generate({"prompt_token_ids": [4] * 20}, p, use_tqdm=False)[0].outputs[0].token_ids
+    assert finished["y"].outputs[0].token_ids == ref
+    assert engine._inflight is None
+    assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
+
+
+def test_async_scheduling_with_a_draft_is_refused(model):
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        LLM(str(model), dtype="float32", max_model_len=96, async_scheduling=True,
+            speculative_config={"model": str(model), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        LLM(str(model), dtype="float32", async_scheduling="yes")
