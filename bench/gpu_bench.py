@@ -136,6 +136,22 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8)
             "steps": steps}
 
 
+def use_gemv(llm, on: bool) -> None:
+    """One-row linears through the Triton GEMV (on) or cuBLAS (off), graphs recaptured: the A/B
+    of tandem/layers/gpu_linear.py on the same engine."""
+    from tandem.layers.gpu_linear import GemvLinear
+
+    runner = llm.engine.runner
+    models = [runner.model] + ([runner.speculator.model] if runner.speculator is not None else [])
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, GemvLinear):
+                m.use_gemv = on
+    runner.graphs.clear()
+    gc.collect()
+    llm.engine.capture_graphs()
+
+
 def graph_time(graph) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
@@ -164,6 +180,14 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                 engine.async_scheduling = True
             g = llm.engine.runner.graphs[1]
             r["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
+            if b == 1 and args.ab_gemv:
+                use_gemv(llm, False)
+                g = llm.engine.runner.graphs[1]
+                r["cublas_graph_ms"] = graph_time(g.graphs[g.bucket(b)])
+                r["cublas_ms_per_step"] = measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"]
+                use_gemv(llm, True)
+                print(f"[target-only] {name} b=1 with cuBLAS for one-row linears: {r['cublas_ms_per_step']:.2f} "
+                      f"ms/step ({r['cublas_graph_ms']:.2f} graph)", flush=True)
             r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
             r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
             r.update(model=name, batch=b, weight_gb=wb / 1e9)
@@ -209,6 +233,19 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 results["synthetic"].append(r)
                 print(f"[synthetic] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f}, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
+                if args.ab_gemv and b == 1 and pname == "uniform-0.8" and "cublas_ms_per_step" in ref:
+                    use_gemv(llm, False)
+                    c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
+                    sp = llm.engine.runner.speculator
+                    c_catchup = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
+                    c_loop = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+                    use_gemv(llm, True)
+                    cublas_target_tok_s = 1e3 / ref["cublas_ms_per_step"]
+                    r.update(cublas_tok_s=c["tok_s"], cublas_speedup=c["tok_s"] / cublas_target_tok_s,
+                             cublas_draft_step_ms=(c_catchup + c_loop) / k)
+                    print(f"[synthetic] k={k} b=1 uniform-0.8 with cuBLAS for one-row linears: {c['tok_s']:.1f} "
+                          f"tok/s, x{r['cublas_speedup']:.2f} (of cuBLAS target-only), draft step "
+                          f"{r['cublas_draft_step_ms']:.2f} ms", flush=True)
         free(llm, sp)
 
 
@@ -287,6 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
     p.add_argument("--sections", default="target,synthetic,eps,hf")
+    p.add_argument("--ab-gemv", action="store_true",
+                   help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))

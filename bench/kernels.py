@@ -211,13 +211,74 @@ def sweep_decode() -> list[list]:
     return rows
 
 
+# Linear layers at batch 1 (out rows, in features): Llama-3.1-8B, Llama-3.2-1B.
+GEMV_SHAPES = [
+    ("8b qkv", 6144, 4096), ("8b o", 4096, 4096), ("8b gate_up", 28672, 4096), ("8b down", 4096, 14336),
+    ("8b lm_head", 128256, 4096),
+    ("1b qkv", 3072, 2048), ("1b o", 2048, 2048), ("1b gate_up", 16384, 2048), ("1b down", 2048, 8192),
+    ("1b lm_head", 128256, 2048),
+]
+GEMV_CONFIGS = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 1024, 8),
+                (8, 2048, 8), (32, 256, 4)]
+
+
+def _rotating(fn_of_w, ws, reps: int = 5) -> float:
+    """GPU seconds per call: one graph calls fn on each of `ws` in turn (their total >> L2, as
+    the weights of a decode step), median of `reps` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in ws[:2]:
+            fn_of_w(w)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in ws:
+            fn_of_w(w)
+    t = _replay_s(g, reps) / len(ws)
+    del g
+    return t
+
+
+def sweep_gemv() -> list[list]:
+    """M = 1 linear layers: cuBLAS (F.linear) against the Triton GEMV at each tile config."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.gemv import gemv, gemv_config
+
+    rows = []
+    for name, n, k in GEMV_SHAPES:
+        nbytes = 2 * n * k
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // nbytes)))]
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        err = (gemv(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+        cublas = _rotating(lambda w: F.linear(x, w), ws)
+        times = {cfg: _rotating(lambda w, cfg=cfg: gemv(x, w, config=cfg), ws) for cfg in GEMV_CONFIGS}
+        best = min(times, key=times.get)
+        frac = lambda t: f"{100 * nbytes / t / COPY_BW:.0f}%"  # noqa: E731  (the roofline's definition)
+        rows.append([name, f"{cublas * 1e6:.1f}", frac(cublas), f"{times[gemv_config(n, k)] * 1e6:.1f}",
+                     str(best), f"{times[best] * 1e6:.1f}", frac(times[best]), f"{err:.1e}"]
+                    + [f"{times[c] * 1e6:.1f}" for c in GEMV_CONFIGS])
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows and environment here")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
+    ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.gemv:
+        print_table(["layer", "cuBLAS us", "of copy bw", "default us", "best (BN, BK, warps)", "best us", "of copy bw",
+                     "rel err"] + [str(c) for c in GEMV_CONFIGS], sweep_gemv(),
+                    title="M = 1 GEMV, bf16, cold weights (rotating), GPU time in CUDA graphs")
+        return
     rows = []
     for b in (1, 8, 32, 64):
         rows.append(row_attention(f"decode B={b} ctx=4096", [1] * b, [4095] * b))

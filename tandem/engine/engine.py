@@ -79,10 +79,7 @@ class Engine:
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
         if cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False):
-            max_blocks = -(-(cfg.sched.max_model_len + k) // cache.block_size)
-            self.runner.capture_graphs([1] + ([1 + k] if k else []), cfg.sched.max_num_seqs, max_blocks)
-            if self.runner.speculator is not None:
-                self.runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks)
+            self.capture_graphs()
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
         if self.async_scheduling:
@@ -95,6 +92,14 @@ class Engine:
         self._seq_of: dict[int, SeqState] = {}
         self._next_id = 0
         self._aborted: list[RequestState] = []
+
+    def capture_graphs(self) -> None:
+        """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
+        k = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
+        max_blocks = -(-(self.cfg.sched.max_model_len + k) // self.cfg.cache.block_size)
+        self.runner.capture_graphs([1] + ([1 + k] if k else []), self.cfg.sched.max_num_seqs, max_blocks)
+        if self.runner.speculator is not None:
+            self.runner.speculator.capture_graphs(self.cfg.sched.max_num_seqs, max_blocks)
 
     # ---------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -89,7 +89,8 @@ def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -
     return "torch"
 
 
-def _linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent module, attribute name, nn.Linear) for every linear layer of model."""
     return [(module, name, child) for module in model.modules() for name, child in module.named_children()
             if isinstance(child, nn.Linear)]
 
@@ -97,7 +98,7 @@ def _linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def prepare_linears(model: nn.Module, kind: str) -> None:
     """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place."""
     if kind == "avx2":
-        for module, name, child in _linear_sites(model):
+        for module, name, child in linear_sites(model):
             if not child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
             setattr(module, name, Avx2Linear(child))
@@ -108,7 +109,7 @@ def prepare_linears(model: nn.Module, kind: str) -> None:
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of `model` by an FbgemmLinear, in place, packing on all threads
     (the bf16 weights are released unless another module, e.g. a tied embedding, holds them)."""
-    sites = _linear_sites(model)
+    sites = linear_sites(model)
     limit = torch.finfo(torch.float16).max
 
     def pack(site):

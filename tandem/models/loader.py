@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tandem.config import ModelConfig
 from tandem.errors import ConfigError
 from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears
+from tandem.layers.gpu_linear import prepare_gpu_linears
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
 
@@ -58,7 +59,10 @@ def load_model(cfg: ModelConfig, device: torch.device) -> CausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.requires_grad_(False)
-    prepare_linears(model, cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype))
+    if device.type == "cuda":
+        prepare_gpu_linears(model, cfg.dtype)
+    else:
+        prepare_linears(model, cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype))
     return model
 
 

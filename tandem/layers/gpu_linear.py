@@ -1,0 +1,56 @@
+"""CUDA linears: one-row steps through our Triton GEMV, everything else through cuBLAS.
+
+A batch-1 decode step (the target's, or each of the draft's k - 1 loop steps) multiplies one
+row by every weight matrix: pure weight streaming. cuBLAS reaches 32-60% of the copy bandwidth
+on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/gemv.py reaches
+48-104% on the same shapes (bench/kernels.py --gemv, H200). Rows > 1 (verification, catch-up,
+prefill, batches) stay on cuBLAS, whose tensor-core kernels win there.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.layers.cpu_linear import linear_sites
+
+
+@functools.cache
+def gemv_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import tandem.kernels.gemv  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class GemvLinear(nn.Module):
+    """nn.Linear's parameters (shared, not copied), with one-row inputs sent to the GEMV kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+            from tandem.kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place."""
+    if dtype not in (torch.bfloat16, torch.float16) or not gemv_available():
+        return
+    for module, name, child in linear_sites(model):
+        if not child.weight.is_contiguous():
+            child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
+        setattr(module, name, GemvLinear(child))
