@@ -9,7 +9,9 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
 (3) each linear layer shape at M = batch as a graph of repeated calls over rotating weights,
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
-    sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round.
+    sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round;
+(5) `--sections gaps`: the device timeline of real engine steps (graphs included), target-only
+    and speculative: busy and idle time per step and the longest idle gaps.
 """
 from __future__ import annotations
 
@@ -205,6 +207,52 @@ def spec_round(root: Path, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def device_gaps(llm, args, label: str) -> dict:
+    """Where the GPU idles during real engine steps (CUDA graphs and all): the device timeline of
+    `args.steps` steps from torch.profiler, its busy time, and the longest idle gaps with the
+    activities on either side."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    times = drive(llm, 1, args.prompt_len, args.steps,
+                  lambda on: prof.start() if on else (torch.cuda.synchronize(), prof.stop()))
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > 0),
+                 key=lambda e: e.time_range.start)
+    gaps, busy, end, prev = [], 0.0, None, None
+    for e in evs:
+        s_, e_ = e.time_range.start, e.time_range.end
+        if end is not None and s_ > end:
+            gaps.append((s_ - end, prev.name[:48], e.name[:48]))
+        busy += max(0.0, e_ - max(s_, end if end is not None else s_))
+        if end is None or e_ > end:
+            end, prev = e_, e
+    span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0.0
+    gaps.sort(reverse=True)
+    out = {"step_ms": statistics.median(times) * 1e3, "busy_ms_per_step": busy / args.steps / 1e3,
+           "idle_ms_per_step": (span - busy) / args.steps / 1e3, "num_kernels": len(evs),
+           "top_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:12]]}
+    print(f"[{label}] step {out['step_ms']:.3f} ms, device busy {out['busy_ms_per_step']:.3f} ms, "
+          f"idle {out['idle_ms_per_step']:.3f} ms per step ({len(evs)} activities)", flush=True)
+    print_table(["gap us", "after", "before"], out["top_gaps_us"])
+    return out
+
+
+def gaps_section(root: Path, args, results: dict) -> None:
+    k = 4
+    tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
+    llm = make_llm(tdir, None, 4, args.max_model_len)
+    results["gaps_target"] = device_gaps(llm, args, "target-only b=1")
+    del llm
+    torch.cuda.empty_cache()
+    spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy")
+    llm = make_llm(tdir, spec, 4, args.max_model_len)
+    results["gaps_spec"] = device_gaps(llm, args, f"spec k={k} b=1")
+    del llm
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_profile.json")
@@ -227,6 +275,8 @@ def main(argv=None) -> int:
                     [(r["layer"], r["n"], r["k"], f"{r['cublas_us']:.1f}", f"{r['cublas_frac']:.2f}",
                       f"{r['cublaslt_us']:.1f}", f"{r['cublaslt_frac']:.2f}") for r in results[key]])
     with tempfile.TemporaryDirectory() as tmp:
+        if "gaps" in sections:
+            gaps_section(Path(tmp), args, results)
         if "spec" in sections:
             spec_round(Path(tmp), args, results)
         for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():
