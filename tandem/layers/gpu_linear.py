@@ -45,6 +45,17 @@ class GemvLinear(nn.Module):
             return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
+        """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation
+        fused into the GEMV for one row (same bits as the separate silu_and_mul kernel)."""
+        if self.use_gemv and gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.is_contiguous():
+            from tandem.kernels.gemv import gemv
+
+            return gemv(gate_up, self.weight, self.bias, act="silu_mul")
+        from tandem.kernels.fused import silu_and_mul
+
+        return self(silu_and_mul(gate_up))
+
 
 def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype) -> None:
     """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place."""

@@ -82,6 +82,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if gate_up.is_cuda and fused_kernels_available():
+            if hasattr(self.down_proj, "forward_silu_mul"):  # GemvLinear: the activation in its GEMV
+                return self.down_proj.forward_silu_mul(gate_up)
             from tandem.kernels.fused import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
