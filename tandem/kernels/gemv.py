@@ -87,13 +87,12 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
     H200 sweep (bench/kernels.py --gemv, cold weights): 4 x 1024 tiles with 4 warps are best or
     within 3% on every Llama-3 8B / 3.2 1B shape but the 8B's 4096-6144-row ones, where 8 x 512
-    is (o_proj 10.9 vs 11.2 us, down_proj 30.3 vs 33.6 us). BLOCK_K divides K where a power of
-    two from 128 to 1024 does (no masked tail), and the tile keeps ~4096 weights per step."""
-    block_n, block_k = (8, 512) if 4096 <= n <= 8192 else (4, 1024)
-    if k % block_k:
-        block_k = next((b for b in (1024, 512, 256, 128) if k % b == 0), block_k)
-        block_n = max(block_n, 4096 // block_k)
-    return block_n, block_k, 4
+    is (o_proj 10.9 vs 11.2 us, down_proj 30.3 vs 33.6 us). A K that is not a multiple of
+    BLOCK_K runs a masked last step rather than a smaller tile: BLOCK_N stays small so that a
+    short N (Qwen2.5 1.5B's 1536-row down_proj) still gives hundreds of programs."""
+    if 4096 <= n <= 8192:
+        return 8, 512, 4
+    return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,

@@ -92,11 +92,10 @@ def test_gemv_linear_dispatch():
     assert torch.equal(layer.forward_silu_mul(gate_up), layer(silu_and_mul(gate_up)))
 
 
-def test_gemv_config_divides_k():
+def test_gemv_config_keeps_programs():
     for n, k in GPU_SHAPES + [(4864, 896), (151936, 896)]:
         block_n, block_k, _ = gemv_config(n, k)
-        assert k % block_k == 0 or k % 128, (n, k)
-        assert block_n * block_k >= 4096
+        assert block_n <= 8 and block_n * block_k >= 2048 and block_k <= triton.next_power_of_2(k), (n, k)
 
 
 @interpret_mark(_gemv_kernel)
