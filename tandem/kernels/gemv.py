@@ -83,16 +83,18 @@ def _gemv_kernel(
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """-> (BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight.
-
-    H200 sweep (bench/kernels.py --gemv, cold weights): 4 x 1024 tiles with 4 warps are best or
-    within 3% on every Llama-3 8B / 3.2 1B shape but the 8B's 4096-6144-row ones, where 8 x 512
-    is (o_proj 10.9 vs 11.2 us, down_proj 30.3 vs 33.6 us). A K that is not a multiple of
-    BLOCK_K runs a masked last step rather than a smaller tile: BLOCK_N stays small so that a
-    short N (Qwen2.5 1.5B's 1536-row down_proj) still gives hundreds of programs."""
-    if 4096 <= n <= 8192:
+    """-> (BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight, from the H200 sweep
+    (bench/kernels.py --gemv, cold weights, us against cuBLAS in docs/benchmarks.md): 8 x 512 for
+    4096-8192 rows (Llama-3 8B's qkv / o / down); 4 x 1024 where K is a multiple of 1024 (every
+    Llama-3.2 1B shape, the 8B's gate_up and head); 8 x 512 where K is a multiple of 512 only
+    (Qwen2.5 1.5B, K = 1536: 4 x 1024 would waste half of every second step); else 4 x 2048 with
+    8 warps and a masked last step (Qwen2.5 1.5B's down_proj, K = 8960). BLOCK_N stays <= 8 so
+    a short N still gives hundreds of programs."""
+    if 4096 <= n <= 8192 or (k % 1024 and k % 512 == 0):
         return 8, 512, 4
-    return 4, min(1024, triton.next_power_of_2(k)), 4
+    if k % 1024 == 0 or k < 1024:
+        return 4, min(1024, triton.next_power_of_2(k)), 4
+    return 4, 2048, 8
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
