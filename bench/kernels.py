@@ -243,34 +243,6 @@ def _rotating(fn_of_w, ws, reps: int = 5) -> float:
     return t
 
 
-ROWS_CONFIGS = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                (128, 128, 8, 3)]
-
-
-def sweep_rows(m: int) -> list[list]:
-    """M = 2..16 rows (a verification of 1 + k tokens): cuBLAS against gemm_rows' tiles."""
-    import torch.nn.functional as F
-
-    from tandem.kernels.gemv import gemm_rows
-
-    rows = []
-    for name, n, k in GEMV_SHAPES:
-        nbytes = 2 * n * k
-        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // nbytes)))]
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        ref = F.linear(x.float(), ws[0].float())
-        err = (gemm_rows(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
-        cublas = _rotating(lambda w: F.linear(x, w), ws)
-        times = {cfg: _rotating(lambda w, cfg=cfg: gemm_rows(x, w, config=cfg), ws) for cfg in ROWS_CONFIGS}
-        best = min(times, key=times.get)
-        rows.append([name, f"{cublas * 1e6:.1f}", f"{100 * nbytes / cublas / COPY_BW:.0f}%", str(best),
-                     f"{times[best] * 1e6:.1f}", f"{100 * nbytes / times[best] / COPY_BW:.0f}%", f"{err:.1e}"]
-                    + [f"{times[c] * 1e6:.1f}" for c in ROWS_CONFIGS])
-        del ws
-        torch.cuda.empty_cache()
-    return rows
-
-
 def sweep_gemv() -> list[list]:
     """M = 1 linear layers: cuBLAS (F.linear) against the Triton GEMV at each tile config."""
     import torch.nn.functional as F
@@ -301,7 +273,6 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows and environment here")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
-    ap.add_argument("--rows", default="", help="with --gemv: also sweep gemm_rows at these row counts, e.g. 5,6")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
@@ -309,10 +280,6 @@ def main() -> None:
         print_table(["layer", "cuBLAS us", "of copy bw", "default us", "best (BN, BK, warps)", "best us", "of copy bw",
                      "rel err"] + [str(c) for c in GEMV_CONFIGS], sweep_gemv(),
                     title="M = 1 GEMV, bf16, cold weights (rotating), GPU time in CUDA graphs")
-        for m in [int(v) for v in args.rows.split(",") if v]:
-            print_table(["layer", "cuBLAS us", "of copy bw", "best (BN, BK, warps, stages)", "best us", "of copy bw",
-                         "rel err"] + [str(c) for c in ROWS_CONFIGS], sweep_rows(m),
-                        title=f"M = {m} rows, bf16, cold weights (rotating), GPU time in CUDA graphs")
         return
     rows = []
     for b in (1, 8, 32, 64):

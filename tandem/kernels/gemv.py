@@ -1,7 +1,7 @@
-"""Skinny matmuls for decode and verification steps: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+"""GEMV for one-row steps: out[n] = sum_k x[k] * w[n, k] (+ bias[n]).
 
-gemv (one row): at batch 1 a linear layer is a matrix-vector product bound by reading the weight
-once. One program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating
+At batch 1 a linear layer is a matrix-vector product bound by reading the weight once. One
+program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating
 elementwise products in fp32 registers (no reduction inside the loop), then reduces once and
 rounds once to the output dtype. There is no split-K: the grid is N / BLOCK_N programs, enough
 to fill the chip at every shape of the supported models, and each output element is summed in
@@ -9,10 +9,11 @@ one fixed order. With act="silu_mul" the input is [gate | up] and the kernel mul
 silu(gate) * up, rounded as the separate silu_and_mul kernel rounds it (so the fused call gives
 the unfused call's bits), saving that launch before every down projection.
 
-gemm_rows (2 to 16 rows, a verification of 1 + k tokens): the same walk with tensor-core dots on
-a 16-row tile, fp32 accumulation.
+Rows > 1 stay on cuBLAS: a tensor-core tile for 2-16 rows (tl.dot on a 16-row tile, swept at
+5 and 6 rows on the H200) matched cuBLAS on the 8B's layers, lost on down_proj and on every
+1B layer, and won only on the LM head (241 vs 253 us), so it was not kept.
 
-The wrappers take their sizes from tensor shapes only (no device-to-host reads), so a launch can
+The wrapper takes its sizes from tensor shapes only (no device-to-host reads), so a launch can
 be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -117,69 +118,5 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **_numerics(x),
-    )
-    return out
-
-
-@triton.jit
-def _gemm_rows_kernel(
-    x_ptr,  # [M, K], rows contiguous
-    w_ptr,  # [N, K], rows contiguous
-    b_ptr,  # [N] (HAS_BIAS only)
-    out_ptr,  # [M, N], rows contiguous
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T: the weight tile is the wide operand
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k0 + offs_k < K
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-
-def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None) -> Tensor:
-    """x [M, K] with 1 <= M <= 16, bf16 / fp16 (rows contiguous); weight [N, K] same dtype, rows
-    contiguous; bias [N] or None. -> out [M, N], fp32 accumulation on tensor cores, rounded once.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert 1 <= m <= 16 and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or (64, 128, 4, 4)
-    _gemm_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,4 +1,4 @@
-"""The skinny matmuls (tandem/kernels/gemv.py) against the exact product rounded once.
+"""The one-row GEMV (tandem/kernels/gemv.py) against the exact product rounded once.
 
 Fresh random inputs at the linear shapes of the supported models (Llama-3 8B / 3.2 1B,
 Qwen2.5 1.5B / 0.5B, whose K are not powers of two) plus ragged ones; outputs are poisoned
@@ -23,7 +23,7 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import silu_and_mul  # noqa: E402
-from tandem.kernels.gemv import _gemv_kernel, gemm_rows, gemv, gemv_config  # noqa: E402
+from tandem.kernels.gemv import _gemv_kernel, gemv, gemv_config  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_fused import ulp_dist  # noqa: E402
 
@@ -32,17 +32,13 @@ GPU_SHAPES = [(6144, 4096), (4096, 14336), (128256, 4096), (3072, 2048), (2048, 
 
 
 def check_gemv(n: int, k: int, dtype: torch.dtype, bias: bool, device: str, max_ulps: int = 1,
-               config=None, rows: int = 0) -> None:
-    """rows = 0: gemv of one row; rows >= 1: gemm_rows of that many."""
-    g = torch.Generator(device="cpu").manual_seed(n * 7 + k + rows)
-    x = torch.randn(max(rows, 1), k, generator=g).to(device, dtype)
+               config=None) -> None:
+    g = torch.Generator(device="cpu").manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
     w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
     b = torch.randn(n, generator=g).to(device, dtype) if bias else None
-    out = torch.full((max(rows, 1), n), float("nan"), dtype=dtype, device=device)
-    if rows:
-        gemm_rows(x, w, b, out=out, config=config)
-    else:
-        gemv(x, w, b, out=out, config=config)
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+    gemv(x, w, b, out=out, config=config)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
     scale = x.double().abs() @ w.double().abs().T
     ok = (ulp_dist(out, exact.to(dtype)) <= max_ulps) | ((out.double() - exact).abs() <= 1e-5 * scale)
@@ -56,14 +52,6 @@ def check_gemv(n: int, k: int, dtype: torch.dtype, bias: bool, device: str, max_
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gemv_gpu(n, k, dtype):
     check_gemv(n, k, dtype, bias=n in (2048, 1000), device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [2, 5, 6, 9, 16])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (2048, 1536), (1000, 1000)])
-def test_gemm_rows_gpu(n, k, rows):
-    check_gemv(n, k, torch.bfloat16, bias=n == 2048, device="cuda", rows=rows)
 
 
 @pytest.mark.gpu
