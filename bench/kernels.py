@@ -130,22 +130,6 @@ def row_attention(name: str, q_lens: list[int], ctx_lens: list[int], flops_mode:
                 flops=flops, compute_bound=flops_mode, eager_us=t_eager * 1e6)
 
 
-def sweep_merge() -> list[list]:
-    """Split-K attention with the merge as a second launch vs inside the attention launch."""
-    from tandem.kernels.attention import paged_attention
-
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)
-    rows = []
-    for b, q_len, ctx in [(1, 1, 200), (1, 1, 400), (1, 1, 1000), (1, 1, 4096), (8, 1, 400), (8, 1, 4096),
-                          (1, 5, 400), (1, 5, 4096)]:
-        q, kc, vc, bt, sl, cu, _ = paged_setup([q_len] * b, [ctx] * b)
-        out = torch.empty_like(q)
-        run = lambda c: paged_attention(q, kc, vc, bt, sl, cu, q_len, D**-0.5, out, split_counters=c)  # noqa: E731
-        sep, fused = bench(lambda: run(None)), bench(lambda: run(counters))
-        rows.append([f"B={b} q={q_len} ctx={ctx}", f"{sep * 1e6:.1f}", f"{fused * 1e6:.1f}"])
-    return rows
-
-
 def row_kv_store(num_tokens: int) -> dict:
     from tandem.kernels.kv_store import kv_store
     from tandem.layers.attention import store_kv
@@ -289,14 +273,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows and environment here")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
-    ap.add_argument("--merge", action="store_true", help="only split-K attention: merge launch vs in-launch merge")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
-    if args.merge:
-        print_table(["case", "separate merge us", "in-launch merge us"], sweep_merge(),
-                    title="paged attention, default splits, GPU time in CUDA graphs, cold L2")
-        return
     if args.gemv:
         print_table(["layer", "cuBLAS us", "of copy bw", "default us", "best (BN, BK, warps)", "best us", "of copy bw",
                      "rel err"] + [str(c) for c in GEMV_CONFIGS], sweep_gemv(),
