@@ -12,13 +12,9 @@ query position need no causal mask and run in an unmasked loop; the rest run mas
 
 Split-K: when the batch is one tile per request and too small to fill the chip, each program
 takes 1/NUM_SPLITS of its request's keys (at least MIN_SPLIT_KEYS) and writes (acc, max, sum)
-partials, which are then merged. The number of splits with keys is decided on the device from
-seq_len, so a short context runs one split that writes the output itself: a captured graph
-serves every context length without paying for empty splits. Given a counter per (request, KV
-head) (zeroed once, left zeroed: `split_counters`), the merge runs in the same launch: each
-split publishes its partials (a GPU-scope fence, then an atomic count) and the last one to
-arrive merges and resets the counter. Without counters (and in the interpreter) a second
-kernel merges.
+partials, which a second kernel merges. The number of splits with keys is decided on the device
+from seq_len, so a short context runs one split that writes the output itself and the merge
+exits at once: a captured graph serves every context length without paying for empty splits.
 The grid comes from host-known bounds (num_reqs, max_q_len); programs past a request's real
 length exit, so the launch can be captured in a CUDA graph.
 """
@@ -78,47 +74,6 @@ def _attn_tile(
 
 
 @triton.jit
-def _fence_gpu(like):
-    """fence.acq_rel.gpu in every thread (a tensor argument spreads the asm over all threads)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [like], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr, part_acc_ptr, part_ml_ptr, base, num_active, q_start, q_len, kvh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over splits base .. base + num_active
-    of one (req, kv head); partials are read from L2 (.cg: written by other programs)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    ml = part_ml_ptr + base * (2 * BLOCK_M)
-    m_all = tl.load(ml + offs_s[:, None] * (2 * BLOCK_M) + offs_m[None, :],
-                    mask=(offs_s < num_active)[:, None], other=-float("inf"), cache_modifier=".cg")
-    m_max = tl.max(m_all, 0)  # [BLOCK_M]
-    m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, num_active):
-        w = tl.exp2(tl.load(ml + s * (2 * BLOCK_M) + offs_m, cache_modifier=".cg") - m_max)
-        l_tot += w * tl.load(ml + s * (2 * BLOCK_M) + BLOCK_M + offs_m, cache_modifier=".cg")
-        a = tl.load(part_acc_ptr + (base + s) * (BLOCK_M * BLOCK_D) + offs_m[:, None] * BLOCK_D + offs_d[None, :],
-                    cache_modifier=".cg")
-        acc += w[:, None] * a
-    qi = offs_m // GROUP_PAD
-    g = offs_m % GROUP_PAD
-    row_ok = (qi < q_len) & (g < GROUP)
-    q_rows = (q_start + qi).to(tl.int64)
-    head = kvh * GROUP + g
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, H, D]
     k_cache_ptr,  # [num_blocks, CACHE_BLOCK, Hkv, D]
@@ -129,7 +84,6 @@ def _paged_attention_kernel(
     cu_q_lens_ptr,  # [num_reqs + 1]
     part_acc_ptr,  # [num_reqs, Hkv, NUM_SPLITS, BLOCK_M, BLOCK_D] fp32 (split-K only)
     part_ml_ptr,  # [num_reqs, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32 (split-K only)
-    counter_ptr,  # [>= num_reqs * Hkv] int32, zero between launches (FUSED_MERGE only)
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -137,7 +91,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if NUM_SPLITS > 1:
@@ -206,23 +159,12 @@ def _paged_attention_kernel(
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     else:
-        base = (req * tl.num_programs(2) + kvh).to(tl.int64) * NUM_SPLITS
-        pa = part_acc_ptr + (base + split) * (BLOCK_M * BLOCK_D)
+        part = (req * tl.num_programs(2) + kvh) * NUM_SPLITS + split
+        pa = part_acc_ptr + part.to(tl.int64) * (BLOCK_M * BLOCK_D)
         tl.store(pa + offs_m[:, None] * BLOCK_D + offs_d[None, :], acc)
-        pml = part_ml_ptr + (base + split) * (2 * BLOCK_M)
+        pml = part_ml_ptr + part.to(tl.int64) * (2 * BLOCK_M)
         tl.store(pml + offs_m, m_i)
         tl.store(pml + BLOCK_M + offs_m, l_i)
-        if FUSED_MERGE:
-            _fence_gpu(offs_m)  # this thread's partials are visible GPU-wide ...
-            tl.debug_barrier()  # ... for every thread of the program, before it is counted
-            counter = counter_ptr + req * tl.num_programs(2) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_active - 1:  # the last split: every other one has published
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _fence_gpu(offs_m)
-                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, base, num_active, q_start, q_len, kvh,
-                              stride_ot, stride_oh, GROUP=GROUP, GROUP_PAD=GROUP_PAD, BLOCK_M=BLOCK_M,
-                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS)
 
 
 @triton.jit
@@ -249,10 +191,30 @@ def _split_merge_kernel(
     hi = tl.load(seq_lens_ptr + req).to(tl.int32)  # one query tile: the last query sees every key
     num_active = tl.maximum(1, tl.cdiv(hi, _split_chunk(hi, NUM_SPLITS, BLOCK_N, MIN_SPLIT_KEYS)))
     if q_len > 0 and num_active > 1:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_s = tl.arange(0, NUM_SPLITS)
         base = (req * tl.num_programs(1) + kvh).to(tl.int64) * NUM_SPLITS
-        _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, base, num_active, q_start, q_len, kvh, stride_ot,
-                      stride_oh, GROUP=GROUP, GROUP_PAD=GROUP_PAD, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
-                      BLOCK_D=BLOCK_D, NUM_SPLITS=NUM_SPLITS)
+        ml = part_ml_ptr + base * (2 * BLOCK_M)
+        m_all = tl.load(ml + offs_s[:, None] * (2 * BLOCK_M) + offs_m[None, :],
+                        mask=(offs_s < num_active)[:, None], other=-float("inf"))  # [NUM_SPLITS, BLOCK_M]
+        m_max = tl.max(m_all, 0)
+        m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
+        l_tot = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(0, num_active):
+            w = tl.exp2(tl.load(ml + s * (2 * BLOCK_M) + offs_m) - m_max)
+            l_tot += w * tl.load(ml + s * (2 * BLOCK_M) + BLOCK_M + offs_m)
+            a = tl.load(part_acc_ptr + (base + s) * (BLOCK_M * BLOCK_D) + offs_m[:, None] * BLOCK_D + offs_d[None, :])
+            acc += w[:, None] * a
+        qi = offs_m // GROUP_PAD
+        g = offs_m % GROUP_PAD
+        row_ok = (qi < q_len) & (g < GROUP)
+        q_rows = (q_start + qi).to(tl.int64)
+        head = kvh * GROUP + g
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @functools.cache
@@ -301,7 +263,6 @@ def paged_attention(
     num_splits: int | None = None,
     tile_override: tuple[int, int, int] | None = None,
     min_split_keys: int | None = None,
-    split_counters: Tensor | None = None,
 ) -> Tensor:
     """Causal paged attention over a batch of requests; writes and returns out.
 
@@ -316,8 +277,7 @@ def paged_attention(
     to 1 when a request spans several query tiles); min_split_keys: fewest keys a split takes
     (None: BLOCK_N, one key tile; rounded up to BLOCK_N), so short contexts use fewer splits.
     tile_override: (BLOCK_N, num_warps, num_stages) in place of the built-in choice, for
-    tuning sweeps. split_counters: int32 [>= num_reqs * Hkv], all zero, left all zero: with
-    them the split merge runs inside the attention launch (see the module docstring).
+    tuning sweeps.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -355,15 +315,10 @@ def paged_attention(
         part_ml = torch.empty((num_reqs, num_kv_heads, num_splits, 2, block_m), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    fused_merge = (num_splits > 1 and split_counters is not None and os.environ.get("TRITON_INTERPRET") != "1"
-                   and split_counters.numel() >= num_reqs * num_kv_heads)
-    if fused_merge:
-        assert split_counters.dtype == torch.int32 and split_counters.is_contiguous()
     consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
                   NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys or block_n)
     _paged_attention_kernel[(num_q_tiles * num_splits, num_reqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_q_lens, part_acc, part_ml,
-        split_counters if fused_merge else seq_lens, scale * _LOG2E,
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_q_lens, part_acc, part_ml, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -372,9 +327,9 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # NOTE: Triton 3.6's interpreter multiplies raw bf16 bits in tl.dot; upcast there only.
         UPCAST_DOT=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        FUSED_MERGE=fused_merge, num_warps=num_warps, num_stages=num_stages, **consts,
+        num_warps=num_warps, num_stages=num_stages, **consts,
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _split_merge_kernel[(num_reqs, num_kv_heads)](
             out, cu_q_lens, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), BLOCK_N=block_n, num_warps=4,
             **consts,

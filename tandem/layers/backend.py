@@ -33,10 +33,6 @@ class AttnBackend:
         self.use_table = device.type == "cuda" if use_table is None else use_table
         self.use_triton = triton_available(device) if use_triton is None else use_triton
         self.upload = Uploader(device)  # shared by the runner and the speculator
-        # Split counters of the Triton attention (zeroed once; each launch leaves them zeroed):
-        # one per (request, KV head), for up to 4096 requests of 16 KV heads.
-        self.split_counters = (torch.zeros(1 << 16, dtype=torch.int32, device=device)
-                               if self.use_table and self.use_triton else None)
 
     def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], rowwise: bool = True):
         """Metadata for ragged queries (chunks, decodes, verifications) from host lists.
@@ -44,7 +40,7 @@ class AttnBackend:
         for a draft model, whose numerics cannot change the output."""
         if self.use_table:
             return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.upload,
-                                        self.use_triton, split_counters=self.split_counters)
+                                        self.use_triton)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, rowwise)
 
     def decode(self, positions: Tensor, block_table: Tensor, max_kv: int, valid: Tensor | None = None):
@@ -67,5 +63,4 @@ class AttnBackend:
             max_q_len=1,
             block_size=bs,
             use_triton=self.use_triton,
-            split_counters=self.split_counters,
         )

@@ -17,7 +17,7 @@ from torch import Tensor
 
 def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
-    upload, use_triton: bool, max_blocks: int | None = None, split_counters: Tensor | None = None,
+    upload, use_triton: bool, max_blocks: int | None = None,
 ) -> "TableAttnMetadata":
     """Host lists -> device metadata for an eager step; upload: a runner.upload.Uploader."""
     max_blocks = max_blocks or max(len(t) for t in block_tables)
@@ -38,7 +38,6 @@ def build_table_metadata(
         max_q_len=max(q_lens),
         block_size=block_size,
         use_triton=use_triton,
-        split_counters=split_counters,
     )
 
 
@@ -53,10 +52,6 @@ class TableAttnMetadata:
     max_q_len: int  # host-known upper bound on any request's query length
     block_size: int
     use_triton: bool = False
-    # int32 zeros the Triton attention counts its key splits in (the merge then runs in the same
-    # launch; see kernels/attention.py); one buffer per device queue, shared by every layer and
-    # both models, which run one after another. None: a separate merge launch.
-    split_counters: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +72,7 @@ class TableAttnMetadata:
                 kv_store(k, v, k_cache, v_cache, self.slot_mapping)
             out = torch.empty_like(q)
             paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,
-                            self.max_q_len, scale, out, split_counters=self.split_counters)
+                            self.max_q_len, scale, out)
             return out
         store_kv_masked(k, v, k_cache, v_cache, self.slot_mapping)
         return dense_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,

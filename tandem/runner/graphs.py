@@ -18,12 +18,11 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 class GraphRunner:
     def __init__(self, model, kv, *, tokens_per_req: int, max_num_reqs: int, max_blocks: int, block_size: int,
-                 device: torch.device, use_triton: bool, split_counters: Tensor | None = None):
+                 device: torch.device, use_triton: bool):
         self.model, self.kv = model, kv
         self.t = tokens_per_req
         self.block_size = block_size
         self.use_triton = use_triton
-        self.split_counters = split_counters  # the backend's (see TableAttnMetadata)
         n_tok = max_num_reqs * tokens_per_req
         self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n_tok, dtype=torch.int64, device=device)
@@ -45,7 +44,6 @@ class GraphRunner:
             max_q_len=self.t,
             block_size=self.block_size,
             use_triton=self.use_triton,
-            split_counters=self.split_counters,
         )
 
     def _forward(self, n: int) -> Tensor:

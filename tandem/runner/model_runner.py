@@ -76,8 +76,7 @@ class ModelRunner:
         for t in tokens_per_req:
             runner = GraphRunner(self.model, self.kv, tokens_per_req=t, max_num_reqs=max_num_reqs,
                                  max_blocks=max_blocks, block_size=self.block_size, device=self.device,
-                                 use_triton=self.attn_backend.use_triton,
-                                 split_counters=self.attn_backend.split_counters)
+                                 use_triton=self.attn_backend.use_triton)
             runner.capture()
             self.graphs[t] = runner
 
