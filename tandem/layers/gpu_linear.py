@@ -8,24 +8,12 @@ prefill, batches) stay on cuBLAS, whose tensor-core kernels win there.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.layers.cpu_linear import linear_sites
-
-
-@functools.cache
-def gemv_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import tandem.kernels.gemv  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from tandem.layers.norm import fused_kernels_available
 
 
 class GemvLinear(nn.Module):
@@ -59,7 +47,7 @@ class GemvLinear(nn.Module):
 
 def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype) -> None:
     """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place."""
-    if dtype not in (torch.bfloat16, torch.float16) or not gemv_available():
+    if dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_available():  # CUDA + Triton
         return
     for module, name, child in linear_sites(model):
         if not child.weight.is_contiguous():
