@@ -499,8 +499,8 @@ class OpenAIServer:
         finally:
             gone.cancel()
             if not results.done():
-                results.cancel()
-        return results.result() if not results.cancelled() else None
+                results.cancel()  # takes effect later: a gather is cancelled once its children are
+        return results.result() if results.done() and not results.cancelled() else None
 
     async def _events(self, streams: list[RequestStream], renderer: _Renderer) -> AsyncIterator[str]:
         try:
