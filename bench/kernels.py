@@ -193,15 +193,15 @@ def row_rejection(num_reqs: int, k: int) -> dict:
 
 
 def sweep_decode() -> list[list]:
-    """Decode-attention tile sweep (BLOCK_N, num_warps, num_stages) at B=8 / 32 / 64, ctx 4096."""
+    """Decode-attention tile sweep (BLOCK_N, num_warps, num_stages) at B=1 / 8 / 32 / 64, ctx 4096."""
     from tandem.kernels.attention import paged_attention
 
     rows = []
-    for b in (8, 32, 64):
+    for b in (1, 8, 32, 64):
         q, kc, vc, bt, sl, cu, _ = paged_setup([1] * b, [4095] * b)
         out = torch.empty_like(q)
         nbytes = b * 4096 * HKV * D * 2 * 2
-        for tile in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)):
+        for tile in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 1), (128, 8, 3), (32, 4, 4), (64, 8, 4)):
             try:
                 t = bench(lambda: paged_attention(q, kc, vc, bt, sl, cu, 1, D**-0.5, out, tile_override=tile))
             except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
@@ -268,14 +268,77 @@ def sweep_gemv() -> list[list]:
     return rows
 
 
+def sweep_gemv_fused() -> list[list]:
+    """The one-row GEMV plain, with the RMSNorm inside (norm=RowNorm) and adding into the residual
+    (gemv_add_), against rms_norm + GEMV, at the 8B / 1B shapes (cold weights, us per call)."""
+    from tandem.kernels.fused import rms_norm
+    from tandem.kernels.gemv import RowNorm, gemv, gemv_add_
+
+    rows = []
+    for name, n, k in GEMV_SHAPES[:9]:
+        if "lm_head" in name:
+            continue
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
+        nw = torch.ones(k, device=DEV, dtype=torch.bfloat16)
+        sumsq = torch.rand(512, device=DEV)
+        plain = _rotating(lambda w: gemv(x, w), ws)
+        normed = _rotating(lambda w: gemv(x, w, norm=RowNorm(nw, 1e-5, sumsq)), ws)
+        pair = _rotating(lambda w: gemv(rms_norm(x, nw, 1e-5), w), ws)
+        added = _rotating(lambda w: gemv_add_(x, w, res), ws)
+        cfgs = {c: _rotating(lambda w, c=c: gemv(x, w, norm=RowNorm(nw, 1e-5, sumsq), config=c), ws)
+                for c in ((8, 512, 4), (16, 512, 4), (8, 1024, 8))}
+        rows.append([name, f"{plain * 1e6:.1f}", f"{normed * 1e6:.1f}", f"{pair * 1e6:.1f}", f"{added * 1e6:.1f}"]
+                    + [f"{c}: {t * 1e6:.1f}" for c, t in cfgs.items()])
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_short_attention() -> list[list]:
+    """Batch-1 decode / verification attention at short contexts (the benchmarks' regime): tile
+    (BLOCK_N, warps, stages; None = the built-in choice) x split policy (num_splits,
+    min_split_keys; None = built-in)."""
+    from tandem.kernels.attention import paged_attention
+
+    tiles = [None, (128, 4, 1), (128, 4, 2), (128, 4, 3), (64, 4, 1), (64, 4, 2), (64, 2, 1), (32, 2, 1)]
+    splits = [(None, None), (None, 256), (1, None), (4, None)]
+    rows = []
+    for q_len, ctx in ((1, 150), (1, 400), (1, 1000), (5, 150)):
+        q, kc, vc, bt, sl, cu, _ = paged_setup([q_len], [ctx])
+        out = torch.empty_like(q)
+        res = {}
+        for tile in tiles:
+            for ns, msk in splits:
+                res[(tile, ns, msk)] = bench(lambda: paged_attention(
+                    q, kc, vc, bt, sl, cu, q_len, D**-0.5, out, num_splits=ns, tile_override=tile,
+                    min_split_keys=msk))
+        best = sorted(res, key=res.get)[:3]
+        rows.append([f"q={q_len} ctx={ctx}", f"{res[(None, None, None)] * 1e6:.1f}"]
+                    + [f"{b}: {res[b] * 1e6:.1f}" for b in best])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows and environment here")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
+    ap.add_argument("--short-attn", action="store_true", help="only the short-context batch-1 attention sweep")
+    ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.gemv_fused:
+        print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",
+                     "norm inside, other tiles", "", ""],
+                    sweep_gemv_fused(), title="one-row GEMV fusions, bf16, cold weights, CUDA graphs")
+        return
+    if args.short_attn:
+        print_table(["case", "built-in us", "best", "2nd", "3rd"], sweep_short_attention(),
+                    title="batch-1 attention: (tile, num_splits, min_split_keys), cold L2, CUDA graphs")
+        return
     if args.gemv:
         print_table(["layer", "cuBLAS us", "of copy bw", "default us", "best (BN, BK, warps)", "best us", "of copy bw",
                      "rel err"] + [str(c) for c in GEMV_CONFIGS], sweep_gemv(),

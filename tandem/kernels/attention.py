@@ -307,6 +307,12 @@ def paged_attention(
         num_splits = _default_splits(num_reqs, num_kv_heads, q.device)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_m = block_q * group_pad
+    if tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
+        # Small decode / verify batches (split-K on): no software pipelining, whose prologue costs
+        # more than it hides over a split's few key tiles (H200, bench/kernels.py --short-attn and
+        # --sweep: 10.1 -> 8.4 us at 150 keys, 26.4 -> 23.7 at 4096, B=8 50.4 -> 49.9; without
+        # splits, B=32 / 64 at 4096 keys lose 7-8% with it, so they keep the pipeline).
+        num_stages = 1
     if min_split_keys is not None:
         min_split_keys = triton.cdiv(min_split_keys, block_n) * block_n
     if num_splits > 1:

@@ -5,18 +5,35 @@ program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating
 elementwise products in fp32 registers (no reduction inside the loop), then reduces once and
 rounds once to the output dtype. There is no split-K: the grid is N / BLOCK_N programs, enough
 to fill the chip at every shape of the supported models, and each output element is summed in
-one fixed order. With act="silu_mul" the input is [gate | up] and the kernel multiplies
-silu(gate) * up, rounded as the separate silu_and_mul kernel rounds it (so the fused call gives
-the unfused call's bits), saving that launch before every down projection.
+one fixed order.
+
+What neighbouring small kernels of a decoder layer did is folded in, each op rounded as the
+separate kernel rounds it, to save their launches (a one-row step is ~9 kernels per layer, and
+each small launch costs ~2-3 us of a 4.4 ms 8B step):
+- act="silu_mul": the input is [gate | up] and the kernel multiplies silu(gate) * up, with the
+  silu_and_mul kernel's bits;
+- gemv_add_ (down_proj): the product is added into the residual stream in place, and each
+  program writes the sum of squares of its slice of the new stream;
+- norm=RowNorm (the next layer's qkv_proj): the input is the residual stream and the RMSNorm is
+  applied on the fly, its mean square taken from those partial sums (summed in one fixed order,
+  so the only difference from the rms_norm kernel is the order of that fp32 sum).
+Every program re-reads and re-normalizes the whole input row, so the norm pays only where
+programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.0 us against
+16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
+(62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
 
 Rows > 1 stay on cuBLAS: a tensor-core tile for 2-16 rows (tl.dot on a 16-row tile, swept at
 5 and 6 rows on the H200) matched cuBLAS on the 8B's layers, lost on down_proj and on every
-1B layer, and won only on the LM head (241 vs 253 us), so it was not kept.
+1B layer, and won only on the LM head (241 vs 253 us); a CUDA-core tile reading each weight
+tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30); neither
+was kept.
 
 The wrapper takes its sizes from tensor shapes only (no device-to-host reads), so a launch can
 be captured in a CUDA graph.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,35 +44,76 @@ from triton.language.extra import libdevice
 from tandem.kernels.fused import _numerics, _round
 
 
+class RowNorm(NamedTuple):
+    """RMSNorm of a one-row GEMV input, applied inside the GEMV: the norm's weight [K] and eps,
+    and sumsq [P] fp32, partial sums of squares of the row whose total is its sum of squares
+    (as gemv_add_ returns them)."""
+
+    weight: Tensor
+    eps: float
+    sumsq: Tensor
+
+
+@triton.jit
+def _silu_mul(gate, up, DTYPE: tl.constexpr, CUDA_LIBM: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """silu(gate) * up in fp32, rounded to DTYPE after each op as the silu_and_mul kernel rounds."""
+    x = gate.to(tl.float32)
+    if CUDA_LIBM:
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    x = _round(tl.div_rn(x, 1.0 + e), DTYPE, SOFT_BF16).to(tl.float32)
+    return _round(x * up.to(tl.float32), DTYPE, SOFT_BF16).to(tl.float32)
+
+
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K]
+    x_ptr,  # [K] (NORM_IN: the residual stream, normalized on the fly)
     w_ptr,  # [N, K], rows contiguous
     b_ptr,  # [N] (HAS_BIAS only)
-    out_ptr,  # [N]
+    out_ptr,  # [N] (ADD_OUT: the residual stream, read and updated in place)
+    nw_ptr,  # [K] the norm's weight (NORM_IN only)
+    sumsq_in_ptr,  # [P_IN] fp32 partial sums of squares of x (NORM_IN only)
+    sumsq_out_ptr,  # [num programs] fp32, each program's sum of squares of its new out (ADD_OUT only)
     N,
     K,
     stride_wn,
+    P_IN,
+    eps,
+    inv_k,  # fp32(1 / K)
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [gate (K) | up (K)]: multiply silu(gate) * up, rounded as silu_and_mul
+    NORM_IN: tl.constexpr,
+    ADD_OUT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if NORM_IN:  # 1 / rms of x, as the rms_norm kernel computes it
+        offs_p = tl.arange(0, BLOCK_P)
+        ss = tl.sum(tl.load(sumsq_in_ptr + offs_p, mask=offs_p < P_IN, other=0.0), axis=0)
+        if CUDA_LIBM:
+            inv = libdevice.rsqrt(ss * inv_k + eps)
+        else:
+            inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, K.to(tl.float32)) + eps))
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + k0 + offs_k)
             if SILU_MUL:
                 up = tl.load(x_ptr + K + k0 + offs_k)
+            if NORM_IN:
+                nw = tl.load(nw_ptr + k0 + offs_k)
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
@@ -65,22 +123,27 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             if SILU_MUL:
                 up = tl.load(x_ptr + K + k0 + offs_k, mask=k_ok, other=0.0)
+            if NORM_IN:
+                nw = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
         if SILU_MUL:
-            dtype = out_ptr.dtype.element_ty
-            if CUDA_LIBM:
-                e = libdevice.exp(-x)
-            else:
-                e = tl.exp(-x)
-            x = _round(tl.div_rn(x, 1.0 + e), dtype, SOFT_BF16).to(tl.float32)
-            x = _round(x * up.to(tl.float32), dtype, SOFT_BF16).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+            x = _silu_mul(x, up, dtype, CUDA_LIBM, SOFT_BF16)
+        if NORM_IN:
+            y = _round(x.to(tl.float32) * inv, dtype, SOFT_BF16).to(tl.float32)
+            x = _round(nw.to(tl.float32) * y, dtype, SOFT_BF16)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if ADD_OUT:  # residual += round(out), rounded again (the rms_norm kernel's add)
+        res = tl.load(out_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        r = _round(res + _round(out, dtype, SOFT_BF16).to(tl.float32), dtype, SOFT_BF16)
+        tl.store(out_ptr + offs_n, r, mask=n_ok)
+        r32 = tl.where(n_ok, r.to(tl.float32), 0.0)
+        tl.store(sumsq_out_ptr + pid, tl.sum(r32 * r32, axis=0))
+    else:
+        tl.store(out_ptr + offs_n, out.to(dtype), mask=n_ok)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -98,25 +161,54 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return 4, 2048, 8
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-         config: tuple[int, int, int] | None = None, act: str | None = None) -> Tensor:
-    """x [1, K] (or [K]) bf16 / fp16 / fp32, contiguous; weight [N, K] same dtype, rows contiguous;
-    bias [N] or None. -> out [1, N] (or [N]) in x's dtype, fp32 accumulation, rounded once.
-    act="silu_mul": x is [1, 2K] = [gate | up] and the product is of F.silu(gate) * up.
-    config: (BLOCK_N, BLOCK_K, num_warps) in place of gemv_config, for tuning sweeps."""
+def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: str | None,
+            norm: RowNorm | None, sumsq_out: Tensor | None, block_n: int, block_k: int, num_warps: int) -> None:
     n, k = weight.shape
     silu_mul = act == "silu_mul"
     assert act in (None, "silu_mul")
     assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1] and x.is_contiguous()
     assert weight.stride(1) == 1 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert out.numel() == n and out.is_contiguous() and out.dtype == x.dtype
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
+    if norm is not None:
+        assert not silu_mul and norm.weight.shape == (k,) and norm.weight.dtype == x.dtype
+        assert norm.sumsq.dim() == 1 and norm.sumsq.dtype == torch.float32 and norm.sumsq.is_contiguous()
+    p_in = norm.sumsq.numel() if norm is not None else 1
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        norm.weight if norm is not None else weight, norm.sumsq if norm is not None else out,
+        sumsq_out if sumsq_out is not None else out,
+        n, k, weight.stride(0), p_in, float(norm.eps) if norm is not None else 0.0, 1.0 / k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None, ADD_OUT=sumsq_out is not None,
+        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_P=triton.next_power_of_2(p_in), num_warps=num_warps, **_numerics(x),
+    )
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+         config: tuple[int, int, int] | None = None, act: str | None = None, norm: RowNorm | None = None) -> Tensor:
+    """x [1, K] (or [K]) bf16 / fp16 / fp32, contiguous; weight [N, K] same dtype, rows contiguous;
+    bias [N] or None. -> out [1, N] (or [N]) in x's dtype, fp32 accumulation, rounded once.
+    act="silu_mul": x is [1, 2K] = [gate | up] and the product is of F.silu(gate) * up.
+    norm: the product is of RMSNorm(x) (weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).
+    config: (BLOCK_N, BLOCK_K, num_warps) in place of gemv_config, for tuning sweeps."""
+    n, k = weight.shape
     if out is None:
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = config or gemv_config(n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **_numerics(x),
-    )
+    _launch(x, weight, bias, out, act, norm, None, *(config or gemv_config(n, k)))
     return out
+
+
+def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None,
+              config: tuple[int, int, int] | None = None, act: str | None = None) -> Tensor:
+    """residual += gemv(x, weight, bias, act=act), in place, with the product rounded
+    to the dtype before the add and the sum rounded again (the rms_norm kernel's add).
+    residual [1, N] (or [N]) contiguous, x's dtype, not x. -> sumsq [cdiv(N, BLOCK_N)] fp32: partial
+    sums of squares of the new residual, for the next RowNorm."""
+    n, k = weight.shape
+    block_n, block_k, num_warps = config or gemv_config(n, k)
+    assert residual.data_ptr() != x.data_ptr()
+    sumsq = torch.empty(triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
+    _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps)
+    return sumsq

@@ -5,8 +5,16 @@ row by every weight matrix: pure weight streaming. cuBLAS reaches 32-60% of the 
 on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/gemv.py reaches
 48-104% on the same shapes (bench/kernels.py --gemv, H200). Rows > 1 (verification, catch-up,
 prefill, batches) stay on cuBLAS, whose tensor-core kernels win there.
+
+A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
+these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
+(`forward_add_`, which returns the stream's partial sums of squares as an `AddedRow`) and the
+next qkv projection takes a `NormedRow` (the stream, its norm, those sums) and normalizes on the
+fly, so one RMSNorm launch per layer disappears.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +22,24 @@ from torch import Tensor, nn
 
 from tandem.layers.cpu_linear import linear_sites
 from tandem.layers.norm import fused_kernels_available
+
+
+@dataclass(frozen=True)
+class AddedRow:
+    """A one-row layer output already added into the residual stream by its GEMV: sumsq [P] fp32,
+    partial sums of squares of the new stream (what the next norm needs)."""
+
+    sumsq: Tensor
+
+
+@dataclass(frozen=True)
+class NormedRow:
+    """The input `norm(row)` of a one-row GEMV, computed inside it: row [1, H] (the residual
+    stream), the RMSNorm module, and the row's partial sums of squares."""
+
+    row: Tensor
+    norm: nn.Module
+    sumsq: Tensor
 
 
 class GemvLinear(nn.Module):
@@ -26,7 +52,15 @@ class GemvLinear(nn.Module):
         self.bias = linear.bias
         self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def one_row(self, x: Tensor) -> bool:
+        """Whether x [n, in_features] takes the GEMV (and so the fused norm / add) path."""
+        return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+
+    def forward(self, x: Tensor | NormedRow) -> Tensor:
+        if isinstance(x, NormedRow):
+            from tandem.kernels.gemv import RowNorm, gemv
+
+            return gemv(x.row, self.weight, self.bias, norm=RowNorm(x.norm.weight, x.norm.eps, x.sumsq))
         if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
             from tandem.kernels.gemv import gemv
 
@@ -43,6 +77,13 @@ class GemvLinear(nn.Module):
         from tandem.kernels.fused import silu_and_mul
 
         return self(silu_and_mul(gate_up))
+
+    def forward_add_(self, x: Tensor, residual: Tensor, act: str | None = None) -> AddedRow:
+        """residual += self(x) (act="silu_mul": self(F.silu(gate) * up) for x = [gate | up]) in
+        place, for a one-row x (`one_row(residual)`), in one GEMV launch."""
+        from tandem.kernels.gemv import gemv_add_
+
+        return AddedRow(gemv_add_(x, self.weight, residual, self.bias, act=act))
 
 
 def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype) -> None:

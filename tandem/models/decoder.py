@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from tandem.config import ArchConfig
 from tandem.layers.attention import AttnMetadata
+from tandem.layers.gpu_linear import AddedRow, GemvLinear, NormedRow
 from tandem.layers.norm import RMSNorm, fused_kernels_available
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -54,8 +55,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = 1.0 / math.sqrt(d)
 
-    def forward(self, x: Tensor, positions: Tensor, attn: AttnMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        n = x.shape[0]
+    def forward(self, x: Tensor | NormedRow, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
+                v_cache: Tensor) -> Tensor:
+        n = positions.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # row-strided views
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -79,8 +81,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.intermediate_size = arch.intermediate_size
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | NormedRow, add_to: Tensor | None = None) -> Tensor | AddedRow:
+        """-> down(silu(gate(x)) * up(x)); with add_to (the residual stream, one row): added into it."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if add_to is not None:
+            return self.down_proj.forward_add_(gate_up, add_to, act="silu_mul")
         if gate_up.is_cuda and fused_kernels_available():
             if hasattr(self.down_proj, "forward_silu_mul"):  # GemvLinear: the activation in its GEMV
                 return self.down_proj.forward_silu_mul(gate_up)
@@ -99,21 +104,34 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
+    def fuses_row(self, residual: Tensor) -> bool:
+        """Whether this layer runs the one-row GEMV path (its MLP add and the next input norm inside GEMVs)."""
+        return isinstance(self.mlp.down_proj, GemvLinear) and all(
+            lin.one_row(residual) for lin in (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                                              self.mlp.gate_up_proj, self.mlp.down_proj))
+
     def forward(
-        self, x: Tensor, residual: Tensor | None, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
+        self, x: Tensor | AddedRow, residual: Tensor | None, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
         v_cache: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        """x: the previous layer's output (not yet added); residual: the stream before it.
-        -> (this layer's MLP output, the stream before it). Same arithmetic as
-        `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into the next norm."""
+    ) -> tuple[Tensor | AddedRow, Tensor]:
+        """x: the previous layer's output, not yet added (a Tensor) or already added into the
+        residual stream (an AddedRow); residual: the stream. -> (this layer's output, the stream).
+        Same arithmetic as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into
+        the next norm; for one row on the GPU the MLP's add runs in the down projection's GEMV
+        and the next layer's input norm in its qkv GEMV (see tandem/kernels/gemv.py)."""
         if residual is None:
             residual = x  # the embedding output becomes the residual stream (updated in place)
             h = self.input_layernorm(x)
+        elif isinstance(x, AddedRow):
+            h = NormedRow(residual, self.input_layernorm, x.sumsq)
         else:
             h = self.input_layernorm(x, residual)
+        fused = self.fuses_row(residual)
+        if isinstance(h, NormedRow) and not fused:  # the previous layer added; this one has no GEMVs
+            h = h.norm(residual)
         h = self.self_attn(h, positions, attn, k_cache, v_cache)
         h = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, add_to=residual if fused else None), residual
 
 
 class DecoderModel(nn.Module):
@@ -148,6 +166,8 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, attn, kv.k[i], kv.v[i])
+        if isinstance(x, AddedRow):
+            return self.model.norm(residual)
         return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

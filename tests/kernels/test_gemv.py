@@ -23,7 +23,7 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import silu_and_mul  # noqa: E402
-from tandem.kernels.gemv import _gemv_kernel, gemv, gemv_config  # noqa: E402
+from tandem.kernels.gemv import RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_fused import ulp_dist  # noqa: E402
 
@@ -109,3 +109,119 @@ def test_gemv_silu_mul_interpreter(dtype):
         assert (ulp_dist(out, exact.to(dtype)) <= 4).all()
     else:
         assert ((out.double() - exact).abs() <= 1e-5 * scale).all()
+
+
+# ------------------------------------------------------------------ the norm / residual-add fusions
+def check_add_and_norm(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=None) -> None:
+    """gemv_add_ == residual + gemv (bits; under the interpreter, whose plain gemv store truncates
+    bf16, within an ulp of each term), its partial sums of squares add up to the new residual's, and a GEMV with the
+    RMSNorm inside (RowNorm of those sums) matches the rms_norm-then-GEMV pair."""
+    from tandem.layers.norm import RMSNorm
+
+    g = torch.Generator(device="cpu").manual_seed(n * 3 + k)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    res = torch.randn(1, n, generator=g).to(device, dtype)
+    o = gemv(x, w, config=config)
+    want = res + o
+    got = res.clone()
+    sumsq = gemv_add_(x, w, got, config=config)
+    if INTERPRET and dtype == torch.bfloat16:
+        assert ((got.float() - want.float()).abs() <= 2**-7 * (want.float().abs() + o.float().abs())).all()
+    else:
+        assert torch.equal(got, want)
+    total = (got.double() ** 2).sum().item()
+    assert abs(sumsq.double().sum().item() - total) <= 1e-5 * total
+    norm = RMSNorm(n, 1e-5).to(device)
+    norm.weight.data = (1 + 0.2 * torch.randn(n, generator=g)).to(device, dtype)
+    w2 = (torch.randn(m, n, generator=g) * 0.05).to(device, dtype)
+    out = torch.full((1, m), float("nan"), dtype=dtype, device=device)
+    gemv(got, w2, out=out, norm=RowNorm(norm.weight, norm.eps, sumsq))
+    h = norm(got)
+    unfused = gemv(h, w2)
+    scale = h.double().abs() @ w2.double().abs().T
+    assert not out.isnan().any()
+    if dtype == torch.float32:
+        assert ((out.double() - unfused.double()).abs() <= 1e-5 * scale).all()
+    else:
+        assert ((out.double() - unfused.double()).abs() <= 1e-2 * scale).all()
+        # The norms differ only in the order of one fp32 sum, which rounding to 8 or 11 bits
+        # almost always hides: nearly every output keeps its bits.
+        assert (out == unfused).float().mean().item() >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k,m", [(4096, 4096, 6144), (4096, 14336, 28672), (2048, 2048, 3072),
+                                   (1536, 8960, 2048), (896, 896, 1152), (1000, 700, 300)])
+def test_gemv_add_and_norm_gpu(n, k, m, dtype):
+    check_add_and_norm(n, k, m, dtype, "cuda")
+
+
+@interpret_mark(_gemv_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,m,config", [(64, 96, 40, (8, 32, 4)), (72, 64, 24, (4, 64, 4))])
+def test_gemv_add_and_norm_interpreter(n, k, m, config, dtype):
+    check_add_and_norm(n, k, m, dtype, "cpu", config=config)
+
+
+def _decode_logits(path, device: str, dtype: torch.dtype, swap: bool, use_gemv: bool = True) -> torch.Tensor:
+    """Logits of a 9-token prefill and 4 one-token decode steps of a tiny model; swap: wrap every
+    linear in a GemvLinear (the GPU loader does this for bf16 / fp16 by itself)."""
+    from tandem.config import ModelConfig, read_arch_config
+    from tandem.layers.backend import AttnBackend
+    from tandem.layers.cpu_linear import linear_sites
+    from tandem.layers.gpu_linear import GemvLinear
+    from tandem.models.decoder import KVCache
+    from tandem.models.loader import load_model
+
+    arch = read_arch_config(path)
+    model = load_model(ModelConfig(str(path), arch, dtype, 64), torch.device(device))
+    if swap:
+        sites = linear_sites(model)
+        assert sites
+        for module, name, child in sites:
+            setattr(module, name, GemvLinear(child))
+    for m in model.modules():
+        if isinstance(m, GemvLinear):
+            m.use_gemv = use_gemv
+    kv = KVCache(arch, 8, 4, dtype, device)
+    ids = torch.randint(0, 320, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = [5, 2, 7, 1]
+    backend = AttnBackend(4, torch.device(device))  # on CUDA: block-table metadata, Triton attention
+    out = []
+    with torch.inference_mode():
+        for start, n in [(0, 9), (9, 1), (10, 1), (11, 1), (12, 1)]:
+            attn = backend.prefill([start], [n], [table])
+            pos = torch.arange(start, start + n, device=device)
+            hidden = model(torch.tensor(ids[start : start + n], device=device), pos, attn, kv)
+            out.append(model.compute_logits(hidden[-1:]).float().cpu())
+    return torch.cat(out)
+
+
+@interpret_mark(_gemv_kernel)
+def test_decoder_row_path_interpreter(tmp_path):
+    """One-token steps through the GEMVs with the norms and adds inside them == the plain model."""
+    from tests.helpers import make_hf_model
+
+    path = make_hf_model(tmp_path / "m", "qwen2", num_heads=4, num_kv_heads=2)  # q/k/v biases too
+    ref = _decode_logits(path, "cpu", torch.float32, swap=False)
+    got = _decode_logits(path, "cpu", torch.float32, swap=True)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decoder_row_path_gpu(tmp_path, arch):
+    from tests.helpers import make_hf_model
+
+    path = make_hf_model(tmp_path / "m", arch, num_heads=4, num_kv_heads=2)
+    ref = _decode_logits(path, "cpu", torch.float32, swap=False)
+    got = _decode_logits(path, "cuda", torch.float32, swap=True)  # fp32 GEMVs, fused norms and adds
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    bf16 = _decode_logits(path, "cuda", torch.bfloat16, swap=False)  # the loader's GemvLinears
+    cublas = _decode_logits(path, "cuda", torch.bfloat16, swap=False, use_gemv=False)
+    assert (bf16 - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    assert (bf16 - cublas).abs().max().item() <= 0.05 * ref.abs().max().item()
