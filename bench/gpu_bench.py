@@ -332,6 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--ab-gemv", action="store_true",
                    help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
+    p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": []}
@@ -341,6 +342,8 @@ def main(argv=None) -> int:
     target, draft = (("tiny", TINY), ("tiny-draft", TINY_DRAFT)) if args.quick else (
         ("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B))
     batches = [1, 8] if args.quick else [1, 8, 32, 64]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     real = [float(x) for x in args.real_rates.split(",")] if args.real_rates else None
 
     def profiles(k):
@@ -354,6 +357,8 @@ def main(argv=None) -> int:
         shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
         full = "target" in sections
         spec_batches = [1] if args.quick else [1, 8]  # the synthetic section's batches need a baseline
+        if args.batches:
+            spec_batches = batches
         base = target_only(root, shapes if full else [target], batches if full else spec_batches, args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:

@@ -6,6 +6,9 @@
 - gumbel.gumbel_sample: seeded Gumbel-max sampling, bit-exact with tandem.sampling.gumbel.
 - rejection.rejection_sample: the fused rejection sampler of tandem.spec.rejection.
 - fused: RMSNorm (+ residual), rotary (+ paged KV store), SiLU-and-mul.
+- gemv: one-row linears (batch-1 steps), optionally with SiLU-and-mul or an RMSNorm of the input
+  in the prologue, a residual add in the epilogue, or (the qkv projection) rotary + paged KV
+  store in the epilogue, each with the separate kernel's rounding.
 
 And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
 AVX2 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in

@@ -67,6 +67,58 @@ def _silu_mul(gate, up, DTYPE: tl.constexpr, CUDA_LIBM: tl.constexpr, SOFT_BF16:
 
 
 @triton.jit
+def _inv_rms(sumsq_ptr, P, K, eps, inv_k, BLOCK_P: tl.constexpr, CUDA_LIBM: tl.constexpr):
+    """1 / rms of a K-wide row from its P partial sums of squares, as the rms_norm kernel computes it."""
+    offs_p = tl.arange(0, BLOCK_P)
+    ss = tl.sum(tl.load(sumsq_ptr + offs_p, mask=offs_p < P, other=0.0), axis=0)
+    if CUDA_LIBM:
+        return libdevice.rsqrt(ss * inv_k + eps)
+    else:
+        return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, K.to(tl.float32)) + eps))
+
+
+@triton.jit
+def _dot_rows(
+    x_ptr, w_ptr, nw_ptr, inv, rows, rows_ok, K, stride_wn,
+    DTYPE: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CUDA_LIBM: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """fp32 [BLOCK_N]: the input row (SILU_MUL / NORM_IN applied to it) dotted with weight rows
+    `rows`, accumulated elementwise over BLOCK_K tiles and reduced once."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + offs_k)
+            if SILU_MUL:
+                up = tl.load(x_ptr + K + k0 + offs_k)
+            if NORM_IN:
+                nw = tl.load(nw_ptr + k0 + offs_k)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            if SILU_MUL:
+                up = tl.load(x_ptr + K + k0 + offs_k, mask=k_ok, other=0.0)
+            if NORM_IN:
+                nw = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_MUL:
+            x = _silu_mul(x, up, DTYPE, CUDA_LIBM, SOFT_BF16)
+        if NORM_IN:
+            y = _round(x.to(tl.float32) * inv, DTYPE, SOFT_BF16).to(tl.float32)
+            x = _round(nw.to(tl.float32) * y, DTYPE, SOFT_BF16)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [K] (NORM_IN: the residual stream, normalized on the fly)
     w_ptr,  # [N, K], rows contiguous
@@ -97,43 +149,11 @@ def _gemv_kernel(
     dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    if NORM_IN:  # 1 / rms of x, as the rms_norm kernel computes it
-        offs_p = tl.arange(0, BLOCK_P)
-        ss = tl.sum(tl.load(sumsq_in_ptr + offs_p, mask=offs_p < P_IN, other=0.0), axis=0)
-        if CUDA_LIBM:
-            inv = libdevice.rsqrt(ss * inv_k + eps)
-        else:
-            inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, K.to(tl.float32)) + eps))
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k)
-            if SILU_MUL:
-                up = tl.load(x_ptr + K + k0 + offs_k)
-            if NORM_IN:
-                nw = tl.load(nw_ptr + k0 + offs_k)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k0 + offs_k < K
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            if SILU_MUL:
-                up = tl.load(x_ptr + K + k0 + offs_k, mask=k_ok, other=0.0)
-            if NORM_IN:
-                nw = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SILU_MUL:
-            x = _silu_mul(x, up, dtype, CUDA_LIBM, SOFT_BF16)
-        if NORM_IN:
-            y = _round(x.to(tl.float32) * inv, dtype, SOFT_BF16).to(tl.float32)
-            x = _round(nw.to(tl.float32) * y, dtype, SOFT_BF16)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    inv = 1.0
+    if NORM_IN:
+        inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
+    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, offs_n, n_ok, K, stride_wn, dtype, SILU_MUL, NORM_IN, EVEN_N, EVEN_K,
+                    BLOCK_N, BLOCK_K, CUDA_LIBM, SOFT_BF16)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if ADD_OUT:  # residual += round(out), rounded again (the rms_norm kernel's add)
@@ -144,6 +164,94 @@ def _gemv_kernel(
         tl.store(sumsq_out_ptr + pid, tl.sum(r32 * r32, axis=0))
     else:
         tl.store(out_ptr + offs_n, out.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _mul_rn(a, b, CUDA_LIBM: tl.constexpr):
+    """a * b rounded on its own (never contracted into an FMA), as in a kernel built without fp fusion."""
+    if CUDA_LIBM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _halves(t, PAIRS: tl.constexpr):
+    """[2 * PAIRS] -> its first and second PAIRS elements."""
+    return tl.split(tl.trans(tl.reshape(t, [2, PAIRS])))
+
+
+@triton.jit
+def _gemv_qkv_rope_kernel(
+    x_ptr,  # [K] (NORM_IN: the residual stream, normalized on the fly)
+    w_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM, K], rows contiguous: q | k | v
+    b_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM] (HAS_BIAS only)
+    out_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM]: q and k rotated, v
+    nw_ptr,  # [K] (NORM_IN only)
+    sumsq_in_ptr,  # [P_IN] fp32 (NORM_IN only)
+    cos_ptr,  # [max_pos, HEAD_DIM] fp32
+    sin_ptr,
+    pos_ptr,  # [1] int32 / int64
+    slot_ptr,  # [1] int32 / int64, -1 = padding (nothing written to the cache)
+    k_cache_ptr,  # [num_slots, NUM_KV, HEAD_DIM] contiguous
+    v_cache_ptr,
+    K,
+    stride_wn,
+    stride_cos,
+    stride_sin,
+    P_IN,
+    eps,
+    inv_k,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAIRS: tl.constexpr,  # rotary pairs (dims i, i + HEAD_DIM / 2) per program
+    HAS_BIAS: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CUDA_LIBM: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """The qkv projection of one row with the rotary embedding and the paged KV store in its
+    epilogue: a q or k program owns PAIRS rotary pairs of one head (weight rows d and
+    d + HEAD_DIM / 2), so it can rotate what it computed; a v program owns 2 * PAIRS rows of v."""
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHUNKS: tl.constexpr = HALF // PAIRS
+    ROPE_PROGRAMS: tl.constexpr = (NUM_Q + NUM_KV) * CHUNKS
+    offs = tl.arange(0, 2 * PAIRS)
+    head = pid // CHUNKS
+    dim = (offs // PAIRS) * HALF + (pid % CHUNKS) * PAIRS + offs % PAIRS  # within the head
+    rope = pid < ROPE_PROGRAMS
+    rows = tl.where(rope, head * HEAD_DIM + dim, (NUM_Q + NUM_KV) * HEAD_DIM + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs)
+    inv = 1.0
+    if NORM_IN:
+        inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
+    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, rows, rows >= 0, K, stride_wn, dtype, False, NORM_IN, True, EVEN_K,
+                    2 * PAIRS, BLOCK_K, CUDA_LIBM, SOFT_BF16)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rows).to(tl.float32)
+    x = out.to(dtype)  # the projection's output, as the plain GEMV stores it
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if rope:  # the rotary kernel's arithmetic: x1 c1 - x2 s1, x2 c2 + x1 s2 in fp32, rounded once
+        pos = tl.load(pos_ptr).to(tl.int64)
+        c1, c2 = _halves(tl.load(cos_ptr + pos * stride_cos + dim), PAIRS)
+        s1, s2 = _halves(tl.load(sin_ptr + pos * stride_sin + dim), PAIRS)
+        x1, x2 = _halves(x.to(tl.float32), PAIRS)
+        o1 = _round(_mul_rn(x1, c1, CUDA_LIBM) - _mul_rn(x2, s1, CUDA_LIBM), dtype, SOFT_BF16).to(dtype)
+        o2 = _round(_mul_rn(x2, c2, CUDA_LIBM) + _mul_rn(x1, s2, CUDA_LIBM), dtype, SOFT_BF16).to(dtype)
+        y = tl.reshape(tl.trans(tl.join(o1, o2)), [2 * PAIRS])
+        tl.store(out_ptr + rows, y)
+        if head >= NUM_Q and slot >= 0:
+            tl.store(k_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + dim, y)
+    else:
+        tl.store(out_ptr + rows, x)
+        if slot >= 0:
+            tl.store(v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + rows - (NUM_Q + NUM_KV) * HEAD_DIM, x)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -212,3 +320,42 @@ def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None =
     sumsq = torch.empty(triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
     _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps)
     return sumsq
+
+
+def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
+                  positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor, norm: RowNorm | None = None, block_k: int | None = None) -> Tensor:
+    """One row's packed q | k | v projection (gemv(x, weight, bias, norm=norm)) with q and k
+    rotated as kernels.fused.rotary_embedding rotates them (same bits) and this token's k and v
+    written into the paged cache at slot_mapping[0] (-1: not written). -> [1, (H + 2 Hkv) D].
+
+    positions, slot_mapping [1] int32 / int64; cos, sin [max_pos, D] fp32 (RotaryEmbedding's
+    tables); k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, x's dtype; D % 8 == 0."""
+    n, k = weight.shape
+    head_dim = k_cache.shape[-1]
+    assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 8 == 0
+    assert x.shape[-1] == k and x.numel() == k and x.is_contiguous() and weight.stride(1) == 1
+    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
+    assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert positions.shape == (1,) and slot_mapping.shape == (1,)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim and cos.stride(1) == 1 and sin.stride(1) == 1
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    if norm is not None:
+        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype and norm.sumsq.dtype == torch.float32
+    pairs = 4
+    block_k = block_k or min(512, triton.next_power_of_2(k))
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    p_in = norm.sumsq.numel() if norm is not None else 1
+    grid = ((num_heads + num_kv_heads) * (head_dim // 2 // pairs) + num_kv_heads * head_dim // (2 * pairs),)
+    _gemv_qkv_rope_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        norm.weight if norm is not None else weight, norm.sumsq if norm is not None else out,
+        cos, sin, positions, slot_mapping, k_cache, v_cache,
+        k, weight.stride(0), cos.stride(0), sin.stride(0), p_in, float(norm.eps) if norm is not None else 0.0,
+        1.0 / k, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, HAS_BIAS=bias is not None,
+        NORM_IN=norm is not None, EVEN_K=k % block_k == 0, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p_in),
+        num_warps=4, **_numerics(x),
+    )
+    return out

@@ -10,7 +10,9 @@ A one-row decoder layer runs its MLP's residual add and the next layer's input n
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
 (`forward_add_`, which returns the stream's partial sums of squares as an `AddedRow`) and the
 next qkv projection takes a `NormedRow` (the stream, its norm, those sums) and normalizes on the
-fly, so one RMSNorm launch per layer disappears.
+fly, so one RMSNorm launch per layer disappears. The qkv projection of one row also rotates q
+and k and stores k and v in the paged cache in its epilogue (`forward_qkv_rope`), replacing the
+rotary kernel's launch.
 """
 from __future__ import annotations
 
@@ -77,6 +79,23 @@ class GemvLinear(nn.Module):
         from tandem.kernels.fused import silu_and_mul
 
         return self(silu_and_mul(gate_up))
+
+    def takes_row(self, x: Tensor | NormedRow) -> bool:
+        """Whether x (a NormedRow, or a Tensor) is one row for the GEMV path."""
+        return isinstance(x, NormedRow) or self.one_row(x)
+
+    def forward_qkv_rope(self, x: Tensor | NormedRow, num_heads: int, num_kv_heads: int, positions: Tensor,
+                         rotary: nn.Module, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+        """The packed q | k | v projection of one row (`takes_row(x)`) with q and k rotated and
+        this token's k and v stored in the paged cache, in one GEMV launch."""
+        from tandem.kernels.gemv import RowNorm, gemv_qkv_rope
+
+        if isinstance(x, NormedRow):
+            row, norm = x.row, RowNorm(x.norm.weight, x.norm.eps, x.sumsq)
+        else:
+            row, norm = x, None
+        return gemv_qkv_rope(row, self.weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
+                             rotary.sin, k_cache, v_cache, slot_mapping, norm=norm)
 
     def forward_add_(self, x: Tensor, residual: Tensor, act: str | None = None) -> AddedRow:
         """residual += self(x) (act="silu_mul": self(F.silu(gate) * up) for x = [gate | up]) in

@@ -55,16 +55,29 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = 1.0 / math.sqrt(d)
 
+    def rotates_in_projection(self, x: Tensor | NormedRow, attn: AttnMetadata) -> bool:
+        """One row on the GPU path whose attention takes its K/V pre-stored: the qkv GEMV rotates
+        and stores (no q/k norm between the projection and the rotation)."""
+        return (isinstance(self.qkv_proj, GemvLinear) and self.qkv_proj.takes_row(x) and attn.fuses_kv_store
+                and not self.qk_norm and self.head_dim % 8 == 0)
+
     def forward(self, x: Tensor | NormedRow, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
                 v_cache: Tensor) -> Tensor:
         n = positions.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # row-strided views
+        if self.rotates_in_projection(x, attn):  # one launch projects, rotates and stores k, v
+            qkv = self.qkv_proj.forward_qkv_rope(x, self.num_heads, self.num_kv_heads, positions, self.rotary,
+                                                 k_cache, v_cache, attn.slot_mapping)
+        else:
+            qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # row-strided views
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if attn.fuses_kv_store:  # one launch rotates q, k and writes k, v into the cache
+        if self.rotates_in_projection(x, attn):
+            o = attn.attend(q, k, v, k_cache, v_cache, self.scale, kv_stored=True)
+        elif attn.fuses_kv_store:  # one launch rotates q, k and writes k, v into the cache
             q, k = self.rotary(positions, q, k, store=(v, k_cache, v_cache, attn.slot_mapping))
             o = attn.attend(q, k, v, k_cache, v_cache, self.scale, kv_stored=True)
         else:

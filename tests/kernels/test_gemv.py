@@ -23,7 +23,7 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import silu_and_mul  # noqa: E402
-from tandem.kernels.gemv import RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config  # noqa: E402
+from tandem.kernels.gemv import RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config, gemv_qkv_rope  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_fused import ulp_dist  # noqa: E402
 
@@ -166,9 +166,12 @@ def test_gemv_add_and_norm_interpreter(n, k, m, config, dtype):
     check_add_and_norm(n, k, m, dtype, "cpu", config=config)
 
 
-def _decode_logits(path, device: str, dtype: torch.dtype, swap: bool, use_gemv: bool = True) -> torch.Tensor:
+def _decode_logits(path, device: str, dtype: torch.dtype, swap: bool, use_gemv: bool = True,
+                   table_decode: bool = False) -> torch.Tensor:
     """Logits of a 9-token prefill and 4 one-token decode steps of a tiny model; swap: wrap every
-    linear in a GemvLinear (the GPU loader does this for bf16 / fp16 by itself)."""
+    linear in a GemvLinear (the GPU loader does this for bf16 / fp16 by itself); table_decode:
+    the decode steps take the GPU's block-table metadata and Triton attention (on CPU: under the
+    interpreter), so the qkv GEMV rotates and stores K/V itself."""
     from tandem.config import ModelConfig, read_arch_config
     from tandem.layers.backend import AttnBackend
     from tandem.layers.cpu_linear import linear_sites
@@ -190,10 +193,11 @@ def _decode_logits(path, device: str, dtype: torch.dtype, swap: bool, use_gemv: 
     ids = torch.randint(0, 320, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     table = [5, 2, 7, 1]
     backend = AttnBackend(4, torch.device(device))  # on CUDA: block-table metadata, Triton attention
+    decode_backend = AttnBackend(4, torch.device(device), use_table=True, use_triton=True) if table_decode else backend
     out = []
     with torch.inference_mode():
         for start, n in [(0, 9), (9, 1), (10, 1), (11, 1), (12, 1)]:
-            attn = backend.prefill([start], [n], [table])
+            attn = (backend if n > 1 else decode_backend).prefill([start], [n], [table])
             pos = torch.arange(start, start + n, device=device)
             hidden = model(torch.tensor(ids[start : start + n], device=device), pos, attn, kv)
             out.append(model.compute_logits(hidden[-1:]).float().cpu())
@@ -208,6 +212,8 @@ def test_decoder_row_path_interpreter(tmp_path):
     path = make_hf_model(tmp_path / "m", "qwen2", num_heads=4, num_kv_heads=2)  # q/k/v biases too
     ref = _decode_logits(path, "cpu", torch.float32, swap=False)
     got = _decode_logits(path, "cpu", torch.float32, swap=True)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    got = _decode_logits(path, "cpu", torch.float32, swap=True, table_decode=True)  # + rotary in the qkv GEMV
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
@@ -225,3 +231,57 @@ def test_decoder_row_path_gpu(tmp_path, arch):
     cublas = _decode_logits(path, "cuda", torch.bfloat16, swap=False, use_gemv=False)
     assert (bf16 - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
     assert (bf16 - cublas).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+# ------------------------------------------------------------------ the rotary + KV store epilogue
+def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torch.dtype, device: str, bias: bool,
+                   norm: bool, slot: int, block_k: int | None = None) -> None:
+    """gemv_qkv_rope == the qkv GEMV (same tile) then rotary_embedding with its KV store: the
+    same bits in the output and in both caches (nothing written for slot -1)."""
+    from tandem.kernels.fused import rotary_embedding
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(heads * 31 + k)
+    n = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    row_norm = None
+    if norm:
+        nw = (1 + 0.2 * torch.randn(k, generator=g)).to(device, dtype)
+        sumsq = (x.float() ** 2).sum().reshape(1).repeat(3) / 3
+        row_norm = RowNorm(nw, 1e-6, sumsq.contiguous())
+    rot = RotaryEmbedding(head_dim, 512, 500000.0, None, device=device)
+    pos = torch.tensor([301], device=device)
+    slots = torch.tensor([slot], device=device)
+    k_cache = torch.full((6, 4, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    out = gemv_qkv_rope(x, w, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots, norm=row_norm,
+                        block_k=block_k)
+    block_k = block_k or min(512, triton.next_power_of_2(k))
+    ref = gemv(x, w, b, config=(8, block_k, 4), norm=row_norm)
+    q, kk, v = (t.view(1, -1, head_dim) for t in ref.split([heads * head_dim, kv_heads * head_dim,
+                                                             kv_heads * head_dim], dim=-1))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    rotary_embedding(pos, q, kk, rot.cos, rot.sin, store=(v, k_ref, v_ref, slots))
+    assert torch.equal(out, ref)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert k_cache.isnan().sum().item() == k_cache.numel() - (kv_heads * head_dim if slot >= 0 else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,bias", [(32, 8, 128, 4096, False), (32, 8, 64, 2048, False),
+                                                           (12, 2, 128, 1536, True), (14, 2, 64, 896, True)])
+@pytest.mark.parametrize("norm,slot", [(False, 13), (True, 22), (True, -1)])
+def test_gemv_qkv_rope_gpu(heads, kv_heads, head_dim, k, bias, norm, slot, dtype):
+    check_qkv_rope(heads, kv_heads, head_dim, k, dtype, "cuda", bias, norm, slot)
+
+
+@interpret_mark(_gemv_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm,slot,bias", [(False, 5, True), (True, -1, False)])
+def test_gemv_qkv_rope_interpreter(norm, slot, bias, dtype):
+    check_qkv_rope(4, 2, 16, 96, dtype, "cpu", bias, norm, slot, block_k=32)
