@@ -8,15 +8,18 @@ to fill the chip at every shape of the supported models, and each output element
 one fixed order.
 
 What neighbouring small kernels of a decoder layer did is folded in, each op rounded as the
-separate kernel rounds it, to save their launches (a one-row step is ~9 kernels per layer, and
-each small launch costs ~2-3 us of a 4.4 ms 8B step):
+separate kernel rounds it, to save their launches (a one-row step ran 9 kernels per layer, 7 now,
+and each small launch costs ~2-3 us of a ~4.3 ms 8B step):
 - act="silu_mul": the input is [gate | up] and the kernel multiplies silu(gate) * up, with the
   silu_and_mul kernel's bits;
 - gemv_add_ (down_proj): the product is added into the residual stream in place, and each
   program writes the sum of squares of its slice of the new stream;
 - norm=RowNorm (the next layer's qkv_proj): the input is the residual stream and the RMSNorm is
   applied on the fly, its mean square taken from those partial sums (summed in one fixed order,
-  so the only difference from the rms_norm kernel is the order of that fp32 sum).
+  so the only difference from the rms_norm kernel is the order of that fp32 sum);
+- gemv_qkv_rope (the qkv projection): programs own rotary pairs (d, d + D/2) of one head, so
+  the epilogue rotates q and k with the rotary kernel's bits and stores k and v in the paged
+  cache, replacing the rotary launch.
 Every program re-reads and re-normalizes the whole input row, so the norm pays only where
 programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.0 us against
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
