@@ -43,6 +43,12 @@ class NormedRow:
     norm: nn.Module
     sumsq: Tensor
 
+    def row_norm(self):
+        """-> the kernels' RowNorm (the norm's weight and eps, the partial sums)."""
+        from tandem.kernels.gemv import RowNorm
+
+        return RowNorm(self.norm.weight, self.norm.eps, self.sumsq)
+
 
 class GemvLinear(nn.Module):
     """nn.Linear's parameters (shared, not copied), with one-row inputs sent to the GEMV kernel."""
@@ -60,10 +66,10 @@ class GemvLinear(nn.Module):
 
     def forward(self, x: Tensor | NormedRow) -> Tensor:
         if isinstance(x, NormedRow):
-            from tandem.kernels.gemv import RowNorm, gemv
+            from tandem.kernels.gemv import gemv
 
-            return gemv(x.row, self.weight, self.bias, norm=RowNorm(x.norm.weight, x.norm.eps, x.sumsq))
-        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+            return gemv(x.row, self.weight, self.bias, norm=x.row_norm())
+        if self.one_row(x):
             from tandem.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias)
@@ -72,7 +78,7 @@ class GemvLinear(nn.Module):
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
         """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation
         fused into the GEMV for one row (same bits as the separate silu_and_mul kernel)."""
-        if self.use_gemv and gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.is_contiguous():
+        if self.one_row(gate_up):
             from tandem.kernels.gemv import gemv
 
             return gemv(gate_up, self.weight, self.bias, act="silu_mul")
@@ -88,12 +94,9 @@ class GemvLinear(nn.Module):
                          rotary: nn.Module, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
         """The packed q | k | v projection of one row (`takes_row(x)`) with q and k rotated and
         this token's k and v stored in the paged cache, in one GEMV launch."""
-        from tandem.kernels.gemv import RowNorm, gemv_qkv_rope
+        from tandem.kernels.gemv import gemv_qkv_rope
 
-        if isinstance(x, NormedRow):
-            row, norm = x.row, RowNorm(x.norm.weight, x.norm.eps, x.sumsq)
-        else:
-            row, norm = x, None
+        row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)
         return gemv_qkv_rope(row, self.weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
                              rotary.sin, k_cache, v_cache, slot_mapping, norm=norm)
 

@@ -64,7 +64,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor | NormedRow, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
                 v_cache: Tensor) -> Tensor:
         n = positions.shape[0]
-        if self.rotates_in_projection(x, attn):  # one launch projects, rotates and stores k, v
+        rotated = self.rotates_in_projection(x, attn)
+        if rotated:  # one launch projects, rotates and stores k, v
             qkv = self.qkv_proj.forward_qkv_rope(x, self.num_heads, self.num_kv_heads, positions, self.rotary,
                                                  k_cache, v_cache, attn.slot_mapping)
         else:
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotates_in_projection(x, attn):
+        if rotated:
             o = attn.attend(q, k, v, k_cache, v_cache, self.scale, kv_stored=True)
         elif attn.fuses_kv_store:  # one launch rotates q, k and writes k, v into the cache
             q, k = self.rotary(positions, q, k, store=(v, k_cache, v_cache, attn.slot_mapping))
