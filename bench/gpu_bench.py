@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -136,6 +137,12 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8)
             "steps": steps}
 
 
+def recapture(llm) -> None:
+    llm.engine.runner.graphs.clear()
+    gc.collect()
+    llm.engine.capture_graphs()
+
+
 def use_gemv(llm, on: bool) -> None:
     """One-row linears through the Triton GEMV (on) or cuBLAS (off), graphs recaptured: the A/B
     of tandem/layers/gpu_linear.py on the same engine."""
@@ -147,12 +154,35 @@ def use_gemv(llm, on: bool) -> None:
         for m in model.modules():
             if isinstance(m, GemvLinear):
                 m.use_gemv = on
-    runner.graphs.clear()
-    gc.collect()
-    llm.engine.capture_graphs()
+    recapture(llm)
+
+
+class env_variant:
+    """Environment assignments ("A=1,B=2") in force inside the block, graphs recaptured on entry
+    and exit: an A/B of a launch-time switch (TANDEM_PDL, TANDEM_GEMV_PREFETCH) on one engine."""
+
+    def __init__(self, llm, assignments: str):
+        self.llm = llm
+        self.env = dict(kv.split("=", 1) for kv in assignments.split(","))
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        recapture(self.llm)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        recapture(self.llm)
 
 
 def graph_time(graph) -> float:
+    """Median replay time. The replays read the attention metadata the graph's buffers hold, so
+    time a graph after real steps have run through it: a freshly captured one holds the capture's
+    (empty) contexts and replays faster than a real step."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         graph.replay()
@@ -182,12 +212,21 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
             r["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
             if b == 1 and args.ab_gemv:
                 use_gemv(llm, False)
+                r["cublas_ms_per_step"] = measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"]
                 g = llm.engine.runner.graphs[1]
                 r["cublas_graph_ms"] = graph_time(g.graphs[g.bucket(b)])
-                r["cublas_ms_per_step"] = measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"]
                 use_gemv(llm, True)
                 print(f"[target-only] {name} b=1 with cuBLAS for one-row linears: {r['cublas_ms_per_step']:.2f} "
                       f"ms/step ({r['cublas_graph_ms']:.2f} graph)", flush=True)
+            if b == 1:
+                for variant in args.env_ab:
+                    with env_variant(llm, variant):
+                        v = dict(ms_per_step=measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"])
+                        g = llm.engine.runner.graphs[1]
+                        v["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
+                    r.setdefault("variants", {})[variant] = v
+                    print(f"[target-only] {name} b=1 with {variant}: {v['ms_per_step']:.2f} ms/step "
+                          f"({v['graph_ms']:.2f} graph)", flush=True)
             r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
             r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
             r.update(model=name, batch=b, weight_gb=wb / 1e9)
@@ -211,11 +250,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
         llm = make_llm(tdir, spec, max(batches), args.max_model_len)
         sp = llm.engine.runner.speculator
         for b in batches:
-            n = llm.engine.runner.graphs[1].bucket(b)
-            decode_ms = graph_time(llm.engine.runner.graphs[1].graphs[n])
-            verify_ms = graph_time(llm.engine.runner.graphs[1 + k].graphs[n])
-            catchup_ms = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
-            loop_ms = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+            graphs_ms = None
             for pname, rates in profiles(k):
                 uncond = torch.tensor(rates, dtype=torch.float32)
                 cond = uncond / torch.cat([torch.ones(1), uncond[:-1]]).clamp(min=1e-9)
@@ -224,6 +259,13 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 before = (m0.num_draft_rounds, m0.num_accepted_tokens)
                 r = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
                 rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
+                if graphs_ms is None:  # after real rounds, so the graphs hold real contexts (graph_time)
+                    n = llm.engine.runner.graphs[1].bucket(b)
+                    graphs_ms = (graph_time(llm.engine.runner.graphs[1].graphs[n]),
+                                 graph_time(llm.engine.runner.graphs[1 + k].graphs[n]),
+                                 graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)]),
+                                 graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0)
+                decode_ms, verify_ms, catchup_ms, loop_ms = graphs_ms
                 ref = base[(tname, b)]
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
                 r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
@@ -236,6 +278,20 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 print(f"[synthetic] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
                       f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
+                for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
+                    with env_variant(llm, variant):
+                        sp = llm.engine.runner.speculator
+                        c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
+                        v_catchup = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
+                        v_loop = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+                    v_base = ref.get("variants", {}).get(variant, ref)["ms_per_step"]
+                    v = dict(round_ms=c["ms_per_step"], draft_step_ms=(v_catchup + v_loop) / k,
+                             speedup_at_expected=expected * v_base / c["ms_per_step"])
+                    r.setdefault("variants", {})[variant] = v
+                    print(f"[synthetic] k={k} b=1 uniform-0.8 with {variant}: round {v['round_ms']:.2f} ms, draft "
+                          f"step {v['draft_step_ms']:.2f} ms, x{v['speedup_at_expected']:.2f} at the expected "
+                          f"acceptance (of its own target-only)", flush=True)
+                sp = llm.engine.runner.speculator
                 if args.ab_gemv and b == 1 and pname == "uniform-0.8" and "cublas_ms_per_step" in ref:
                     use_gemv(llm, False)
                     c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
@@ -331,6 +387,9 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="target,synthetic,eps,hf")
     p.add_argument("--ab-gemv", action="store_true",
                    help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
+    p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="at batch 1 (target-only, and k = 4 synthetic at 0.8) also measure with these "
+                        "environment settings, graphs recaptured (repeatable), e.g. TANDEM_PDL=0")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     args = p.parse_args(argv)

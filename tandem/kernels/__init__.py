@@ -9,6 +9,8 @@
 - gemv: one-row linears (batch-1 steps), optionally with SiLU-and-mul or an RMSNorm of the input
   in the prologue, a residual add in the epilogue, or (the qkv projection) rotary + paged KV
   store in the epilogue, each with the separate kernel's rounding.
+- pdl: programmatic dependent launch (Hopper): every kernel above launches with it and waits for
+  the kernel before it first thing, so its launch overlaps that kernel's tail.
 
 And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
 AVX2 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in

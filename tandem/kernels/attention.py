@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
+
 _LOG2E = 1.4426950408889634
 
 
@@ -91,7 +93,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if NUM_SPLITS > 1:
         tile = 0
@@ -179,10 +183,11 @@ def _split_merge_kernel(
     out_ptr, cu_q_lens_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the active splits of one
     (req, kv head); with one active split the attention kernel wrote out itself."""
+    release_then_wait(PDL)  # the o_proj GEMV follows: its programs prefetch during the attention
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -322,7 +327,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys or block_n)
+                  NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys or block_n, **pdl_flags(q))
     _paged_attention_kernel[(num_q_tiles * num_splits, num_reqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_q_lens, part_acc, part_ml, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

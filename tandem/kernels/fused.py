@@ -30,6 +30,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
+
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -78,7 +80,9 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_then_wait(PDL)  # a GEMV usually follows: let its programs start prefetching weights
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -127,7 +131,7 @@ def rms_norm(
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
         float(eps), float(np.float32(1.0) / np.float32(hidden)), float(hidden),
-        N=hidden, BLOCK=block, HAS_RES=residual is not None, **_numerics(x),
+        N=hidden, BLOCK=block, HAS_RES=residual is not None, **_numerics(x), **pdl_flags(x),
         num_warps=max(1, min(16, block // 512)), enable_fp_fusion=False,
     )
     return out
@@ -175,8 +179,10 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, q head blocks + k head blocks): one block of one token's q or k heads."""
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -250,7 +256,7 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
         STORE=store is not None, NUM_Q=num_heads, NUM_K=num_kv_heads, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
         SOFT_BF16=_numerics(q)["SOFT_BF16"], num_warps=4 if block_h * block_d >= 512 else 2,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_flags(q),
     )
 
 
@@ -265,7 +271,9 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -296,7 +304,7 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), N=inter, BLOCK=block, **_numerics(x),
+        x, out, x.stride(0), out.stride(0), N=inter, BLOCK=block, **_numerics(x), **pdl_flags(x),
         num_warps=4 if block >= 512 else 2, enable_fp_fusion=False,
     )
     return out

@@ -45,6 +45,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from tandem.kernels.fused import _numerics, _round
+from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 
 
 class RowNorm(NamedTuple):
@@ -147,11 +148,13 @@ def _gemv_kernel(
     BLOCK_P: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    wait_for_inputs(PDL)
     inv = 1.0
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
@@ -217,6 +220,7 @@ def _gemv_qkv_rope_kernel(
     BLOCK_P: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The qkv projection of one row with the rotary embedding and the paged KV store in its
     epilogue: a q or k program owns PAIRS rotary pairs of one head (weight rows d and
@@ -231,6 +235,7 @@ def _gemv_qkv_rope_kernel(
     dim = (offs // PAIRS) * HALF + (pid % CHUNKS) * PAIRS + offs % PAIRS  # within the head
     rope = pid < ROPE_PROGRAMS
     rows = tl.where(rope, head * HEAD_DIM + dim, (NUM_Q + NUM_KV) * HEAD_DIM + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs)
+    wait_for_inputs(PDL)
     inv = 1.0
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
@@ -293,7 +298,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: st
         n, k, weight.stride(0), p_in, float(norm.eps) if norm is not None else 0.0, 1.0 / k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None, ADD_OUT=sumsq_out is not None,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_P=triton.next_power_of_2(p_in), num_warps=num_warps, **_numerics(x),
+        BLOCK_P=triton.next_power_of_2(p_in), num_warps=num_warps, **_numerics(x), **pdl_flags(x),
     )
 
 
@@ -359,6 +364,6 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
         k, weight.stride(0), cos.stride(0), sin.stride(0), p_in, float(norm.eps) if norm is not None else 0.0,
         1.0 / k, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, HAS_BIAS=bias is not None,
         NORM_IN=norm is not None, EVEN_K=k % block_k == 0, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p_in),
-        num_warps=4, **_numerics(x),
+        num_warps=4, **_numerics(x), **pdl_flags(x),
     )
     return out

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.kernels.pdl import pdl_flags, wait_for_inputs
+
 _BLOCK_V = 2048  # tokens per inner step of a program
 
 
@@ -69,7 +71,9 @@ def _gumbel_block_kernel(
     BLOCK_V: tl.constexpr,
     SALT: tl.constexpr,
     SAMPLE: tl.constexpr,  # False: plain argmax (temperature, seeds and positions are not read)
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = 0.0
@@ -98,7 +102,8 @@ def _gumbel_block_kernel(
 
 
 @triton.jit
-def _argmax_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     vals = tl.load(part_val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=-float("inf"))
@@ -172,10 +177,11 @@ def _blocked_argmax(logits: Tensor, noise: tuple[Tensor, Tensor, Tensor] | None,
     temperature, seeds, positions = noise if noise is not None else (logits, logits, logits)  # unread
     _gumbel_block_kernel[(n, num_chunks)](
         logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks,
-        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8,
+        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8, **pdl_flags(logits),
     )
     _argmax_reduce_kernel[(n,)](
-        part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
+        part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+        **pdl_flags(logits),
     )
     return out
 

@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.kernels.pdl import pdl_flags, wait_for_inputs
+
 
 @triton.jit
 def _kv_store_kernel(
@@ -18,7 +20,9 @@ def _kv_store_kernel(
     stride_v,
     ROW: tl.constexpr,  # Hkv * D
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -52,5 +56,5 @@ def kv_store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     block = triton.next_power_of_2(row)
     _kv_store_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl_flags(k),
     )

@@ -21,6 +21,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from tandem.kernels.gumbel import _gumbel, _noise_key, _uniform
+from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 from tandem.sampling.gumbel import ACCEPT_SALT, RECOVER_SALT, TARGET_SALT
 
 _BLOCK_V = 4096
@@ -143,7 +144,9 @@ def _rejection_kernel(
     ACCEPT: tl.constexpr,
     RECOVER: tl.constexpr,
     TARGET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     req = tl.program_id(0)
     start = tl.load(req_start_ptr + req)
     num_rows = tl.load(req_rows_ptr + req)
@@ -239,6 +242,6 @@ def rejection_sample(
         seeds, positions, row_index, rates, rates.shape[0] if synthetic_rates is not None else 1,
         req_start, req_rows, row_tokens, num_emitted, vocab,
         HAS_Q=q_logits is not None, SYNTHETIC=synthetic_rates is not None, BLOCK_V=_BLOCK_V,
-        ACCEPT=ACCEPT_SALT, RECOVER=RECOVER_SALT, TARGET=TARGET_SALT, num_warps=16,
+        ACCEPT=ACCEPT_SALT, RECOVER=RECOVER_SALT, TARGET=TARGET_SALT, num_warps=16, **pdl_flags(p_logits),
     )
     return row_tokens, num_emitted

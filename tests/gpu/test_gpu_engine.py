@@ -1,5 +1,6 @@
 """GPU: speculative greedy output equals target-only output; graphs equal eager; fp32 and bf16;
-async scheduling equals synchronous; a steady step waits for the device once."""
+async scheduling equals synchronous; a steady step waits for the device once; dependent launches
+equal plain ones."""
 import pytest
 import torch
 
@@ -115,3 +116,28 @@ def test_steady_step_waits_for_the_device_once(models, spec_on):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_dependent_launches_equal_plain_launches(models, spec_on, monkeypatch):
+    """Kernels launched with programmatic dependent launch (each may start before the one before
+    it has finished, tandem/kernels/pdl.py) give what plain launches give, in graphs and eagerly:
+    the same tokens and the same logprobs, greedy and sampled."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    target, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(temperature=0.9, top_k=40, max_tokens=40, seed=7, logprobs=2)
+
+    def run(enforce_eager):
+        llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
+                  speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20)
+        outs = [o.outputs[0] for params in (greedy, sampled) for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        return [(o.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs]) for o in outs]
+
+    for enforce_eager in (False, True):
+        monkeypatch.setenv("TANDEM_PDL", "0")
+        plain = run(enforce_eager)
+        monkeypatch.delenv("TANDEM_PDL")
+        assert run(enforce_eager) == plain

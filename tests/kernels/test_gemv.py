@@ -159,6 +159,52 @@ def test_gemv_add_and_norm_gpu(n, k, m, dtype):
     check_add_and_norm(n, k, m, dtype, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dependent_launch_chain_gpu(monkeypatch):
+    """Eight 8B-shaped MLPs in a row as one-row GEMVs (norm inside gate_up, SiLU inside and the
+    residual add after down_proj), each reading what the last wrote, replayed as a CUDA graph:
+    with programmatic dependent launch (a kernel starts before the previous one has finished,
+    tandem/kernels/pdl.py) the residual stream keeps the bits of plain launches."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    g = torch.Generator(device="cpu").manual_seed(5)
+    h, inter, layers = 4096, 14336, 8
+    w_gu = [(torch.randn(2 * inter, h, generator=g) * 0.02).to("cuda", torch.bfloat16) for _ in range(layers)]
+    w_down = [(torch.randn(h, inter, generator=g) * 0.02).to("cuda", torch.bfloat16) for _ in range(layers)]
+    norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to("cuda", torch.bfloat16)
+    res0 = torch.randn(1, h, generator=g).to("cuda", torch.bfloat16)
+
+    def run(pdl: str) -> torch.Tensor:
+        monkeypatch.setenv("TANDEM_PDL", pdl)
+        res = res0.clone()
+        sumsq0 = (res.float() ** 2).sum().view(1)
+
+        def chain():
+            sumsq = sumsq0
+            for i in range(layers):
+                act = gemv(res, w_gu[i], norm=RowNorm(norm_w, 1e-5, sumsq))
+                sumsq = gemv_add_(act, w_down[i], res, act="silu_mul")
+
+        chain()  # compile outside the capture
+        res.copy_(res0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        outs = []
+        for _ in range(3):
+            res.copy_(res0)
+            graph.replay()
+            outs.append(res.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        return outs[0]
+
+    plain = run("0")
+    assert not plain.isnan().any()
+    assert torch.equal(run("1"), plain)
+
+
 @interpret_mark(_gemv_kernel)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,m,config", [(64, 96, 40, (8, 32, 4)), (72, 64, 24, (4, 64, 4))])
