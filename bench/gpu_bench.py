@@ -259,14 +259,14 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 before = (m0.num_draft_rounds, m0.num_accepted_tokens)
                 r = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
                 rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
+                ref = base[(tname, b)]
                 if graphs_ms is None:  # after real rounds, so the graphs hold real contexts (graph_time)
-                    n = llm.engine.runner.graphs[1].bucket(b)
-                    graphs_ms = (graph_time(llm.engine.runner.graphs[1].graphs[n]),
-                                 graph_time(llm.engine.runner.graphs[1 + k].graphs[n]),
+                    n = llm.engine.runner.graphs[1 + k].bucket(b)
+                    graphs_ms = (graph_time(llm.engine.runner.graphs[1 + k].graphs[n]),
                                  graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)]),
                                  graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0)
-                decode_ms, verify_ms, catchup_ms, loop_ms = graphs_ms
-                ref = base[(tname, b)]
+                verify_ms, catchup_ms, loop_ms = graphs_ms
+                decode_ms = ref["graph_ms"]  # the target-only engine's decode graph (this engine never decodes)
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
                 r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
                          # the same round time at the expected tokens per round (no sampling luck)
