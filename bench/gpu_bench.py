@@ -3,6 +3,7 @@ synthetic acceptance and on the eps pair, and transformers as the peer, in one r
 
     python3 bench/gpu_bench.py --out $OUT/gpu_bench.json           # on the H200
     python3 bench/gpu_bench.py --quick                              # small shapes, minutes
+    python3 bench/gpu_bench.py --sections synthetic --ks 4 --batches 1 --env-ab TANDEM_PDL=0  # an A/B
 
 Models use load_format="dummy" (seeded random weights, real shapes). Step times are medians
 over timed engine steps after warm-up (each step includes its one device->host sync); graph

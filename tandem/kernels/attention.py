@@ -187,7 +187,7 @@ def _split_merge_kernel(
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the active splits of one
     (req, kv head); with one active split the attention kernel wrote out itself."""
-    release_then_wait(PDL)  # the o_proj GEMV follows: its programs prefetch during the attention
+    release_then_wait(PDL)  # the o_proj GEMV follows: its programs are placed during the attention
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
     kvh = tl.program_id(1)

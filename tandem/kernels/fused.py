@@ -82,7 +82,7 @@ def _rms_norm_kernel(
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    release_then_wait(PDL)  # a GEMV usually follows: let its programs start prefetching weights
+    release_then_wait(PDL)  # a GEMV usually follows: its programs are placed while this waits
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
