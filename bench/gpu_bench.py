@@ -160,7 +160,7 @@ def use_gemv(llm, on: bool) -> None:
 
 class env_variant:
     """Environment assignments ("A=1,B=2") in force inside the block, graphs recaptured on entry
-    and exit: an A/B of a launch-time switch (TANDEM_PDL, TANDEM_GEMV_PREFETCH) on one engine."""
+    and exit: an A/B of a launch-time switch (e.g. TANDEM_PDL) on one engine."""
 
     def __init__(self, llm, assignments: str):
         self.llm = llm
@@ -281,7 +281,6 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
                 for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
                     with env_variant(llm, variant):
-                        sp = llm.engine.runner.speculator
                         c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
                         v_catchup = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
                         v_loop = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
@@ -292,7 +291,6 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                     print(f"[synthetic] k={k} b=1 uniform-0.8 with {variant}: round {v['round_ms']:.2f} ms, draft "
                           f"step {v['draft_step_ms']:.2f} ms, x{v['speedup_at_expected']:.2f} at the expected "
                           f"acceptance (of its own target-only)", flush=True)
-                sp = llm.engine.runner.speculator
                 if args.ab_gemv and b == 1 and pname == "uniform-0.8" and "cublas_ms_per_step" in ref:
                     use_gemv(llm, False)
                     c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
