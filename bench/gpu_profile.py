@@ -11,7 +11,9 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
     sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round;
 (5) `--sections gaps`: the device timeline of real engine steps (graphs included), target-only
-    and speculative: busy and idle time per step and the longest idle gaps.
+    and speculative: busy and idle time per step and the longest idle gaps;
+(6) `--sections verify [--env-ab VAR=VALUE]`: the verification and draft catch-up graphs of a
+    k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
 """
 from __future__ import annotations
 
@@ -253,6 +255,61 @@ def gaps_section(root: Path, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def graph_timeline(graph, label: str, first: int = 14) -> dict:
+    """One replay of a captured graph under torch.profiler: its kernels in order (start offset,
+    duration), per-kernel-name totals, and the span; prints the first `first` kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > 0),
+                 key=lambda e: e.time_range.start)
+    t0 = evs[0].time_range.start
+    span = evs[-1].time_range.end - t0
+    agg = defaultdict(lambda: [0.0, 0])
+    for e in evs:
+        agg[e.name[:60]][0] += e.time_range.end - e.time_range.start
+        agg[e.name[:60]][1] += 1
+    print(f"[{label}] span {span / 1e3:.3f} ms, {len(evs)} kernels, sum of durations "
+          f"{sum(v[0] for v in agg.values()) / 1e3:.3f} ms", flush=True)
+    print_table(["kernel", "start us", "us"], [(e.name[:60], f"{e.time_range.start - t0:.1f}",
+                                               f"{e.time_range.end - e.time_range.start:.1f}") for e in evs[:first]])
+    print_table(["kernel", "total us", "count"], sorted(((k, f"{v[0]:.0f}", v[1]) for k, v in agg.items()),
+                                                       key=lambda r: -float(r[1]))[:12])
+    return {"span_ms": span / 1e3, "kernels": {k: v for k, v in agg.items()}}
+
+
+def verify_section(root: Path, args, results: dict) -> None:
+    """The verification and catch-up graphs of a k = 4 round at batch 1, kernel by kernel, under
+    each `--env-ab` variant (graphs recaptured) and as built."""
+    from bench.gpu_bench import env_variant
+
+    k = 4
+    tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
+    spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[0.8] * k, draft_load_format="dummy")
+    llm = make_llm(tdir, spec, 4, args.max_model_len)
+    for variant in [None] + args.env_ab:
+        label = variant or "as built"
+        if variant:
+            ctx = env_variant(llm, variant)
+            ctx.__enter__()
+        drive(llm, 1, args.prompt_len, 10)
+        runner, sp = llm.engine.runner, llm.engine.runner.speculator
+        out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(1)],
+                                        f"verify, {label}"),
+               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}")}
+        results[f"verify_{label}"] = out
+        if variant:
+            ctx.__exit__(None, None, None)
+    del llm
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_profile.json")
@@ -260,6 +317,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--sections", default="linear,target,spec")
+    p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="--sections verify: also under these environment settings")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment()}
@@ -277,6 +336,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if "gaps" in sections:
             gaps_section(Path(tmp), args, results)
+        if "verify" in sections:
+            verify_section(Path(tmp), args, results)
         if "spec" in sections:
             spec_round(Path(tmp), args, results)
         for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():

@@ -296,6 +296,72 @@ def sweep_gemv_fused() -> list[list]:
     return rows
 
 
+ROWS_CONFIGS = [(16, 256, 4, 4), (16, 128, 4, 6), (16, 512, 4, 3), (16, 256, 4, 6), (32, 256, 4, 4),
+                (32, 128, 4, 6), (16, 256, 8, 4), (64, 128, 4, 4)]
+
+
+def sweep_rows(m: int) -> list[list]:
+    """M = 2..16 rows (a verification of 1 + k tokens, the draft's catch-up): cuBLAS against
+    gemm_rows at each tile, and the one-row GEMV's time for scale (cold weights, us per call)."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.gemm_rows import gemm_rows, rows_config
+    from tandem.kernels.gemv import gemv
+
+    rows = []
+    for name, n, k in GEMV_SHAPES[:10]:
+        nbytes = 2 * n * k
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // nbytes)))]
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        err = (gemm_rows(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+        cublas = _rotating(lambda w: F.linear(x, w), ws)
+        one = _rotating(lambda w: gemv(x[:1], w), ws)
+        times = {cfg: _rotating(lambda w, cfg=cfg: gemm_rows(x, w, config=cfg), ws) for cfg in ROWS_CONFIGS}
+        best = min(times, key=times.get)
+        frac = lambda t: f"{100 * nbytes / t / COPY_BW:.0f}%"  # noqa: E731
+        rows.append([name, f"{cublas * 1e6:.1f}", frac(cublas), f"{one * 1e6:.1f}",
+                     f"{times[rows_config(n, k)] * 1e6:.1f}", str(best), f"{times[best] * 1e6:.1f}", frac(times[best]),
+                     f"{err:.1e}"] + [f"{times[c] * 1e6:.1f}" for c in ROWS_CONFIGS])
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_rows_rope(m: int) -> list[list]:
+    """The qkv projection at M rows with the rotary embedding and KV store inside
+    (gemm_rows_qkv_rope) against gemm_rows + rotary_embedding(store=...) and cuBLAS + the same
+    (8B / 1B shapes, cold weights, us per call)."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.fused import rotary_embedding
+    from tandem.kernels.gemm_rows import gemm_rows, gemm_rows_qkv_rope
+    from tandem.layers.rotary import RotaryEmbedding
+
+    rows = []
+    for name, n, k in [s for s in GEMV_SHAPES if s[0] in ("8b qkv", "1b qkv")]:
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        hd, heads, kv = (128 if name.startswith("8b") else 64), 32, 8
+        rot = RotaryEmbedding(hd, 4096, 500000.0, None, device=DEV)
+        pos = torch.arange(m, device=DEV) + 300
+        slots = torch.arange(m, device=DEV) + 300
+        kc = torch.zeros(64, 16, kv, hd, device=DEV, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+
+        def unfused(w, linear):
+            q, kk, v = linear(x, w).split([heads * hd, kv * hd, kv * hd], dim=-1)
+            rotary_embedding(pos, q.view(m, heads, hd), kk.view(m, kv, hd), rot.cos, rot.sin,
+                             store=(v.view(m, kv, hd), kc, vc, slots))
+
+        fused = _rotating(lambda w: gemm_rows_qkv_rope(x, w, None, heads, kv, pos, rot.cos, rot.sin, kc, vc, slots), ws)
+        rows.append([name, f"{fused * 1e6:.1f}", f"{_rotating(lambda w: unfused(w, gemm_rows), ws) * 1e6:.1f}",
+                     f"{_rotating(lambda w: unfused(w, F.linear), ws) * 1e6:.1f}"])
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_short_attention() -> list[list]:
     """Batch-1 decode / verification attention at short contexts (the benchmarks' regime): tile
     (BLOCK_N, warps, stages; None = the built-in choice) x split policy (num_splits,
@@ -327,9 +393,19 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
     ap.add_argument("--short-attn", action="store_true", help="only the short-context batch-1 attention sweep")
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
+    ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.rows:
+        for m in [int(v) for v in args.rows.split(",")]:
+            print_table(["layer", "cuBLAS us", "of copy bw", "1-row GEMV us", "default us",
+                         "best (BN, BK, warps, stages)", "best us", "of copy bw", "rel err"]
+                        + [str(c) for c in ROWS_CONFIGS], sweep_rows(m),
+                        title=f"M = {m} rows, bf16, cold weights (rotating), GPU time in CUDA graphs")
+            print_table(["layer", "rotary + KV store inside", "gemm_rows + rotary", "cuBLAS + rotary"],
+                        sweep_rows_rope(m), title=f"qkv projection with the rotary at M = {m}, us per call")
+        return
     if args.gemv_fused:
         print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",
                      "norm inside, other tiles", "", ""],

@@ -25,11 +25,9 @@ programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
 (62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
 
-Rows > 1 stay on cuBLAS: a tensor-core tile for 2-16 rows (tl.dot on a 16-row tile, swept at
-5 and 6 rows on the H200) matched cuBLAS on the 8B's layers, lost on down_proj and on every
-1B layer, and won only on the LM head (241 vs 253 us); a CUDA-core tile reading each weight
-tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30); neither
-was kept.
+Rows 2-16 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
+weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
+was not kept.
 
 The wrapper takes its sizes from tensor shapes only (no device-to-host reads), so a launch can
 be captured in a CUDA graph.

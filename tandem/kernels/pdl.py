@@ -12,7 +12,8 @@ The rule every kernel here keeps: a kernel launched with PDL calls `wait_for_inp
 `release_then_wait`) first, in every program, before it reads or writes any memory. Waiting is
 transitive (a kernel finishes only after its own wait returned), so a kernel may read what any
 earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for everything
-before them as usual.
+before them as usual. The few-row GEMMs (gemm_rows.py) launch plainly too, but release the
+kernel after them (`release_next`) once their main loop is done.
 
 `release_then_wait` lets the next kernel start before this one's inputs are ready: used by the
 small kernels that precede a GEMV (the attention's split merge, RMSNorm), so the GEMV's programs
@@ -64,6 +65,14 @@ def wait_for_inputs(PDL: tl.constexpr):
     """Wait until the previous kernel has finished, then let the next kernel start."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """Let the next kernel start: for a kernel launched plainly (no wait needed), called once its
+    main loop is done (tandem/kernels/gemm_rows.py)."""
+    if PDL:
         gdc_launch_dependents()
 
 

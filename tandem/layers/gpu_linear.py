@@ -1,10 +1,13 @@
-"""CUDA linears: one-row steps through our Triton GEMV, everything else through cuBLAS.
+"""CUDA linears: one-row steps through our Triton GEMV, a few rows through a Triton tensor-core
+GEMM, everything else through cuBLAS.
 
 A batch-1 decode step (the target's, or each of the draft's k - 1 loop steps) multiplies one
 row by every weight matrix: pure weight streaming. cuBLAS reaches 32-60% of the copy bandwidth
 on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/gemv.py reaches
-48-104% on the same shapes (bench/kernels.py --gemv, H200). Rows > 1 (verification, catch-up,
-prefill, batches) stay on cuBLAS, whose tensor-core kernels win there.
+48-104% on the same shapes (bench/kernels.py --gemv, H200). 2-16 rows (a batch-1 verification
+of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs go to
+tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotating and storing
+K/V in its epilogue); more rows, and the narrow layers, stay on cuBLAS.
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
@@ -16,6 +19,7 @@ rotary kernel's launch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,10 @@ from torch import Tensor, nn
 
 from tandem.layers.cpu_linear import linear_sites
 from tandem.layers.norm import fused_kernels_available
+
+
+FEW_ROWS = 16  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
+FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvLinear.few_rows)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,15 @@ class GemvLinear(nn.Module):
         """Whether x [n, in_features] takes the GEMV (and so the fused norm / add) path."""
         return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
+    def few_rows(self, x: Tensor) -> bool:
+        """Whether x [n, in_features] takes the few-row tensor-core GEMM (2 <= n <= 16, bf16 / fp16,
+        at least FEW_ROWS_MIN_OUT outputs; TANDEM_GEMM_ROWS=0 sends it to cuBLAS, an A/B switch). cuBLAS keeps
+        the narrow layers: the 1B draft's o / down projections (2048 x 2048, 2048 x 8192) ran 1.3
+        and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py --sections verify)."""
+        return (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS
+                and x.stride(-1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TANDEM_GEMM_ROWS", "1") != "0")
+
     def forward(self, x: Tensor | NormedRow) -> Tensor:
         if isinstance(x, NormedRow):
             from tandem.kernels.gemv import gemv
@@ -73,6 +90,10 @@ class GemvLinear(nn.Module):
             from tandem.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias)
+        if self.few_rows(x):
+            from tandem.kernels.gemm_rows import gemm_rows
+
+            return gemm_rows(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
@@ -90,10 +111,22 @@ class GemvLinear(nn.Module):
         """Whether x (a NormedRow, or a Tensor) is one row for the GEMV path."""
         return isinstance(x, NormedRow) or self.one_row(x)
 
+    def rotates(self, x: Tensor | NormedRow, head_dim: int) -> bool:
+        """Whether forward_qkv_rope takes x: one row (head_dim % 8 == 0), or a few rows
+        (head_dim % 32 == 0)."""
+        if self.takes_row(x):
+            return head_dim % 8 == 0
+        return self.few_rows(x) and head_dim % 32 == 0  # gemm_rows.rope_fusable
+
     def forward_qkv_rope(self, x: Tensor | NormedRow, num_heads: int, num_kv_heads: int, positions: Tensor,
                          rotary: nn.Module, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
-        """The packed q | k | v projection of one row (`takes_row(x)`) with q and k rotated and
-        this token's k and v stored in the paged cache, in one GEMV launch."""
+        """The packed q | k | v projection of x (`rotates(x, head_dim)`) with q and k rotated and
+        each token's k and v stored in the paged cache, in one launch."""
+        if not self.takes_row(x):
+            from tandem.kernels.gemm_rows import gemm_rows_qkv_rope
+
+            return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
+                                      rotary.sin, k_cache, v_cache, slot_mapping)
         from tandem.kernels.gemv import gemv_qkv_rope
 
         row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)

@@ -56,10 +56,10 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(d)
 
     def rotates_in_projection(self, x: Tensor | NormedRow, attn: AttnMetadata) -> bool:
-        """One row on the GPU path whose attention takes its K/V pre-stored: the qkv GEMV rotates
-        and stores (no q/k norm between the projection and the rotation)."""
-        return (isinstance(self.qkv_proj, GemvLinear) and self.qkv_proj.takes_row(x) and attn.fuses_kv_store
-                and not self.qk_norm and self.head_dim % 8 == 0)
+        """One row or a few rows on the GPU path whose attention takes its K/V pre-stored: the qkv
+        GEMV / few-row GEMM rotates and stores (no q/k norm between the projection and the rotation)."""
+        return (isinstance(self.qkv_proj, GemvLinear) and self.qkv_proj.rotates(x, self.head_dim)
+                and attn.fuses_kv_store and not self.qk_norm)
 
     def forward(self, x: Tensor | NormedRow, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
                 v_cache: Tensor) -> Tensor:

@@ -141,3 +141,17 @@ def test_dependent_launches_equal_plain_launches(models, spec_on, monkeypatch):
         plain = run(enforce_eager)
         monkeypatch.delenv("TANDEM_PDL")
         assert run(enforce_eager) == plain
+
+
+def test_few_row_gemm_in_the_engine(models, monkeypatch):
+    """Verification and catch-up rows through the few-row tensor-core GEMM with the rotary inside
+    (tandem/kernels/gemm_rows.py; its width threshold lowered so this small model's layers take
+    it): speculative greedy output == target-only output in bf16, graphs == eager."""
+    monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS_MIN_OUT", 1)
+    target, draft = models
+    base, _ = _run(target, "bfloat16")
+    spec = dict(model=str(draft), num_speculative_tokens=3)
+    graphed, _ = _run(target, "bfloat16", spec)
+    eager, _ = _run(target, "bfloat16", spec, enforce_eager=True)
+    assert graphed == base
+    assert eager == base

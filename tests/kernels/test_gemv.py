@@ -68,13 +68,19 @@ def test_gemv_silu_mul_gives_the_unfused_bits(n, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gemv_linear_dispatch():
+def test_gemv_linear_dispatch(monkeypatch):
     from tandem.layers.gpu_linear import GemvLinear
 
     lin = torch.nn.Linear(512, 300, bias=True, device="cuda", dtype=torch.bfloat16)
     layer = GemvLinear(lin)
-    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, lin.weight, lin.bias))  # several rows: cuBLAS
+    from tandem.kernels.gemm_rows import gemm_rows
+
+    assert torch.equal(layer(torch.ones(3, 512, device="cuda", dtype=torch.bfloat16)),
+                       F.linear(torch.ones(3, 512, device="cuda", dtype=torch.bfloat16), lin.weight, lin.bias))
+    monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS_MIN_OUT", 300)  # 300 outputs: narrow, unless lowered
+    x = torch.randn(17, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, lin.weight, lin.bias))  # many rows: cuBLAS
+    assert torch.equal(layer(x[:3]), gemm_rows(x[:3], lin.weight, lin.bias))  # a few rows: the tensor-core GEMM
     assert torch.equal(layer(x[1:2]), gemv(x[1:2].contiguous(), lin.weight, lin.bias))  # one row: the GEMV
     gate_up = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(layer.forward_silu_mul(gate_up), layer(silu_and_mul(gate_up)))

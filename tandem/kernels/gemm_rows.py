@@ -1,0 +1,282 @@
+"""GEMM for a few rows (2-16): out[m, n] = sum_k x[m, k] * w[n, k], on tensor cores.
+
+A verification step at batch 1 (1 + k tokens) and the draft's catch-up (k + 2 tokens) multiply a
+handful of rows by every weight matrix: still weight streaming, like a one-row decode step. The
+weights are the wide operand: one program owns BLOCK_N weight rows and walks K in BLOCK_K steps,
+`tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])` into an fp32 [BLOCK_N, 16] accumulator (the
+rows of x padded to the 16 a tensor-core tile needs; padding rows are never loaded). No split-K
+(cuBLAS splits K and launches a reduction for the 8B's o and down projections at these sizes):
+each output element is summed in one order, the same for every row count up to 16.
+
+gemm_rows_qkv_rope is the packed q | k | v projection with the rotary embedding and the paged KV
+store in its epilogue (a program owns 16 rotary pairs (d, d + D/2) of one head: a 32-row tile),
+replacing the rotary kernel's launch, with the rotary kernel's bits.
+
+Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch plainly but release
+the kernel after them once their main loop is done, so the small kernel that follows (a norm,
+the attention, SiLU-and-mul) is launched and waiting when they finish. Launched with PDL
+themselves (programs placed while the kernel before still runs, as the one-row GEMVs are), the
+8B's down projection at 5 rows took 60 us after silu_and_mul against 32 us launched plainly (H200,
+bench/gpu_profile.py --sections verify).
+
+Tried and not kept (H200, bench/kernels.py --rows 5): the one-row GEMV's prologue fusions. An
+RMSNorm of the input inside (8B qkv 21.9 us against 16.8 for rms_norm then the GEMM) and
+SiLU-and-mul inside (8B qkv 113 us against 16.5) cost more than the launch they save: every
+program redoes them on a 16-row tile, and with arithmetic between the input's load and the dot
+Triton no longer pipelines that load.
+
+The wrappers take sizes from tensor shapes only (no device-to-host reads): graph-capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tandem.kernels.fused import _numerics, _round
+from tandem.kernels.gemv import _mul_rn
+from tandem.kernels.pdl import pdl_enabled, release_next
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K]: columns k0 .. k0 + BLOCK_K of every row of x (zeros past M and K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _dot(w, x_t, acc, SOFT_BF16: tl.constexpr):
+    """acc + w @ x_t on tensor cores; in fp32 under the interpreter, whose bf16 dot is wrong."""
+    if SOFT_BF16:
+        return tl.dot(w.to(tl.float32), x_t.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, x_t, acc)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr,  # [M, K] rows at stride_xm
+    w_ptr,  # [N, K], rows contiguous
+    b_ptr,  # [N] (HAS_BIAS only)
+    out_ptr,  # [M, N] rows at stride_om
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T
+    for k0 in range(0, K, BLOCK_K):
+        x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
+        w_ptrs += BLOCK_K
+    release_next(PDL)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _rows_qkv_rope_kernel(
+    x_ptr,  # [M, K] rows at stride_xm
+    w_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM, K], rows contiguous: q | k | v
+    b_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM] (HAS_BIAS only)
+    out_ptr,  # [M, (NUM_Q + 2 NUM_KV) * HEAD_DIM] contiguous: q and k rotated, v
+    cos_ptr,  # [max_pos, HEAD_DIM] fp32
+    sin_ptr,
+    pos_ptr,  # [M] int32 / int64
+    slot_ptr,  # [M] int32 / int64, -1 = padding (nothing written to the cache)
+    k_cache_ptr,  # [num_slots, NUM_KV, HEAD_DIM] contiguous
+    v_cache_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_cos,
+    stride_sin,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CUDA_LIBM: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A q or k program owns 16 rotary pairs of one head: weight rows d .. d + 15 (x1) and
+    d + D/2 .. d + D/2 + 15 (x2); a v program owns 32 rows of v (rows1, then rows2)."""
+    pid = tl.program_id(0)
+    dtype = w_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = 16
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHUNKS: tl.constexpr = HALF // PAIRS
+    ROPE_PROGRAMS: tl.constexpr = (NUM_Q + NUM_KV) * CHUNKS
+    V0: tl.constexpr = (NUM_Q + NUM_KV) * HEAD_DIM
+    rope = pid < ROPE_PROGRAMS
+    head = pid // CHUNKS
+    offs_p = tl.arange(0, PAIRS)
+    dim = (pid % CHUNKS) * PAIRS + offs_p  # x1's dims within the head
+    rows1 = tl.where(rope, head * HEAD_DIM + dim, V0 + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs_p)
+    rows2 = tl.where(rope, rows1 + HALF, rows1 + PAIRS)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    # One [2 * PAIRS, BLOCK_K] weight tile a step: rows1 then rows2 (one dot, as a 32-row tile of
+    # _rows_kernel; two 16-row dots ran at 1.5x its time).
+    offs_r = tl.arange(0, 2 * PAIRS)
+    rows = tl.where(rope, head * HEAD_DIM + (pid % CHUNKS) * PAIRS + offs_r % PAIRS + (offs_r // PAIRS) * HALF,
+                    V0 + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs_r)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([2 * PAIRS, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.trans(_x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K))
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        acc = _dot(w, x, acc, SOFT_BF16)
+        w_ptrs += BLOCK_K
+    release_next(PDL)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    acc1, acc2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), [1, 2, 0]))  # rows1, rows2
+    x1 = acc1.to(dtype)  # the projection's output, as the plain GEMM stores it
+    x2 = acc2.to(dtype)
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)  # [BLOCK_M]
+    row_base = offs_m[None, :] * (V0 + NUM_KV * HEAD_DIM)
+    if rope:  # the rotary kernel's arithmetic: x1 c1 - x2 s1, x2 c2 + x1 s2 in fp32, rounded once
+        pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        c_ptrs = cos_ptr + pos[None, :] * stride_cos + dim[:, None]
+        s_ptrs = sin_ptr + pos[None, :] * stride_sin + dim[:, None]
+        c1, c2 = tl.load(c_ptrs), tl.load(c_ptrs + HALF)
+        s1, s2 = tl.load(s_ptrs), tl.load(s_ptrs + HALF)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = _round(_mul_rn(a1, c1, CUDA_LIBM) - _mul_rn(a2, s1, CUDA_LIBM), dtype, SOFT_BF16).to(dtype)
+        o2 = _round(_mul_rn(a2, c2, CUDA_LIBM) + _mul_rn(a1, s2, CUDA_LIBM), dtype, SOFT_BF16).to(dtype)
+        tl.store(out_ptr + row_base + rows1[:, None], o1, mask=m_ok[None, :])
+        tl.store(out_ptr + row_base + rows2[:, None], o2, mask=m_ok[None, :])
+        if head >= NUM_Q:
+            kv = slot[None, :] * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + dim[:, None]
+            ok = (slot >= 0)[None, :] & m_ok[None, :]
+            tl.store(k_cache_ptr + kv, o1, mask=ok)
+            tl.store(k_cache_ptr + kv + HALF, o2, mask=ok)
+    else:
+        tl.store(out_ptr + row_base + rows1[:, None], x1, mask=m_ok[None, :])
+        tl.store(out_ptr + row_base + rows2[:, None], x2, mask=m_ok[None, :])
+        kv = slot[None, :] * (NUM_KV * HEAD_DIM) - V0
+        ok = (slot >= 0)[None, :] & m_ok[None, :]
+        tl.store(v_cache_ptr + kv + rows1[:, None], x1, mask=ok)
+        tl.store(v_cache_ptr + kv + rows2[:, None], x2, mask=ok)
+
+
+def _launch_flags(x: Tensor) -> dict:
+    """A plain launch (its programs placed once the kernel before has finished) that releases
+    the next kernel after its main loop."""
+    return dict(PDL=pdl_enabled(x), launch_pdl=False)
+
+
+def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """-> (BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight, from the H200 sweep
+    (bench/kernels.py --rows 5,2, cold weights, us per call against cuBLAS in docs/benchmarks.md):
+    64 x 128 with 4 stages for wide weights (gate_up, LM heads); 16 x 512 with 3 stages for <= 2048
+    rows (the 1B's o and down, which the engine leaves to cuBLAS: still 5-20% slower); 32 x 128
+    with 6 stages between (qkv, the 8B's o and down)."""
+    if n >= 8192:
+        return 64, 128, 4, 4
+    if n <= 2048:
+        return 16, min(512, triton.next_power_of_2(k)), 4, 3
+    return 32, 128, 4, 6
+
+
+def _check_x(x: Tensor, k: int, weight: Tensor) -> None:
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
+    assert weight.stride(1) == 1 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+              config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """x [M, K] with 1 <= M <= 16, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
+    contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of rows_config, for tuning sweeps."""
+    n, k = weight.shape
+    m = x.shape[0]
+    _check_x(x, k, weight)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    block_n, block_k, num_warps, num_stages = config or rows_config(n, k)
+    _rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, SOFT_BF16=_numerics(x)["SOFT_BF16"], **_launch_flags(x),
+    )
+    return out
+
+
+def rope_fusable(head_dim: int) -> bool:
+    """Whether gemm_rows_qkv_rope takes this head size (16 rotary pairs per program)."""
+    return head_dim % 32 == 0
+
+
+def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
+                       positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor, config: tuple[int, int, int] | None = None) -> Tensor:
+    """A few rows' packed q | k | v projection (gemm_rows(x, weight, bias)) with q and k
+    rotated as kernels.fused.rotary_embedding rotates them and each row's k and v written into
+    the paged cache at slot_mapping[m] (-1: not written). -> [M, (H + 2 Hkv) D] contiguous.
+
+    positions, slot_mapping [M] int32 / int64; cos, sin [max_pos, D] fp32; k_cache, v_cache
+    [num_blocks, block_size, Hkv, D] contiguous, x's dtype; D % 32 == 0.
+    config: (BLOCK_K, num_warps, num_stages)."""
+    n, k = weight.shape
+    m = x.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert n == (num_heads + 2 * num_kv_heads) * head_dim and rope_fusable(head_dim)
+    _check_x(x, k, weight)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
+    assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert positions.shape == (m,) and slot_mapping.shape == (m,)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim and cos.stride(1) == 1 and sin.stride(1) == 1
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    block_k, num_warps, num_stages = config or rows_config(n, k)[1:]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = ((num_heads + num_kv_heads) * (head_dim // 32) + num_kv_heads * head_dim // 32,)
+    _rows_qkv_rope_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, cos, sin, positions, slot_mapping,
+        k_cache, v_cache, m, k, x.stride(0), weight.stride(0), cos.stride(0), sin.stride(0),
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **_numerics(x),
+        **_launch_flags(x),
+    )
+    return out

@@ -1,0 +1,129 @@
+"""The few-row GEMM (tandem/kernels/gemm_rows.py) against the exact product rounded once, and its
+qkv projection with the rotary embedding and KV store inside against the separate kernels.
+
+Fresh random inputs at the linear shapes of the supported models plus ragged ones; outputs are
+poisoned (NaN) first. Criterion per element: within 1 ulp of the float64 product rounded to the
+dtype, or within 1e-5 of sum |x| |w| (fp32 accumulation in another order). A row's result does
+not depend on the other rows (bits). The fused qkv projection gives the unfused pair's bits.
+Interpreter variants: TANDEM_TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TANDEM_TRITON_INTERPRET") == "1"
+if INTERPRET:  # must precede the first `import triton`
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from tandem.kernels.fused import rotary_embedding  # noqa: E402
+from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, rows_config  # noqa: E402
+from tests.kernels.interp import interpret_mark  # noqa: E402
+from tests.kernels.test_fused import ulp_dist  # noqa: E402
+
+SMALL = (16, 32, 4, 2)  # a tile for the interpreter's small shapes
+
+
+def check_rows(n: int, k: int, m: int, dtype: torch.dtype, bias: bool, device: str, config=None,
+               max_ulps: int = 1) -> None:
+    g = torch.Generator(device="cpu").manual_seed(n * 7 + k + m)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    gemm_rows(x, w, b, out=out, config=config)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    scale = x.double().abs() @ w.double().abs().T
+    ok = (ulp_dist(out, exact.to(dtype)) <= max_ulps) | ((out.double() - exact).abs() <= 1e-5 * scale)
+    assert not out.isnan().any()
+    assert ok.all(), f"{(~ok).sum().item()} of {out.numel()} outputs off (n={n}, k={k}, m={m}, {dtype})"
+    for i in (0, m - 1):  # a row alone gives the same bits
+        assert torch.equal(gemm_rows(x[i:i + 1], w, b, config=config), out[i:i + 1])
+
+
+def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, m: int, dtype: torch.dtype, device: str,
+                   bias: bool, config=None) -> None:
+    """gemm_rows_qkv_rope == gemm_rows then rotary_embedding with its KV store (bits), padding
+    rows (slot -1) write nothing."""
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(heads * 31 + k + m)
+    n = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    rot = RotaryEmbedding(head_dim, 512, 500000.0, None, device=device)
+    pos = torch.arange(m, device=device) + 290
+    slots = torch.arange(m, device=device) * 2 + 1
+    slots[m // 2] = -1
+    k_cache = torch.full((8, 4, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    out = gemm_rows_qkv_rope(x, w, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots,
+                             config=config and config[1:])
+    ref = gemm_rows(x, w, b, config=(32, *(config or rows_config(n, k))[1:]))  # the same 32-row tile
+    q, kk, v = (t.reshape(m, -1, head_dim) for t in ref.split([heads * head_dim, kv_heads * head_dim,
+                                                              kv_heads * head_dim], dim=-1))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    rotary_embedding(pos, q, kk, rot.cos, rot.sin, store=(v, k_ref, v_ref, slots))
+    assert torch.equal(out, ref)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert k_cache.isnan().sum().item() == k_cache.numel() - (m - 1) * kv_heads * head_dim
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 5, 6, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (3072, 2048), (2048, 8192), (1536, 8960),
+                                 (1000, 700), (7, 4096)])
+def test_gemm_rows_gpu(n, k, m, dtype):
+    check_rows(n, k, m, dtype, bias=n in (3072, 1000), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,bias,m", [(32, 8, 128, 4096, False, 5), (32, 8, 64, 2048, False, 6),
+                                                             (12, 2, 128, 1536, True, 5), (14, 2, 64, 896, True, 2)])
+def test_gemm_rows_qkv_rope_gpu(heads, kv_heads, head_dim, k, bias, m, dtype):
+    check_qkv_rope(heads, kv_heads, head_dim, k, m, dtype, "cuda", bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoder_few_rows_gpu(tmp_path, arch, monkeypatch):
+    """A bf16 model's 9-token prefill through gemm_rows (the qkv projection rotating and storing
+    K/V: head_dim 32) and its decode steps: logits near the fp32 CPU model's and near the same
+    model with cuBLAS and the separate rotary kernel for those rows (TANDEM_GEMM_ROWS=0)."""
+    from tests.helpers import make_hf_model
+    from tests.kernels.test_gemv import _decode_logits
+
+    monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS_MIN_OUT", 1)  # this model's layers are all narrow
+    path = make_hf_model(tmp_path / "m", arch, hidden_size=128, num_heads=4, num_kv_heads=2)
+    ref = _decode_logits(path, "cpu", torch.float32, swap=False)
+    rows = _decode_logits(path, "cuda", torch.bfloat16, swap=False)
+    monkeypatch.setenv("TANDEM_GEMM_ROWS", "0")
+    cublas = _decode_logits(path, "cuda", torch.bfloat16, swap=False)
+    scale = ref.abs().max().item()
+    assert (rows - ref).abs().max().item() <= 0.05 * scale
+    assert (rows - cublas).abs().max().item() <= 0.05 * scale
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,m", [(40, 96, 2), (24, 64, 5), (33, 80, 16)])
+def test_gemm_rows_interpreter(n, k, m, dtype):
+    check_rows(n, k, m, dtype, bias=n == 40, device="cpu", config=SMALL, max_ulps=2 if dtype == torch.bfloat16 else 1)
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_rows_qkv_rope_interpreter(bias, dtype):
+    check_qkv_rope(4, 2, 32, 64, 5, dtype, "cpu", bias, config=SMALL)
