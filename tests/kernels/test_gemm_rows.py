@@ -20,10 +20,9 @@ if INTERPRET:  # must precede the first `import triton`
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.fused import rotary_embedding  # noqa: E402
 from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, rows_config  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
-from tests.kernels.test_gemv import assert_near_exact  # noqa: E402
+from tests.kernels.test_gemv import assert_near_exact, assert_rope_store_matches  # noqa: E402
 
 SMALL = (16, 32, 4, 2)  # a tile for the interpreter's small shapes
 
@@ -61,13 +60,7 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, m: int, dty
     out = gemm_rows_qkv_rope(x, w, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots,
                              config=config and config[1:])
     ref = gemm_rows(x, w, b, config=(32, *(config or rows_config(n, k))[1:]))  # the same 32-row tile
-    q, kk, v = (t.reshape(m, -1, head_dim) for t in ref.split([heads * head_dim, kv_heads * head_dim,
-                                                              kv_heads * head_dim], dim=-1))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    rotary_embedding(pos, q, kk, rot.cos, rot.sin, store=(v, k_ref, v_ref, slots))
-    assert torch.equal(out, ref)
-    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
-    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert_rope_store_matches(out, ref, k_cache, v_cache, pos, rot, slots, heads, kv_heads)
     assert k_cache.isnan().sum().item() == k_cache.numel() - (m - 1) * kv_heads * head_dim
 
 

@@ -296,7 +296,6 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torc
                    norm: bool, slot: int, block_k: int | None = None) -> None:
     """gemv_qkv_rope == the qkv GEMV (same tile) then rotary_embedding with its KV store: the
     same bits in the output and in both caches (nothing written for slot -1)."""
-    from tandem.kernels.fused import rotary_embedding
     from tandem.layers.rotary import RotaryEmbedding
 
     g = torch.Generator(device="cpu").manual_seed(heads * 31 + k)
@@ -318,14 +317,23 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torc
                         block_k=block_k)
     block_k = block_k or min(512, triton.next_power_of_2(k))
     ref = gemv(x, w, b, config=(8, block_k, 4), norm=row_norm)
-    q, kk, v = (t.view(1, -1, head_dim) for t in ref.split([heads * head_dim, kv_heads * head_dim,
-                                                             kv_heads * head_dim], dim=-1))
+    assert_rope_store_matches(out, ref, k_cache, v_cache, pos, rot, slots, heads, kv_heads)
+    assert k_cache.isnan().sum().item() == k_cache.numel() - (kv_heads * head_dim if slot >= 0 else 0)
+
+
+def assert_rope_store_matches(out, ref, k_cache, v_cache, pos, rot, slots, heads: int, kv_heads: int) -> None:
+    """out (a fused qkv projection's) == ref (the plain projection's [T, (H + 2 Hkv) D] output)
+    rotated by rotary_embedding, and the caches hold what its KV store writes (bits; NaN = unwritten)."""
+    from tandem.kernels.fused import rotary_embedding
+
+    head_dim = k_cache.shape[-1]
+    q, kk, v = (t.reshape(ref.shape[0], -1, head_dim)
+                for t in ref.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     rotary_embedding(pos, q, kk, rot.cos, rot.sin, store=(v, k_ref, v_ref, slots))
     assert torch.equal(out, ref)
     assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
-    assert k_cache.isnan().sum().item() == k_cache.numel() - (kv_heads * head_dim if slot >= 0 else 0)
 
 
 @pytest.mark.gpu
