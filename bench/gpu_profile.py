@@ -12,7 +12,7 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round;
 (5) `--sections gaps`: the device timeline of real engine steps (graphs included), target-only
     and speculative: busy and idle time per step and the longest idle gaps;
-(6) `--sections verify [--env-ab VAR=VALUE]`: the verification and draft catch-up graphs of a
+(6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft loop graphs of a
     k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
 """
 from __future__ import annotations
@@ -230,6 +230,11 @@ def device_gaps(llm, args, label: str) -> dict:
         if end is None or e_ > end:
             end, prev = e_, e
     span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0.0
+    if args.timeline:  # every device activity: start offset, duration, name (one line each)
+        t0 = evs[0].time_range.start
+        with open(f"{args.timeline}.{''.join(c if c.isalnum() else '_' for c in label)}.txt", "w") as f:
+            for e in evs:
+                f.write(f"{e.time_range.start - t0:10.1f} {e.time_range.end - e.time_range.start:8.1f} {e.name[:90]}\n")
     gaps.sort(reverse=True)
     out = {"step_ms": statistics.median(times) * 1e3, "busy_ms_per_step": busy / args.steps / 1e3,
            "idle_ms_per_step": (span - busy) / args.steps / 1e3, "num_kernels": len(evs),
@@ -302,7 +307,9 @@ def verify_section(root: Path, args, results: dict) -> None:
         runner, sp = llm.engine.runner, llm.engine.runner.speculator
         out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(1)],
                                         f"verify, {label}"),
-               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}")}
+               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}"),
+               "loop": graph_timeline(sp.graphs.loops[sp.graphs.bucket(1)], f"draft loop (k - 1 forwards), {label}",
+                                      first=args.first)}
         results[f"verify_{label}"] = out
         if variant:
             ctx.__exit__(None, None, None)
@@ -317,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--sections", default="linear,target,spec")
+    p.add_argument("--timeline", default="", metavar="PREFIX",
+                   help="--sections gaps: write each profile's device timeline to PREFIX.<label>.txt")
+    p.add_argument("--first", type=int, default=14, help="--sections verify: kernels of the draft loop listed in order")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="--sections verify: also under these environment settings")
     args = p.parse_args(argv)

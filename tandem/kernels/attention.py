@@ -95,7 +95,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if NUM_SPLITS > 1:
         tile = 0
@@ -105,11 +104,14 @@ def _paged_attention_kernel(
         split = 0
     req = tl.program_id(1)
     kvh = tl.program_id(2)
+    # The step's metadata is read before the wait: it was written before the forward's first
+    # kernel, which launches plainly, so it is complete before this one starts (see pdl.py).
     q_start = tl.load(cu_q_lens_ptr + req).to(tl.int32)
     q_len = tl.load(cu_q_lens_ptr + req + 1).to(tl.int32) - q_start
     if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    wait_for_inputs(PDL)
     ctx = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)

@@ -15,6 +15,12 @@ earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for 
 before them as usual. The few-row GEMMs (gemm_rows.py) launch plainly too, but release the
 kernel after them (`release_next`) once their main loop is done.
 
+One exception: the attention reads the step's metadata (cu_q_lens, seq_lens) before its wait.
+That metadata is written before the forward's first kernel, the embedding lookup, a torch kernel
+that launches plainly and never releases early: no later kernel starts before it has finished,
+so the metadata is complete when the attention starts, and those loads overlap the qkv
+projection's tail.
+
 `release_then_wait` lets the next kernel start before this one's inputs are ready: used by the
 small kernels that precede a GEMV (the attention's split merge, RMSNorm), so the GEMV's programs
 are placed while the kernels before them run. At most three kernels are in flight: the one

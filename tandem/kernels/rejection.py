@@ -1,14 +1,20 @@
-"""Fused rejection sampler: the semantics of tandem.spec.rejection.rejection_sample, one program
-per request, no softmax materialised and no host sync.
+"""Fused rejection sampler: the semantics of tandem.spec.rejection.rejection_sample, no softmax
+materialised and no host sync, in up to three launches:
 
-A program walks its request's rows in order. For each row it makes one pass over the vocabulary
-for the target's (and draft's) max, log-sum-exp and argmax, which give p(x) and q(x) for the
-draft x; it then applies the accept test of the torch sampler. At the first row that does not
-accept (a rejection, or the bonus row) it makes one more pass: a blocked Gumbel-max over
-log(max(p - q, 0)) with the RECOVER salt, or over the raw processed logits with the TARGET salt
-on the bonus row (the same draw a non-speculative step makes), or nothing for greedy rows (the
-argmax from the first pass). Rows past the stop are written -1 (the torch sampler fills them
-with tokens nothing reads).
+1. `_block_stats_kernel`, one program per (row, vocabulary block): the block's max, sum of
+   exp(x - max) and first argmax of the target's logits p (and the draft's q);
+2. `_block_draw_kernel` (only when some row samples), same grid: for each sampled row the block's
+   best Gumbel score and index of the draw a request makes where it stops (over
+   log(max(p - q, 0)) with the RECOVER salt on a draft row, over the raw logits with the TARGET
+   salt on the bonus row: the same draw a non-speculative step makes);
+3. `_rejection_kernel`, one program per request: walks its rows in order, combines each row's block
+   statistics into p(x) and q(x) for the draft x, applies the accept test of the torch sampler and
+   stops at the first row that does not accept: its token is the argmax (greedy) or the best of that
+   row's block candidates (sampled). Rows past the stop are written -1 (the torch sampler fills them
+   with tokens nothing reads).
+
+Spreading the vocabulary passes over (row, block) programs keeps the step off one SM: the earlier
+one-program-per-request walk took 115 us at batch 1 (k = 4, 128256 tokens, H200).
 """
 from __future__ import annotations
 
@@ -43,79 +49,98 @@ else:
 
 
 @triton.jit
-def _lane_lse(m, s, x):
-    """Per-lane online log-sum-exp update with a new block x (lanes that saw only -inf keep m = -inf)."""
-    m_new = tl.maximum(m, x)
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    return m_new, s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-
-
-@triton.jit
 def _lane_finish(m, s):
-    """Per-lane (m, s) -> the row's (max, sum exp(x - max))."""
+    """Lanes of (max, sum exp(x - max)) -> their combination (lanes that saw only -inf have
+    m = -inf and add nothing)."""
     m_row = tl.max(m, 0)
     m_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
     return m_row, tl.sum(s * tl.exp(m - m_safe), 0)
 
 
 @triton.jit
-def _lane_argmax(best_val, best_idx):
-    """Per-lane (max, first index) -> the row's first index of its max, as torch.argmax."""
-    top = tl.max(best_val, 0)
-    return tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
+def _block_stats_kernel(
+    p_ptr, q_ptr, stride_p, stride_q,
+    stats_ptr,  # [num_rows, 4, NB] fp32 out: max p, sum exp(p - max), max q, sum exp(q - max)
+    argmax_ptr,  # [num_rows, NB] int32 out: first index of the block's max p
+    vocab, NB, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, block): the statistics of one BLOCK_V slice of a row of p (and q)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < vocab
+    out = stats_ptr + row * 4 * NB + blk
+    pl = tl.load(p_ptr + row * stride_p + offs, mask=mask, other=-float("inf"))
+    m_p, s_p = _lane_finish(pl, tl.full([BLOCK_V], 1.0, tl.float32))
+    tl.store(out, m_p)
+    tl.store(out + NB, s_p)
+    tl.store(argmax_ptr + row * NB + blk, tl.min(tl.where(pl == m_p, offs, 2147483647), 0))
+    if HAS_Q:
+        ql = tl.load(q_ptr + row * stride_q + offs, mask=mask, other=-float("inf"))
+        m_q, s_q = _lane_finish(ql, tl.full([BLOCK_V], 1.0, tl.float32))
+        tl.store(out + 2 * NB, m_q)
+        tl.store(out + 3 * NB, s_q)
 
 
 @triton.jit
-def _row_stats(p_row, q_row, vocab, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One pass over a row of p (and q) logits -> (m_p, s_p, argmax p, m_q, s_q); no barriers in the loop."""
-    lanes = tl.arange(0, BLOCK_V)
-    m_p = tl.full([BLOCK_V], -float("inf"), tl.float32)
-    s_p = tl.zeros([BLOCK_V], tl.float32)
-    best_idx = lanes
-    m_q = tl.full([BLOCK_V], -float("inf"), tl.float32)
-    s_q = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + lanes
-        mask = offs < vocab
-        pl = tl.load(p_row + offs, mask=mask, other=-float("inf"))
-        best_idx = tl.where(pl > m_p, offs, best_idx)  # strict: a lane keeps its first max
-        m_p, s_p = _lane_lse(m_p, s_p, pl)
+def _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q: tl.constexpr, NB_POW2: tl.constexpr):
+    """A row's (m_p, s_p, argmax p, m_q, s_q) from its blocks' statistics."""
+    b = tl.arange(0, NB_POW2)
+    ok = b < NB
+    base = stats_ptr + row * 4 * NB
+    m_b = tl.load(base + b, mask=ok, other=-float("inf"))
+    m_p, s_p = _lane_finish(m_b, tl.load(base + NB + b, mask=ok, other=0.0))
+    argmax = tl.min(tl.where(ok & (m_b == m_p), tl.load(argmax_ptr + row * NB + b, mask=ok, other=0), 2147483647), 0)
+    m_q = 0.0
+    s_q = 1.0
+    if HAS_Q:
+        m_q, s_q = _lane_finish(tl.load(base + 2 * NB + b, mask=ok, other=-float("inf")),
+                                tl.load(base + 3 * NB + b, mask=ok, other=0.0))
+    return m_p, s_p, argmax, m_q, s_q
+
+
+@triton.jit
+def _block_draw_kernel(
+    p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr,
+    draft_ptr, bonus_ptr, greedy_ptr, seeds_ptr, positions_ptr,
+    cand_val_ptr,  # [num_rows, NB] fp32 out: the block's best Gumbel score
+    cand_idx_ptr,  # [num_rows, NB] int32 out: its first index
+    vocab, NB, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, NB_POW2: tl.constexpr,
+    RECOVER: tl.constexpr, TARGET: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, block) of a sampled row: this block's candidate for the row's stop draw, a
+    Gumbel-max over the raw logits (bonus row, TARGET salt) or over log(max(p - q, 0)) (a draft
+    row, RECOVER salt). Every sampled row draws; the walk keeps the one its request stops at."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(greedy_ptr + row) != 0:  # greedy rows stop at the argmax
+        return
+    blk = tl.program_id(1)
+    bonus = tl.load(bonus_ptr + row) != 0
+    seed = tl.load(seeds_ptr + row)
+    position = tl.load(positions_ptr + row)
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < vocab
+    pl = tl.load(p_ptr + row * stride_p + offs, mask=mask, other=-float("inf"))
+    if bonus:
+        score = pl
+        key = _noise_key(seed, position, TARGET)
+    else:
+        m_p, s_p, _, m_q, s_q = _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q, NB_POW2)
+        p = tl.exp(pl - m_p) * (1.0 / s_p)
         if HAS_Q:
-            ql = tl.load(q_row + offs, mask=mask, other=-float("inf"))
-            m_q, s_q = _lane_lse(m_q, s_q, ql)
-    argmax = _lane_argmax(m_p, best_idx)
-    m_p_row, s_p_row = _lane_finish(m_p, s_p)
-    m_q_row, s_q_row = _lane_finish(m_q, s_q)
-    return m_p_row, s_p_row, argmax, m_q_row, s_q_row
-
-
-@triton.jit
-def _stop_draw(p_row, q_row, vocab, m_p, s_p, m_q, s_q, draft, key, bonus,
-               HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Gumbel-max over the bonus scores (raw logits) or the residual log(max(p - q, 0))."""
-    lanes = tl.arange(0, BLOCK_V)
-    best_val = tl.full([BLOCK_V], -float("inf"), tl.float32)
-    best_idx = lanes
-    inv_s_p = 1.0 / s_p
-    inv_s_q = 1.0 / s_q
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + lanes
-        mask = offs < vocab
-        pl = tl.load(p_row + offs, mask=mask, other=-float("inf"))
-        if bonus:
-            score = pl
+            ql = tl.load(q_ptr + row * stride_q + offs, mask=mask, other=-float("inf"))
+            resid = tl.maximum(p - tl.exp(ql - m_q) * (1.0 / s_q), 0.0)
         else:
-            p = tl.exp(pl - m_p) * inv_s_p
-            if HAS_Q:
-                ql = tl.load(q_row + offs, mask=mask, other=-float("inf"))
-                resid = tl.maximum(p - tl.exp(ql - m_q) * inv_s_q, 0.0)
-            else:
-                resid = tl.where(offs == draft, 0.0, p)
-            score = tl.log(resid)
-        score = tl.where(mask, score + _gumbel(key, offs), -float("inf"))
-        best_idx = tl.where(score > best_val, offs, best_idx)
-        best_val = tl.maximum(best_val, score)
-    return _lane_argmax(best_val, best_idx)
+            draft = tl.minimum(tl.maximum(tl.load(draft_ptr + row), 0), vocab - 1)
+            resid = tl.where(offs == draft, 0.0, p)
+        score = tl.log(resid)
+        key = _noise_key(seed, position, RECOVER)
+    score = tl.where(mask, score + _gumbel(key, offs), -float("inf"))
+    best = tl.max(score, 0)
+    tl.store(cand_val_ptr + row * NB + blk, best)
+    tl.store(cand_idx_ptr + row * NB + blk, tl.min(tl.where(score == best, offs, 2147483647), 0))
 
 
 @triton.jit
@@ -124,48 +149,57 @@ def _rejection_kernel(
     q_ptr,  # [num_rows, V] fp32 (HAS_Q)
     stride_p,
     stride_q,
+    stats_ptr,  # [num_rows, 4, NB] fp32 (_block_stats_kernel)
+    argmax_ptr,  # [num_rows, NB] int32
+    cand_val_ptr,  # [num_rows, NB] fp32 (_block_draw_kernel, sampled rows)
+    cand_idx_ptr,  # [num_rows, NB] int32
     draft_ptr,  # [num_rows] int64, -1 on bonus rows
     bonus_ptr,  # [num_rows] uint8
     greedy_ptr,  # [num_rows] uint8
-    sampled_ptr,  # [num_rows] uint8, temperature > 0
     seeds_ptr,  # [num_rows] int64
     positions_ptr,  # [num_rows] int64
     row_index_ptr,  # [num_rows] int64
     rates_ptr,  # [num_rates] fp32 (SYNTHETIC)
     num_rates,
-    req_start_ptr,  # [num_reqs] int64, first row
-    req_rows_ptr,  # [num_reqs] int64, rows in the request
+    row_req_ptr,  # [num_rows] int64, each row's request (a request's rows contiguous)
+    total_rows,
     tokens_ptr,  # [num_rows] int64 out
     emitted_ptr,  # [num_reqs] int64 out
     vocab,
+    NB,
     HAS_Q: tl.constexpr,
     SYNTHETIC: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ANY_SAMPLED: tl.constexpr,
+    NB_POW2: tl.constexpr,
     ACCEPT: tl.constexpr,
-    RECOVER: tl.constexpr,
-    TARGET: tl.constexpr,
+    SCAN: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program = request: walks its rows in order with the accept test, stops at the first row
+    that does not accept; its token is the argmax (greedy) or the row's stop draw (sampled)."""
     wait_for_inputs(PDL)
     req = tl.program_id(0)
-    start = tl.load(req_start_ptr + req)
-    num_rows = tl.load(req_rows_ptr + req)
+    start = (req * 0 + total_rows).to(tl.int64)  # this request's first row and row count, from row_req
+    num_rows = start * 0
+    for r0 in range(0, total_rows, SCAN):
+        r = r0 + tl.arange(0, SCAN)
+        hit = tl.load(row_req_ptr + r, mask=r < total_rows, other=-1) == req
+        start = tl.minimum(start, tl.min(tl.where(hit, r, total_rows), 0).to(tl.int64))
+        num_rows += tl.sum(hit.to(tl.int64), 0)
     j = num_rows * 0
     running = num_rows > 0
+    b = tl.arange(0, NB_POW2)
     while running:
         row = start + j
-        p_row = p_ptr + row * stride_p
-        q_row = q_ptr + row * stride_q
         raw_draft = tl.load(draft_ptr + row)
         draft = tl.minimum(tl.maximum(raw_draft, 0), vocab - 1)
-        bonus = tl.load(bonus_ptr + row) != 0
         seed = tl.load(seeds_ptr + row)
         position = tl.load(positions_ptr + row)
-        m_p, s_p, argmax, m_q, s_q = _row_stats(p_row, q_row, vocab, HAS_Q, BLOCK_V)
+        m_p, s_p, argmax, m_q, s_q = _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q, NB_POW2)
         q_x = 1.0
         if HAS_Q:
-            q_x = tl.math.div_rn(_exp(tl.load(q_row + draft) - m_q), s_q)
-        p_x = tl.math.div_rn(_exp(tl.load(p_row + draft) - m_p), s_p)
+            q_x = tl.math.div_rn(_exp(tl.load(q_ptr + row * stride_q + draft) - m_q), s_q)
+        p_x = tl.math.div_rn(_exp(tl.load(p_ptr + row * stride_p + draft) - m_p), s_p)
         u = _uniform(_noise_key(seed, position, ACCEPT), tl.full((), 0, tl.int32))
         if SYNTHETIC:
             idx = tl.minimum(tl.load(row_index_ptr + row), num_rates - 1)
@@ -178,12 +212,12 @@ def _rejection_kernel(
             j += 1
         else:
             token = argmax.to(tl.int64)
-            if tl.load(sampled_ptr + row) != 0:
-                key = _noise_key(seed, position, RECOVER)
-                if bonus:
-                    key = _noise_key(seed, position, TARGET)
-                token = _stop_draw(p_row, q_row, vocab, m_p, s_p, m_q, s_q, draft, key, bonus,
-                                   HAS_Q, BLOCK_V).to(tl.int64)
+            if ANY_SAMPLED and tl.load(greedy_ptr + row) == 0:
+                ok = b < NB
+                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
+                top = tl.max(val, 0)
+                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
+                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
             tl.store(tokens_ptr + row, token)
             running = False
         running = running & (j < num_rows)
@@ -210,7 +244,8 @@ def rejection_sample(
     a request reaches (row_index < num_emitted); later rows are -1.
 
     NOTE: a request's rows must be contiguous and in row_index order (as the speculator lays
-    them out); every request has >= 1 row and its last row is the bonus row.
+    them out); every request has >= 1 row and its last row is the bonus row; the sampled rows are
+    exactly the rows that are not greedy (sampled_idx only says whether there are any).
     """
     num_rows, vocab = p_logits.shape
     dev = p_logits.device
@@ -227,21 +262,32 @@ def rejection_sample(
     num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
     if num_reqs == 0:
         return row_tokens, num_emitted
-    row_sampled = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
-    if sampled_idx is not None:
-        row_sampled.index_fill_(0, sampled_idx, 1)
-    rows = torch.arange(num_rows, dtype=torch.int64, device=dev)
-    req_start = torch.full((num_reqs,), num_rows, dtype=torch.int64, device=dev)
-    req_start.scatter_reduce_(0, row_req, rows, "amin")
-    req_rows = torch.zeros(num_reqs, dtype=torch.int64, device=dev).scatter_add_(0, row_req, torch.ones_like(rows))
     rates = synthetic_rates.float().contiguous() if synthetic_rates is not None else p_logits
     q = q_logits if q_logits is not None else p_logits
+    has_q, pdl = q_logits is not None, pdl_flags(p_logits)
+    nb = triton.cdiv(vocab, _BLOCK_V)
+    stats = torch.empty(num_rows, 4, nb, dtype=torch.float32, device=dev)
+    argmax = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    _block_stats_kernel[(num_rows, nb)](
+        p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, vocab, nb,
+        HAS_Q=has_q, BLOCK_V=_BLOCK_V, num_warps=4, **pdl,
+    )
+    cand_val = torch.empty(num_rows, nb, dtype=torch.float32, device=dev)
+    cand_idx = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    if sampled_idx is not None:  # no sampled row: no stop draws
+        _block_draw_kernel[(num_rows, nb)](
+            p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax,
+            row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), seeds, positions, cand_val,
+            cand_idx, vocab, nb,
+            HAS_Q=has_q, BLOCK_V=_BLOCK_V, NB_POW2=triton.next_power_of_2(nb), RECOVER=RECOVER_SALT,
+            TARGET=TARGET_SALT, num_warps=4, **pdl,
+        )
     _rejection_kernel[(num_reqs,)](
-        p_logits, q, p_logits.stride(0), q.stride(0),
-        row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), row_sampled,
+        p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, cand_val, cand_idx,
+        row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8),
         seeds, positions, row_index, rates, rates.shape[0] if synthetic_rates is not None else 1,
-        req_start, req_rows, row_tokens, num_emitted, vocab,
-        HAS_Q=q_logits is not None, SYNTHETIC=synthetic_rates is not None, BLOCK_V=_BLOCK_V,
-        ACCEPT=ACCEPT_SALT, RECOVER=RECOVER_SALT, TARGET=TARGET_SALT, num_warps=16, **pdl_flags(p_logits),
+        row_req, num_rows, row_tokens, num_emitted, vocab, nb,
+        HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, ANY_SAMPLED=sampled_idx is not None,
+        NB_POW2=triton.next_power_of_2(nb), ACCEPT=ACCEPT_SALT, SCAN=1024, num_warps=4, **pdl,
     )
     return row_tokens, num_emitted

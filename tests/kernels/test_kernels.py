@@ -27,6 +27,7 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.attention import paged_attention  # noqa: E402
+from tandem.kernels.decode_inputs import decode_inputs, decode_inputs_ref  # noqa: E402
 from tandem.kernels.gumbel import argmax_rows, gumbel_sample, gumbel_uniform  # noqa: E402
 from tandem.kernels.kv_store import _kv_store_kernel, kv_store  # noqa: E402
 from tandem.kernels.rejection import rejection_sample  # noqa: E402
@@ -177,6 +178,7 @@ def test_attention_decode_verify_gpu(case):
     check_attention(GPU, [1] * 8, ctx, h, hkv, d, dtype, num_splits=1, seed=2)
     check_attention(GPU, [1] * 8, ctx, h, hkv, d, dtype, num_splits=8, min_split_keys=1, seed=4)
     check_attention(GPU, [5] * 8, ctx, h, hkv, d, dtype, seed=3)
+    check_attention(GPU, [1], [300], h, hkv, d, dtype, seed=5)  # batch 1: 32 splits, 3 with keys
 
 
 @pytest.mark.gpu
@@ -396,6 +398,37 @@ def test_rejection_sample_gpu(mode, vocab):
                                 dict(greedy_frac=0.0)])
 def test_rejection_sample_interpret(kw):
     check_rejection("cpu", 12, 1000, 4, seed=3, **kw)
+    check_rejection("cpu", 6, 9000, 4, seed=4, **kw)  # three vocabulary blocks, the last ragged
+
+
+# ----------------------------------------------------------------------------- decode inputs
+def check_decode_inputs(device, n, seed, block_size=16, max_model_len=300):
+    g = torch.Generator().manual_seed(seed)
+    k, max_blocks = 4, -(-max_model_len // block_size)
+    pos = torch.randint(0, max_model_len + 3, (n,), generator=g)  # some past the end: clamped
+    pos[0] = max_model_len - 2
+    slots = torch.randperm(2 * n + 1, generator=g)[:n]
+    drafts = torch.randint(0, 128256, (2 * n + 1, k), generator=g)
+    table = torch.randint(0, 5000, (n, max_blocks), generator=g)
+    valid = torch.rand(n, generator=g) < 0.8
+    args = [t.to(device) for t in (pos, slots, drafts)] + [2] + [t.to(device) for t in (table, valid)]
+    args += [max_model_len, block_size]
+    got = decode_inputs(*args)
+    want = decode_inputs_ref(*args)
+    for name, a, b in zip(("pos", "safe", "ids", "slot_mapping", "seq_lens", "cu_q_lens"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3, 130])
+def test_decode_inputs_gpu(n):
+    check_decode_inputs(GPU, n, seed=n)
+
+
+@interpret
+def test_decode_inputs_interpret():
+    check_decode_inputs("cpu", 5, seed=1)
+    check_decode_inputs("cpu", 130, seed=2)
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
