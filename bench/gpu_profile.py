@@ -10,8 +10,9 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
     sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round;
-(5) `--sections gaps`: the device timeline of real engine steps (graphs included), target-only
-    and speculative: busy and idle time per step and the longest idle gaps;
+(5) `--sections gaps [--timeline PREFIX]`: the device timeline of real engine steps (graphs
+    included), target-only and speculative: busy and idle time per step and the longest idle
+    gaps; --timeline writes every activity (offset, duration, name) to PREFIX.<label>.txt;
 (6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft loop graphs of a
     k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
 """

@@ -5,6 +5,8 @@
   chunks in one launch (GQA, causal within each request, CUDA-graph safe).
 - gumbel.gumbel_sample: seeded Gumbel-max sampling, bit-exact with tandem.sampling.gumbel.
 - rejection.rejection_sample: the fused rejection sampler of tandem.spec.rejection.
+- decode_inputs.decode_inputs: one draft decode step's positions, input tokens, KV slots and
+  attention metadata (the draft loop graph's per-step preamble).
 - fused: RMSNorm (+ residual), rotary (+ paged KV store), SiLU-and-mul.
 - gemv: one-row linears (batch-1 steps), optionally with SiLU-and-mul or an RMSNorm of the input
   in the prologue, a residual add in the epilogue, or (the qkv projection) rotary + paged KV
@@ -12,7 +14,8 @@
 - gemm_rows: 2-16 row linears (a batch-1 verification, the draft's catch-up) on tensor cores,
   the qkv projection optionally with rotary + paged KV store in the epilogue.
 - pdl: programmatic dependent launch (Hopper): every kernel above launches with it and waits for
-  the kernel before it first thing, so its launch overlaps that kernel's tail.
+  the kernel before it first thing (the attention reads its step metadata before: see pdl.py),
+  so its launch overlaps that kernel's tail.
 
 And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
 AVX2 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in
