@@ -231,7 +231,7 @@ def device_gaps(llm, args, label: str) -> dict:
         if end is None or e_ > end:
             end, prev = e_, e
     span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0.0
-    if args.timeline:  # every device activity: start offset, duration, name (one line each)
+    if args.timeline and evs:  # every device activity: start offset, duration, name (one line each)
         t0 = evs[0].time_range.start
         with open(f"{args.timeline}.{''.join(c if c.isalnum() else '_' for c in label)}.txt", "w") as f:
             for e in evs:
@@ -310,7 +310,7 @@ def verify_section(root: Path, args, results: dict) -> None:
                                         f"verify, {label}"),
                "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}"),
                "loop": graph_timeline(sp.graphs.loops[sp.graphs.bucket(1)], f"draft loop (k - 1 forwards), {label}",
-                                      first=args.first)}
+                                      first=args.first)}  # k = 4: the loop graph exists
         results[f"verify_{label}"] = out
         if variant:
             ctx.__exit__(None, None, None)

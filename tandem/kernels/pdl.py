@@ -19,7 +19,9 @@ One exception: the attention reads the step's metadata (cu_q_lens, seq_lens) bef
 That metadata is written before the forward's first kernel, the embedding lookup, a torch kernel
 that launches plainly and never releases early: no later kernel starts before it has finished,
 so the metadata is complete when the attention starts, and those loads overlap the qkv
-projection's tail.
+projection's tail. This holds only while a plainly launched kernel separates the metadata's
+writer (a host copy, or tandem/kernels/decode_inputs.py in the draft loop) from the attention:
+an embedding lookup launched with PDL, or metadata computed inside the layers, would race.
 
 `release_then_wait` lets the next kernel start before this one's inputs are ready: used by the
 small kernels that precede a GEMV (the attention's split merge, RMSNorm), so the GEMV's programs

@@ -1,17 +1,17 @@
 """Fused rejection sampler: the semantics of tandem.spec.rejection.rejection_sample, no softmax
 materialised and no host sync, in up to three launches:
 
-1. `_block_stats_kernel`, one program per (row, vocabulary block): the block's max, sum of
-   exp(x - max) and first argmax of the target's logits p (and the draft's q);
+1. `_block_stats_kernel`, one program per (row, vocabulary block): the block's max and sum of
+   exp(x - max) of the target's logits p (and of the draft's q), and p's first argmax;
 2. `_block_draw_kernel` (only when some row samples), same grid: for each sampled row the block's
    best Gumbel score and index of the draw a request makes where it stops (over
    log(max(p - q, 0)) with the RECOVER salt on a draft row, over the raw logits with the TARGET
    salt on the bonus row: the same draw a non-speculative step makes);
 3. `_rejection_kernel`, one program per request: walks its rows in order, combines each row's block
    statistics into p(x) and q(x) for the draft x, applies the accept test of the torch sampler and
-   stops at the first row that does not accept: its token is the argmax (greedy) or the best of that
-   row's block candidates (sampled). Rows past the stop are written -1 (the torch sampler fills them
-   with tokens nothing reads).
+   stops at the first row that does not accept: its token is the best of that row's block
+   candidates if the row samples (sampled_idx), else the argmax. Rows past the stop are written
+   -1 (the torch sampler fills them with tokens nothing reads).
 
 Spreading the vocabulary passes over (row, block) programs keeps the step off one SM: the earlier
 one-program-per-request walk took 115 us at batch 1 (k = 4, 128256 tokens, H200).
@@ -33,7 +33,7 @@ from tandem.sampling.gumbel import ACCEPT_SALT, RECOVER_SALT, TARGET_SALT
 _BLOCK_V = 4096
 
 # libdevice's expf is torch's CUDA exp, used where a single value decides (p(x), q(x)); the
-# vocabulary loops use tl.exp (ex2.approx), whose error only moves sums and scores by about
+# per-block statistics and draws use tl.exp (ex2.approx), whose error only moves sums and scores by about
 # 1e-7 relative. The interpreter implements only tl.exp.
 if os.environ.get("TRITON_INTERPRET") == "1":
 
@@ -103,7 +103,7 @@ def _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q: tl.constexpr, NB_POW2: tl.
 @triton.jit
 def _block_draw_kernel(
     p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr,
-    draft_ptr, bonus_ptr, greedy_ptr, seeds_ptr, positions_ptr,
+    draft_ptr, bonus_ptr, sampled_ptr, seeds_ptr, positions_ptr,
     cand_val_ptr,  # [num_rows, NB] fp32 out: the block's best Gumbel score
     cand_idx_ptr,  # [num_rows, NB] int32 out: its first index
     vocab, NB, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, NB_POW2: tl.constexpr,
@@ -114,7 +114,7 @@ def _block_draw_kernel(
     row, RECOVER salt). Every sampled row draws; the walk keeps the one its request stops at."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if tl.load(greedy_ptr + row) != 0:  # greedy rows stop at the argmax
+    if tl.load(sampled_ptr + row) == 0:  # rows that do not sample stop at the argmax
         return
     blk = tl.program_id(1)
     bonus = tl.load(bonus_ptr + row) != 0
@@ -156,6 +156,7 @@ def _rejection_kernel(
     draft_ptr,  # [num_rows] int64, -1 on bonus rows
     bonus_ptr,  # [num_rows] uint8
     greedy_ptr,  # [num_rows] uint8
+    sampled_ptr,  # [num_rows] uint8, the rows of sampled_idx
     seeds_ptr,  # [num_rows] int64
     positions_ptr,  # [num_rows] int64
     row_index_ptr,  # [num_rows] int64
@@ -176,7 +177,7 @@ def _rejection_kernel(
     PDL: tl.constexpr,
 ):
     """Program = request: walks its rows in order with the accept test, stops at the first row
-    that does not accept; its token is the argmax (greedy) or the row's stop draw (sampled)."""
+    that does not accept; its token is the row's stop draw if it samples, else the argmax."""
     wait_for_inputs(PDL)
     req = tl.program_id(0)
     start = (req * 0 + total_rows).to(tl.int64)  # this request's first row and row count, from row_req
@@ -212,7 +213,7 @@ def _rejection_kernel(
             j += 1
         else:
             token = argmax.to(tl.int64)
-            if ANY_SAMPLED and tl.load(greedy_ptr + row) == 0:
+            if ANY_SAMPLED and tl.load(sampled_ptr + row) != 0:
                 ok = b < NB
                 val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
                 top = tl.max(val, 0)
@@ -244,8 +245,9 @@ def rejection_sample(
     a request reaches (row_index < num_emitted); later rows are -1.
 
     NOTE: a request's rows must be contiguous and in row_index order (as the speculator lays
-    them out); every request has >= 1 row and its last row is the bonus row; the sampled rows are
-    exactly the rows that are not greedy (sampled_idx only says whether there are any).
+    them out); every request has >= 1 row and its last row is the bonus row. Each request's
+    program scans row_req for its rows (num_reqs x num_rows int64 reads from L2, ~5 MB at 256
+    requests of k = 8).
     """
     num_rows, vocab = p_logits.shape
     dev = p_logits.device
@@ -262,6 +264,9 @@ def rejection_sample(
     num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
     if num_reqs == 0:
         return row_tokens, num_emitted
+    row_sampled = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
+    if sampled_idx is not None:
+        row_sampled.index_fill_(0, sampled_idx, 1)
     rates = synthetic_rates.float().contiguous() if synthetic_rates is not None else p_logits
     q = q_logits if q_logits is not None else p_logits
     has_q, pdl = q_logits is not None, pdl_flags(p_logits)
@@ -277,14 +282,13 @@ def rejection_sample(
     if sampled_idx is not None:  # no sampled row: no stop draws
         _block_draw_kernel[(num_rows, nb)](
             p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax,
-            row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), seeds, positions, cand_val,
-            cand_idx, vocab, nb,
+            row_draft, row_is_bonus.view(torch.uint8), row_sampled, seeds, positions, cand_val, cand_idx, vocab, nb,
             HAS_Q=has_q, BLOCK_V=_BLOCK_V, NB_POW2=triton.next_power_of_2(nb), RECOVER=RECOVER_SALT,
             TARGET=TARGET_SALT, num_warps=4, **pdl,
         )
     _rejection_kernel[(num_reqs,)](
         p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, cand_val, cand_idx,
-        row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8),
+        row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), row_sampled,
         seeds, positions, row_index, rates, rates.shape[0] if synthetic_rates is not None else 1,
         row_req, num_rows, row_tokens, num_emitted, vocab, nb,
         HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, ANY_SAMPLED=sampled_idx is not None,

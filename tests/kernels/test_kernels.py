@@ -306,9 +306,12 @@ def test_argmax_rows_interpret():
 
 
 # ----------------------------------------------------------------------------- rejection
-def random_verify_batch(device, num_reqs, vocab, k_max, seed, greedy_frac=0.3, with_q=True, synthetic=False):
+def random_verify_batch(device, num_reqs, vocab, k_max, seed, greedy_frac=0.3, with_q=True, synthetic=False,
+                        pad=0, drop_sampled=False):
     """Requests with 0..k_max drafts laid out as the speculator does; drafts drawn from q with
-    the DRAFT salt (greedy requests mostly draft the target argmax)."""
+    the DRAFT salt (greedy requests mostly draft the target argmax). pad: p and q are views of
+    rows pad wider (a padded vocabulary); drop_sampled: every other non-greedy row is left out of
+    sampled_idx (it then stops at its argmax)."""
     g = torch.Generator().manual_seed(seed)
     ks = torch.randint(0, k_max + 1, (num_reqs,), generator=g).tolist()
     num_rows = sum(k + 1 for k in ks)
@@ -327,8 +330,12 @@ def random_verify_batch(device, num_reqs, vocab, k_max, seed, greedy_frac=0.3, w
     drafts = torch.where(greedy & (torch.rand(num_rows, generator=g) < 0.7), p.argmax(-1), drafts)
     drafts = torch.where(bonus, -1, drafts)
     sampled = (~greedy).nonzero().flatten()
+    if drop_sampled:
+        sampled = sampled[::2]
     rates = torch.tensor([0.9, 0.6, 0.3]) if synthetic else None
     to = dict(device=device)
+    if pad:  # widen on the device (a copy there would make the views contiguous again)
+        p, q = (torch.cat([t, torch.randn(num_rows, pad, generator=g)], 1).to(**to)[:, :vocab] for t in (p, q))
     return (p.to(**to), drafts.to(**to), bonus.to(**to), greedy.to(**to),
             sampled.to(**to) if sampled.numel() else None, q.to(**to) if with_q else None,
             seeds.to(**to), positions.to(**to), row_req.to(**to), row_index.to(**to), num_reqs,
@@ -383,6 +390,14 @@ def check_rejection(device, num_reqs, vocab, k_max, seed, **kw):
     return emitted
 
 
+REJECTION_EDGES = {  # (num_reqs, vocab, k_max, keywords)
+    "one-row": (1, 100, 0, {}),
+    "one-block": (8, 4096, 4, {}),
+    "padded-vocab": (8, 5000, 4, dict(pad=24)),
+    "sampled-subset": (16, 3000, 4, dict(greedy_frac=0.0, drop_sampled=True)),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["probabilistic", "one_hot_q", "synthetic", "all_greedy", "all_sampled"])
 @pytest.mark.parametrize("vocab", [32000, 128256])
@@ -393,12 +408,28 @@ def test_rejection_sample_gpu(mode, vocab):
     assert 1.0 < emitted.float().mean() < 6.0  # both accept and reject paths ran
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(REJECTION_EDGES))
+def test_rejection_sample_edges_gpu(case):
+    """One row; a vocabulary of one block; logits rows wider than the vocabulary; sampled_idx a
+    strict subset of the non-greedy rows."""
+    num_reqs, vocab, k_max, kw = REJECTION_EDGES[case]
+    check_rejection(GPU, num_reqs, vocab, k_max, seed=5, **kw)
+
+
 @interpret
 @pytest.mark.parametrize("kw", [{}, dict(with_q=False), dict(synthetic=True), dict(greedy_frac=1.0),
                                 dict(greedy_frac=0.0)])
 def test_rejection_sample_interpret(kw):
     check_rejection("cpu", 12, 1000, 4, seed=3, **kw)
     check_rejection("cpu", 6, 9000, 4, seed=4, **kw)  # three vocabulary blocks, the last ragged
+
+
+@interpret
+@pytest.mark.parametrize("case", list(REJECTION_EDGES))
+def test_rejection_sample_edges_interpret(case):
+    num_reqs, vocab, k_max, kw = REJECTION_EDGES[case]
+    check_rejection("cpu", num_reqs, vocab, k_max, seed=5, **kw)
 
 
 # ----------------------------------------------------------------------------- decode inputs
@@ -411,12 +442,13 @@ def check_decode_inputs(device, n, seed, block_size=16, max_model_len=300):
     drafts = torch.randint(0, 128256, (2 * n + 1, k), generator=g)
     table = torch.randint(0, 5000, (n, max_blocks), generator=g)
     valid = torch.rand(n, generator=g) < 0.8
-    args = [t.to(device) for t in (pos, slots, drafts)] + [2] + [t.to(device) for t in (table, valid)]
-    args += [max_model_len, block_size]
-    got = decode_inputs(*args)
-    want = decode_inputs_ref(*args)
-    for name, a, b in zip(("pos", "safe", "ids", "slot_mapping", "seq_lens", "cu_q_lens"), got, want):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for col in (0, k - 2):
+        args = [t.to(device) for t in (pos, slots, drafts)] + [col] + [t.to(device) for t in (table, valid)]
+        args += [max_model_len, block_size]
+        got = decode_inputs(*args)
+        want = decode_inputs_ref(*args)
+        for name, a, b in zip(("pos", "safe", "ids", "slot_mapping", "seq_lens", "cu_q_lens"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, col)
 
 
 @pytest.mark.gpu
