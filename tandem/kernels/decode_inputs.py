@@ -6,10 +6,10 @@ attention metadata (seq_lens, cu_q_lens). As separate torch operations these wer
 kernels a step, ~20 us of launches in a ~850 us forward (H200, bench/gpu_profile.py --sections
 gaps); `decode_inputs_ref` is that torch sequence, the reference the kernel is tested against.
 
-NOTE: the attention kernels read seq_lens and cu_q_lens before their PDL wait (tandem/kernels/pdl.py).
-That is safe because the forward's embedding lookup, a plainly launched torch kernel, runs
-between this launch and the first attention; metadata written by a PDL kernel with nothing plain
-after it would race.
+NOTE: the attention kernels read seq_lens and cu_q_lens before their PDL wait (see
+tandem/kernels/pdl.py). That is safe because the forward's embedding lookup, a plainly launched
+torch kernel, runs between this launch and the first attention; metadata written by a PDL kernel
+with nothing plain after it would race.
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ from tandem.sampling.gumbel import ACCEPT_SALT, RECOVER_SALT, TARGET_SALT
 _BLOCK_V = 4096
 
 # libdevice's expf is torch's CUDA exp, used where a single value decides (p(x), q(x)); the
-# per-block statistics and draws use tl.exp (ex2.approx), whose error only moves sums and scores by about
-# 1e-7 relative. The interpreter implements only tl.exp.
+# per-block statistics and draws use tl.exp (ex2.approx), whose error only moves sums and scores
+# by about 1e-7 relative. The interpreter implements only tl.exp.
 if os.environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
