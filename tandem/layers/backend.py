@@ -43,6 +43,23 @@ class AttnBackend:
                                         self.use_triton)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, rowwise)
 
+    def draft_step(self, pos: Tensor, slots: Tensor, drafts: Tensor, col: int, table: Tensor, valid: Tensor,
+                   max_kv: int, max_model_len: int):
+        """A draft decode step's inputs on the device: pos [n] (position of drafts[slots, col]'s
+        predecessor) -> (pos + 1, that position clamped below max_model_len, input ids [n], metadata).
+        One launch with Triton (tandem/kernels/decode_inputs.py), torch operations otherwise."""
+        if self.use_table and self.use_triton:
+            from tandem.kernels.decode_inputs import decode_inputs
+
+            pos, safe, ids, slot_mapping, seq_lens, cu = decode_inputs(pos, slots, drafts, col, table, valid,
+                                                                       max_model_len, self.block_size)
+            meta = TableAttnMetadata(slot_mapping=slot_mapping, block_tables=table, seq_lens=seq_lens,
+                                     cu_q_lens=cu, max_q_len=1, block_size=self.block_size, use_triton=True)
+            return pos, safe, ids, meta
+        pos = pos + 1
+        safe = pos.clamp(max=max_model_len - 1)
+        return pos, safe, drafts[slots, col], self.decode(safe, table, max_kv, valid)
+
     def decode(self, positions: Tensor, block_table: Tensor, max_kv: int, valid: Tensor | None = None):
         """One query per row at device-side positions [n]; block_table [n, max_blocks] int64.
         valid [n] bool marks real rows (padding rows of a captured graph write no KV)."""

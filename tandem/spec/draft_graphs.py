@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
-from tandem.layers.table_attention import TableAttnMetadata
 from tandem.runner.graphs import CAPTURE_SIZES, GraphRunner
 from tandem.sampling.sampler import greedy_tokens
 
@@ -37,19 +36,8 @@ class DraftGraphs:
     def _loop(self, n: int) -> None:
         slots, pos, table, valid = self.slots[:n], self.pos[:n], self.table[:n], self.valid[:n]
         for step in range(1, self.k):
-            if self.backend.use_triton:  # one launch for the step's inputs and metadata
-                from tandem.kernels.decode_inputs import decode_inputs
-
-                pos, safe, ids, slot_mapping, seq_lens, cu = decode_inputs(
-                    pos, slots, self.drafts, step - 1, table, valid, self.max_model_len, self.backend.block_size)
-                meta = TableAttnMetadata(slot_mapping=slot_mapping, block_tables=table, seq_lens=seq_lens,
-                                         cu_q_lens=cu, max_q_len=1, block_size=self.backend.block_size,
-                                         use_triton=True)
-            else:
-                pos = pos + 1  # position of drafts[:, step - 1]
-                safe = pos.clamp(max=self.max_model_len - 1)
-                meta = self.backend.decode(safe, table, self.max_kv, valid)
-                ids = self.drafts[slots, step - 1]
+            pos, safe, ids, meta = self.backend.draft_step(pos, slots, self.drafts, step - 1, table, valid,
+                                                           self.max_kv, self.max_model_len)
             hidden = self.model(ids, safe, meta, self.kv)
             logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [n, V]
             self.drafts[slots, step] = greedy_tokens(logits, self.backend.use_triton)

@@ -31,6 +31,7 @@ from tandem.kernels.decode_inputs import decode_inputs, decode_inputs_ref  # noq
 from tandem.kernels.gumbel import argmax_rows, gumbel_sample, gumbel_uniform  # noqa: E402
 from tandem.kernels.kv_store import _kv_store_kernel, kv_store  # noqa: E402
 from tandem.kernels.rejection import rejection_sample  # noqa: E402
+from tandem.layers.backend import AttnBackend  # noqa: E402
 from tandem.sampling.gumbel import ACCEPT_SALT, DRAFT_SALT, RECOVER_SALT, TARGET_SALT, gumbel_argmax  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.refs import (  # noqa: E402
@@ -449,6 +450,14 @@ def check_decode_inputs(device, n, seed, block_size=16, max_model_len=300):
         want = decode_inputs_ref(*args)
         for name, a, b in zip(("pos", "safe", "ids", "slot_mapping", "seq_lens", "cu_q_lens"), got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, col)
+        # AttnBackend.draft_step (the draft loop's caller): the kernel path against the torch path
+        steps = [AttnBackend(block_size, torch.device(device), use_table=True, use_triton=t).draft_step(
+            *args[:6], max_blocks * block_size, max_model_len) for t in (True, False)]
+        for a, b in zip(steps[0][:3], steps[1][:3]):
+            assert torch.equal(a, b)
+        for field in ("slot_mapping", "block_tables", "seq_lens"):
+            assert torch.equal(getattr(steps[0][3], field), getattr(steps[1][3], field)), field
+        assert torch.equal(steps[0][3].cu_q_lens.long(), steps[1][3].cu_q_lens.long())
 
 
 @pytest.mark.gpu
