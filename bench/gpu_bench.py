@@ -7,7 +7,7 @@ synthetic acceptance and on the eps pair, and transformers as the peer, in one r
 
 Models use load_format="dummy" (seeded random weights, real shapes). Step times are medians
 over timed engine steps after warm-up (each step includes its one device->host sync); graph
-replay times (target verify vs decode, draft catch-up and loop) come from CUDA events.
+replay times (target verify vs decode, the draft's catch-up and whole round) come from CUDA events.
 """
 from __future__ import annotations
 
@@ -197,6 +197,13 @@ def graph_time(graph) -> float:
     return statistics.median(ts)
 
 
+def draft_graph_times(sp, b: int) -> tuple[float, float]:
+    """-> (the draft's catch-up graph, its whole greedy round graph: catch-up + k - 1 loop steps)
+    in ms, replayed on the buffers the last real round left."""
+    g = sp.graphs
+    return graph_time(g.catchup.graphs[g.catchup.bucket(b)]), graph_time(g.rounds[g.bucket(b)])
+
+
 def target_only(root, shapes, batches, args, bw, results) -> dict:
     base = {}
     for name, shape in shapes:
@@ -263,10 +270,8 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 ref = base[(tname, b)]
                 if graphs_ms is None:  # after real rounds, so the graphs hold real contexts (graph_time)
                     n = llm.engine.runner.graphs[1 + k].bucket(b)
-                    graphs_ms = (graph_time(llm.engine.runner.graphs[1 + k].graphs[n]),
-                                 graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)]),
-                                 graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0)
-                verify_ms, catchup_ms, loop_ms = graphs_ms
+                    graphs_ms = (graph_time(llm.engine.runner.graphs[1 + k].graphs[n]), *draft_graph_times(sp, b))
+                verify_ms, catchup_ms, round_ms = graphs_ms
                 decode_ms = ref["graph_ms"]  # the target-only engine's decode graph (this engine never decodes)
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
                 r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
@@ -274,7 +279,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                          speedup_at_expected=expected * ref["ms_per_step"] / r["ms_per_step"],
                          mean_acceptance_length=1 + acc / max(rounds, 1), expected_acceptance_length=expected,
                          verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
-                         draft_step_ms=(catchup_ms + loop_ms) / k, decode_ms=decode_ms, verify_ms=verify_ms)
+                         draft_step_ms=round_ms / k, decode_ms=decode_ms, verify_ms=verify_ms)
                 results["synthetic"].append(r)
                 print(f"[synthetic] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
                       f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
@@ -282,10 +287,9 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
                     with env_variant(llm, variant):
                         c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
-                        v_catchup = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
-                        v_loop = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+                        v_round = draft_graph_times(sp, b)[1]
                     v_base = ref.get("variants", {}).get(variant, ref)["ms_per_step"]
-                    v = dict(round_ms=c["ms_per_step"], draft_step_ms=(v_catchup + v_loop) / k,
+                    v = dict(round_ms=c["ms_per_step"], draft_step_ms=v_round / k,
                              speedup_at_expected=expected * v_base / c["ms_per_step"])
                     r.setdefault("variants", {})[variant] = v
                     print(f"[synthetic] k={k} b=1 uniform-0.8 with {variant}: round {v['round_ms']:.2f} ms, draft "
@@ -295,12 +299,11 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                     use_gemv(llm, False)
                     c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
                     sp = llm.engine.runner.speculator
-                    c_catchup = graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)])
-                    c_loop = graph_time(sp.graphs.loops[sp.graphs.bucket(b)]) if k > 1 else 0.0
+                    c_round = draft_graph_times(sp, b)[1]
                     use_gemv(llm, True)
                     cublas_target_tok_s = 1e3 / ref["cublas_ms_per_step"]
                     r.update(cublas_tok_s=c["tok_s"], cublas_speedup=c["tok_s"] / cublas_target_tok_s,
-                             cublas_ms_per_step=c["ms_per_step"], cublas_draft_step_ms=(c_catchup + c_loop) / k,
+                             cublas_ms_per_step=c["ms_per_step"], cublas_draft_step_ms=c_round / k,
                              cublas_speedup_at_expected=expected * ref["cublas_ms_per_step"] / c["ms_per_step"])
                     print(f"[synthetic] k={k} b=1 uniform-0.8 with cuBLAS for one-row linears: {c['tok_s']:.1f} "
                           f"tok/s, x{r['cublas_speedup']:.2f} (of cuBLAS target-only; x"

@@ -9,12 +9,12 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
 (3) each linear layer shape at M = batch as a graph of repeated calls over rotating weights,
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
-    sum of its graphs (verify, draft catch-up, draft loop), and the kernels of an eager round;
+    sum of its graphs (verify, the draft round), and the kernels of an eager round;
 (5) `--sections gaps [--timeline PREFIX]`: the device timeline of real engine steps (graphs
     included), target-only and speculative: busy and idle time per step and the longest idle
     gaps; --timeline writes every activity (offset, duration, name) to PREFIX.<label>.txt;
-(6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft loop graphs of a
-    k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
+(6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft round graphs of
+    a k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
 """
 from __future__ import annotations
 
@@ -191,8 +191,7 @@ def spec_round(root: Path, args, results: dict) -> None:
     runner, sp = llm.engine.runner, llm.engine.runner.speculator
     n = runner.graphs[1].bucket(1)
     parts = {"verify": graph_time(runner.graphs[1 + k].graphs[n]),
-             "catchup": graph_time(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)]),
-             "loop": graph_time(sp.graphs.loops[sp.graphs.bucket(1)])}
+             "draft_round": graph_time(sp.graphs.rounds[sp.graphs.bucket(1)])}
     out = {"step_ms": statistics.median(times) * 1e3, **{f"{k_}_ms": v for k_, v in parts.items()}}
     out["exposed_ms"] = out["step_ms"] - sum(parts.values())
     print("[spec k=4 b=1]", {k_: round(v, 3) for k_, v in out.items()}, flush=True)
@@ -261,9 +260,9 @@ def gaps_section(root: Path, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def graph_timeline(graph, label: str, first: int = 14) -> dict:
+def graph_timeline(graph, label: str, first: int = 14, skip: int = 0) -> dict:
     """One replay of a captured graph under torch.profiler: its kernels in order (start offset,
-    duration), per-kernel-name totals, and the span; prints the first `first` kernels."""
+    duration), per-kernel-name totals, and the span; prints `first` kernels after the first `skip`."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -282,8 +281,9 @@ def graph_timeline(graph, label: str, first: int = 14) -> dict:
         agg[e.name[:60]][1] += 1
     print(f"[{label}] span {span / 1e3:.3f} ms, {len(evs)} kernels, sum of durations "
           f"{sum(v[0] for v in agg.values()) / 1e3:.3f} ms", flush=True)
+    listed = evs[skip : skip + first]
     print_table(["kernel", "start us", "us"], [(e.name[:60], f"{e.time_range.start - t0:.1f}",
-                                               f"{e.time_range.end - e.time_range.start:.1f}") for e in evs[:first]])
+                                               f"{e.time_range.end - e.time_range.start:.1f}") for e in listed])
     print_table(["kernel", "total us", "count"], sorted(((k, f"{v[0]:.0f}", v[1]) for k, v in agg.items()),
                                                        key=lambda r: -float(r[1]))[:12])
     return {"span_ms": span / 1e3, "kernels": {k: v for k, v in agg.items()}}
@@ -309,8 +309,9 @@ def verify_section(root: Path, args, results: dict) -> None:
         out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(1)],
                                         f"verify, {label}"),
                "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}"),
-               "loop": graph_timeline(sp.graphs.loops[sp.graphs.bucket(1)], f"draft loop (k - 1 forwards), {label}",
-                                      first=args.first)}  # k = 4: the loop graph exists
+               "draft_round": graph_timeline(sp.graphs.rounds[sp.graphs.bucket(1)],
+                                             f"draft round (catch-up + k - 1 forwards), {label}",
+                                             first=args.first, skip=args.skip)}
         results[f"verify_{label}"] = out
         if variant:
             ctx.__exit__(None, None, None)
@@ -327,7 +328,10 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="linear,target,spec")
     p.add_argument("--timeline", default="", metavar="PREFIX",
                    help="--sections gaps: write each profile's device timeline to PREFIX.<label>.txt")
-    p.add_argument("--first", type=int, default=14, help="--sections verify: kernels of the draft loop listed in order")
+    p.add_argument("--first", type=int, default=14,
+                   help="--sections verify: kernels of the draft round listed in order")
+    p.add_argument("--skip", type=int, default=0,
+                   help="--sections verify: draft round kernels skipped before that list (past the catch-up)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="--sections verify: also under these environment settings")
     args = p.parse_args(argv)

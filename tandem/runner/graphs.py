@@ -46,7 +46,8 @@ class GraphRunner:
             use_triton=self.use_triton,
         )
 
-    def _forward(self, n: int) -> Tensor:
+    def forward(self, n: int) -> Tensor:
+        """The forward over the static buffers' first n requests (what a graph captures)."""
         m = n * self.t
         hidden = self.model(self.input_ids[:m], self.positions[:m], self._metadata(n), self.kv)
         return self.model.compute_logits(hidden)  # [n * t, vocab]
@@ -59,11 +60,11 @@ class GraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    self._forward(n)
+                    self.forward(n)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[n] = self._forward(n)
+                self.outputs[n] = self.forward(n)
             pool = graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize()
@@ -75,6 +76,14 @@ class GraphRunner:
                block_tables: Tensor, seq_lens: Tensor) -> Tensor:
         """Device inputs for num_reqs * t tokens; block_tables [num_reqs, nb] (nb <= max_blocks).
         -> logits [num_reqs * t, vocab] (a view of the graph's static output)."""
+        n = self.set_inputs(num_reqs, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        self.graphs[n].replay()
+        return self.outputs[n][: num_reqs * self.t]
+
+    def set_inputs(self, num_reqs: int, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
+                   block_tables: Tensor, seq_lens: Tensor) -> int:
+        """Copy a step's inputs into the static buffers (replay's arguments), padding rows inert.
+        -> the bucket whose graph reads them."""
         n = self.bucket(num_reqs)
         m, pad = num_reqs * self.t, n * self.t
         # One multi-tensor launch for the contiguous inputs (each launch costs ~10-40 us of host).
@@ -88,5 +97,4 @@ class GraphRunner:
             self.seq_lens[num_reqs:n].zero_()
         nb = block_tables.shape[1]
         self.block_tables[:num_reqs, :nb].copy_(block_tables)
-        self.graphs[n].replay()
-        return self.outputs[n][:m]
+        return n

@@ -1,10 +1,16 @@
-"""CUDA graphs of the draft model: the catch-up forward and the k - 1 step greedy draft loop.
+"""CUDA graphs of the draft model, per batch size bucket:
 
-The catch-up graph covers uniform verification steps (every request fed 1 + k tokens, so the
-draft sees k + 2 per request) and returns logits for every row; the caller picks the row
-after the accepted drafts on the device. The loop graph runs all k - 1 single-token draft
-steps (forward, logits, argmax, write into the per-slot draft buffer) as one replay. Padding
-rows point at a scratch slot and write no KV.
+- `catchup` (a GraphRunner): the catch-up forward over uniform verification steps (every request
+  fed 1 + k tokens, so the draft sees k + 2 per request), logits for every row;
+- `rounds`: a whole greedy drafting round after such a step as one replay: that catch-up forward,
+  the argmax of each request's row after its accepted drafts into drafts[:, 0], then the k - 1
+  single-token draft steps (forward, logits, argmax, write into the per-slot draft buffer);
+- `loops`: the k - 1 step loop alone, after an eager catch-up (mixed batches).
+
+One replay instead of two takes the kernels between them (the row gather, the argmax, the loop's
+input copies: 10 launches, ~50 us of a batch-1 round on the H200's device timeline) into the
+graph, where they cost a few us (a k = 4 round at batch 1: 8.27 -> 8.25 ms). Padding rows point
+at a scratch slot and write no KV.
 """
 from __future__ import annotations
 
@@ -30,11 +36,20 @@ class DraftGraphs:
         self.pos = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int64, device=device)
         self.valid = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
+        self.new_rows = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # each emitted token's catch-up row
         self.sizes = sorted(set([s for s in CAPTURE_SIZES if s < max_num_reqs] + [max_num_reqs]))
         self.loops: dict[int, torch.cuda.CUDAGraph] = {}
+        self.rounds: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _loop(self, n: int) -> None:
-        slots, pos, table, valid = self.slots[:n], self.pos[:n], self.table[:n], self.valid[:n]
+    def _round(self, n: int) -> None:
+        rows = self.new_rows[:n]
+        logits = self.catchup.forward(n)[rows, : self.vocab_size]  # [n, V]
+        self.drafts[self.slots[:n], 0] = greedy_tokens(logits, self.backend.use_triton)
+        self._loop(n, self.catchup.positions[rows])
+
+    def _loop(self, n: int, pos: Tensor) -> None:
+        """The k - 1 greedy steps; pos [n]: the position of drafts[:, 0]'s predecessor."""
+        slots, table, valid = self.slots[:n], self.table[:n], self.valid[:n]
         for step in range(1, self.k):
             pos, safe, ids, meta = self.backend.draft_step(pos, slots, self.drafts, step - 1, table, valid,
                                                            self.max_kv, self.max_model_len)
@@ -45,34 +60,53 @@ class DraftGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         self.catchup.capture()
-        if self.k < 2:
-            return
         pool = None
-        for n in sorted(self.sizes, reverse=True):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._loop(n)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._loop(n)
-            pool = graph.pool()
-            self.loops[n] = graph
+        kinds = [(self.rounds, self._round)]
+        if self.k >= 2:
+            kinds.append((self.loops, lambda n: self._loop(n, self.pos[:n])))
+        for graphs, fn in kinds:
+            for n in sorted(self.sizes, reverse=True):
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fn(n)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn(n)
+                pool = graph.pool()
+                graphs[n] = graph
         self.drafts.zero_()
         torch.cuda.synchronize()
 
     def bucket(self, num_reqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_reqs), None)
 
-    def run_loop(self, slots: Tensor, pos: Tensor, table: Tensor) -> None:
-        """slots [n], pos [n] (position of the token the target emitted), table [n, nb] int64."""
+    def _set_rows(self, slots: Tensor, table: Tensor, dst: list[Tensor], src: list[Tensor]) -> int:
+        """Copy each request's slot, src [n] into dst (static buffers) and the block tables in;
+        pad to the bucket. -> the bucket."""
         n = slots.shape[0]
         b = self.bucket(n)
-        torch._foreach_copy_([self.slots[:n], self.pos[:n]], [slots, pos])  # one launch
+        torch._foreach_copy_([self.slots[:n]] + [d[:n] for d in dst], [slots] + src)  # one launch
         self.table[:n, : table.shape[1]].copy_(table)
         self.valid[:n].fill_(True)
         if b > n:  # padding rows draft into the scratch slot and write no KV
             self.slots[n:b].fill_(self.scratch_slot)
             self.valid[n:b].fill_(False)
-        self.loops[b].replay()
+        return b
+
+    def run_round(self, num_reqs: int, ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                  seq_lens: Tensor, new_rows: Tensor, slots: Tensor, table: Tensor) -> None:
+        """A greedy round after a uniform verification step: the catch-up's inputs (catchup.replay's
+        arguments, the emitted tokens already placed), new_rows [n] (the catch-up row of each
+        emitted token), slots [n], table [n, nb] int64. -> drafts[slots, :k]."""
+        n = self.catchup.set_inputs(num_reqs, ids, positions, slot_mapping, block_tables, seq_lens)
+        b = self._set_rows(slots, table, [self.new_rows], [new_rows])
+        assert b == n, (b, n)  # the catch-up and the draft buffers share one ladder of sizes
+        if b > slots.shape[0]:
+            self.new_rows[slots.shape[0] : b].zero_()
+        self.rounds[b].replay()
+
+    def run_loop(self, slots: Tensor, pos: Tensor, table: Tensor) -> None:
+        """slots [n], pos [n] (position of the token the target emitted), table [n, nb] int64."""
+        self.loops[self._set_rows(slots, table, [self.pos], [pos])].replay()

@@ -3,7 +3,8 @@
 Per step, after the target has verified: (1) the draft catches up over the target's batch,
 each sampling request extended by one slot that receives the token the target just emitted,
 at the position after the accepted drafts (rejected slots are left in place: the causal mask
-hides them and later steps overwrite their KV); (2) k - 1 single-token decode steps. Drafts
+hides them and later steps overwrite their KV); (2) k - 1 single-token decode steps (after a
+uniform verification step with greedy drafting, both are one CUDA graph replay). Drafts
 (and, for probabilistic drafting, the draft logits) go to per-slot buffers; the next step
 reads them on the device. Positions that depend on acceptance are computed on the device, so
 proposing never waits for the host.
@@ -148,14 +149,19 @@ class DraftSpeculator:
         new_tokens = row_tokens[row_base + num_accepted]  # [num_sampling]
         new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
-        if self._catchup_graph_fits(plan, batch):
+        graph_catchup = self._catchup_graph_fits(plan, batch)
+        table = table.view(len(sampling), max_blocks)
+        if graph_catchup and self._greedy(sampling):  # the whole round in one replay
+            self.graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
+                                  meta.seq_lens, new_rows, slots, table)
+            return
+        if graph_catchup:
             logits = self.graphs.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
                                                 meta.block_tables, meta.seq_lens)[new_rows]
         else:
             logits = self.model.compute_logits(self.model(ids, positions, meta, self.kv)[new_rows])
         pos = positions[new_rows]  # [num_sampling] position of the emitted token
         self._draft_step(0, logits, slots, pos + 1, sampling)
-        table = table.view(len(sampling), max_blocks)
         if self.graphs is not None and self.graphs.loops and self._greedy(sampling) \
                 and self.graphs.bucket(len(sampling)) is not None:
             self.graphs.run_loop(slots, pos, table)

@@ -44,6 +44,27 @@ def test_speculative_greedy_equals_target_on_gpu(models, dtype):
             assert llm.engine.spec_metrics.acceptance_rate > 0.9
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_draft_round_graph_drafts_as_the_eager_path(models, dtype, monkeypatch):
+    """A greedy drafting round after a uniform verification step is one graph replay (catch-up,
+    argmax, the k - 1 loop steps): its drafts are those of the eager catch-up and loop, so the
+    acceptance is the same (and near 1 with the target as its own draft)."""
+    from tandem.spec.draft_graphs import DraftGraphs
+
+    target, _ = models
+    spec = dict(model=str(target), num_speculative_tokens=4)
+    rounds = []
+    run_round = DraftGraphs.run_round
+    monkeypatch.setattr(DraftGraphs, "run_round", lambda self, *a: rounds.append(1) or run_round(self, *a))
+    base, _ = _run(target, dtype)
+    graphed, llm = _run(target, dtype, spec)
+    eager, llm_eager = _run(target, dtype, spec, enforce_eager=True)
+    assert graphed == eager == base and len(rounds) > 0
+    a, b = llm.engine.spec_metrics, llm_eager.engine.spec_metrics
+    assert a.acceptance_rate > 0.9
+    assert abs(a.num_accepted_tokens - b.num_accepted_tokens) <= 0.02 * b.num_draft_tokens
+
+
 @pytest.mark.parametrize("spec_on", [False, True])
 def test_graph_path_equals_eager_path(models, spec_on):
     target, draft = models
