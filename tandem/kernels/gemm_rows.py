@@ -19,11 +19,16 @@ themselves (programs placed while the kernel before still runs, as the one-row G
 8B's down projection at 5 rows took 60 us after silu_and_mul against 32 us launched plainly (H200,
 bench/gpu_profile.py --sections verify).
 
+gemm_rows(act="silu_mul") is the packed gate | up projection with SiLU-and-mul in its epilogue:
+a program's weight tile holds the gate rows and the up rows of the same output columns, so it
+can multiply them itself. At batch 1, k = 4 (H200, bench/gpu_bench.py --sections synthetic): the
+verification graph 4.55 -> 4.49 ms, the draft's catch-up 1.08 -> 1.05, the round 8.25 -> 8.17.
+
 Tried and not kept (H200, bench/kernels.py --rows 5): the one-row GEMV's prologue fusions. An
 RMSNorm of the input inside (8B qkv 21.9 us against 16.8 for rms_norm then the GEMM) and
-SiLU-and-mul inside (8B qkv 113 us against 16.5) cost more than the launch they save: every
-program redoes them on a 16-row tile, and with arithmetic between the input's load and the dot
-Triton no longer pipelines that load.
+SiLU-and-mul of the input inside the down projection (113 us against 16.5) cost more than the
+launch they save: every program redoes them on a 16-row tile, and with arithmetic between the
+input's load and the dot Triton no longer pipelines that load.
 
 The wrappers take sizes from tensor shapes only (no device-to-host reads): graph-capturable.
 """
@@ -35,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.kernels.fused import _numerics, _round
-from tandem.kernels.gemv import _mul_rn
+from tandem.kernels.gemv import _mul_rn, _silu_mul
 from tandem.kernels.pdl import pdl_enabled, release_next
 
 MAX_ROWS = 16
@@ -61,9 +66,9 @@ def _dot(w, x_t, acc, SOFT_BF16: tl.constexpr):
 @triton.jit
 def _rows_kernel(
     x_ptr,  # [M, K] rows at stride_xm
-    w_ptr,  # [N, K], rows contiguous
+    w_ptr,  # [N, K], rows contiguous (SILU_MUL: [gate (N / 2) | up (N / 2)])
     b_ptr,  # [N] (HAS_BIAS only)
-    out_ptr,  # [M, N] rows at stride_om
+    out_ptr,  # [M, N] rows at stride_om (SILU_MUL: [M, N / 2])
     M,
     N,
     K,
@@ -71,18 +76,32 @@ def _rows_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SILU_MUL: a packed gate | up projection whose output is silu(gate) * up: a program owns
+    BLOCK_N / 2 output columns, its weight tile their gate rows then their up rows (one dot, as the
+    qkv kernel's rotary pairs), and its epilogue multiplies them with the silu_and_mul kernel's
+    rounding; the separate activation kernel and the [M, N] intermediate disappear."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    if SILU_MUL:
+        P: tl.constexpr = BLOCK_N // 2
+        half = N // 2
+        offs_r = tl.arange(0, BLOCK_N)
+        cols = pid * P + offs_r % P  # the output column of each tile row
+        offs_n = cols + (offs_r // P) * half  # its gate row, then its up row
+        n_ok = cols < half
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T
@@ -95,10 +114,18 @@ def _rows_kernel(
         acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
         w_ptrs += BLOCK_K
     release_next(PDL)
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    if SILU_MUL:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))  # [P, BLOCK_M] each
+        act = _silu_mul(gate.to(dtype), up.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)  # as stored, then activated
+        offs_c = pid * P + tl.arange(0, P)
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_c[:, None]
+        tl.store(o_ptrs, act.to(dtype), mask=(offs_c < half)[:, None] & m_ok[None, :])
+    else:
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -221,23 +248,30 @@ def _check_x(x: Tensor, k: int, weight: Tensor) -> None:
 
 
 def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None) -> Tensor:
+              config: tuple[int, int, int, int] | None = None, act: str | None = None) -> Tensor:
     """x [M, K] with 1 <= M <= 16, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
     contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
+    act="silu_mul": weight is a packed [gate | up] (N even) and out [M, N / 2] is
+    silu_and_mul(gemm_rows(x, weight, bias)), in one launch (same bits at the same tile).
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of rows_config, for tuning sweeps."""
     n, k = weight.shape
     m = x.shape[0]
+    assert act in (None, "silu_mul")
+    silu_mul = act == "silu_mul"
+    n_out = n // 2 if silu_mul else n
     _check_x(x, k, weight)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
     block_n, block_k, num_warps, num_stages = config or rows_config(n, k)
-    _rows_kernel[(triton.cdiv(n, block_n),)](
+    assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
+    grid = (triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n),)
+    _rows_kernel[grid](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, SOFT_BF16=_numerics(x)["SOFT_BF16"], **_launch_flags(x),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out
 

@@ -7,7 +7,8 @@ on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/
 48-104% on the same shapes (bench/kernels.py --gemv, H200). 2-16 rows (a batch-1 verification
 of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs go to
 tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotating and storing
-K/V in its epilogue); more rows, and the narrow layers, stay on cuBLAS.
+K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilogue:
+`forward_then_silu_mul`); more rows, and the narrow layers, stay on cuBLAS.
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
@@ -106,6 +107,14 @@ class GemvLinear(nn.Module):
         from tandem.kernels.fused import silu_and_mul
 
         return self(silu_and_mul(gate_up))
+
+    def forward_then_silu_mul(self, x: Tensor) -> Tensor:
+        """F.silu(gate) * up of this packed [gate | up] projection of x (`few_rows(x)`), the
+        activation in the few-row GEMM's epilogue: one launch instead of two, no [n, 2 I]
+        intermediate (the silu_and_mul kernel's bits)."""
+        from tandem.kernels.gemm_rows import gemm_rows
+
+        return gemm_rows(x, self.weight, self.bias, act="silu_mul")
 
     def takes_row(self, x: Tensor | NormedRow) -> bool:
         """Whether x (a NormedRow, or a Tensor) is one row for the GEMV path."""

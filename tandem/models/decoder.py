@@ -97,6 +97,9 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor | NormedRow, add_to: Tensor | None = None) -> Tensor | AddedRow:
         """-> down(silu(gate(x)) * up(x)); with add_to (the residual stream, one row): added into it."""
+        if add_to is None and isinstance(x, Tensor) and isinstance(self.gate_up_proj, GemvLinear) \
+                and self.gate_up_proj.few_rows(x):  # a few rows: the activation in gate_up's epilogue
+            return self.down_proj(self.gate_up_proj.forward_then_silu_mul(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if add_to is not None:
             return self.down_proj.forward_add_(gate_up, add_to, act="silu_mul")

@@ -4,8 +4,8 @@ qkv projection with the rotary embedding and KV store inside against the separat
 Fresh random inputs at the linear shapes of the supported models plus ragged ones; outputs are
 poisoned (NaN) first. Criterion per element: within 1 ulp of the float64 product rounded to the
 dtype, or within 1e-5 of sum |x| |w| (fp32 accumulation in another order). A row's result does
-not depend on the other rows (bits). The fused qkv projection gives the unfused pair's bits.
-Interpreter variants: TANDEM_TRITON_INTERPRET=1.
+not depend on the other rows (bits). The fused qkv projection and the SiLU-and-mul epilogue give
+the unfused pairs' bits. Interpreter variants: TANDEM_TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -74,6 +74,29 @@ def test_gemm_rows_gpu(n, k, m, dtype):
     check_rows(n, k, m, dtype, bias=n in (3072, 1000), device="cuda")
 
 
+def check_silu_mul(n: int, k: int, m: int, dtype: torch.dtype, bias: bool, device: str, config=None) -> None:
+    """gemm_rows(act="silu_mul") == silu_and_mul(gemm_rows) at the same tile (bits); a row alone too."""
+    from tandem.kernels.fused import silu_and_mul
+
+    g = torch.Generator(device="cpu").manual_seed(n * 5 + k + m)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    out = torch.full((m, n // 2), float("nan"), dtype=dtype, device=device)
+    gemm_rows(x, w, b, out=out, config=config, act="silu_mul")
+    assert torch.equal(out, silu_and_mul(gemm_rows(x, w, b, config=config or rows_config(n, k))))
+    assert torch.equal(gemm_rows(x[m - 1 :], w, b, config=config, act="silu_mul"), out[m - 1 :])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 5, 6])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (16384, 2048), (17920, 1536), (1000, 700)])
+def test_gemm_rows_silu_mul_gpu(n, k, m, dtype):
+    check_silu_mul(n, k, m, dtype, bias=n == 1000, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -109,6 +132,13 @@ def test_decoder_few_rows_gpu(tmp_path, arch, monkeypatch):
 @pytest.mark.parametrize("n,k,m", [(40, 96, 2), (24, 64, 5), (33, 80, 16)])
 def test_gemm_rows_interpreter(n, k, m, dtype):
     check_rows(n, k, m, dtype, bias=n == 40, device="cpu", config=SMALL, max_ulps=2 if dtype == torch.bfloat16 else 1)
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,m,bias", [(64, 96, 5, False), (40, 64, 2, True)])
+def test_gemm_rows_silu_mul_interpreter(n, k, m, bias, dtype):
+    check_silu_mul(n, k, m, dtype, bias, "cpu", config=SMALL)
 
 
 @interpret_mark(_rows_kernel)
