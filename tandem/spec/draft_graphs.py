@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
-from tandem.runner.graphs import CAPTURE_SIZES, GraphRunner
+from tandem.runner.graphs import GraphRunner
 from tandem.sampling.sampler import greedy_tokens
 
 
@@ -37,7 +37,7 @@ class DraftGraphs:
         self.table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int64, device=device)
         self.valid = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
         self.new_rows = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # each emitted token's catch-up row
-        self.sizes = sorted(set([s for s in CAPTURE_SIZES if s < max_num_reqs] + [max_num_reqs]))
+        self.sizes = self.catchup.sizes  # one ladder of batch buckets for every draft graph
         self.loops: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -100,10 +100,9 @@ class DraftGraphs:
         """A greedy round after a uniform verification step: the catch-up's inputs (catchup.replay's
         arguments, the emitted tokens already placed), new_rows [n] (the catch-up row of each
         emitted token), slots [n], table [n, nb] int64. -> drafts[slots, :k]."""
-        n = self.catchup.set_inputs(num_reqs, ids, positions, slot_mapping, block_tables, seq_lens)
+        self.catchup.set_inputs(num_reqs, ids, positions, slot_mapping, block_tables, seq_lens)
         b = self._set_rows(slots, table, [self.new_rows], [new_rows])
-        assert b == n, (b, n)  # the catch-up and the draft buffers share one ladder of sizes
-        if b > slots.shape[0]:
+        if b > slots.shape[0]:  # a stale row index of a larger batch would gather out of bounds
             self.new_rows[slots.shape[0] : b].zero_()
         self.rounds[b].replay()
 
