@@ -252,9 +252,11 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
     tname, tshape = target
     dname, dshape = draft
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
-    for k in ks:
+    for quant, k in [(q, k) for q in args.draft_quantization.split(",") for k in ks]:
+        quant = None if quant == "none" else quant
+        tag = f" {quant} draft" if quant else ""
         spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy")
+                    synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant)
         llm = make_llm(tdir, spec, max(batches), args.max_model_len)
         sp = llm.engine.runner.speculator
         for b in batches:
@@ -274,14 +276,14 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 verify_ms, catchup_ms, round_ms = graphs_ms
                 decode_ms = ref["graph_ms"]  # the target-only engine's decode graph (this engine never decodes)
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
-                r.update(k=k, batch=b, profile=pname, speedup=r["tok_s"] / ref["tok_s"],
+                r.update(k=k, batch=b, profile=pname, draft_quantization=quant, speedup=r["tok_s"] / ref["tok_s"],
                          # the same round time at the expected tokens per round (no sampling luck)
                          speedup_at_expected=expected * ref["ms_per_step"] / r["ms_per_step"],
                          mean_acceptance_length=1 + acc / max(rounds, 1), expected_acceptance_length=expected,
                          verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
                          draft_step_ms=round_ms / k, decode_ms=decode_ms, verify_ms=verify_ms)
                 results["synthetic"].append(r)
-                print(f"[synthetic] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
+                print(f"[synthetic{tag}] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
                       f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
                 for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
@@ -393,6 +395,8 @@ def main(argv=None) -> int:
                    help="at batch 1 (target-only, and k = 4 synthetic at 0.8) also measure with these "
                         "environment settings, graphs recaptured (repeatable), e.g. TANDEM_PDL=0")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
+    p.add_argument("--draft-quantization", default="none",
+                   help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -435,13 +439,13 @@ def main(argv=None) -> int:
     rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
              f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
     print_table(["model", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "roofline"], rows)
-    rows = [(r["k"], r["batch"], r["profile"], f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}",
-             f"{r['speedup_at_expected']:.2f}",
+    rows = [(r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-", f"{r['tok_s']:.0f}",
+             f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
              f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",
              f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
     if rows:
-        print_table(["k", "batch", "profile", "tok/s", "speedup", "at expected AL", "AL real / expected", "verify/decode",
-                     "draft ms/step"], rows)
+        print_table(["k", "batch", "profile", "draft quant", "tok/s", "speedup", "at expected AL", "AL real / expected",
+                     "verify/decode", "draft ms/step"], rows)
     rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
             for r in results["eps_pair"]]
     if rows:

@@ -268,6 +268,35 @@ def sweep_gemv() -> list[list]:
     return rows
 
 
+FP8_CONFIGS = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (2, 2048, 4), (16, 1024, 8)]
+
+
+def sweep_gemv_fp8() -> list[list]:
+    """M = 1 GEMV with fp8 e4m3 weights (the fp8 draft) at each tile, against the bf16 GEMV at its
+    default tile; "of copy bw" counts the fp8 bytes (cold weights, us per call)."""
+    from tandem.kernels.gemv import gemv, gemv_config
+    from tandem.layers.quant import quantize_fp8
+
+    rows = []
+    for name, n, k in GEMV_SHAPES[:10]:
+        count = max(4, min(64, (3 << 30) // (2 * n * k)))
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        bf16 = _rotating(lambda w: gemv(x, w), ws)
+        q8 = [quantize_fp8(w) for w in ws]
+        del ws
+        times = {cfg: _rotating(lambda qs, cfg=cfg: gemv(x, qs[0], config=cfg, w_scale=qs[1]), q8)
+                 for cfg in FP8_CONFIGS}
+        best = min(times, key=times.get)
+        frac = lambda t: f"{100 * n * k / t / COPY_BW:.0f}%"  # noqa: E731
+        rows.append([name, f"{bf16 * 1e6:.1f}", str(gemv_config(n, k)), f"{times[gemv_config(n, k)] * 1e6:.1f}",
+                     str(best), f"{times[best] * 1e6:.1f}", frac(times[best])]
+                    + [f"{times[c] * 1e6:.1f}" for c in FP8_CONFIGS])
+        del q8
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_gemv_fused() -> list[list]:
     """The one-row GEMV plain, with the RMSNorm inside (norm=RowNorm) and adding into the residual
     (gemv_add_), against rms_norm + GEMV, at the 8B / 1B shapes (cold weights, us per call)."""
@@ -393,6 +422,7 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
     ap.add_argument("--short-attn", action="store_true", help="only the short-context batch-1 attention sweep")
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
+    ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -405,6 +435,11 @@ def main() -> None:
                         title=f"M = {m} rows, bf16, cold weights (rotating), GPU time in CUDA graphs")
             print_table(["layer", "rotary + KV store inside", "gemm_rows + rotary", "cuBLAS + rotary"],
                         sweep_rows_rope(m), title=f"qkv projection with the rotary at M = {m}, us per call")
+        return
+    if args.gemv_fp8:
+        print_table(["layer", "bf16 GEMV us", "default tile", "fp8 default us", "best fp8 tile", "best us",
+                     "of copy bw"] + [str(c) for c in FP8_CONFIGS], sweep_gemv_fp8(),
+                    title="M = 1 GEMV, fp8 e4m3 weights, cold weights (rotating), GPU time in CUDA graphs")
         return
     if args.gemv_fused:
         print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",

@@ -3,6 +3,7 @@
     python bench/real_pair.py                     # 10 prompts (5 code, 5 chat), 128 tokens, bf16
     python bench/real_pair.py --tokens 32 --prompts 2   # a quick look
     python bench/real_pair.py --cpu-matmuls avx2,fbgemm --ks 4 --skip-hf   # CPU kernels side by side
+    python bench/real_pair.py --ks 6 --default-k 6 --draft-quantizations none,fp8 --skip-hf   # fp8 draft's acceptance
 
 Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default="2,4,6")
     p.add_argument("--default-k", type=int, default=None, help="k of `tandem generate` (default: cli.DEFAULT_K)")
     p.add_argument("--cpu-matmuls", default="auto", help="comma list of LLM(cpu_matmul=...) to compare")
+    p.add_argument("--draft-quantizations", default="none",
+                   help="comma list of the draft's speculative_config quantization: none, fp8")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench/results/real_pair.json")
     args = p.parse_args(argv)
@@ -133,12 +136,15 @@ def main(argv=None) -> int:
         results["runs"].append(summarize("tandem target-only" + tag, rows, base) | {"load_s": load_s})
         print(results["runs"][-1], flush=True)
         del llm
-        for k in ks:
+        for quant, k in [(q, k) for q in args.draft_quantizations.split(",") for k in ks]:
+            quant = None if quant == "none" else quant
             t0 = time.perf_counter()
-            llm = LLM(TARGET, speculative_config=dict(model=DRAFT, num_speculative_tokens=k), **common)
+            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant)
+            llm = LLM(TARGET, speculative_config=spec, **common)
             load_s = time.perf_counter() - t0
             rows = run_tandem(llm, prompts, args.tokens)
-            name = f"tandem k={k}" + (" (default)" if k == default_k else "") + tag
+            name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (" (default)" if k == default_k else "")
+                    + tag)
             results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
             print(results["runs"][-1], flush=True)
             del llm

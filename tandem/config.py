@@ -71,6 +71,7 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
     cpu_matmul: str = "auto"  # "auto" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
+    quantization: str | None = None  # "fp8": weight-only e4m3 linears (tandem/layers/quant.py; the draft's option)
 
 
 @dataclass(frozen=True)

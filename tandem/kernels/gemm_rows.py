@@ -12,6 +12,11 @@ gemm_rows_qkv_rope is the packed q | k | v projection with the rotary embedding 
 store in its epilogue (a program owns 16 rotary pairs (d, d + D/2) of one head: a 32-row tile),
 replacing the rotary kernel's launch, with the rotary kernel's bits.
 
+fp8 e4m3 weights (w_scale, the fp8 draft): the tile is widened to the input's dtype in registers
+before the dot and each row's sums are multiplied by its scale in the epilogue. At batch 1 on the
+H200 the fp8 draft's catch-up graph took as long as the bf16 one (1.06 ms): its few-row GEMMs did
+not get faster from the halved bytes (the GEMVs of its loop did: 0.86 -> 0.75 ms a forward).
+
 Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch plainly but release
 the kernel after them once their main loop is done, so the small kernel that follows (a norm,
 the attention, SiLU-and-mul) is launched and waiting when they finish. Launched with PDL
@@ -40,7 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.kernels.fused import _numerics, _round
-from tandem.kernels.gemv import _mul_rn, _silu_mul
+from tandem.kernels.gemv import _check_weight, _mul_rn, _silu_mul
 from tandem.kernels.pdl import pdl_enabled, release_next
 
 MAX_ROWS = 16
@@ -69,6 +74,7 @@ def _rows_kernel(
     w_ptr,  # [N, K], rows contiguous (SILU_MUL: [gate (N / 2) | up (N / 2)])
     b_ptr,  # [N] (HAS_BIAS only)
     out_ptr,  # [M, N] rows at stride_om (SILU_MUL: [M, N / 2])
+    ws_ptr,  # [N] fp32 per-row weight scales (W_SCALE only: w is fp8)
     M,
     N,
     K,
@@ -76,6 +82,7 @@ def _rows_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,  # w is fp8: widened to x's dtype for the dot, each row's sum times its scale
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -111,10 +118,14 @@ def _rows_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        if W_SCALE:
+            w = w.to(x.dtype)
         acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
         w_ptrs += BLOCK_K
     release_next(PDL)
     dtype = out_ptr.dtype.element_ty
+    if W_SCALE:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SILU_MUL:
@@ -140,6 +151,7 @@ def _rows_qkv_rope_kernel(
     slot_ptr,  # [M] int32 / int64, -1 = padding (nothing written to the cache)
     k_cache_ptr,  # [num_slots, NUM_KV, HEAD_DIM] contiguous
     v_cache_ptr,
+    ws_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM] fp32 per-row weight scales (W_SCALE only: w is fp8)
     M,
     K,
     stride_xm,
@@ -150,6 +162,7 @@ def _rows_qkv_rope_kernel(
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -160,7 +173,7 @@ def _rows_qkv_rope_kernel(
     """A q or k program owns 16 rotary pairs of one head: weight rows d .. d + 15 (x1) and
     d + D/2 .. d + D/2 + 15 (x2); a v program owns 32 rows of v (rows1, then rows2)."""
     pid = tl.program_id(0)
-    dtype = w_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     PAIRS: tl.constexpr = 16
     HALF: tl.constexpr = HEAD_DIM // 2
     CHUNKS: tl.constexpr = HALF // PAIRS
@@ -188,9 +201,13 @@ def _rows_qkv_rope_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        if W_SCALE:
+            w = w.to(x.dtype)
         acc = _dot(w, x, acc, SOFT_BF16)
         w_ptrs += BLOCK_K
     release_next(PDL)
+    if W_SCALE:
+        acc = acc * tl.load(ws_ptr + rows)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
     acc1, acc2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, BLOCK_M]), [1, 2, 0]))  # rows1, rows2
@@ -242,15 +259,20 @@ def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, 128, 4, 6
 
 
-def _check_x(x: Tensor, k: int, weight: Tensor) -> None:
+def _check_x(x: Tensor, k: int, weight: Tensor, w_scale: Tensor | None) -> None:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
-    assert weight.stride(1) == 1 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    assert x.dtype in (torch.bfloat16, torch.float16)
+    _check_weight(x, weight, w_scale)
 
 
 def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None, act: str | None = None) -> Tensor:
+              config: tuple[int, int, int, int] | None = None, act: str | None = None,
+              w_scale: Tensor | None = None) -> Tensor:
     """x [M, K] with 1 <= M <= 16, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
     contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
+    w_scale [N] fp32: weight is fp8 e4m3 (widened to x's dtype in registers) and row n's sums are
+    multiplied by w_scale[n] before the bias (power-of-two scales: the bits of gemm_rows on
+    weight * w_scale in x's dtype).
     act="silu_mul": weight is a packed [gate | up] (N even) and out [M, N / 2] is
     silu_and_mul(gemm_rows(x, weight, bias)), in one launch (same bits at the same tile).
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of rows_config, for tuning sweeps."""
@@ -259,7 +281,7 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
     assert act in (None, "silu_mul")
     silu_mul = act == "silu_mul"
     n_out = n // 2 if silu_mul else n
-    _check_x(x, k, weight)
+    _check_x(x, k, weight, w_scale)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
@@ -269,8 +291,10 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
     assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
     grid = (triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n),)
     _rows_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+        x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out
@@ -283,7 +307,8 @@ def rope_fusable(head_dim: int) -> bool:
 
 def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                        positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       slot_mapping: Tensor, config: tuple[int, int, int] | None = None) -> Tensor:
+                       slot_mapping: Tensor, config: tuple[int, int, int] | None = None,
+                       w_scale: Tensor | None = None) -> Tensor:
     """A few rows' packed q | k | v projection (gemm_rows(x, weight, bias)) with q and k
     rotated as kernels.fused.rotary_embedding rotates them and each row's k and v written into
     the paged cache at slot_mapping[m] (-1: not written). -> [M, (H + 2 Hkv) D] contiguous.
@@ -295,7 +320,7 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
     m = x.shape[0]
     head_dim = k_cache.shape[-1]
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and rope_fusable(head_dim)
-    _check_x(x, k, weight)
+    _check_x(x, k, weight, w_scale)
     assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
     assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert positions.shape == (m,) and slot_mapping.shape == (m,)
@@ -307,8 +332,9 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
     grid = ((num_heads + num_kv_heads) * (head_dim // 32) + num_kv_heads * head_dim // 32,)
     _rows_qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else weight, out, cos, sin, positions, slot_mapping,
-        k_cache, v_cache, m, k, x.stride(0), weight.stride(0), cos.stride(0), sin.stride(0),
-        NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
+        k_cache, v_cache, w_scale if w_scale is not None else out, m, k, x.stride(0), weight.stride(0), cos.stride(0),
+        sin.stride(0), NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
+        W_SCALE=w_scale is not None,
         EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         **_numerics(x),
         **_launch_flags(x),

@@ -25,6 +25,12 @@ programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
 (62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
 
+Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8
+draft): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
+after the reduction, half the bytes streamed for the same exact products. The fp8 tile's
+register layout differs from the bf16 one's, so the sums run in another order (within an ulp
+of the bf16 weights' result, tests/kernels/test_gemv.py).
+
 Rows 2-16 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
 weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
 was not kept.
@@ -129,6 +135,7 @@ def _gemv_kernel(
     nw_ptr,  # [K] the norm's weight (NORM_IN only)
     sumsq_in_ptr,  # [P_IN] fp32 partial sums of squares of x (NORM_IN only)
     sumsq_out_ptr,  # [num programs] fp32, each program's sum of squares of its new out (ADD_OUT only)
+    ws_ptr,  # [N] fp32 per-row weight scales (W_SCALE only: w is fp8)
     N,
     K,
     stride_wn,
@@ -136,6 +143,7 @@ def _gemv_kernel(
     eps,
     inv_k,  # fp32(1 / K)
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,  # w is fp8: each row's sum is multiplied by its scale
     SILU_MUL: tl.constexpr,  # x is [gate (K) | up (K)]: multiply silu(gate) * up, rounded as silu_and_mul
     NORM_IN: tl.constexpr,
     ADD_OUT: tl.constexpr,
@@ -158,6 +166,8 @@ def _gemv_kernel(
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
     out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, offs_n, n_ok, K, stride_wn, dtype, SILU_MUL, NORM_IN, EVEN_N, EVEN_K,
                     BLOCK_N, BLOCK_K, CUDA_LIBM, SOFT_BF16)  # [BLOCK_N]
+    if W_SCALE:
+        out = out * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if ADD_OUT:  # residual += round(out), rounded again (the rms_norm kernel's add)
@@ -200,6 +210,7 @@ def _gemv_qkv_rope_kernel(
     slot_ptr,  # [1] int32 / int64, -1 = padding (nothing written to the cache)
     k_cache_ptr,  # [num_slots, NUM_KV, HEAD_DIM] contiguous
     v_cache_ptr,
+    ws_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM] fp32 per-row weight scales (W_SCALE only: w is fp8)
     K,
     stride_wn,
     stride_cos,
@@ -212,6 +223,7 @@ def _gemv_qkv_rope_kernel(
     HEAD_DIM: tl.constexpr,
     PAIRS: tl.constexpr,  # rotary pairs (dims i, i + HEAD_DIM / 2) per program
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
     NORM_IN: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -239,6 +251,8 @@ def _gemv_qkv_rope_kernel(
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
     out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, rows, rows >= 0, K, stride_wn, dtype, False, NORM_IN, True, EVEN_K,
                     2 * PAIRS, BLOCK_K, CUDA_LIBM, SOFT_BF16)
+    if W_SCALE:
+        out = out * tl.load(ws_ptr + rows)
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
     x = out.to(dtype)  # the projection's output, as the plain GEMV stores it
@@ -275,13 +289,24 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return 4, 2048, 8
 
 
+def _check_weight(x: Tensor, weight: Tensor, w_scale: Tensor | None) -> None:
+    """weight [N, K] rows contiguous: x's dtype, or fp8 e4m3 with w_scale [N] fp32 (tandem/layers/quant.py)."""
+    assert weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if w_scale is None:
+        assert x.dtype == weight.dtype
+    else:
+        assert weight.dtype == torch.float8_e4m3fn and w_scale.shape == (weight.shape[0],)
+        assert w_scale.dtype == torch.float32 and w_scale.is_contiguous()
+
+
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: str | None,
-            norm: RowNorm | None, sumsq_out: Tensor | None, block_n: int, block_k: int, num_warps: int) -> None:
+            norm: RowNorm | None, sumsq_out: Tensor | None, block_n: int, block_k: int, num_warps: int,
+            w_scale: Tensor | None = None) -> None:
     n, k = weight.shape
     silu_mul = act == "silu_mul"
     assert act in (None, "silu_mul")
     assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1] and x.is_contiguous()
-    assert weight.stride(1) == 1 and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    _check_weight(x, weight, w_scale)
     assert out.numel() == n and out.is_contiguous() and out.dtype == x.dtype
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
@@ -292,30 +317,35 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: st
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         norm.weight if norm is not None else weight, norm.sumsq if norm is not None else out,
-        sumsq_out if sumsq_out is not None else out,
+        sumsq_out if sumsq_out is not None else out, w_scale if w_scale is not None else out,
         n, k, weight.stride(0), p_in, float(norm.eps) if norm is not None else 0.0, 1.0 / k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None, ADD_OUT=sumsq_out is not None,
+        HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None,
+        ADD_OUT=sumsq_out is not None,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p_in), num_warps=num_warps, **_numerics(x), **pdl_flags(x),
     )
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-         config: tuple[int, int, int] | None = None, act: str | None = None, norm: RowNorm | None = None) -> Tensor:
+         config: tuple[int, int, int] | None = None, act: str | None = None, norm: RowNorm | None = None,
+         w_scale: Tensor | None = None) -> Tensor:
     """x [1, K] (or [K]) bf16 / fp16 / fp32, contiguous; weight [N, K] same dtype, rows contiguous;
     bias [N] or None. -> out [1, N] (or [N]) in x's dtype, fp32 accumulation, rounded once.
+    w_scale [N] fp32: weight is fp8 e4m3 and row n's sum is multiplied by w_scale[n] (before the
+    bias): with power-of-two scales, the bits of the same GEMV on weight * w_scale in x's dtype.
     act="silu_mul": x is [1, 2K] = [gate | up] and the product is of F.silu(gate) * up.
     norm: the product is of RMSNorm(x) (weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).
     config: (BLOCK_N, BLOCK_K, num_warps) in place of gemv_config, for tuning sweeps."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, act, norm, None, *(config or gemv_config(n, k)))
+    _launch(x, weight, bias, out, act, norm, None, *(config or gemv_config(n, k)), w_scale=w_scale)
     return out
 
 
 def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None,
-              config: tuple[int, int, int] | None = None, act: str | None = None) -> Tensor:
+              config: tuple[int, int, int] | None = None, act: str | None = None,
+              w_scale: Tensor | None = None) -> Tensor:
     """residual += gemv(x, weight, bias, act=act), in place, with the product rounded
     to the dtype before the add and the sum rounded again (the rms_norm kernel's add).
     residual [1, N] (or [N]) contiguous, x's dtype, not x. -> sumsq [cdiv(N, BLOCK_N)] fp32: partial
@@ -324,13 +354,14 @@ def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None =
     block_n, block_k, num_warps = config or gemv_config(n, k)
     assert residual.data_ptr() != x.data_ptr()
     sumsq = torch.empty(triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
-    _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps)
+    _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps, w_scale=w_scale)
     return sumsq
 
 
 def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                   positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  slot_mapping: Tensor, norm: RowNorm | None = None, block_k: int | None = None) -> Tensor:
+                  slot_mapping: Tensor, norm: RowNorm | None = None, block_k: int | None = None,
+                  w_scale: Tensor | None = None) -> Tensor:
     """One row's packed q | k | v projection (gemv(x, weight, bias, norm=norm)) with q and k
     rotated as kernels.fused.rotary_embedding rotates them (same bits) and this token's k and v
     written into the paged cache at slot_mapping[0] (-1: not written). -> [1, (H + 2 Hkv) D].
@@ -340,8 +371,8 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
     n, k = weight.shape
     head_dim = k_cache.shape[-1]
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 8 == 0
-    assert x.shape[-1] == k and x.numel() == k and x.is_contiguous() and weight.stride(1) == 1
-    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
+    _check_weight(x, weight, w_scale)
     assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
     assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert positions.shape == (1,) and slot_mapping.shape == (1,)
@@ -358,9 +389,10 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
     _gemv_qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         norm.weight if norm is not None else weight, norm.sumsq if norm is not None else out,
-        cos, sin, positions, slot_mapping, k_cache, v_cache,
+        cos, sin, positions, slot_mapping, k_cache, v_cache, w_scale if w_scale is not None else out,
         k, weight.stride(0), cos.stride(0), sin.stride(0), p_in, float(norm.eps) if norm is not None else 0.0,
         1.0 / k, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, HAS_BIAS=bias is not None,
+        W_SCALE=w_scale is not None,
         NORM_IN=norm is not None, EVEN_K=k % block_k == 0, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p_in),
         num_warps=4, **_numerics(x), **pdl_flags(x),
     )

@@ -60,14 +60,28 @@ class NormedRow:
 
 
 class GemvLinear(nn.Module):
-    """nn.Linear's parameters (shared, not copied), with one-row inputs sent to the GEMV kernel."""
+    """nn.Linear's parameters (shared, not copied), with one-row inputs sent to the GEMV kernel.
 
-    def __init__(self, linear: nn.Linear):
+    fp8: the weight holds fp8-representable values (tandem/layers/quant.py); the GEMV and the
+    few-row GEMM then stream an fp8 copy with its per-row power-of-two scales (same bits, half the
+    bytes), cuBLAS keeps the weight in the model dtype."""
+
+    def __init__(self, linear: nn.Linear, fp8: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
+        self.w8 = self.w_scale = None  # fp8: the e4m3 copy [N, K] and its row scales [N] fp32
+        if fp8:
+            from tandem.layers.quant import quantize_fp8
+
+            self.w8, self.w_scale = quantize_fp8(self.weight)
+
+    @property
+    def kernel_weight(self) -> Tensor:
+        """The weight the Triton kernels stream: the fp8 copy (with w_scale) or the weight itself."""
+        return self.weight if self.w8 is None else self.w8
 
     def one_row(self, x: Tensor) -> bool:
         """Whether x [n, in_features] takes the GEMV (and so the fused norm / add) path."""
@@ -86,15 +100,15 @@ class GemvLinear(nn.Module):
         if isinstance(x, NormedRow):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x.row, self.weight, self.bias, norm=x.row_norm())
+            return gemv(x.row, self.kernel_weight, self.bias, norm=x.row_norm(), w_scale=self.w_scale)
         if self.one_row(x):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.kernel_weight, self.bias, w_scale=self.w_scale)
         if self.few_rows(x):
             from tandem.kernels.gemm_rows import gemm_rows
 
-            return gemm_rows(x, self.weight, self.bias)
+            return gemm_rows(x, self.kernel_weight, self.bias, w_scale=self.w_scale)
         return F.linear(x, self.weight, self.bias)
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
@@ -103,7 +117,7 @@ class GemvLinear(nn.Module):
         if self.one_row(gate_up):
             from tandem.kernels.gemv import gemv
 
-            return gemv(gate_up, self.weight, self.bias, act="silu_mul")
+            return gemv(gate_up, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
         from tandem.kernels.fused import silu_and_mul
 
         return self(silu_and_mul(gate_up))
@@ -114,7 +128,7 @@ class GemvLinear(nn.Module):
         intermediate (the silu_and_mul kernel's bits)."""
         from tandem.kernels.gemm_rows import gemm_rows
 
-        return gemm_rows(x, self.weight, self.bias, act="silu_mul")
+        return gemm_rows(x, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
 
     def takes_row(self, x: Tensor | NormedRow) -> bool:
         """Whether x (a NormedRow, or a Tensor) is one row for the GEMV path."""
@@ -134,27 +148,28 @@ class GemvLinear(nn.Module):
         if not self.takes_row(x):
             from tandem.kernels.gemm_rows import gemm_rows_qkv_rope
 
-            return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
-                                      rotary.sin, k_cache, v_cache, slot_mapping)
+            return gemm_rows_qkv_rope(x, self.kernel_weight, self.bias, num_heads, num_kv_heads, positions,
+                                      rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale)
         from tandem.kernels.gemv import gemv_qkv_rope
 
         row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)
-        return gemv_qkv_rope(row, self.weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
-                             rotary.sin, k_cache, v_cache, slot_mapping, norm=norm)
+        return gemv_qkv_rope(row, self.kernel_weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
+                             rotary.sin, k_cache, v_cache, slot_mapping, norm=norm, w_scale=self.w_scale)
 
     def forward_add_(self, x: Tensor, residual: Tensor, act: str | None = None) -> AddedRow:
         """residual += self(x) (act="silu_mul": self(F.silu(gate) * up) for x = [gate | up]) in
         place, for a one-row x (`one_row(residual)`), in one GEMV launch."""
         from tandem.kernels.gemv import gemv_add_
 
-        return AddedRow(gemv_add_(x, self.weight, residual, self.bias, act=act))
+        return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale))
 
 
-def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place."""
+def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, fp8: bool = False) -> None:
+    """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place (fp8: the
+    weights are fp8-representable, tandem/layers/quant.py; the kernels stream fp8 copies)."""
     if dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_available():  # CUDA + Triton
         return
     for module, name, child in linear_sites(model):
         if not child.weight.is_contiguous():
             child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
-        setattr(module, name, GemvLinear(child))
+        setattr(module, name, GemvLinear(child, fp8=fp8))

@@ -11,6 +11,7 @@ from tandem.config import ModelConfig
 from tandem.errors import ConfigError
 from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears
 from tandem.layers.gpu_linear import prepare_gpu_linears
+from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
 
@@ -59,8 +60,10 @@ def load_model(cfg: ModelConfig, device: torch.device) -> CausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.requires_grad_(False)
+    if cfg.quantization is not None:
+        quantize_linears_(model, cfg.quantization)
     if device.type == "cuda":
-        prepare_gpu_linears(model, cfg.dtype)
+        prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8")
     else:
         prepare_linears(model, cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype))
     return model

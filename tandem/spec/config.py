@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import ConfigError
+from tandem.layers.quant import QUANTIZATIONS
 
 METHODS = ("draft_model",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -33,6 +34,7 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     draft_load_format: str = "auto"
     seed: int = 0
+    quantization: str | None = None  # "fp8": the draft's linears in weight-only e4m3 (tandem/layers/quant.py)
 
     @property
     def k(self) -> int:
@@ -80,6 +82,7 @@ class SpeculativeConfig:
         _one_of("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _one_of("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         _one_of("draft_load_format", self.draft_load_format, ("auto", "dummy"))
+        _one_of("quantization", self.quantization, (None,) + QUANTIZATIONS)
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
         if (rates is not None or length is not None) and not self.synthetic:
             raise ConfigError(

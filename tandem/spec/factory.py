@@ -44,7 +44,7 @@ class SpeculatorFactory:
             )
         self.vocab_size = self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
-                                     target.cpu_matmul)
+                                     target.cpu_matmul, spec.quantization)
         self.model = load_model(self.draft_cfg, device)
         if spec.synthetic:
             logger.warning(

@@ -176,3 +176,20 @@ def test_few_row_gemm_in_the_engine(models, monkeypatch):
     eager, _ = _run(target, "bfloat16", spec, enforce_eager=True)
     assert graphed == base
     assert eager == base
+
+
+def test_fp8_draft_on_gpu(models, monkeypatch):
+    """A draft in weight-only fp8 (speculative_config quantization="fp8": the GEMVs and, with the
+    width threshold lowered, the few-row GEMMs stream e4m3 weights): output == target-only in bf16,
+    graphs == eager (acceptance within 2%, as the graph and eager catch-ups differ in row layout)."""
+    monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS_MIN_OUT", 1)
+    target, draft = models
+    base, _ = _run(target, "bfloat16")
+    for spec_model, k in ((draft, 3), (target, 4)):
+        spec = dict(model=str(spec_model), num_speculative_tokens=k, quantization="fp8")
+        graphed, llm = _run(target, "bfloat16", spec)
+        eager, llm_eager = _run(target, "bfloat16", spec, enforce_eager=True)
+        assert graphed == base and eager == base
+        assert abs(llm.engine.spec_metrics.acceptance_rate - llm_eager.engine.spec_metrics.acceptance_rate) <= 0.02
+        lin = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj
+        assert lin.w8.dtype == torch.float8_e4m3fn and lin.kernel_weight is lin.w8

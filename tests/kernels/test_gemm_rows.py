@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 
 from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, rows_config  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
-from tests.kernels.test_gemv import assert_near_exact, assert_rope_store_matches  # noqa: E402
+from tests.kernels.test_gemv import _near, assert_near_exact, assert_rope_store_matches  # noqa: E402
 
 SMALL = (16, 32, 4, 2)  # a tile for the interpreter's small shapes
 
@@ -146,3 +146,54 @@ def test_gemm_rows_silu_mul_interpreter(n, k, m, bias, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_rows_qkv_rope_interpreter(bias, dtype):
     check_qkv_rope(4, 2, 32, 64, 5, dtype, "cpu", bias, config=SMALL)
+
+
+def check_fp8_weights(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=None, heads=None) -> None:
+    """fp8 weights with per-row power-of-two scales compute what the fake-quantized weights in
+    the model dtype compute (the same exact products; within an ulp where the sums' order
+    differs): plain with a bias, with SiLU-and-mul; heads=(H, Hkv, D): the qkv GEMM rotating and
+    storing K/V."""
+    from tandem.kernels.fused import silu_and_mul
+    from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(n + 3 * k + m)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    fake_quantize_fp8_(w)
+    q, s = quantize_fp8(w)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype)
+    _near(gemm_rows(x, q, b, config=config, w_scale=s), gemm_rows(x, w, b, config=config), x, w)
+    if n % 2 == 0:
+        out = gemm_rows(x, q, config=config, act="silu_mul", w_scale=s)
+        ref = gemm_rows(x, w, config=config, act="silu_mul")
+        assert ((out.float() - ref.float()).abs() <= 2 * torch.finfo(dtype).eps * ref.float().abs() + 1e-4).all()
+    if heads is not None:
+        h, hkv, d = heads
+        rot = RotaryEmbedding(d, 64, 10000.0, None, device=device)
+        pos = torch.arange(m, device=device) + 5
+        slots = torch.arange(m, device=device)
+        caches = [torch.zeros(4, 4, hkv, d, dtype=dtype, device=device) for _ in range(4)]
+        cfg = config and config[1:]
+        out8 = gemm_rows_qkv_rope(x, q, b, h, hkv, pos, rot.cos, rot.sin, caches[0], caches[1], slots, config=cfg,
+                                  w_scale=s)
+        out = gemm_rows_qkv_rope(x, w, b, h, hkv, pos, rot.cos, rot.sin, caches[2], caches[3], slots, config=cfg)
+        tol = 2 * torch.finfo(dtype).eps
+        for a, b_ in ((out8, out), (caches[0], caches[2]), (caches[1], caches[3])):
+            assert ((a.float() - b_.float()).abs() <= tol * (b_.float().abs() + out.float().abs().amax())).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 6])
+@pytest.mark.parametrize("n,k,heads", [(3072, 2048, (32, 8, 64)), (16384, 2048, None), (128256, 2048, None),
+                                       (2048, 8192, None), (1000, 700, None)])
+def test_gemm_rows_fp8_weights_gpu(n, k, m, heads, dtype):
+    check_fp8_weights(n, k, m, dtype, "cuda", heads=heads)
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_rows_fp8_weights_interpreter(dtype):
+    check_fp8_weights(128, 96, 5, dtype, "cpu", config=SMALL, heads=(2, 1, 32))

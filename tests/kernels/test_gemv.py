@@ -351,3 +351,72 @@ def test_gemv_qkv_rope_gpu(heads, kv_heads, head_dim, k, bias, norm, slot, dtype
 @pytest.mark.parametrize("norm,slot,bias", [(False, 5, True), (True, -1, False)])
 def test_gemv_qkv_rope_interpreter(norm, slot, bias, dtype):
     check_qkv_rope(4, 2, 16, 96, dtype, "cpu", bias, norm, slot, block_k=32)
+
+
+# ------------------------------------------------------------------ fp8 weights (tandem/layers/quant.py)
+def _near(a, b, x, w):
+    """a and b (two GEMV outputs over the same exact products) within 2 ulps of each other or
+    within 1e-5 of sum |x| |w|: the fp8 tile's register layout sums them in another order."""
+    scale = x.double().abs() @ w.double().abs().T
+    ok = (ulp_dist(a, b) <= 2) | ((a.double() - b.double()).abs() <= 1e-5 * scale)
+    assert not a.isnan().any() and ok.all(), f"{(~ok).sum().item()} of {a.numel()} off"
+
+
+def check_fp8_weights(n: int, k: int, dtype: torch.dtype, device: str, config=None, heads=None) -> None:
+    """A GEMV streaming fp8 weights with per-row power-of-two scales computes what the same GEMV
+    computes on the fake-quantized weights in the model dtype (the same exact products; the fp8
+    tile's layout may sum them in another order, so within an ulp): plain with a bias, with
+    SiLU-and-mul, with the RMSNorm inside, adding into the residual; heads=(H, Hkv, D): the qkv
+    GEMV rotating and storing K/V."""
+    from tandem.kernels.fused import rms_norm, silu_and_mul
+    from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(n + 7 * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    fake_quantize_fp8_(w)
+    q, s = quantize_fp8(w)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype)
+    _near(gemv(x, q, b, config=config, w_scale=s), gemv(x, w, b, config=config), x, w)
+    gate_up = torch.randn(1, 2 * k, generator=g).to(device, dtype)
+    _near(gemv(gate_up, q, config=config, act="silu_mul", w_scale=s), gemv(gate_up, w, config=config, act="silu_mul"),
+          silu_and_mul(gate_up), w)
+    norm = RowNorm((1 + 0.2 * torch.randn(k, generator=g)).to(device, dtype), 1e-5,
+                   (x.float() ** 2).sum().reshape(1).contiguous())
+    _near(gemv(x, q, config=config, norm=norm, w_scale=s), gemv(x, w, config=config, norm=norm),
+          rms_norm(x, norm.weight, 1e-5), w)
+    res = torch.randn(1, n, generator=g).to(device, dtype)
+    res8 = res.clone()
+    gemv_add_(x, q, res8, config=config, w_scale=s)
+    prod = gemv(x, w, config=config).float()
+    gemv_add_(x, w, res, config=config)
+    # the add rounds twice: a product an ulp apart moves the sum by that ulp, whatever its size
+    assert ((res8.float() - res.float()).abs() <= torch.finfo(dtype).eps * (prod.abs() + res.float().abs())).all()
+    if heads is not None:
+        h, hkv, d = heads
+        rot = RotaryEmbedding(d, 64, 10000.0, None, device=device)
+        pos, slot = torch.tensor([37], device=device), torch.tensor([3], device=device)
+        caches = [torch.zeros(2, 4, hkv, d, dtype=dtype, device=device) for _ in range(4)]
+        out8 = gemv_qkv_rope(x, q, b, h, hkv, pos, rot.cos, rot.sin, caches[0], caches[1], slot, w_scale=s,
+                             block_k=config and config[1])
+        out = gemv_qkv_rope(x, w, b, h, hkv, pos, rot.cos, rot.sin, caches[2], caches[3], slot,
+                            block_k=config and config[1])
+        tol = 2 * torch.finfo(dtype).eps  # an ulp of x1 or x2 moves the rotated pair by about one
+        for a, b_ in ((out8, out), (caches[0], caches[2]), (caches[1], caches[3])):
+            assert ((a.float() - b_.float()).abs() <= tol * (b_.float().abs() + out.float().abs().amax())).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,heads", [(3072, 2048, (32, 8, 64)), (2048, 8192, None), (16384, 2048, None),
+                                       (128256, 2048, None), (1152, 896, (14, 2, 64)), (1000, 700, None)])
+def test_gemv_fp8_weights_gpu(n, k, heads, dtype):
+    check_fp8_weights(n, k, dtype, "cuda", heads=heads)
+
+
+@interpret_mark(_gemv_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_fp8_weights_interpreter(dtype):
+    check_fp8_weights(64, 96, dtype, "cpu", config=(8, 32, 4), heads=(4, 2, 8))

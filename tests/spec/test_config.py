@@ -38,6 +38,7 @@ def cfg(**kw):
               synthetic_acceptance_rates=[1, 1, 0]), "exactly one"),
         (dict(max_model_len=256), "max_model_len"),
         (dict(draft_load_format="gguf"), "draft_load_format"),
+        (dict(quantization="int4"), "quantization"),
         (dict(bogus=1), "unknown keys"),
     ],
 )

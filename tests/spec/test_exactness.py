@@ -7,6 +7,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.decoder import KVCache
 from tandem.config import read_arch_config
 from tandem.kernels import cpu_gemm
+from tandem.layers.quant import quantize_fp8
 from tests.helpers import make_hf_model
 
 MAX_LEN = 256
@@ -79,6 +80,25 @@ def test_bf16_matches_target_only_bit_for_bit(models, k):
               speculative_config=dict(model=str(models["near"]), num_speculative_tokens=k))
     assert _tokens(llm.generate(PROMPTS[:5], params, use_tqdm=False)) == expect
     assert 0.05 < llm.engine.spec_metrics.acceptance_rate < 0.98
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_draft_matches_target(models, dtype):
+    """A draft quantized to fp8 (weight-only, speculative_config quantization="fp8") proposes from
+    other weights, fp8-representable ones: the output is still the target's. (This random model's
+    logits are flat enough that fp8 alone costs the target-as-its-own-draft most of its
+    agreement; the unrelated draft agrees < 10% of the time.)"""
+    target = LLM(str(models["target"]), dtype=dtype, block_size=8, max_model_len=MAX_LEN)
+    expect = _tokens(target.generate(PROMPTS, PARAMS, use_tqdm=False))
+    for draft, low, high in (("near", 0.05, 0.98), ("target", 0.25, 0.98)):
+        llm = LLM(str(models["target"]), dtype=dtype, block_size=8, max_model_len=MAX_LEN,
+                  speculative_config=dict(model=str(models[draft]), num_speculative_tokens=4, quantization="fp8"))
+        assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expect
+        assert low < llm.engine.spec_metrics.acceptance_rate <= high
+    w = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj.weight  # the target's, quantized
+    q, s = quantize_fp8(w)
+    assert torch.equal(q.float() * s[:, None], w.float())
+    assert not torch.equal(w, target.engine.runner.model.model.layers[0].mlp.down_proj.weight)
 
 
 def test_target_as_draft_accepts_everything(models, baseline):

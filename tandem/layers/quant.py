@@ -1,0 +1,47 @@
+"""Weight-only fp8 (e4m3) quantization, for the draft model (speculative_config quantization="fp8").
+
+Each weight row n (an output channel) is stored as q[n, :] in float8_e4m3fn times a power of
+two s[n], the least one with max |w[n, :]| / s[n] <= 448 (e4m3's largest value): round to
+nearest, one scale a row. Activations stay in the model dtype (W8A16).
+
+`fake_quantize_fp8_` replaces a weight by q * s in its own dtype. That is exact in bf16 / fp16
+(a 4-bit significand times a power of two) barring fp16 range limits, so the quantized model is
+one function on every path: CPU and cuBLAS paths multiply those bf16 weights, while on the GPU
+the one-row GEMV and the few-row GEMM stream the fp8 bytes (half the traffic) and multiply each
+output by s[n] after the sum, which gives the same bits (scaling by a power of two commutes with
+every fp32 rounding). The draft only proposes: its precision moves the acceptance rate, never
+the output distribution, which the target's verification keeps exact.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+QUANTIZATIONS = ("fp8",)
+
+
+def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] float8_e4m3fn, s [N] fp32 powers of two) with w ~ q * s[:, None]."""
+    amax = w.detach().abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny)
+    s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (w.detach().float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def fake_quantize_fp8_(w: Tensor) -> None:
+    """w [N, K] <- q * s (quantize_fp8), in place, in w's dtype."""
+    q, s = quantize_fp8(w)
+    w.copy_(q.float() * s[:, None])
+
+
+def quantize_linears_(model: nn.Module, method: str) -> None:
+    """Fake-quantize every nn.Linear weight of model in place (a weight tied to the input
+    embedding is quantized once, so the embedding sees the same values)."""
+    assert method in QUANTIZATIONS
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            with torch.no_grad():
+                fake_quantize_fp8_(module.weight.data)

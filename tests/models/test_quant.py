@@ -1,0 +1,35 @@
+"""Weight-only fp8 quantization (tandem/layers/quant.py): per-row power-of-two scales, exact
+fake quantization, and the loader applying it."""
+import torch
+
+from tandem.layers.quant import FP8_MAX, fake_quantize_fp8_, quantize_fp8
+
+
+def test_rows_scaled_by_least_power_of_two():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g) * torch.logspace(-4, 1, 64)[:, None]
+    w[5] = 0
+    q, s = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
+    amax = w.abs().amax(1)
+    live = amax > 0
+    assert (amax[live] / s[live] <= FP8_MAX).all() and (amax[live] / s[live] > FP8_MAX / 2).all()
+    assert (q[5].float() == 0).all()
+    err = (q.float() * s[:, None] - w).abs()
+    assert (err <= 16 * s[:, None]).all()  # half a step of e4m3's coarsest spacing (32 in [256, 448])
+
+
+def test_fake_quantization_is_exact_and_idempotent():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = (torch.randn(32, 200, generator=g) * 0.03).to(dtype)
+        ref = w.clone()
+        fake_quantize_fp8_(w)
+        q, s = quantize_fp8(w)
+        assert torch.equal(q.float() * s[:, None], w.float())  # q * s in the dtype, exactly
+        again = w.clone()
+        fake_quantize_fp8_(again)
+        assert torch.equal(again, w)
+        rel = ((w.float() - ref.float()).abs().amax() / ref.float().abs().amax()).item()
+        assert 0 < rel <= 2 ** -4
