@@ -274,14 +274,20 @@ def _gemv_qkv_rope_kernel(
             tl.store(v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + rows - (NUM_Q + NUM_KV) * HEAD_DIM, x)
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """-> (BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight, from the H200 sweep
+def gemv_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
+    """-> (BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight (fp8: e4m3 weights), from the H200 sweep
     (bench/kernels.py --gemv, cold weights, us against cuBLAS in docs/benchmarks.md): 8 x 512 for
     4096-8192 rows (Llama-3 8B's qkv / o / down); 4 x 1024 where K is a multiple of 1024 (every
     Llama-3.2 1B shape, the 8B's gate_up and head); 8 x 512 where K is a multiple of 512 only
     (Qwen2.5 1.5B, K = 1536: 4 x 1024 would waste half of every second step); else 4 x 2048 with
     8 warps and a masked last step (Qwen2.5 1.5B's down_proj, K = 8960). BLOCK_N stays <= 8 so
     a short N still gives hundreds of programs."""
+    if fp8:  # e4m3 weights: 16 bytes a thread a load is 16 elements (bench/kernels.py --gemv-fp8, H200)
+        if k >= 8192:
+            return 4, 2048, 4  # the 1B's down: 6.6 against 8.5 us at 4 x 1024
+        if n >= 16384:
+            return 8, 1024, 4  # its gate_up and head: 12.9 / 85.7 against 13.1 / 96.0 us
+        return 4, min(1024, triton.next_power_of_2(k)), 4
     if 4096 <= n <= 8192 or (k % 1024 and k % 512 == 0):
         return 8, 512, 4
     if k % 1024 == 0 or k < 1024:
@@ -339,7 +345,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     n, k = weight.shape
     if out is None:
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, act, norm, None, *(config or gemv_config(n, k)), w_scale=w_scale)
+    tile = config or gemv_config(n, k, w_scale is not None)
+    _launch(x, weight, bias, out, act, norm, None, *tile, w_scale=w_scale)
     return out
 
 
@@ -351,7 +358,7 @@ def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None =
     residual [1, N] (or [N]) contiguous, x's dtype, not x. -> sumsq [cdiv(N, BLOCK_N)] fp32: partial
     sums of squares of the new residual, for the next RowNorm."""
     n, k = weight.shape
-    block_n, block_k, num_warps = config or gemv_config(n, k)
+    block_n, block_k, num_warps = config or gemv_config(n, k, w_scale is not None)
     assert residual.data_ptr() != x.data_ptr()
     sumsq = torch.empty(triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
     _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps, w_scale=w_scale)
