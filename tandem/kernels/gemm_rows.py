@@ -271,8 +271,8 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
     """x [M, K] with 1 <= M <= 16, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
     contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
     w_scale [N] fp32: weight is fp8 e4m3 (widened to x's dtype in registers) and row n's sums are
-    multiplied by w_scale[n] before the bias (power-of-two scales: the bits of gemm_rows on
-    weight * w_scale in x's dtype).
+    multiplied by w_scale[n] before the bias (power-of-two scales: the products of gemm_rows on
+    weight * w_scale in x's dtype; tested within an ulp of it).
     act="silu_mul": weight is a packed [gate | up] (N even) and out [M, N / 2] is
     silu_and_mul(gemm_rows(x, weight, bias)), in one launch (same bits at the same tile).
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of rows_config, for tuning sweeps."""

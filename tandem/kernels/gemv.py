@@ -338,7 +338,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     """x [1, K] (or [K]) bf16 / fp16 / fp32, contiguous; weight [N, K] same dtype, rows contiguous;
     bias [N] or None. -> out [1, N] (or [N]) in x's dtype, fp32 accumulation, rounded once.
     w_scale [N] fp32: weight is fp8 e4m3 and row n's sum is multiplied by w_scale[n] (before the
-    bias): with power-of-two scales, the bits of the same GEMV on weight * w_scale in x's dtype.
+    bias): with power-of-two scales, the products of the same GEMV on weight * w_scale in x's
+    dtype, summed in another order (within an ulp: the fp8 tile's register layout differs).
     act="silu_mul": x is [1, 2K] = [gate | up] and the product is of F.silu(gate) * up.
     norm: the product is of RMSNorm(x) (weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).
     config: (BLOCK_N, BLOCK_K, num_warps) in place of gemv_config, for tuning sweeps."""

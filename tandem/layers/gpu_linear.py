@@ -63,8 +63,8 @@ class GemvLinear(nn.Module):
     """nn.Linear's parameters (shared, not copied), with one-row inputs sent to the GEMV kernel.
 
     fp8: the weight holds fp8-representable values (tandem/layers/quant.py); the GEMV and the
-    few-row GEMM then stream an fp8 copy with its per-row power-of-two scales (same bits, half the
-    bytes), cuBLAS keeps the weight in the model dtype."""
+    few-row GEMM then stream an fp8 copy with its per-row power-of-two scales (the same products,
+    half the bytes), cuBLAS keeps the weight in the model dtype."""
 
     def __init__(self, linear: nn.Linear, fp8: bool = False):
         super().__init__()

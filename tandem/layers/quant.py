@@ -8,8 +8,9 @@ nearest, one scale a row. Activations stay in the model dtype (W8A16).
 (a 4-bit significand times a power of two) barring fp16 range limits, so the quantized model is
 one function on every path: CPU and cuBLAS paths multiply those bf16 weights, while on the GPU
 the one-row GEMV and the few-row GEMM stream the fp8 bytes (half the traffic) and multiply each
-output by s[n] after the sum, which gives the same bits (scaling by a power of two commutes with
-every fp32 rounding). The draft only proposes: its precision moves the acceptance rate, never
+output by s[n] after the sum: the same exact products (scaling by a power of two commutes with
+every fp32 rounding), summed in the order of the fp8 tile's layout, so within an ulp of the bf16
+weights' result rather than equal to it. The draft only proposes: its precision moves the acceptance rate, never
 the output distribution, which the target's verification keeps exact.
 """
 from __future__ import annotations
