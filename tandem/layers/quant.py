@@ -22,18 +22,29 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANTIZATIONS = ("fp8",)
 
 
+ROWS_A_CHUNK = 4096  # rows rounded at a time: bounded fp32 temporaries (the 0.5B's head is 151936 rows)
+
+
 def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [N, K] -> (q [N, K] float8_e4m3fn, s [N] fp32 powers of two) with w ~ q * s[:, None]."""
-    amax = w.detach().abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny)
+    w = w.detach()
+    # s >= the least normal fp32, so 1 / s is finite (an all-zero row gets q = 0)
+    amax = w.abs().amax(dim=1).float().clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
     s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    q = (w.detach().float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    for i in range(0, w.shape[0], ROWS_A_CHUNK):
+        rows = slice(i, i + ROWS_A_CHUNK)
+        # times 1 / s: exact for a power of two, and cheaper than a division (a new tensor: w may be fp32)
+        q[rows] = (w[rows].float() * s[rows, None].reciprocal()).clamp_(-FP8_MAX, FP8_MAX)
     return q, s
 
 
 def fake_quantize_fp8_(w: Tensor) -> None:
     """w [N, K] <- q * s (quantize_fp8), in place, in w's dtype."""
     q, s = quantize_fp8(w)
-    w.copy_(q.float() * s[:, None])
+    for i in range(0, w.shape[0], ROWS_A_CHUNK):
+        rows = slice(i, i + ROWS_A_CHUNK)
+        w[rows] = q[rows].float().mul_(s[rows, None])
 
 
 def quantize_linears_(model: nn.Module, method: str) -> None:
