@@ -10,8 +10,8 @@ one function on every path: CPU and cuBLAS paths multiply those bf16 weights, wh
 the one-row GEMV and the few-row GEMM stream the fp8 bytes (half the traffic) and multiply each
 output by s[n] after the sum: the same exact products (scaling by a power of two commutes with
 every fp32 rounding), summed in the order of the fp8 tile's layout, so within an ulp of the bf16
-weights' result rather than equal to it. The draft only proposes: its precision moves the acceptance rate, never
-the output distribution, which the target's verification keeps exact.
+weights' result rather than equal to it. The draft only proposes: its precision moves the
+acceptance rate, never the output distribution, which the target's verification keeps exact.
 """
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from torch import Tensor, nn
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANTIZATIONS = ("fp8",)
-
-
 ROWS_A_CHUNK = 4096  # rows rounded at a time: bounded fp32 temporaries (the 0.5B's head is 151936 rows)
 
 
