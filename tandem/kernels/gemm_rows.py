@@ -12,10 +12,13 @@ gemm_rows_qkv_rope is the packed q | k | v projection with the rotary embedding 
 store in its epilogue (a program owns 16 rotary pairs (d, d + D/2) of one head: a 32-row tile),
 replacing the rotary kernel's launch, with the rotary kernel's bits.
 
-fp8 e4m3 weights (w_scale, the fp8 draft): the tile is widened to the input's dtype in registers
-before the dot and each row's sums are multiplied by its scale in the epilogue. At batch 1 on the
-H200 the fp8 draft's catch-up graph took as long as the bf16 one (1.06 ms): its few-row GEMMs did
-not get faster from the halved bytes (the GEMVs of its loop did: 0.86 -> 0.75 ms a forward).
+fp8 e4m3 weights (w_scale, the fp8 draft): the product is computed the other way round,
+x @ w^T with the weight tile as the dot's second operand, loaded K-major and widened to the
+input's dtype in registers (_fp8_acc), and each row's sums are multiplied by its scale in the
+epilogue. At 6 rows on the H200 that streams the 1B's gate_up in 15.8 us and its head in 89
+against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-byte copies and
+a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
+few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
 Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch plainly but release
 the kernel after them once their main loop is done, so the small kernel that follows (a norm,
@@ -69,6 +72,28 @@ def _dot(w, x_t, acc, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows_ok, K, stride_xm, stride_wn, EVEN_K: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_M]: (x @ w[rows]^T)^T for fp8 e4m3 weights, unscaled. The weight is the
+    dot's second operand here, its tile loaded K-major and widened to x's dtype in registers (16-byte
+    copies, mma.sync); as the first operand of the wgmma, as the model-dtype path has it, the e4m3 tile
+    took 8-byte copies and a register shuffle a step (1B gate_up 16.4 against 15.0 us, head 96 against
+    85 at 6 rows, H200)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=rows_ok[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=rows_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
+        acc = _dot(x, w.to(x.dtype), acc, SOFT_BF16)
+        w_ptrs += BLOCK_K
+    return tl.trans(acc)
+
+
+@triton.jit
 def _rows_kernel(
     x_ptr,  # [M, K] rows at stride_xm
     w_ptr,  # [N, K], rows contiguous (SILU_MUL: [gate (N / 2) | up (N / 2)])
@@ -109,19 +134,21 @@ def _rows_kernel(
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T
-    for k0 in range(0, K, BLOCK_K):
-        x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        if W_SCALE:
-            w = w.to(x.dtype)
-        acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
-        w_ptrs += BLOCK_K
+    if W_SCALE:
+        acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, K, stride_xm, stride_wn, EVEN_K, BLOCK_M, BLOCK_N,
+                       BLOCK_K, SOFT_BF16)  # out^T
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T
+        for k0 in range(0, K, BLOCK_K):
+            x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
+            w_ptrs += BLOCK_K
     release_next(PDL)
     dtype = out_ptr.dtype.element_ty
     if W_SCALE:
@@ -193,18 +220,20 @@ def _rows_qkv_rope_kernel(
     offs_r = tl.arange(0, 2 * PAIRS)
     rows = tl.where(rope, head * HEAD_DIM + (pid % CHUNKS) * PAIRS + offs_r % PAIRS + (offs_r // PAIRS) * HALF,
                     V0 + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs_r)
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([2 * PAIRS, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.trans(_x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K))
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
-        if W_SCALE:
-            w = w.to(x.dtype)
-        acc = _dot(w, x, acc, SOFT_BF16)
-        w_ptrs += BLOCK_K
+    if W_SCALE:
+        acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows >= 0, K, stride_xm, stride_wn, EVEN_K, BLOCK_M,
+                       2 * PAIRS, BLOCK_K, SOFT_BF16)
+    else:
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros([2 * PAIRS, BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.trans(_x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K))
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
+            acc = _dot(w, x, acc, SOFT_BF16)
+            w_ptrs += BLOCK_K
     release_next(PDL)
     if W_SCALE:
         acc = acc * tl.load(ws_ptr + rows)[:, None]

@@ -27,9 +27,12 @@ programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.
 
 Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8
 draft): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
-after the reduction, half the bytes streamed for the same exact products. The fp8 tile's
-register layout differs from the bf16 one's, so the sums run in another order (within an ulp
-of the bf16 weights' result, tests/kernels/test_gemv.py).
+after the reduction, half the bytes streamed for the same exact products. Each step first sums
+every thread's 16 contiguous products in registers (SUB): an elementwise fp32 accumulator of an
+fp8 tile holds 4x the bytes it streams a step, and the 16x smaller one lets more programs share
+an SM (H200, the 1B's head 95 -> 62 us, gate_up 12.9 -> 10.2; the fp8 draft's k = 4 round
+7.85 -> 7.63 ms). So the sums run in another order than the bf16 weights' (within an ulp of
+their result, tests/kernels/test_gemv.py).
 
 Rows 2-16 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
 weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
@@ -89,14 +92,16 @@ def _inv_rms(sumsq_ptr, P, K, eps, inv_k, BLOCK_P: tl.constexpr, CUDA_LIBM: tl.c
 def _dot_rows(
     x_ptr, w_ptr, nw_ptr, inv, rows, rows_ok, K, stride_wn,
     DTYPE: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CUDA_LIBM: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    CUDA_LIBM: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
     """fp32 [BLOCK_N]: the input row (SILU_MUL / NORM_IN applied to it) dotted with weight rows
-    `rows`, accumulated elementwise over BLOCK_K tiles and reduced once."""
+    `rows`, accumulated elementwise over BLOCK_K tiles and reduced once. SUB > 1: every step sums
+    each run of SUB contiguous products first (one thread's 16-byte load of fp8 weights, summed in
+    its registers), so the accumulator is SUB times smaller."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + k0 + offs_k)
@@ -121,7 +126,11 @@ def _dot_rows(
         if NORM_IN:
             y = _round(x.to(tl.float32) * inv, DTYPE, SOFT_BF16).to(tl.float32)
             x = _round(nw.to(tl.float32) * y, DTYPE, SOFT_BF16)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if SUB == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        else:
+            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // SUB, SUB]), axis=2)
         w_ptrs += BLOCK_K
     return tl.sum(acc, axis=1)
 
@@ -152,6 +161,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SUB: tl.constexpr,  # see _dot_rows (fp8 weights: 16)
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -165,7 +175,7 @@ def _gemv_kernel(
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
     out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, offs_n, n_ok, K, stride_wn, dtype, SILU_MUL, NORM_IN, EVEN_N, EVEN_K,
-                    BLOCK_N, BLOCK_K, CUDA_LIBM, SOFT_BF16)  # [BLOCK_N]
+                    BLOCK_N, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16)  # [BLOCK_N]
     if W_SCALE:
         out = out * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
@@ -228,6 +238,7 @@ def _gemv_qkv_rope_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SUB: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -250,7 +261,7 @@ def _gemv_qkv_rope_kernel(
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
     out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, rows, rows >= 0, K, stride_wn, dtype, False, NORM_IN, True, EVEN_K,
-                    2 * PAIRS, BLOCK_K, CUDA_LIBM, SOFT_BF16)
+                    2 * PAIRS, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16)
     if W_SCALE:
         out = out * tl.load(ws_ptr + rows)
     if HAS_BIAS:
@@ -282,17 +293,22 @@ def gemv_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     (Qwen2.5 1.5B, K = 1536: 4 x 1024 would waste half of every second step); else 4 x 2048 with
     8 warps and a masked last step (Qwen2.5 1.5B's down_proj, K = 8960). BLOCK_N stays <= 8 so
     a short N still gives hundreds of programs."""
-    if fp8:  # e4m3 weights: 16 bytes a thread a load is 16 elements (bench/kernels.py --gemv-fp8, H200)
-        if k >= 8192:
-            return 4, 2048, 4  # the 1B's down: 6.6 against 8.5 us at 4 x 1024
+    if fp8:  # e4m3 weights, summed 16 a thread a step (SUB; bench/kernels.py --gemv-fp8, H200)
         if n >= 16384:
-            return 8, 1024, 4  # its gate_up and head: 12.9 / 85.7 against 13.1 / 96.0 us
-        return 4, min(1024, triton.next_power_of_2(k)), 4
+            return 16, 512, 4  # the 1B's gate_up and head: 10.2 / 61.7 us against 12.9 / 95.2 unsummed at 8 x 1024
+        return 4, min(4096, triton.next_power_of_2(k)), 4  # its qkv, o (2048 wide), down (8192: 6.7 us)
     if 4096 <= n <= 8192 or (k % 1024 and k % 512 == 0):
         return 8, 512, 4
     if k % 1024 == 0 or k < 1024:
         return 4, min(1024, triton.next_power_of_2(k)), 4
     return 4, 2048, 8
+
+
+def _sub(w_scale: Tensor | None, block_k: int) -> int:
+    """_dot_rows' SUB: fp8 weights sum each thread's 16 contiguous products a step (a 16x smaller
+    accumulator, so more programs fit an SM: the 1B's head 95 -> 62 us on the H200); other weights
+    accumulate elementwise (one order for every tile of the same BLOCK_K)."""
+    return min(16, block_k) if w_scale is not None else 1
 
 
 def _check_weight(x: Tensor, weight: Tensor, w_scale: Tensor | None) -> None:
@@ -328,7 +344,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: st
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None,
         ADD_OUT=sumsq_out is not None,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_P=triton.next_power_of_2(p_in), num_warps=num_warps, **_numerics(x), **pdl_flags(x),
+        BLOCK_P=triton.next_power_of_2(p_in), SUB=_sub(w_scale, block_k), num_warps=num_warps, **_numerics(x),
+        **pdl_flags(x),
     )
 
 
@@ -390,7 +407,7 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
     if norm is not None:
         assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype and norm.sumsq.dtype == torch.float32
     pairs = 4
-    block_k = block_k or min(512, triton.next_power_of_2(k))
+    block_k = block_k or min(1024 if w_scale is not None else 512, triton.next_power_of_2(k))  # fp8: 1B 4.8 -> 4.1 us
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     p_in = norm.sumsq.numel() if norm is not None else 1
     grid = ((num_heads + num_kv_heads) * (head_dim // 2 // pairs) + num_kv_heads * head_dim // (2 * pairs),)
@@ -402,6 +419,6 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
         1.0 / k, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, HAS_BIAS=bias is not None,
         W_SCALE=w_scale is not None,
         NORM_IN=norm is not None, EVEN_K=k % block_k == 0, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p_in),
-        num_warps=4, **_numerics(x), **pdl_flags(x),
+        SUB=_sub(w_scale, block_k), num_warps=4, **_numerics(x), **pdl_flags(x),
     )
     return out

@@ -16,7 +16,8 @@ these GEMVs (see tandem/models/decoder.py): the down projection adds into the re
 next qkv projection takes a `NormedRow` (the stream, its norm, those sums) and normalizes on the
 fly, so one RMSNorm launch per layer disappears. The qkv projection of one row also rotates q
 and k and stores k and v in the paged cache in its epilogue (`forward_qkv_rope`), replacing the
-rotary kernel's launch.
+rotary kernel's launch. For fp8 weights (the fp8 draft) the MLP's gate | up GEMV also takes the
+post-attention RMSNorm, after the o projection added into the stream (`normalizes_row`).
 """
 from __future__ import annotations
 
@@ -130,6 +131,16 @@ class GemvLinear(nn.Module):
 
         return gemm_rows(x, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
 
+    def normalizes_row(self) -> bool:
+        """Whether a one-row input's RMSNorm runs inside this GEMV (a NormedRow) rather than as
+        its own kernel after the previous projection's add (the MLP's gate | up projection). Every
+        program re-normalizes the row for its tile: paid for by fp8 weights' 16-row tiles (H200, k = 4
+        round with the fp8 1B draft 7.63 -> 7.60 ms), not by the model-dtype 4-row tiles (with
+        TANDEM_ROW_NORM=all: 8B decode 4.09 -> 4.23 ms, bf16 draft round 8.21 -> 8.34). TANDEM_ROW_NORM=0
+        turns it off (A/B)."""
+        mode = os.environ.get("TANDEM_ROW_NORM", "fp8")
+        return mode == "all" or (mode == "fp8" and self.w8 is not None)
+
     def takes_row(self, x: Tensor | NormedRow) -> bool:
         """Whether x (a NormedRow, or a Tensor) is one row for the GEMV path."""
         return isinstance(x, NormedRow) or self.one_row(x)
@@ -148,8 +159,10 @@ class GemvLinear(nn.Module):
         if not self.takes_row(x):
             from tandem.kernels.gemm_rows import gemm_rows_qkv_rope
 
-            return gemm_rows_qkv_rope(x, self.kernel_weight, self.bias, num_heads, num_kv_heads, positions,
-                                      rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale)
+            # The model-dtype weight even for an fp8 layer: its 32-row fp8 tile was no faster (1B, 6
+            # rows, H200: 8.7 against 7.7 us; the catch-up round 7.51 against 7.50 ms).
+            return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions,
+                                      rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping)
         from tandem.kernels.gemv import gemv_qkv_rope
 
         row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)

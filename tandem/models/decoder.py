@@ -62,7 +62,8 @@ class Attention(nn.Module):
                 and attn.fuses_kv_store and not self.qk_norm)
 
     def forward(self, x: Tensor | NormedRow, positions: Tensor, attn: AttnMetadata, k_cache: Tensor,
-                v_cache: Tensor) -> Tensor:
+                v_cache: Tensor, add_to: Tensor | None = None) -> Tensor | AddedRow:
+        """-> o_proj(attention(x)); with add_to (the residual stream, one row): added into it."""
         n = positions.shape[0]
         rotated = self.rotates_in_projection(x, attn)
         if rotated:  # one launch projects, rotates and stores k, v
@@ -84,7 +85,10 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
             o = attn.attend(q, k, v, k_cache, v_cache, self.scale)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        o = o.reshape(n, self.num_heads * self.head_dim)
+        if add_to is not None:
+            return self.o_proj.forward_add_(o, add_to)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -135,7 +139,9 @@ class DecoderLayer(nn.Module):
         residual stream (an AddedRow); residual: the stream. -> (this layer's output, the stream).
         Same arithmetic as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into
         the next norm; for one row on the GPU the MLP's add runs in the down projection's GEMV
-        and the next layer's input norm in its qkv GEMV (see tandem/kernels/gemv.py)."""
+        and the next layer's input norm in its qkv GEMV (see tandem/kernels/gemv.py); where the gate | up
+        GEMV normalizes its input (fp8 weights, GemvLinear.normalizes_row) the attention's add runs in
+        the o projection's GEMV and the post-attention norm in gate_up's."""
         if residual is None:
             residual = x  # the embedding output becomes the residual stream (updated in place)
             h = self.input_layernorm(x)
@@ -146,8 +152,12 @@ class DecoderLayer(nn.Module):
         fused = self.fuses_row(residual)
         if isinstance(h, NormedRow) and not fused:  # the previous layer added; this one has no GEMVs
             h = h.norm(residual)
-        h = self.self_attn(h, positions, attn, k_cache, v_cache)
-        h = self.post_attention_layernorm(h, residual)
+        if fused and self.mlp.gate_up_proj.normalizes_row():  # o adds, gate_up normalizes
+            added = self.self_attn(h, positions, attn, k_cache, v_cache, add_to=residual)
+            h = NormedRow(residual, self.post_attention_layernorm, added.sumsq)
+        else:
+            h = self.self_attn(h, positions, attn, k_cache, v_cache)
+            h = self.post_attention_layernorm(h, residual)
         return self.mlp(h, add_to=residual if fused else None), residual
 
 
