@@ -366,7 +366,7 @@ def hf_peer(target_shape, draft_shape, args, results) -> None:
     for name, kw in (("hf_generate", {}), ("hf_assisted", {"assistant_model": draft})):
         target.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)
         # The first full-length run is the cold one: every new sequence length pays first-call costs
-        # (H200, 8B: 18 tok/s cold, 44-47 warm). The peer is the median of the warm runs after it.
+        # (H200, 8B: 16.6-18.1 tok/s cold, 31-47 warm). The peer is the median of the warm runs after it.
         samples = []
         for _ in range(1 + args.hf_repeats):
             torch.cuda.synchronize()
