@@ -20,12 +20,15 @@ against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-
 a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
-Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch plainly but release
-the kernel after them once their main loop is done, so the small kernel that follows (a norm,
-the attention, SiLU-and-mul) is launched and waiting when they finish. Launched with PDL
-themselves (programs placed while the kernel before still runs, as the one-row GEMVs are), the
-8B's down projection at 5 rows took 60 us after silu_and_mul against 32 us launched plainly (H200,
-bench/gpu_profile.py --sections verify).
+Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch with PDL (programs
+placed while the kernel before still runs; each waits for it before its first load) and release
+the kernel after them once their main loop is done, so the small kernel that follows (a norm, the
+attention) is launched and waiting when they finish. H200, k = 4 rounds at 0.8 (bench/gpu_bench.py
+--env-ab TANDEM_ROWS_PDL=0, two runs): bf16 draft 8.22 -> 8.20 ms, fp8 draft 7.54 -> 7.51. When a
+separate silu_and_mul kernel still preceded the down projection, a PDL launch had doubled the 8B
+down's time at 5 rows (60 against 32 us); enough pipeline stages to keep a second program off each
+SM (> 114 KB of shared memory) made the rounds slower with or without PDL (8.23 -> 8.51 / 8.69 ms).
+TANDEM_ROWS_PDL=0 launches them plainly (A/B).
 
 gemm_rows(act="silu_mul") is the packed gate | up projection with SiLU-and-mul in its epilogue:
 a program's weight tile holds the gate rows and the up rows of the same output columns, so it
@@ -42,6 +45,8 @@ The wrappers take sizes from tensor shapes only (no device-to-host reads): graph
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -49,7 +54,7 @@ from torch import Tensor
 
 from tandem.kernels.fused import _numerics, _round
 from tandem.kernels.gemv import _check_weight, _mul_rn, _silu_mul
-from tandem.kernels.pdl import pdl_enabled, release_next
+from tandem.kernels.pdl import pdl_enabled, release_next, wait_only
 
 MAX_ROWS = 16
 
@@ -116,12 +121,14 @@ def _rows_kernel(
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
     """SILU_MUL: a packed gate | up projection whose output is silu(gate) * up: a program owns
     BLOCK_N / 2 output columns, its weight tile their gate rows then their up rows (one dot, as the
     qkv kernel's rotary pairs), and its epilogue multiplies them with the silu_and_mul kernel's
     rounding; the separate activation kernel and the [M, N] intermediate disappear."""
     pid = tl.program_id(0)
+    wait_only(PDL_WAIT)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if SILU_MUL:
@@ -196,10 +203,12 @@ def _rows_qkv_rope_kernel(
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
     """A q or k program owns 16 rotary pairs of one head: weight rows d .. d + 15 (x1) and
     d + D/2 .. d + D/2 + 15 (x2); a v program owns 32 rows of v (rows1, then rows2)."""
     pid = tl.program_id(0)
+    wait_only(PDL_WAIT)
     dtype = out_ptr.dtype.element_ty
     PAIRS: tl.constexpr = 16
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -270,9 +279,11 @@ def _rows_qkv_rope_kernel(
 
 
 def _launch_flags(x: Tensor) -> dict:
-    """A plain launch (its programs placed once the kernel before has finished) that releases
-    the next kernel after its main loop."""
-    return dict(PDL=pdl_enabled(x), launch_pdl=False)
+    """A PDL launch (programs placed while the kernel before runs, waiting for it before their first
+    load) that releases the next kernel after its main loop; TANDEM_ROWS_PDL=0: a plain launch."""
+    on = pdl_enabled(x)
+    wait = on and os.environ.get("TANDEM_ROWS_PDL", "1") == "1"
+    return dict(PDL=on, PDL_WAIT=wait, launch_pdl=wait)
 
 
 def rows_config(n: int, k: int) -> tuple[int, int, int, int]:

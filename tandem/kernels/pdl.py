@@ -9,11 +9,11 @@ finished and its writes are visible. The launch and the programs' placement over
 kernel's tail instead of following it.
 
 The rule every kernel here keeps: a kernel launched with PDL calls `wait_for_inputs` (or
-`release_then_wait`) first, in every program, before it reads or writes any memory. Waiting is
-transitive (a kernel finishes only after its own wait returned), so a kernel may read what any
-earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for everything
-before them as usual. The few-row GEMMs (gemm_rows.py) launch plainly too, but release the
-kernel after them (`release_next`) once their main loop is done.
+`release_then_wait`, `wait_only`) first, in every program, before it reads or writes any
+memory. Waiting is transitive (a kernel finishes only after its own wait returned), so a kernel
+may read what any earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for everything
+before them as usual. The few-row GEMMs (gemm_rows.py) wait first (`wait_only`) and release the
+kernel after them (`release_next`) only once their main loop is done.
 
 One exception: the attention reads the step's metadata (cu_q_lens, seq_lens) before its wait.
 That metadata is written before the forward's first kernel, the embedding lookup, a torch kernel
@@ -77,9 +77,16 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
+def wait_only(PDL: tl.constexpr):
+    """Wait until the previous kernel has finished (the next kernel is released later, by release_next)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def release_next(PDL: tl.constexpr):
-    """Let the next kernel start: for a kernel launched plainly (no wait needed), called once its
-    main loop is done (tandem/kernels/gemm_rows.py)."""
+    """Let the next kernel start: called once a kernel's main loop is done, where its programs
+    would otherwise share their SMs with the next kernel's early (tandem/kernels/gemm_rows.py)."""
     if PDL:
         gdc_launch_dependents()
 

@@ -23,7 +23,8 @@ if INTERPRET:  # must precede the first `import triton`: @triton.jit reads it at
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import silu_and_mul  # noqa: E402
-from tandem.kernels.gemv import RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config, gemv_qkv_rope  # noqa: E402
+from tandem.kernels.gemv import (  # noqa: E402
+    RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config, gemv_qkv_rope, qkv_block_k)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_fused import ulp_dist  # noqa: E402
 
@@ -315,7 +316,7 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torc
     v_cache = k_cache.clone()
     out = gemv_qkv_rope(x, w, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots, norm=row_norm,
                         block_k=block_k)
-    block_k = block_k or min(512, triton.next_power_of_2(k))
+    block_k = block_k or qkv_block_k(k, fp8=False)
     ref = gemv(x, w, b, config=(8, block_k, 4), norm=row_norm)
     assert_rope_store_matches(out, ref, k_cache, v_cache, pos, rot, slots, heads, kv_heads)
     assert k_cache.isnan().sum().item() == k_cache.numel() - (kv_heads * head_dim if slot >= 0 else 0)
