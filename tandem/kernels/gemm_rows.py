@@ -21,15 +21,14 @@ a register shuffle a step and no time off the catch-up. The engine still sends t
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
 Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch with PDL (programs
-placed while the kernel before still runs; each waits for it before its first load) and release
-the kernel after them once their main loop is done, so the small kernel that follows (a norm, the
+placed while the kernel before still runs; each waits for it before its first load) and release the
+kernel after them once their main loop is done, so the small kernel that follows (a norm, the
 attention) is launched and waiting when they finish. H200, k = 4 rounds at 0.8 (bench/gpu_bench.py
---env-ab TANDEM_ROWS_PDL=0, three runs): bf16 draft 8.22-8.23 -> 8.19-8.20 ms, fp8 draft 7.51-7.54 ->
-7.48-7.51. When a
-separate silu_and_mul kernel still preceded the down projection, a PDL launch had doubled the 8B
-down's time at 5 rows (60 against 32 us); enough pipeline stages to keep a second program off each
-SM (> 114 KB of shared memory) made the rounds slower with or without PDL (8.23 -> 8.51 / 8.69 ms).
-TANDEM_ROWS_PDL=0 launches them plainly (A/B).
+--env-ab TANDEM_ROWS_PDL=0, three runs): bf16 draft 8.22-8.23 -> 8.19-8.20 ms, fp8 draft 7.51-7.54
+-> 7.48-7.51. When a separate silu_and_mul kernel still preceded the down projection, a PDL launch
+had doubled the 8B down's time at 5 rows (60 against 32 us); enough pipeline stages to keep a second
+program off each SM (> 114 KB of shared memory) made the rounds slower with or without PDL (8.23 ->
+8.51 / 8.69 ms). TANDEM_ROWS_PDL=0 launches them plainly (A/B).
 
 gemm_rows(act="silu_mul") is the packed gate | up projection with SiLU-and-mul in its epilogue:
 a program's weight tile holds the gate rows and the up rows of the same output columns, so it

@@ -9,9 +9,9 @@ finished and its writes are visible. The launch and the programs' placement over
 kernel's tail instead of following it.
 
 The rule every kernel here keeps: a kernel launched with PDL calls `wait_for_inputs` (or
-`release_then_wait`, `wait_only`) first, in every program, before it reads or writes any
-memory. Waiting is transitive (a kernel finishes only after its own wait returned), so a kernel
-may read what any earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for everything
+`release_then_wait`, `wait_only`) first, in every program, before it reads or writes any memory.
+Waiting is transitive (a kernel finishes only after its own wait returned), so a kernel may read
+what any earlier kernel wrote. Kernels launched without PDL (torch's, cuBLAS's) wait for everything
 before them as usual. The few-row GEMMs (gemm_rows.py) wait first (`wait_only`) and release the
 kernel after them (`release_next`) only once their main loop is done.
 
