@@ -311,6 +311,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                           f"tok/s, x{r['cublas_speedup']:.2f} (of cuBLAS target-only; x"
                           f"{r['cublas_speedup_at_expected']:.2f} at the expected acceptance), round "
                           f"{c['ms_per_step']:.2f} ms, draft step {r['cublas_draft_step_ms']:.2f} ms", flush=True)
+        write_json(args.out, results)  # after every k: a sweep cut short by a time limit keeps what it measured
         free(llm, sp)
 
 
