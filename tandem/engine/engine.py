@@ -19,7 +19,8 @@ from tandem.engine.detokenizer import Detokenizer, DetokState
 from tandem.errors import RequestError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
-from tandem.runner.memory import num_kv_blocks
+from tandem.oom import OutOfMemoryGuard
+from tandem.runner.memory import budget_setting, bytes_per_block, num_kv_blocks
 from tandem.runner.model_runner import Launched, ModelRunner
 from tandem.sampling_params import MAX_SEED, SamplingParams
 from tandem.scheduler.request import Request
@@ -69,17 +70,23 @@ class Engine:
         self.cfg = dataclasses.replace(cfg, cache=cache)
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         vocab = speculator_factory.vocab_size if speculator_factory is not None else None
-        self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, vocab_size=vocab)
+        kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)
+        with OutOfMemoryGuard(cfg.device, f"allocating the KV cache ({num_blocks} blocks, {kv_bytes / 2**30:.1f} GiB)",
+                              f"lower {budget_setting(cfg)}"):
+            self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, vocab_size=vocab)
+            if speculator_factory is not None:
+                self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
         self.spec_metrics = None
         if speculator_factory is not None:
             from tandem.spec.metrics import SpecMetrics
 
-            self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
             self.spec_metrics = SpecMetrics(k)
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
         if cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False):
-            self.capture_graphs()
+            with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
+                                  f"lower max_num_seqs or {budget_setting(cfg)}, or pass enforce_eager=True"):
+                self.capture_graphs()
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
         if self.async_scheduling:

@@ -14,6 +14,7 @@ from tandem.layers.gpu_linear import prepare_gpu_linears
 from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
+from tandem.oom import OutOfMemoryGuard, check_weights_fit
 
 # Checkpoint entries that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,12 +44,23 @@ def _packed_target(name: str) -> tuple[str, str, int] | None:
     return None
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> CausalLM:
-    """Instantiate the model without initialising it, then fill every parameter once."""
+def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dtype_field: str = "dtype") -> CausalLM:
+    """Instantiate the model without initialising it, then fill every parameter once.
+
+    field, dtype_field: the settings that chose the model and its dtype, named by the ConfigError
+    raised for weights that cannot fit on the GPU or that run it out of memory while loading."""
+    what = f"{field}={cfg.path!r} in {str(cfg.dtype).removeprefix('torch.')}"
+    fix = f"use a smaller {field}, or a smaller {dtype_field}"
+    with OutOfMemoryGuard(device, f"loading the weights of {what}", fix):
+        return _build(cfg, device, what, fix)  # nothing of it referenced here: an error releases it all
+
+
+def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str) -> CausalLM:
     cls = model_class(cfg.arch)
     with torch.device("meta"):
         model = cls(cfg.arch, cfg.max_model_len, rope_device=device)
     params = dict(model.named_parameters())  # tied weights appear once
+    check_weights_fit(sum(p.numel() for p in params.values()) * cfg.dtype.itemsize, device, what, fix)
     if cfg.load_format == "dummy":
         tensors = _dummy_tensors(params, cfg, device)
     else:

@@ -8,6 +8,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.models.decoder import KVCache
+from tandem.oom import OutOfMemoryGuard
 
 logger = logging.getLogger("tandem")
 
@@ -20,7 +21,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
     cache, sched = cfg.cache, cfg.sched
-    per_block = KVCache.bytes_per_block(cfg.model.arch, cache.block_size, cfg.model.dtype) + draft_bytes_per_block
+    per_block = bytes_per_block(cfg, draft_bytes_per_block)
     tokens_per_req = sched.max_model_len + sched.num_lookahead_tokens
     blocks_per_req = -(-tokens_per_req // cache.block_size)
     if cache.num_blocks is not None:
@@ -30,7 +31,9 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         budget = cache.kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={budget}"
     elif cfg.device.type == "cuda":
-        _profile_forward(cfg, model)
+        with OutOfMemoryGuard(cfg.device, f"profiling the largest step (max_num_batched_tokens={sched.max_num_batched_tokens})",
+                              "lower max_num_batched_tokens"):
+            _profile_forward(cfg, model)
         budget = _gpu_budget(cfg)
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
@@ -42,11 +45,24 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         raise ConfigError(
             f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
             f"({per_block} bytes each), but one request of max_model_len={sched.max_model_len} needs "
-            f"{blocks_per_req} blocks ({need} bytes); raise {source.split('=')[0].split(' ')[0]} or lower "
-            f"max_model_len"
+            f"{blocks_per_req} blocks ({need} bytes); raise {budget_setting(cfg)} or lower max_model_len"
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
     return num_blocks
+
+
+def bytes_per_block(cfg: EngineConfig, draft_bytes_per_block: int = 0) -> int:
+    """KV bytes of one block id: the target's and the draft's together."""
+    return KVCache.bytes_per_block(cfg.model.arch, cfg.cache.block_size, cfg.model.dtype) + draft_bytes_per_block
+
+
+def budget_setting(cfg: EngineConfig) -> str:
+    """The setting that decides the KV pool's size."""
+    if cfg.cache.num_blocks is not None:
+        return "num_gpu_blocks_override"
+    if cfg.cache.kv_cache_memory_bytes is not None or cfg.device.type != "cuda":
+        return "kv_cache_memory_bytes"
+    return "gpu_memory_utilization"
 
 
 @torch.inference_mode()

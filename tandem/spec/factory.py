@@ -45,7 +45,7 @@ class SpeculatorFactory:
         self.vocab_size = self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization)
-        self.model = load_model(self.draft_cfg, device)
+        self.model = load_model(self.draft_cfg, device, "speculative_config model", "speculative_config dtype")
         if spec.synthetic:
             logger.warning(
                 "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "

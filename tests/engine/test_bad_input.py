@@ -157,13 +157,13 @@ def test_bool_engine_argument(model_dir, kwargs, field):
 
 
 def test_kv_budget_too_small_for_one_request(model_dir):
-    with pytest.raises(ConfigError, match="kv_cache_memory_bytes") as e:
+    with pytest.raises(ConfigError, match="raise kv_cache_memory_bytes or lower max_model_len$") as e:
         LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=10_000)
     assert f"max_model_len={MAX_LEN}" in str(e.value)
 
 
 def test_too_few_override_blocks_names_the_argument(model_dir):
-    with pytest.raises(ConfigError, match="num_gpu_blocks_override"):
+    with pytest.raises(ConfigError, match="raise num_gpu_blocks_override or lower max_model_len$"):
         LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, num_gpu_blocks_override=1)
 
 

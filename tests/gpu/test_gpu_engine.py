@@ -1,10 +1,14 @@
 """GPU: speculative greedy output equals target-only output; graphs equal eager; fp32 and bf16;
 async scheduling equals synchronous; a steady step waits for the device once; dependent launches
-equal plain ones."""
+equal plain ones; running out of memory at start-up names the setting and releases the memory."""
+import gc
+import json
+
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.errors import ConfigError
 from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -193,3 +197,52 @@ def test_fp8_draft_on_gpu(models, monkeypatch):
         assert abs(llm.engine.spec_metrics.acceptance_rate - llm_eager.engine.spec_metrics.acceptance_rate) <= 0.02
         lin = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj
         assert lin.w8.dtype == torch.float8_e4m3fn and lin.kernel_weight is lin.w8
+
+
+def _config_dir(path, **shape):
+    """A config.json-only Llama (load_format="dummy")."""
+    path.mkdir(parents=True)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
+                  torch_dtype="bfloat16", tie_word_embeddings=False) | shape
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def test_out_of_memory_names_the_setting(models, tmp_path, monkeypatch):
+    """Weights that cannot fit are refused before loading (target and draft); a real out-of-memory
+    while loading (that check bypassed) or while profiling the largest step is a ConfigError naming
+    the setting; what the failed step allocated is released, and the next engine runs."""
+    target, _ = models
+    before = _allocated()
+    giant = _config_dir(tmp_path / "giant", hidden_size=16384, intermediate_size=53248, num_hidden_layers=64,
+                        num_attention_heads=128, num_key_value_heads=8, vocab_size=320, max_position_embeddings=1024)
+    dummy = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=512)
+    with pytest.raises(ConfigError, match=r"^model='.*giant' in bfloat16: the weights need 3\d\d\.\d GiB, the GPU "
+                                          r"has .* free of .*; use a smaller model, or a smaller dtype$"):
+        LLM(giant, **dummy)
+    with pytest.raises(ConfigError, match=r"^speculative_config model='.*giant' in bfloat16: the weights need .*; use "
+                                          r"a smaller speculative_config model, or a smaller speculative_config dtype$"):
+        LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+            speculative_config=dict(model=giant, num_speculative_tokens=2, draft_load_format="dummy"))
+    assert _allocated() - before < 64 << 20
+    with monkeypatch.context() as m:
+        m.setattr("tandem.models.loader.check_weights_fit", lambda *args: None)
+        with pytest.raises(ConfigError, match=r"^loading the weights of model='.*giant' in bfloat16 ran out of GPU "
+                                              r"memory: .* free of .*; use a smaller model, or a smaller dtype$"):
+            LLM(giant, **dummy)
+    assert _allocated() - before < 64 << 20
+    n = 1 << 23  # one 8M-token prefill: its activations (> 200 GiB) cannot fit, the 1.4 GiB of weights can
+    long = _config_dir(tmp_path / "long", hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=n)
+    with pytest.raises(ConfigError, match=rf"^profiling the largest step \(max_num_batched_tokens={n}\) ran out of "
+                                          r"GPU memory: .*; lower max_num_batched_tokens$"):
+        LLM(long, **(dummy | dict(max_model_len=n, max_num_batched_tokens=n, max_num_seqs=1)))
+    assert _allocated() - before < 64 << 20
+    outs, _ = _run(target, "bfloat16")
+    assert all(len(t) == 48 for t in outs)

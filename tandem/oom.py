@@ -1,0 +1,67 @@
+"""GPU out-of-memory as a ConfigError that names the setting to change.
+
+Start-up allocates in four places that a configuration can overrun: the weights (the model and
+its dtype), the profiling forward (max_num_batched_tokens), the KV pool (its budget's setting)
+and the CUDA graphs (max_num_seqs, enforce_eager). `OutOfMemoryGuard` wraps each: torch's
+OutOfMemoryError inside becomes a ConfigError that says what was being allocated, how much the
+device has, and the fix. The failed step's tensors are released before it is raised (the
+finished frames of the error's traceback are cleared and the allocator's cache emptied), so a
+process that catches it can go on, or retry with other settings, without a restart.
+
+`check_weights_fit` refuses weights that cannot fit before a byte is allocated.
+"""
+from __future__ import annotations
+
+import gc
+import traceback
+
+import torch
+
+from tandem.errors import ConfigError
+
+GiB = 1 << 30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def device_memory(device: torch.device) -> str:
+    """'X GiB free of Y GiB' (and what other processes hold, when they hold more than 1 GiB)."""
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    held = f" (other processes hold {_gib(others)})" if others > GiB else ""
+    return f"{_gib(free)} free of {_gib(total)}{held}"
+
+
+def check_weights_fit(num_bytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Raise ConfigError when num_bytes of weights exceed the device's free memory (CUDA only)."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if num_bytes > free:
+        raise ConfigError(f"{what}: the weights need {_gib(num_bytes)}, the GPU has {device_memory(device)}; {fix}")
+
+
+class OutOfMemoryGuard:
+    """`with OutOfMemoryGuard(device, doing, fix):` turns a CUDA out-of-memory error in the body into
+    ConfigError(f"{doing} ran out of GPU memory (...); {fix}"), after releasing what the body held."""
+
+    def __init__(self, device: torch.device, doing: str, fix: str):
+        self.device, self.doing, self.fix = device, doing, fix
+
+    def __enter__(self) -> OutOfMemoryGuard:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None or not issubclass(exc_type, torch.OutOfMemoryError):
+            return
+        traceback.clear_frames(tb)  # the finished frames' locals (the tensors of the failed step); running ones stay
+        del exc, tb
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            memory = f": {device_memory(self.device)}"
+        else:
+            memory = ""
+        raise ConfigError(f"{self.doing} ran out of GPU memory{memory}; {self.fix}") from None
