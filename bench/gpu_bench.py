@@ -276,14 +276,15 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 verify_ms, catchup_ms, round_ms = graphs_ms
                 decode_ms = ref["graph_ms"]  # the target-only engine's decode graph (this engine never decodes)
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
-                r.update(k=k, batch=b, profile=pname, draft_quantization=quant, speedup=r["tok_s"] / ref["tok_s"],
+                r.update(target=tname, draft=dname, k=k, batch=b, profile=pname, draft_quantization=quant,
+                         speedup=r["tok_s"] / ref["tok_s"],
                          # the same round time at the expected tokens per round (no sampling luck)
                          speedup_at_expected=expected * ref["ms_per_step"] / r["ms_per_step"],
                          mean_acceptance_length=1 + acc / max(rounds, 1), expected_acceptance_length=expected,
                          verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
                          draft_step_ms=round_ms / k, decode_ms=decode_ms, verify_ms=verify_ms)
                 results["synthetic"].append(r)
-                print(f"[synthetic{tag}] k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
+                print(f"[synthetic{tag}] {tname} / {dname} k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
                       f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
                 for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
@@ -407,14 +408,24 @@ def main(argv=None) -> int:
     p.add_argument("--draft-quantization", default="none",
                    help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
+    p.add_argument("--pairs", default="llama,qwen",
+                   help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    target, draft = (("tiny", TINY), ("tiny-draft", TINY_DRAFT)) if args.quick else (
-        ("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B))
+    pairs = {"llama": (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)),
+             "qwen": (("qwen-1.5b", QWEN_15B), ("qwen-0.5b", QWEN_05B))}
+    if args.quick:
+        spec_pairs = [(("tiny", TINY), ("tiny-draft", TINY_DRAFT))]
+    else:
+        unknown = set(args.pairs.split(",")) - set(pairs)
+        if unknown:
+            p.error(f"--pairs: unknown {sorted(unknown)}; use some of {sorted(pairs)}")
+        spec_pairs = [pairs[name] for name in args.pairs.split(",")]
+    target, draft = spec_pairs[0] if args.quick else pairs["llama"]  # the roofline bar, eps pair and peer
     batches = [1, 8] if args.quick else [1, 8, 32, 64]
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
@@ -433,11 +444,14 @@ def main(argv=None) -> int:
         spec_batches = [1] if args.quick else [1, 8]  # the synthetic section's batches need a baseline
         if args.batches:
             spec_batches = batches
-        base = target_only(root, shapes if full else [target], batches if full else spec_batches, args, bw, results)
+        pair_targets = [t for t, _ in spec_pairs] if "synthetic" in sections else []
+        needed = shapes if full else list({name: (name, shape) for name, shape in [target] + pair_targets}.values())
+        base = target_only(root, needed, batches if full else spec_batches, args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
             ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))
-            synthetic(root, target, draft, base, ks, profiles, spec_batches, args, results)
+            for pair_target, pair_draft in spec_pairs:
+                synthetic(root, pair_target, pair_draft, base, ks, profiles, spec_batches, args, results)
         write_json(args.out, results)
         if "eps" in sections:
             eps_pair(root, target[1], target[0], base, [0.1, 0.05, 0.02, 0.0], args, results)
@@ -448,13 +462,13 @@ def main(argv=None) -> int:
     rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
              f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
     print_table(["model", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "roofline"], rows)
-    rows = [(r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-", f"{r['tok_s']:.0f}",
-             f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
+    rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-",
+             f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
              f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",
              f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
     if rows:
-        print_table(["k", "batch", "profile", "draft quant", "tok/s", "speedup", "at expected AL", "AL real / expected",
-                     "verify/decode", "draft ms/step"], rows)
+        print_table(["pair", "k", "batch", "profile", "draft quant", "tok/s", "speedup", "at expected AL",
+                     "AL real / expected", "verify/decode", "draft ms/step"], rows)
     rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
             for r in results["eps_pair"]]
     if rows:
