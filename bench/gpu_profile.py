@@ -35,7 +35,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, print_table, write_json  # noqa: E402
-from bench.gpu_bench import LLAMA_1B, LLAMA_8B, copy_bandwidth, graph_time, make_llm, write_config  # noqa: E402
+from bench.gpu_bench import (LLAMA_1B, LLAMA_8B, QWEN_05B, QWEN_15B, copy_bandwidth, graph_time,  # noqa: E402
+                              make_llm, write_config)
+
+PAIRS = {"llama": (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)),
+         "qwen": (("qwen-1.5b", QWEN_15B), ("qwen-0.5b", QWEN_05B))}
 
 
 def drive(llm, batch: int, prompt_len: int, steps: int, hook=None) -> list[float]:
@@ -295,7 +299,8 @@ def verify_section(root: Path, args, results: dict) -> None:
     from bench.gpu_bench import env_variant
 
     k = 4
-    tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
+    (tname, tshape), (dname, dshape) = PAIRS[args.pair]
+    tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
     spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                 synthetic_acceptance_rates=[0.8] * k, draft_load_format="dummy")
     llm = make_llm(tdir, spec, 4, args.max_model_len)
@@ -328,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="linear,target,spec")
     p.add_argument("--timeline", default="", metavar="PREFIX",
                    help="--sections gaps: write each profile's device timeline to PREFIX.<label>.txt")
+    p.add_argument("--pair", default="llama", choices=sorted(PAIRS),
+                   help="--sections verify: the target / draft shapes (llama: 8B / 1B, qwen: Qwen2.5-Coder 1.5B / 0.5B)")
     p.add_argument("--first", type=int, default=14,
                    help="--sections verify: kernels of the draft round listed in order")
     p.add_argument("--skip", type=int, default=0,
