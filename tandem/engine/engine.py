@@ -65,7 +65,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
-        num_blocks = num_kv_blocks(cfg, model, draft_bytes)
+        draft_model = speculator_factory.model if speculator_factory is not None else None
+        buffers = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
+        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, buffers)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0

@@ -15,8 +15,12 @@ logger = logging.getLogger("tandem")
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
-def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> int:
-    """Blocks that fit the budget, counting target and draft KV bytes per block together.
+def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draft_model=None,
+                  draft_buffer_bytes: int = 0) -> int:
+    """Blocks that fit the budget, counting target and draft KV bytes per block together. On a
+    GPU sized from gpu_memory_utilization, the largest step of both models is profiled (the draft
+    runs the same prefill chunks) and draft_buffer_bytes (the speculator's per-slot buffers,
+    allocated after the pool) are set aside.
 
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
@@ -34,7 +38,9 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0) -> i
         with OutOfMemoryGuard(cfg.device, f"profiling the largest step (max_num_batched_tokens={sched.max_num_batched_tokens})",
                               "lower max_num_batched_tokens"):
             _profile_forward(cfg, model)
-        budget = _gpu_budget(cfg)
+            if draft_model is not None:
+                _profile_forward(cfg, draft_model)
+        budget = _gpu_budget(cfg) - draft_buffer_bytes
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)
@@ -68,14 +74,15 @@ def budget_setting(cfg: EngineConfig) -> str:
 @torch.inference_mode()
 def _profile_forward(cfg: EngineConfig, model) -> None:
     """Run the largest step the scheduler can emit (max_num_batched_tokens tokens, logits for
-    every sequence's verification rows) against a scratch KV cache, so the allocator's peak
-    includes activations before the KV pool takes what is left."""
+    every sequence's verification rows) through model (the target, or the draft) against a
+    scratch KV cache, so the allocator's peak includes activations before the KV pool takes what
+    is left."""
     from tandem.layers.backend import AttnBackend
 
     n = min(cfg.sched.max_num_batched_tokens, cfg.sched.max_model_len)
     bs = cfg.cache.block_size
     num_blocks = -(-n // bs)
-    kv = KVCache(cfg.model.arch, num_blocks, bs, cfg.model.dtype, cfg.device)
+    kv = KVCache(model.arch, num_blocks, bs, model.model.embed_tokens.weight.dtype, cfg.device)
     meta = AttnBackend(bs, cfg.device).prefill([0], [n], [list(range(num_blocks))])
     ids = torch.zeros(n, dtype=torch.int64, device=cfg.device)
     hidden = model(ids, torch.arange(n, device=cfg.device), meta, kv)

@@ -69,6 +69,12 @@ class DraftSpeculator:
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: DraftGraphs | None = None
 
+    @staticmethod
+    def buffer_bytes(spec: SpeculativeConfig, vocab_size: int, max_num_seqs: int) -> int:
+        """Bytes of drafts and (probabilistic drafts) draft_logits, as __init__ allocates them."""
+        logits = max_num_seqs * spec.k * vocab_size * 4 if spec.draft_sample_method == "probabilistic" else 0
+        return (max_num_seqs + 1) * spec.k * 8 + logits
+
     def capture_graphs(self, max_num_reqs: int, max_blocks: int) -> None:
         """Capture the catch-up forward and the greedy draft loop (CUDA only)."""
         self.graphs = DraftGraphs(

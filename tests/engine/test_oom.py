@@ -45,3 +45,20 @@ def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch):
                             "80.0 GiB (other processes hold 70.0 GiB); use a smaller model, or a smaller dtype")
     check_weights_fit(8 * GiB, cuda, "model='small'", "-")  # fits
     check_weights_fit(1 << 50, torch.device("cpu"), "model='big'", "-")  # host memory is not checked
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_the_budget_sets_aside_the_speculators_buffers(tmp_path, method):
+    """What DraftSpeculator.buffer_bytes reports (and the GPU's KV budget subtracts) is what the
+    speculator allocates."""
+    from tandem import LLM
+    from tandem.spec.speculator import DraftSpeculator
+    from tests.helpers import make_hf_model
+
+    target = make_hf_model(tmp_path / "t", "llama")
+    draft = make_hf_model(tmp_path / "d", "llama", num_layers=1, seed=2)
+    llm = LLM(str(target), dtype="float32", max_model_len=64, max_num_seqs=5,
+              speculative_config=dict(model=str(draft), num_speculative_tokens=3, draft_sample_method=method))
+    sp = llm.engine.runner.speculator
+    held = sp.drafts.nbytes + (sp.draft_logits.nbytes if sp.draft_logits is not None else 0)
+    assert DraftSpeculator.buffer_bytes(llm.engine.cfg.spec, sp.vocab_size, 5) == held

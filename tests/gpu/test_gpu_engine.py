@@ -246,3 +246,27 @@ def test_out_of_memory_names_the_setting(models, tmp_path, monkeypatch):
     assert _allocated() - before < 64 << 20
     outs, _ = _run(target, "bfloat16")
     assert all(len(t) == 48 for t in outs)
+
+
+def test_kv_pool_leaves_room_for_the_drafts_step(tmp_path):
+    """Both models' largest step is profiled before the pool takes what gpu_memory_utilization leaves:
+    a draft far wider than its target (its 32k-token prefill needs ~3 GiB the target's does not)
+    keeps the process's peak within the fraction."""
+    n = 1 << 15
+    shape = dict(num_key_value_heads=2, vocab_size=32000, max_position_embeddings=n)
+    target = _config_dir(tmp_path / "t", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, **shape)
+    draft = _config_dir(tmp_path / "d", hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+                        num_attention_heads=32, **shape)
+    _allocated()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(target, dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=n, max_num_seqs=4,
+              max_num_batched_tokens=n, gpu_memory_utilization=0.3,
+              speculative_config=dict(model=draft, num_speculative_tokens=3, draft_load_format="dummy",
+                                      draft_sample_method="probabilistic"))
+    prompt = {"prompt_token_ids": torch.randint(10, 30000, (n - 8,), generator=torch.Generator().manual_seed(0)).tolist()}
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert torch.cuda.max_memory_allocated() <= 0.3 * total + (256 << 20)
