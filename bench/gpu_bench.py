@@ -41,6 +41,9 @@ QWEN_15B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermedia
                 bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
 QWEN_05B = dict(QWEN_15B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True)
+# Target / draft shapes of the synthetic section (--pairs) and of gpu_profile.py --pair.
+PAIRS = {"llama": (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)),
+         "qwen": (("qwen-1.5b", QWEN_15B), ("qwen-0.5b", QWEN_05B))}
 TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=32000)
 TINY_DRAFT = dict(TINY, num_hidden_layers=1)
@@ -416,16 +419,14 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    pairs = {"llama": (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)),
-             "qwen": (("qwen-1.5b", QWEN_15B), ("qwen-0.5b", QWEN_05B))}
     if args.quick:
         spec_pairs = [(("tiny", TINY), ("tiny-draft", TINY_DRAFT))]
     else:
-        unknown = set(args.pairs.split(",")) - set(pairs)
+        unknown = set(args.pairs.split(",")) - set(PAIRS)
         if unknown:
-            p.error(f"--pairs: unknown {sorted(unknown)}; use some of {sorted(pairs)}")
-        spec_pairs = [pairs[name] for name in args.pairs.split(",")]
-    target, draft = spec_pairs[0] if args.quick else pairs["llama"]  # the roofline bar, eps pair and peer
+            p.error(f"--pairs: unknown {sorted(unknown)}; use some of {sorted(PAIRS)}")
+        spec_pairs = [PAIRS[name] for name in args.pairs.split(",")]
+    target, draft = spec_pairs[0] if args.quick else PAIRS["llama"]  # the roofline bar, eps pair and peer
     batches = [1, 8] if args.quick else [1, 8, 32, 64]
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]

@@ -35,11 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, print_table, write_json  # noqa: E402
-from bench.gpu_bench import (LLAMA_1B, LLAMA_8B, QWEN_05B, QWEN_15B, copy_bandwidth, graph_time,  # noqa: E402
-                              make_llm, write_config)
-
-PAIRS = {"llama": (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)),
-         "qwen": (("qwen-1.5b", QWEN_15B), ("qwen-0.5b", QWEN_05B))}
+from bench.gpu_bench import (LLAMA_1B, LLAMA_8B, PAIRS, copy_bandwidth, graph_time, make_llm,  # noqa: E402
+                              write_config)
 
 
 def drive(llm, batch: int, prompt_len: int, steps: int, hook=None) -> list[float]:
