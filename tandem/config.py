@@ -176,6 +176,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def check_device_support(arch: ArchConfig, device: torch.device, field_name: str = "model") -> None:
+    """Refuse a model shape that the device's kernels do not take (CUDA: the Triton attention and
+    projection kernels need a head_dim that is a multiple of 8, from 16 to 256)."""
+    d = arch.head_dim
+    if device.type == "cuda" and (d % 8 or not 16 <= d <= 256):
+        raise ConfigError(
+            f"{field_name}: head_dim={d} is not supported on CUDA (its kernels take a multiple of 8 from 16 to "
+            f"256); run it with device='cpu'"
+        )
+
+
 def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device) -> torch.dtype:
     """'auto' takes the checkpoint's dtype (float16 becomes bfloat16 on CPU, where it is slow)."""
     if isinstance(dtype, torch.dtype):

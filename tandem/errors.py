@@ -1,4 +1,5 @@
-"""Error types raised for user mistakes. Each message names the field and the fix."""
+"""Error types: user mistakes (TandemError; each message names the field and the fix), and an
+engine step that failed (StepError)."""
 
 
 class TandemError(ValueError):
@@ -11,3 +12,14 @@ class ConfigError(TandemError):
 
 class RequestError(TandemError):
     """A request (prompt or sampling parameters) that cannot be served."""
+
+
+class StepError(RuntimeError):
+    """An engine step failed (out of GPU memory, or a bug) and ended the requests it ran.
+
+    request_ids names them; requests the step did not run are untouched and the engine stays
+    usable. The message says what to change when the cause was a setting (out of memory)."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids

@@ -8,7 +8,9 @@ device has, and the fix. The failed step's tensors are released before it is rai
 finished frames of the error's traceback are cleared and the allocator's cache emptied), so a
 process that catches it can go on, or retry with other settings, without a restart.
 
-`check_weights_fit` refuses weights that cannot fit before a byte is allocated.
+`check_weights_fit` refuses weights that cannot fit before a byte is allocated. A step that runs
+out of memory later, while serving, is the engine's StepError (tandem/engine/engine.py), whose
+message names the same settings; `release_failed_step` frees what it held.
 """
 from __future__ import annotations
 
@@ -56,12 +58,18 @@ class OutOfMemoryGuard:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None or not issubclass(exc_type, torch.OutOfMemoryError):
             return
-        traceback.clear_frames(tb)  # the finished frames' locals (the tensors of the failed step); running ones stay
+        memory = release_failed_step(exc, self.device)
         del exc, tb
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            memory = f": {device_memory(self.device)}"
-        else:
-            memory = ""
         raise ConfigError(f"{self.doing} ran out of GPU memory{memory}; {self.fix}") from None
+
+
+def release_failed_step(exc: BaseException, device: torch.device) -> str:
+    """Free what a step that raised exc held: the finished frames of its traceback (their
+    tensors; running frames stay) and then the allocator's cache. -> ': X GiB free of Y GiB' on
+    CUDA, '' elsewhere, for the error message."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    if device.type != "cuda":
+        return ""
+    torch.cuda.empty_cache()
+    return f": {device_memory(device)}"

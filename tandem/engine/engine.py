@@ -14,12 +14,15 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.engine.detokenizer import Detokenizer, DetokState
-from tandem.errors import RequestError
+from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
-from tandem.oom import OutOfMemoryGuard
+from tandem.oom import OutOfMemoryGuard, release_failed_step
+from tandem.runner.graphs import GraphRunner
 from tandem.runner.memory import budget_setting, bytes_per_block, num_kv_blocks
 from tandem.runner.model_runner import Launched, ModelRunner
 from tandem.sampling_params import MAX_SEED, SamplingParams
@@ -66,15 +69,22 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
         draft_model = speculator_factory.model if speculator_factory is not None else None
-        buffers = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
-        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, buffers)
+        k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
+        # Allocated after the pool: the speculator's per-slot buffers and the graphs' static logits.
+        set_aside = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
+        self.use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+        if self.use_graphs:
+            set_aside += sum(GraphRunner.output_bytes(model, t, cfg.sched.max_num_seqs) for t in self._graph_tokens(k))
+            if speculator_factory is not None:
+                set_aside += speculator_factory.graph_output_bytes(cfg.sched.max_num_seqs)
+        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, set_aside)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
-        k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         vocab = speculator_factory.vocab_size if speculator_factory is not None else None
         kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)
+        self._budget_setting = budget_setting(cfg)  # the setting that sized the KV pool (for errors)
         with OutOfMemoryGuard(cfg.device, f"allocating the KV cache ({num_blocks} blocks, {kv_bytes / 2**30:.1f} GiB)",
-                              f"lower {budget_setting(cfg)}"):
+                              f"lower {self._budget_setting}"):
             self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, vocab_size=vocab)
             if speculator_factory is not None:
                 self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
@@ -85,10 +95,15 @@ class Engine:
             self.spec_metrics = SpecMetrics(k)
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
-        if cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False):
+        self.graph_memory_bytes = 0  # device memory the CUDA graphs took (not in the KV budget)
+        if self.use_graphs:
             with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
-                                  f"lower max_num_seqs or {budget_setting(cfg)}, or pass enforce_eager=True"):
+                                  f"lower max_num_seqs or {self._budget_setting}, or pass enforce_eager=True"):
+                free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()
+                self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
+            logger.info("captured CUDA graphs in %.1f s; they hold %.2f GiB outside the KV budget",
+                        time.monotonic() - t0, self.graph_memory_bytes / 2**30)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
         if self.async_scheduling:
@@ -106,9 +121,14 @@ class Engine:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
         k = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
         max_blocks = -(-(self.cfg.sched.max_model_len + k) // self.cfg.cache.block_size)
-        self.runner.capture_graphs([1] + ([1 + k] if k else []), self.cfg.sched.max_num_seqs, max_blocks)
+        self.runner.capture_graphs(self._graph_tokens(k), self.cfg.sched.max_num_seqs, max_blocks)
         if self.runner.speculator is not None:
             self.runner.speculator.capture_graphs(self.cfg.sched.max_num_seqs, max_blocks)
+
+    @staticmethod
+    def _graph_tokens(k: int) -> list[int]:
+        """Tokens per request of the target's captured steps: decode, and verification of k drafts."""
+        return [1] + ([1 + k] if k else [])
 
     # ---------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -178,33 +198,74 @@ class Engine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of every request that progressed."""
+        """Run one engine step; return the outputs of every request that progressed.
+
+        A step that fails (a CUDA out-of-memory error, a bug) ends the requests it ran, whose
+        device state it may have left half-written, and raises StepError naming them; the engine
+        stays usable and the requests it did not run go on. Out of memory is reported with the
+        settings that leave the step more room."""
         touched = {s.request_id: s for s in self._aborted}
         self._aborted = []
-        if self._inflight is None:
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
-                return [self._output(s) for s in touched.values()]
-            self._inflight = (plan, self.runner.launch(plan), time.monotonic())
-        plan, launched, start = self._inflight
-        self._inflight = None
-        if self.async_scheduling:
-            ahead = self.scheduler.schedule_ahead(plan)
-            if ahead is not None:
-                self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
-        result = self.runner.collect(launched)
-        events = self.scheduler.update(plan, result)
-        self._emit(plan, result, events, start, touched)
-        if self.spec_metrics is not None:
-            self.spec_metrics.observe(plan, result)
-            if start - self._last_log >= self.log_interval_s:
-                self._last_log = start
-                logger.info(self.spec_metrics.log_line())
-        if self._inflight is not None and not self.scheduler.has_unfinished:
-            # Everything stopped at this step: the step launched ahead has no one left to serve.
-            self.runner.collect(self._inflight[1])
+        running: list[StepPlan] = []  # the plans this call launched or collects
+        try:
+            if self._inflight is None:
+                plan = self.scheduler.schedule()
+                if plan.is_empty:
+                    return [self._output(s) for s in touched.values()]
+                running.append(plan)
+                self._inflight = (plan, self.runner.launch(plan), time.monotonic())
+            plan, launched, start = self._inflight
             self._inflight = None
+            running = [plan]
+            if self.async_scheduling:
+                ahead = self.scheduler.schedule_ahead(plan)
+                if ahead is not None:
+                    running.append(ahead)
+                    self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
+            result = self.runner.collect(launched)
+            events = self.scheduler.update(plan, result)
+            self._emit(plan, result, events, start, touched)
+            if self.spec_metrics is not None:
+                self.spec_metrics.observe(plan, result)
+                if start - self._last_log >= self.log_interval_s:
+                    self._last_log = start
+                    logger.info(self.spec_metrics.log_line())
+            if self._inflight is not None and not self.scheduler.has_unfinished:
+                # Everything stopped at this step: the step launched ahead has no one left to serve.
+                self.runner.collect(self._inflight[1])
+                self._inflight = None
+        except BaseException as e:
+            self._inflight = None
+            self._aborted[:0] = touched.values()  # reported by the next step
+            ended = self._end_requests_of(running)
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
+                raise
+            raise self._step_error(e, running, ended) from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
+
+    def _end_requests_of(self, plans: list[StepPlan]) -> list[str]:
+        """Abort every request with a sequence in plans; -> their request ids."""
+        ended = []
+        for plan in plans:
+            for item in plan.reqs:
+                seq = self._seq_of.get(item.req_id)
+                if seq is not None and self.abort_request(seq.request_id):
+                    ended.append(seq.request_id)
+        return ended
+
+    def _step_error(self, e: Exception, plans: list[StepPlan], ended: list[str]) -> StepError:
+        num_tokens = max((p.num_tokens for p in plans), default=0)
+        what = f"an engine step ({len(ended)} requests, {num_tokens} tokens)"
+        if isinstance(e, torch.OutOfMemoryError):
+            memory = release_failed_step(e, self.cfg.device)
+            return StepError(
+                f"{what} ran out of GPU memory{memory} and its requests were ended; leave more memory outside "
+                f"the KV cache (lower {self._budget_setting}) or make steps smaller (lower "
+                f"max_num_batched_tokens={self.cfg.sched.max_num_batched_tokens} or "
+                f"max_num_seqs={self.cfg.sched.max_num_seqs})",
+                ended,
+            )
+        return StepError(f"{what} failed and its requests were ended: {e!r}", ended)
 
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:
         now = time.monotonic()

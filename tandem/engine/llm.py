@@ -11,6 +11,7 @@ from tandem.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    check_device_support,
     read_arch_config,
     resolve_device,
     resolve_dtype,
@@ -76,6 +77,7 @@ class LLM:
         dev = resolve_device(device)
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
+        check_device_support(arch, dev)
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
@@ -209,14 +211,20 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # a failed step (StepError), Ctrl-C: end this call's requests, keep the engine
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
 

@@ -97,20 +97,25 @@ class GemvLinear(nn.Module):
                 and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TANDEM_GEMM_ROWS", "1") != "0")
 
-    def forward(self, x: Tensor | NormedRow) -> Tensor:
+    def forward(self, x: Tensor | NormedRow, out: Tensor | None = None) -> Tensor:
+        """out [n, out_features] contiguous: the product is written there (the same bits)."""
         if isinstance(x, NormedRow):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x.row, self.kernel_weight, self.bias, norm=x.row_norm(), w_scale=self.w_scale)
+            return gemv(x.row, self.kernel_weight, self.bias, out=out, norm=x.row_norm(), w_scale=self.w_scale)
         if self.one_row(x):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x, self.kernel_weight, self.bias, w_scale=self.w_scale)
+            return gemv(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
         if self.few_rows(x):
             from tandem.kernels.gemm_rows import gemm_rows
 
-            return gemm_rows(x, self.kernel_weight, self.bias, w_scale=self.w_scale)
-        return F.linear(x, self.weight, self.bias)
+            return gemm_rows(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:  # F.linear's kernels, into out
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
         """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation

@@ -197,6 +197,11 @@ class CausalLM(nn.Module):
             return self.model.norm(residual)
         return self.model.norm(x, residual)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype; out [n, vocab_size]
+        contiguous: written in place and returned (a CUDA graph's static output), the same bits."""
+        if out is None:
+            return self.lm_head(hidden)
+        if isinstance(self.lm_head, GemvLinear):
+            return self.lm_head(hidden, out=out)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # F.linear's kernel (no bias)

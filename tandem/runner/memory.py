@@ -16,11 +16,11 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draft_model=None,
-                  draft_buffer_bytes: int = 0) -> int:
+                  set_aside_bytes: int = 0) -> int:
     """Blocks that fit the budget, counting target and draft KV bytes per block together. On a
     GPU sized from gpu_memory_utilization, the largest step of both models is profiled (the draft
-    runs the same prefill chunks) and draft_buffer_bytes (the speculator's per-slot buffers,
-    allocated after the pool) are set aside.
+    runs the same prefill chunks) and set_aside_bytes (what is allocated after the pool: the
+    speculator's per-slot buffers, the CUDA graphs' static logits) are set aside.
 
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
@@ -37,10 +37,11 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     elif cfg.device.type == "cuda":
         with OutOfMemoryGuard(cfg.device, f"profiling the largest step (max_num_batched_tokens={sched.max_num_batched_tokens})",
                               "lower max_num_batched_tokens"):
+            torch.cuda.reset_peak_memory_stats(cfg.device)  # the peak from here on: not an earlier engine's
             _profile_forward(cfg, model)
             if draft_model is not None:
                 _profile_forward(cfg, draft_model)
-        budget = _gpu_budget(cfg) - draft_buffer_bytes
+        budget = _gpu_budget(cfg) - set_aside_bytes
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.engine.engine import Engine
+from tandem.errors import StepError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.metrics import ServerMetrics
@@ -34,7 +35,8 @@ class EngineStopped(Exception):
 
 
 class EngineStepError(Exception):
-    """An engine step failed; every request in flight at that moment is ended with this error."""
+    """An engine step failed; the requests it ran (every request in flight, when the engine
+    cannot say which) are ended with this error."""
 
 
 _ACCEPTED = object()
@@ -293,7 +295,15 @@ class AsyncEngine:
         self._needs_step = False
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except StepError as e:  # the engine ended the requests of the failed step; the others go on
+            logger.error("engine step failed: %s", e, exc_info=e.__cause__ is not None)
+            error = EngineStepError(f"the engine failed while running this request: {e}")
+            if not e.request_ids:  # it failed before running any (planning): nothing would end it
+                self._abort_all(error)
+            for request_id in e.request_ids:
+                self._abort(request_id, error)
+            return
+        except Exception as e:  # outside any step's requests: the engine's state is unknown
             logger.exception("engine step failed; ending the %d requests in flight", len(self._live))
             self._abort_all(EngineStepError(f"the engine failed while running this request: {e!r}"))
             return

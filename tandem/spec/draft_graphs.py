@@ -30,7 +30,8 @@ class DraftGraphs:
         self.backend = backend
         self.scratch_slot = drafts.shape[0] - 1
         self.max_kv = max_blocks * backend.block_size
-        self.catchup = GraphRunner(model, kv, tokens_per_req=k + 2, max_num_reqs=max_num_reqs, max_blocks=max_blocks,
+        self.catchup = GraphRunner(model, kv, tokens_per_req=self.catchup_tokens(k), max_num_reqs=max_num_reqs,
+                                   max_blocks=max_blocks,
                                    block_size=backend.block_size, device=device, use_triton=backend.use_triton)
         self.slots = torch.full((max_num_reqs,), self.scratch_slot, dtype=torch.int64, device=device)
         self.pos = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
@@ -40,6 +41,11 @@ class DraftGraphs:
         self.sizes = self.catchup.sizes  # one ladder of batch buckets for every draft graph
         self.loops: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @staticmethod
+    def catchup_tokens(k: int) -> int:
+        """Rows per request of the catch-up graph (k + 2)."""
+        return k + 2
 
     def _round(self, n: int) -> None:
         rows = self.new_rows[:n]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, read_arch_config, resolve_dtype
+from tandem.config import (CacheConfig, ModelConfig, SchedulerConfig, check_device_support, read_arch_config,
+                           resolve_dtype)
 from tandem.errors import ConfigError
 from tandem.models.decoder import KVCache
 from tandem.models.loader import load_model
@@ -30,6 +31,7 @@ class SpeculatorFactory:
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
                                       spec.draft_load_format)
         arch = read_arch_config(draft_dir)
+        check_device_support(arch, device, "speculative_config model")
         dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device)
         max_len = spec.max_model_len or target.max_model_len
         if max_len < target.max_model_len:
@@ -86,6 +88,10 @@ class SpeculatorFactory:
     def buffer_bytes(self, max_num_seqs: int) -> int:
         """Device bytes of the speculator's per-slot buffers (allocated after the KV pool)."""
         return DraftSpeculator.buffer_bytes(self.spec, self.vocab_size, max_num_seqs)
+
+    def graph_output_bytes(self, max_num_seqs: int) -> int:
+        """Device bytes of the static outputs of the draft's CUDA graphs (allocated after the KV pool)."""
+        return DraftSpeculator.graph_output_bytes(self.model, self.spec.num_speculative_tokens, max_num_seqs)
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
         return DraftSpeculator(

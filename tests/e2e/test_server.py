@@ -363,6 +363,28 @@ def test_engine_failure_ends_requests_in_flight_but_not_the_loop(live, monkeypat
     _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
 
 
+def test_out_of_memory_in_a_step_names_the_settings(live, monkeypatch):
+    """A CUDA out-of-memory error inside a step (injected into the runner) ends that step's
+    requests with a message naming what to change; the server goes on."""
+    engine = live.llm.engine
+    real_launch, calls = engine.runner.launch, []
+
+    def launch_failing_once(plan):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_launch(plan)
+
+    monkeypatch.setattr(engine.runner, "launch", launch_failing_once)
+    r = live.post(C, json={**OK_C, "max_tokens": 3})
+    assert r.status_code == 500, r.text
+    message = r.json()["error"]["message"]
+    assert "ran out of GPU memory" in message and "max_num_batched_tokens=" in message, message
+    assert live.client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+    blocks = engine.scheduler.blocks
+    _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
+
+
 # ---------------------------------------------------------------- bad input
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_C = {"model": MODEL, "prompt": "hello", "max_tokens": 2}

@@ -149,6 +149,24 @@ def test_cuda_without_cuda(model_dir, no_loading):
         LLM(str(model_dir), dtype="float32", device="cuda")
 
 
+@pytest.mark.parametrize("head_dim,ok", [(8, False), (12, False), (16, True), (80, True), (100, False),
+                                         (256, True), (512, False)])
+def test_head_dims_the_cuda_kernels_do_not_take_are_refused(model_dir, head_dim, ok):
+    """Checked from config.json before any CUDA work (the GPU side runs head_dim 80: tests/gpu)."""
+    import dataclasses
+
+    from tandem.config import check_device_support, read_arch_config
+
+    arch = dataclasses.replace(read_arch_config(model_dir), head_dim=head_dim)
+    check_device_support(arch, torch.device("cpu"))  # the CPU reference takes any
+    if ok:
+        check_device_support(arch, torch.device("cuda"))
+    else:
+        with pytest.raises(ConfigError, match=rf"^speculative_config model: head_dim={head_dim} is not supported on "
+                                              r"CUDA \(.*\); run it with device='cpu'$"):
+            check_device_support(arch, torch.device("cuda"), "speculative_config model")
+
+
 @pytest.mark.parametrize("kwargs,field", [(dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
                                           (dict(seed=True), "seed")])
 def test_bool_engine_argument(model_dir, kwargs, field):

@@ -1,6 +1,7 @@
 """GPU: speculative greedy output equals target-only output; graphs equal eager; fp32 and bf16;
 async scheduling equals synchronous; a steady step waits for the device once; dependent launches
-equal plain ones; running out of memory at start-up names the setting and releases the memory."""
+equal plain ones; running out of memory at start-up or in a step names the setting and releases
+the memory."""
 import gc
 import json
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, StepError
 from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +87,24 @@ def test_gpu_matches_cpu_fp32(models):
     assert gpu == cpu
 
 
+def test_head_dim_80_on_gpu_matches_cpu(tmp_path):
+    """A head_dim that is not a power of two (80, as Phi-2 / StableLM have) runs the masked Triton
+    tiles: fp32 greedy output on the GPU (graphs and speculation on) equals the CPU reference's; a
+    head_dim the kernels do not take is refused before loading."""
+    target = make_hf_model(tmp_path / "t", "llama", hidden_size=320, num_heads=4, num_kv_heads=2, init_std=0.3,
+                           max_position_embeddings=1024)
+    draft = make_hf_model(tmp_path / "d", "llama", hidden_size=160, num_heads=2, num_kv_heads=1, num_layers=1,
+                          seed=4, max_position_embeddings=1024)
+    spec = dict(model=str(draft), num_speculative_tokens=3)
+    gpu, _ = _run(target, "float32", spec)
+    cpu, _ = _run(target, "float32", spec, device="cpu")
+    assert gpu == cpu
+    odd = make_hf_model(tmp_path / "o", "llama", hidden_size=96, num_heads=8, num_kv_heads=2, seed=5,
+                        max_position_embeddings=1024)
+    with pytest.raises(ConfigError, match=r"^model: head_dim=12 is not supported on CUDA"):
+        LLM(str(odd), dtype="float32", device="cuda", max_model_len=512)
+
+
 def test_sampled_speculation_runs_on_gpu(models):
     target, draft = models
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, ignore_eos=True, seed=5)
@@ -106,6 +125,28 @@ def test_kv_pool_sized_from_memory_fraction(models):
     base, _ = _run(target, "bfloat16")
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
+
+
+def test_graphs_stay_within_the_memory_fraction(tmp_path):
+    """The CUDA graphs' static logits (one buffer per captured step kind, every batch size writing
+    into it) are set aside before the KV pool takes what gpu_memory_utilization leaves: with a
+    128k vocabulary and 256 sequences (when each size kept its own logits, ~2.7 GiB above the
+    fraction), the process stays within it after capture and a run."""
+    shape = dict(num_key_value_heads=2, vocab_size=128256, max_position_embeddings=1024, num_hidden_layers=2,
+                 num_attention_heads=8)
+    target = _config_dir(tmp_path / "t", hidden_size=512, intermediate_size=1024, **shape)
+    draft = _config_dir(tmp_path / "d", hidden_size=256, intermediate_size=512, **shape)
+    _allocated()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(target, dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=1024, max_num_seqs=256,
+              gpu_memory_utilization=0.3,
+              speculative_config=dict(model=draft, num_speculative_tokens=4, draft_load_format="dummy"))
+    assert llm.engine.graph_memory_bytes > 700 << 20  # the three static logits buffers: 0.74 GiB
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(64)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    over = torch.cuda.memory_reserved() - 0.3 * total
+    assert over <= 256 << 20, f"{over / 2**20:.0f} MiB above gpu_memory_utilization"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -246,6 +287,45 @@ def test_out_of_memory_names_the_setting(models, tmp_path, monkeypatch):
     assert _allocated() - before < 64 << 20
     outs, _ = _run(target, "bfloat16")
     assert all(len(t) == 48 for t in outs)
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_out_of_memory_in_a_step_ends_its_requests(tmp_path, spec_on):
+    """A real CUDA out-of-memory error in a serving step (the allocator capped after start-up) is
+    a StepError naming the settings; it ends the requests of that step, releases what
+    the step held, and once memory is back the engine gives a fresh engine's output."""
+    n = 4000
+    shape = dict(num_key_value_heads=2, vocab_size=320, max_position_embeddings=n + 64)
+    target = _config_dir(tmp_path / "t", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                         num_attention_heads=8, **shape)
+    draft = _config_dir(tmp_path / "d", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                        num_attention_heads=4, **shape)
+    spec = dict(model=draft, num_speculative_tokens=3, draft_load_format="dummy") if spec_on else None
+    kwargs = dict(dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=n + 64, max_num_seqs=4,
+                  max_num_batched_tokens=n, kv_cache_memory_bytes=256 << 20, speculative_config=spec)
+    llm = LLM(target, **kwargs)
+    prompts = [{"prompt_token_ids": torch.randint(2, 300, (m,), generator=torch.Generator().manual_seed(m)).tolist()}
+               for m in (n - 8, 20)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = _allocated()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    # The allocator may hold 16 MiB more than it does now: a 4000-token prefill's activations cannot fit.
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (16 << 20)) / total)
+    try:
+        with pytest.raises(StepError, match=r"^an engine step \(\d requests, \d+ tokens\) ran out of GPU memory: .* "
+                                            r"free of .*; leave more memory outside the KV cache \(lower "
+                                            r"kv_cache_memory_bytes\) or make steps smaller \(lower "
+                                            rf"max_num_batched_tokens={n} or max_num_seqs=4\)$"):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert _allocated() - before < 1 << 20  # the failed step's activations are gone
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.scheduler.blocks.num_blocks
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    fresh = LLM(target, **kwargs)  # the same seeded dummy weights
+    assert outs == [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
 
 
 def test_kv_pool_leaves_room_for_the_drafts_step(tmp_path):
