@@ -99,6 +99,7 @@ class Engine:
         if self.use_graphs:
             with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
                                   f"lower max_num_seqs or {self._budget_setting}, or pass enforce_eager=True"):
+                torch.cuda.empty_cache()  # so that what capture takes shows in the device's free memory
                 free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]

@@ -289,9 +289,24 @@ def test_out_of_memory_names_the_setting(models, tmp_path, monkeypatch):
     assert all(len(t) == 48 for t in outs)
 
 
+def _fill_allocator() -> list:
+    """Cap the allocator at the memory it holds now and fill the free space inside it, so that
+    the next allocation of more than about 1 MiB fails whatever earlier tests left cached. ->
+    the filler tensors (free them, then lift the cap with set_per_process_memory_fraction(1.0))."""
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / torch.cuda.mem_get_info()[1])
+    filler, size = [], 1 << 32
+    while size >= 1 << 20:
+        try:
+            filler.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    return filler
+
+
 @pytest.mark.parametrize("spec_on", [False, True])
 def test_out_of_memory_in_a_step_ends_its_requests(tmp_path, spec_on):
-    """A real CUDA out-of-memory error in a serving step (the allocator capped after start-up) is
+    """A real CUDA out-of-memory error in a serving step (the allocator capped and filled) is
     a StepError naming the settings; it ends the requests of that step, releases what
     the step held, and once memory is back the engine gives a fresh engine's output."""
     n = 4000
@@ -308,18 +323,17 @@ def test_out_of_memory_in_a_step_ends_its_requests(tmp_path, spec_on):
                for m in (n - 8, 20)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = _allocated()
-    torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info()[1]
-    # The allocator may hold 16 MiB more than it does now: a 4000-token prefill's activations cannot fit.
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (16 << 20)) / total)
+    filler = _fill_allocator()
     try:
         with pytest.raises(StepError, match=r"^an engine step \(\d requests, \d+ tokens\) ran out of GPU memory: .* "
                                             r"free of .*; leave more memory outside the KV cache \(lower "
                                             r"kv_cache_memory_bytes\) or make steps smaller \(lower "
                                             rf"max_num_batched_tokens={n} or max_num_seqs=4\)$"):
             llm.generate(prompts, params, use_tqdm=False)
-        assert _allocated() - before < 1 << 20  # the failed step's activations are gone
+        held = sum(t.numel() for t in filler)
+        assert _allocated() - held - before < 1 << 20  # the failed step's activations are gone
     finally:
+        del filler
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.scheduler.blocks.num_blocks
