@@ -119,12 +119,17 @@ class Engine:
         self._aborted: list[RequestState] = []
 
     def capture_graphs(self) -> None:
-        """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
+        """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's,
+        all in one memory pool: they replay one after another on one stream and keep nothing in
+        it between replays (logits and drafts live in static buffers), so their temporaries can
+        share memory (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic drafts: graphs
+        1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread)."""
         k = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
         max_blocks = -(-(self.cfg.sched.max_model_len + k) // self.cfg.cache.block_size)
-        self.runner.capture_graphs(self._graph_tokens(k), self.cfg.sched.max_num_seqs, max_blocks)
+        pool = torch.cuda.graph_pool_handle()
+        self.runner.capture_graphs(self._graph_tokens(k), self.cfg.sched.max_num_seqs, max_blocks, pool)
         if self.runner.speculator is not None:
-            self.runner.speculator.capture_graphs(self.cfg.sched.max_num_seqs, max_blocks)
+            self.runner.speculator.capture_graphs(self.cfg.sched.max_num_seqs, max_blocks, pool)
 
     @staticmethod
     def _graph_tokens(k: int) -> list[int]:

@@ -62,8 +62,8 @@ class GraphRunner:
         return max_num_reqs * tokens_per_req * head.shape[0] * head.element_size()
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
+    def capture(self, pool=None) -> None:
+        """pool: a graph memory pool handle to share (torch.cuda.graph_pool_handle()); sizes share one."""
         for n in sorted(self.sizes, reverse=True):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

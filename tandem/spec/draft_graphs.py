@@ -64,9 +64,10 @@ class DraftGraphs:
             self.drafts[slots, step] = greedy_tokens(logits, self.backend.use_triton)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        self.catchup.capture()
-        pool = None
+    def capture(self, pool=None) -> None:
+        """pool: a graph memory pool handle to share (every draft graph shares one)."""
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.catchup.capture(pool)
         kinds = [(self.rounds, self._round)]
         if self.k >= 2:
             kinds.append((self.loops, lambda n: self._loop(n, self.pos[:n])))

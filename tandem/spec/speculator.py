@@ -81,13 +81,14 @@ class DraftSpeculator:
         """Bytes of the static outputs capture_graphs allocates (the catch-up's logits)."""
         return GraphRunner.output_bytes(model, DraftGraphs.catchup_tokens(k), max_num_seqs)
 
-    def capture_graphs(self, max_num_reqs: int, max_blocks: int) -> None:
-        """Capture the catch-up forward and the greedy draft loop (CUDA only)."""
+    def capture_graphs(self, max_num_reqs: int, max_blocks: int, pool=None) -> None:
+        """Capture the catch-up forward and the greedy draft loop (CUDA only) into the graph memory
+        pool `pool`."""
         self.graphs = DraftGraphs(
             self.model, self.kv, self.drafts, k=self.k, vocab_size=self.vocab_size, max_num_reqs=max_num_reqs,
             max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
         )
-        self.graphs.capture()
+        self.graphs.capture(pool)
 
     def add(self, new: NewReq) -> None:
         """Nothing per request: sampling parameters live in the shared SamplingState."""
