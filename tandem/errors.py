@@ -17,9 +17,12 @@ class RequestError(TandemError):
 class StepError(RuntimeError):
     """An engine step failed (out of GPU memory, or a bug) and ended the requests it ran.
 
-    request_ids names them; requests the step did not run are untouched and the engine stays
-    usable. The message says what to change when the cause was a setting (out of memory)."""
+    request_ids names them (None: it failed while planning, before it ran any); requests the step
+    did not run are untouched and the engine stays usable, unless fatal: a device error left the
+    GPU unusable, and the process must be restarted. The message says what to change when the
+    cause was a setting (out of memory)."""
 
-    def __init__(self, message: str, request_ids: list[str]):
+    def __init__(self, message: str, request_ids: list[str] | None, fatal: bool = False):
         super().__init__(message)
         self.request_ids = request_ids
+        self.fatal = fatal

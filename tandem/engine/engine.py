@@ -61,6 +61,13 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+def _is_fatal(e: BaseException) -> bool:
+    """A device error after which the CUDA context cannot run anything (an illegal memory access,
+    a device-side assert): every later step would fail too. Out of memory is not one."""
+    device_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+    return isinstance(e, device_error) and not isinstance(e, torch.OutOfMemoryError)
+
+
 class Engine:
     """Continuous-batching engine over one target model (and, optionally, a draft model)."""
 
@@ -73,10 +80,12 @@ class Engine:
         # Allocated after the pool: the speculator's per-slot buffers and the graphs' static logits.
         set_aside = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
         self.use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+        graph_outputs = 0  # the static logits of the graphs (set aside; their pool is not)
         if self.use_graphs:
-            set_aside += sum(GraphRunner.output_bytes(model, t, cfg.sched.max_num_seqs) for t in self._graph_tokens(k))
+            graph_outputs = sum(GraphRunner.output_bytes(model, t, cfg.sched.max_num_seqs) for t in self._graph_tokens(k))
             if speculator_factory is not None:
-                set_aside += speculator_factory.graph_output_bytes(cfg.sched.max_num_seqs)
+                graph_outputs += speculator_factory.graph_output_bytes(cfg.sched.max_num_seqs)
+        set_aside += graph_outputs
         num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, set_aside)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
@@ -95,7 +104,7 @@ class Engine:
             self.spec_metrics = SpecMetrics(k)
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
-        self.graph_memory_bytes = 0  # device memory the CUDA graphs took (not in the KV budget)
+        self.graph_memory_bytes = 0  # device memory capturing the CUDA graphs took
         if self.use_graphs:
             with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
                                   f"lower max_num_seqs or {self._budget_setting}, or pass enforce_eager=True"):
@@ -103,8 +112,9 @@ class Engine:
                 free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
-            logger.info("captured CUDA graphs in %.1f s; they hold %.2f GiB outside the KV budget",
-                        time.monotonic() - t0, self.graph_memory_bytes / 2**30)
+            logger.info("captured CUDA graphs in %.1f s: %.2f GiB, of which %.2f GiB (their memory pool) are "
+                        "outside the KV budget", time.monotonic() - t0, self.graph_memory_bytes / 2**30,
+                        (self.graph_memory_bytes - graph_outputs) / 2**30)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
         if self.async_scheduling:
@@ -241,12 +251,19 @@ class Engine:
                 self.runner.collect(self._inflight[1])
                 self._inflight = None
         except BaseException as e:
-            self._inflight = None
+            self._inflight = None  # a step launched ahead is dropped: its requests end below
+            fatal = _is_fatal(e)
+            if self.cfg.device.type == "cuda" and not fatal:
+                try:  # let what was queued finish before its requests' slots and buffers are reused
+                    torch.cuda.synchronize(self.cfg.device)
+                except Exception:
+                    fatal = True
             self._aborted[:0] = touched.values()  # reported by the next step
             ended = self._end_requests_of(running)
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
                 raise
-            raise self._step_error(e, running, ended) from (None if isinstance(e, torch.OutOfMemoryError) else e)
+            error = self._step_error(e, running, ended if running else None, fatal)
+            raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
 
     def _end_requests_of(self, plans: list[StepPlan]) -> list[str]:
@@ -259,9 +276,9 @@ class Engine:
                     ended.append(seq.request_id)
         return ended
 
-    def _step_error(self, e: Exception, plans: list[StepPlan], ended: list[str]) -> StepError:
+    def _step_error(self, e: Exception, plans: list[StepPlan], ended: list[str] | None, fatal: bool) -> StepError:
         num_tokens = max((p.num_tokens for p in plans), default=0)
-        what = f"an engine step ({len(ended)} requests, {num_tokens} tokens)"
+        what = f"an engine step ({len(ended or [])} requests, {num_tokens} tokens)"
         if isinstance(e, torch.OutOfMemoryError):
             memory = release_failed_step(e, self.cfg.device)
             return StepError(
@@ -271,6 +288,9 @@ class Engine:
                 f"max_num_seqs={self.cfg.sched.max_num_seqs})",
                 ended,
             )
+        if fatal:
+            return StepError(f"{what} failed with a device error that leaves the GPU unusable ({e!r}); its "
+                             f"requests were ended; restart the process", ended, fatal=True)
         return StepError(f"{what} failed and its requests were ended: {e!r}", ended)
 
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:

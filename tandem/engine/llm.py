@@ -211,10 +211,11 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        mine = set(ids)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in mine:  # not an earlier call's aborted request
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

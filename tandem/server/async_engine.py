@@ -298,9 +298,12 @@ class AsyncEngine:
         except StepError as e:  # the engine ended the requests of the failed step; the others go on
             logger.error("engine step failed: %s", e, exc_info=e.__cause__ is not None)
             error = EngineStepError(f"the engine failed while running this request: {e}")
-            if not e.request_ids:  # it failed before running any (planning): nothing would end it
+            if e.fatal:  # the GPU cannot run anything more: end everything, stop (health turns 503)
+                self._accepting = False
+                self._commands.put(_Stop())
+            if e.request_ids is None or e.fatal:  # failed while planning (nothing would end it), or dead
                 self._abort_all(error)
-            for request_id in e.request_ids:
+            for request_id in e.request_ids or []:
                 self._abort(request_id, error)
             return
         except Exception as e:  # outside any step's requests: the engine's state is unknown

@@ -385,6 +385,23 @@ def test_out_of_memory_in_a_step_names_the_settings(live, monkeypatch):
     _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
 
 
+def test_a_device_error_stops_the_loop_and_health_says_so(model_dirs, monkeypatch):
+    """A step error that leaves the GPU unusable (an illegal memory access) ends every request,
+    stops the engine loop, and /health answers 503: a supervisor can restart the process."""
+    server = LiveServer(_llm(model_dirs))
+    try:
+        engine = server.llm.engine
+        monkeypatch.setattr(engine.runner, "collect", lambda launched: (_ for _ in ()).throw(
+            torch.AcceleratorError("CUDA error: an illegal memory access was encountered")))
+        r = server.post(C, json={**OK_C, "max_tokens": 3})
+        assert r.status_code == 500 and "restart the process" in r.json()["error"]["message"], r.text
+        _wait_for(lambda: not server.app.state.engine_client.is_running)
+        assert httpx.get(server.url + "/health").status_code == 503
+        assert server.post(C, json=OK_C).status_code == 503
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- bad input
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_C = {"model": MODEL, "prompt": "hello", "max_tokens": 2}

@@ -61,6 +61,34 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("method,at_call", [("collect", 4), ("launch", 4)])
+def test_a_failure_with_a_step_planned_ahead_ends_both(models, reference, monkeypatch, method, at_call):
+    """Async scheduling with every request decoding: the step launched ahead is dropped (a failed
+    collect of the current step, or a failed launch of the next) and its requests end with it."""
+    llm = _llm(models, "async")
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(f"r{i}", p, GREEDY)
+    ahead_in_flight = []
+    real_collect = engine.runner.collect
+
+    def collect(launched):
+        ahead_in_flight.append(engine._inflight is not None)
+        return real_collect(launched)
+
+    monkeypatch.setattr(engine.runner, "collect", collect)
+    _fail_once(monkeypatch, engine.runner, method, at_call, torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(StepError) as e:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert any(ahead_in_flight), "no step was planned ahead before the failure"
+    assert sorted(e.value.request_ids) == ["r0", "r1"] and engine._inflight is None
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort", "abort"]
+    _assert_idle(engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 @pytest.mark.parametrize("kind,where,method,at_call", CASES, ids=[c[0] for c in CASES])
 def test_out_of_memory_ends_the_steps_requests_and_the_others_go_on(models, reference, monkeypatch, kind, where,
                                                                     method, at_call):
@@ -99,13 +127,18 @@ def test_out_of_memory_ends_the_steps_requests_and_the_others_go_on(models, refe
     _assert_idle(engine)
 
 
-def test_other_failures_keep_their_cause(models, monkeypatch):
-    llm = _llm(models, "plain")
-    engine = llm.engine
+def _failing_first_step(models, monkeypatch, where: str, method: str, error: BaseException):
+    """An engine with one request "a" whose first step fails in engine.<where>.<method>. -> (engine, ExceptionInfo)."""
+    engine = _llm(models, "plain").engine
     engine.add_request("a", PROMPTS[0], GREEDY)
-    _fail_once(monkeypatch, engine.runner, "collect", 1, RuntimeError("injected"))
+    _fail_once(monkeypatch, getattr(engine, where), method, 1, error)
     with pytest.raises(StepError) as e:
         engine.step()
+    return engine, e
+
+
+def test_other_failures_keep_their_cause(models, monkeypatch):
+    engine, e = _failing_first_step(models, monkeypatch, "runner", "collect", RuntimeError("injected"))
     assert e.value.request_ids == ["a"] and "failed and its requests were ended" in str(e.value)
     assert isinstance(e.value.__cause__, RuntimeError) and "injected" in str(e.value)
     assert not engine.has_unfinished_requests()
@@ -124,11 +157,31 @@ def test_generate_ends_its_requests_when_a_step_fails(models, reference, monkeyp
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_interrupted_generate_leaves_nothing_behind(models, reference, monkeypatch):
+@pytest.mark.parametrize("where", ["engine", "runner"])
+def test_interrupted_generate_leaves_nothing_behind(models, reference, monkeypatch, where):
+    """Ctrl-C between steps (generate's own clean-up) or inside one (the engine's, then generate's)."""
     llm = _llm(models, "plain")
-    _fail_once(monkeypatch, llm.engine, "step", 3, KeyboardInterrupt())
+    target, method = (llm.engine, "step") if where == "engine" else (llm.engine.runner, "launch")
+    _fail_once(monkeypatch, target, method, 3, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     _assert_idle(llm.engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference[:2]
+
+
+def test_planning_failure_names_no_requests(models, monkeypatch):
+    engine, e = _failing_first_step(models, monkeypatch, "scheduler", "schedule", RuntimeError("planning bug"))
+    assert e.value.request_ids is None and not e.value.fatal
+    assert engine.has_unfinished_requests()  # nothing ran, nothing ended: the next step serves it
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(engine)
+
+
+def test_a_device_error_is_fatal(models, monkeypatch):
+    """An error that leaves the CUDA context unusable (an illegal memory access) is reported as fatal."""
+    _, e = _failing_first_step(models, monkeypatch, "runner", "collect",
+                               torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert e.value.fatal and e.value.request_ids == ["a"]
+    assert "leaves the GPU unusable" in str(e.value) and "restart the process" in str(e.value)
