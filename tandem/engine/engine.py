@@ -127,6 +127,7 @@ class Engine:
         self._seq_of: dict[int, SeqState] = {}
         self._next_id = 0
         self._aborted: list[RequestState] = []
+        self._dead: StepError | None = None  # a fatal step error: the GPU cannot run anything more
 
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's,
@@ -167,6 +168,9 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> None:
+        if self._dead is not None:
+            raise StepError(f"the engine stopped after a device error ({self._dead}); restart the process", [],
+                            fatal=True)
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
@@ -263,6 +267,10 @@ class Engine:
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
                 raise
             error = self._step_error(e, running, ended if running else None, fatal)
+            if fatal:
+                self._dead = error
+                for request_id in list(self._requests):  # nothing can run them any more
+                    self.abort_request(request_id)
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
 

@@ -185,3 +185,17 @@ def test_a_device_error_is_fatal(models, monkeypatch):
                                torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
     assert e.value.fatal and e.value.request_ids == ["a"]
     assert "leaves the GPU unusable" in str(e.value) and "restart the process" in str(e.value)
+
+
+def test_after_a_device_error_the_engine_takes_no_work(models, monkeypatch):
+    engine = _llm(models, "plain").engine
+    for i, p in enumerate(PROMPTS[:3]):  # max_num_seqs=2: the third waits, outside the failed step
+        engine.add_request(f"r{i}", p, GREEDY)
+    _fail_once(monkeypatch, engine.runner, "collect", 1, torch.AcceleratorError("CUDA error: misaligned address"))
+    with pytest.raises(StepError) as e:
+        engine.step()
+    assert sorted(e.value.request_ids) == ["r0", "r1"]
+    assert not engine.has_unfinished_requests()  # the waiting one ended too: nothing can run it
+    with pytest.raises(StepError, match="^the engine stopped after a device error .*; restart the process$") as e2:
+        engine.add_request("b", PROMPTS[0], GREEDY)
+    assert e2.value.fatal
