@@ -79,9 +79,9 @@ class Engine:
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         # Allocated after the pool: the speculator's per-slot buffers and the graphs' static logits.
         set_aside = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
-        self.use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+        use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
         graph_outputs = 0  # the static logits of the graphs (set aside; their pool is not)
-        if self.use_graphs:
+        if use_graphs:
             graph_outputs = sum(GraphRunner.output_bytes(model, t, cfg.sched.max_num_seqs) for t in self._graph_tokens(k))
             if speculator_factory is not None:
                 graph_outputs += speculator_factory.graph_output_bytes(cfg.sched.max_num_seqs)
@@ -105,7 +105,7 @@ class Engine:
         self.log_interval_s = 10.0
         self._last_log = time.monotonic()
         self.graph_memory_bytes = 0  # device memory capturing the CUDA graphs took
-        if self.use_graphs:
+        if use_graphs:
             with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
                                   f"lower max_num_seqs or {self._budget_setting}, or pass enforce_eager=True"):
                 torch.cuda.empty_cache()  # so that what capture takes shows in the device's free memory

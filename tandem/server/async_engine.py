@@ -303,8 +303,9 @@ class AsyncEngine:
                 self._commands.put(_Stop())
             if e.request_ids is None or e.fatal:  # failed while planning (nothing would end it), or dead
                 self._abort_all(error)
-            for request_id in e.request_ids or []:
-                self._abort(request_id, error)
+            else:
+                for request_id in e.request_ids:
+                    self._abort(request_id, error)
             return
         except Exception as e:  # outside any step's requests: the engine's state is unknown
             logger.exception("engine step failed; ending the %d requests in flight", len(self._live))
