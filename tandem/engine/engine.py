@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.build import build_runner, capture_graphs, rehearse
 from tandem.engine.detokenizer import Detokenizer, DetokState
 from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.oom import OutOfMemoryGuard, release_failed_step
-from tandem.runner.graphs import GraphRunner
-from tandem.runner.memory import budget_setting, bytes_per_block, num_kv_blocks
-from tandem.runner.model_runner import Launched, ModelRunner
+from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
+from tandem.runner.model_runner import Launched
 from tandem.sampling_params import MAX_SEED, SamplingParams
 from tandem.scheduler.request import Request
 from tandem.scheduler.scheduler import Scheduler
@@ -77,26 +77,30 @@ class Engine:
         draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
         draft_model = speculator_factory.model if speculator_factory is not None else None
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
-        # Allocated after the pool: the speculator's per-slot buffers and the graphs' static logits.
-        set_aside = speculator_factory.buffer_bytes(cfg.sched.max_num_seqs) if speculator_factory is not None else 0
         use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
-        graph_outputs = 0  # the static logits of the graphs (set aside; their pool is not)
-        if use_graphs:
-            graph_outputs = sum(GraphRunner.output_bytes(model, t, cfg.sched.max_num_seqs) for t in self._graph_tokens(k))
-            if speculator_factory is not None:
-                graph_outputs += speculator_factory.graph_output_bytes(cfg.sched.max_num_seqs)
-        set_aside += graph_outputs
-        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, set_aside)
+
+        self.after_pool_estimate = 0  # bytes the budget set aside for what follows the KV pool (GPU)
+
+        def after_pool() -> int:  # what the runner, speculator and graphs take, built once against a scratch pool
+            scratch = dataclasses.replace(cfg.cache, num_blocks=-(-(2 * k + 3) // cfg.cache.block_size))
+            with OutOfMemoryGuard(cfg.device, f"measuring the buffers and CUDA graphs of max_num_seqs={cfg.sched.max_num_seqs}",
+                                  "lower max_num_seqs or max_num_batched_tokens, or pass enforce_eager=True"):
+                t0 = time.monotonic()
+                self.after_pool_estimate = after_pool_bytes(
+                    cfg.device, lambda: rehearse(cfg, scratch, model, speculator_factory, use_graphs),
+                    bytes_per_block(cfg, draft_bytes) * scratch.num_blocks)
+            logger.info("buffers, CUDA graphs and sampling take %.2f GiB (measured in %.1f s against a scratch KV cache)",
+                        self.after_pool_estimate / 2**30, time.monotonic() - t0)
+            return self.after_pool_estimate
+
+        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
-        vocab = speculator_factory.vocab_size if speculator_factory is not None else None
         kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)
         self._budget_setting = budget_setting(cfg)  # the setting that sized the KV pool (for errors)
         with OutOfMemoryGuard(cfg.device, f"allocating the KV cache ({num_blocks} blocks, {kv_bytes / 2**30:.1f} GiB)",
                               f"lower {self._budget_setting}"):
-            self.runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, vocab_size=vocab)
-            if speculator_factory is not None:
-                self.runner.speculator = speculator_factory.build(cache, cfg.sched, self.runner)
+            self.runner = build_runner(self.cfg, cache, model, speculator_factory)
         self.spec_metrics = None
         if speculator_factory is not None:
             from tandem.spec.metrics import SpecMetrics
@@ -111,10 +115,9 @@ class Engine:
                 torch.cuda.empty_cache()  # so that what capture takes shows in the device's free memory
                 free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()
+                torch.cuda.empty_cache()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
-            logger.info("captured CUDA graphs in %.1f s: %.2f GiB, of which %.2f GiB (their memory pool) are "
-                        "outside the KV budget", time.monotonic() - t0, self.graph_memory_bytes / 2**30,
-                        (self.graph_memory_bytes - graph_outputs) / 2**30)
+            logger.info("captured CUDA graphs in %.1f s: %.2f GiB", time.monotonic() - t0, self.graph_memory_bytes / 2**30)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
         self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
         if self.async_scheduling:
@@ -130,22 +133,8 @@ class Engine:
         self._dead: StepError | None = None  # a fatal step error: the GPU cannot run anything more
 
     def capture_graphs(self) -> None:
-        """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's,
-        all in one memory pool: they replay one after another on one stream and keep nothing in
-        it between replays (logits and drafts live in static buffers), so their temporaries can
-        share memory (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic drafts: graphs
-        1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread)."""
-        k = self.cfg.spec.num_speculative_tokens if self.cfg.spec is not None else 0
-        max_blocks = -(-(self.cfg.sched.max_model_len + k) // self.cfg.cache.block_size)
-        pool = torch.cuda.graph_pool_handle()
-        self.runner.capture_graphs(self._graph_tokens(k), self.cfg.sched.max_num_seqs, max_blocks, pool)
-        if self.runner.speculator is not None:
-            self.runner.speculator.capture_graphs(self.cfg.sched.max_num_seqs, max_blocks, pool)
-
-    @staticmethod
-    def _graph_tokens(k: int) -> list[int]:
-        """Tokens per request of the target's captured steps: decode, and verification of k drafts."""
-        return [1] + ([1 + k] if k else [])
+        """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
+        capture_graphs(self.runner, self.cfg)
 
     # ---------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -55,12 +55,6 @@ class GraphRunner:
         hidden = self.model(self.input_ids[:m], self.positions[:m], self._metadata(n), self.kv)
         return self.model.compute_logits(hidden, out=self.logits[:m])  # [n * t, vocab]
 
-    @staticmethod
-    def output_bytes(model, tokens_per_req: int, max_num_reqs: int) -> int:
-        """Device bytes of the static logits buffer a runner of these sizes allocates."""
-        head = model.lm_head.weight
-        return max_num_reqs * tokens_per_req * head.shape[0] * head.element_size()
-
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """pool: a graph memory pool handle to share (torch.cuda.graph_pool_handle()); sizes share one."""

@@ -1,7 +1,9 @@
 """Size the paged KV pool: from an explicit byte budget, or on GPU from a memory fraction."""
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -16,11 +18,12 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draft_model=None,
-                  set_aside_bytes: int = 0) -> int:
+                  after_pool: Callable[[], int] | None = None) -> int:
     """Blocks that fit the budget, counting target and draft KV bytes per block together. On a
     GPU sized from gpu_memory_utilization, the largest step of both models is profiled (the draft
-    runs the same prefill chunks) and set_aside_bytes (what is allocated after the pool: the
-    speculator's per-slot buffers, the CUDA graphs' static logits) are set aside.
+    runs the same prefill chunks), then after_pool() measures what the engine allocates after the
+    pool (the runner's and speculator's buffers, the CUDA graphs; `after_pool_bytes`) and the
+    pool takes what is left.
 
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
@@ -37,12 +40,17 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     elif cfg.device.type == "cuda":
         with OutOfMemoryGuard(cfg.device, f"profiling the largest step (max_num_batched_tokens={sched.max_num_batched_tokens})",
                               "lower max_num_batched_tokens"):
+            torch.cuda.empty_cache()  # blocks an earlier engine cached are not this one's
             torch.cuda.reset_peak_memory_stats(cfg.device)  # the peak from here on: not an earlier engine's
             _profile_forward(cfg, model)
             if draft_model is not None:
                 _profile_forward(cfg, draft_model)
-        budget = _gpu_budget(cfg) - set_aside_bytes
+        budget = _gpu_budget(cfg)  # before after_pool(): the kernels it loads stay, as its other memory
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+        if after_pool is not None:
+            later = after_pool()
+            budget -= later
+            source += f" (less {later / 2**30:.2f} GiB for buffers and CUDA graphs)"
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)
         source = "the CPU default (min of 4 GiB and max_num_seqs full-length requests)"
@@ -56,6 +64,26 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
     return num_blocks
+
+
+def after_pool_bytes(device: torch.device, build: Callable[[], object], scratch_bytes: int) -> int:
+    """Device memory that build() takes and keeps (what it built, and blocks left in the
+    allocator's cache), less scratch_bytes (its scratch KV pool); then what it built is freed.
+    Read from the device's free memory, so memory outside PyTorch's allocator counts too.
+    build() is `tandem.engine.build.rehearse`: every CUDA graph and a worst-case step. (The largest
+    graph of each kind alone is not enough: H200, 8B + 1B shapes, k = 4, 64 sequences, 0.40 GiB
+    measured that way, 0.95 taken by the whole ladder.)"""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    built = build()
+    torch.cuda.synchronize(device)
+    taken = free_before - torch.cuda.mem_get_info(device)[0] - scratch_bytes
+    del built
+    gc.collect()  # runner, speculator and graphs refer to one another
+    torch.cuda.empty_cache()
+    return max(taken, 0)
 
 
 def bytes_per_block(cfg: EngineConfig, draft_bytes_per_block: int = 0) -> int:
@@ -99,7 +127,7 @@ def _gpu_budget(cfg: EngineConfig) -> int:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_reserved(device)  # what the allocator held at the peak, fragments too
     budget = int(total * cfg.cache.gpu_memory_utilization) - peak - used_by_others
     if budget <= 0:
         raise ConfigError(

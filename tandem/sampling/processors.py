@@ -60,6 +60,11 @@ def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen
     logits[idx] = sub
 
 
+# Rows the masks below process at once: their sort, softmax and cumsum temporaries are [rows, V]
+# (a verification of 256 requests x 5 rows at a 128k vocabulary held ~8 GiB of them unchunked).
+CHUNK_ROWS = 128
+
+
 def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: SampleRows) -> Tensor:
     """Sampled rows: divide by temperature, then min-p, top-k, top-p masks. -> new [n, V] fp32.
 
@@ -69,37 +74,46 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
     out = logits / torch.where(temp > 0, temp, 1.0)[:, None]
     params = [state.params[s] for s in rows.slots]
     if any(p.min_p > 0 for p in params if p.temperature > 0):
-        out = apply_min_p(out, state.min_p[rows.slot_ids])
+        apply_min_p(out, state.min_p[rows.slot_ids])
     if any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0):
-        out = apply_top_k_top_p(out, state.top_k[rows.slot_ids], state.top_p[rows.slot_ids])
-    greedy = (temp == 0)[:, None]
-    return torch.where(greedy, logits, out)
+        apply_top_k_top_p(out, state.top_k[rows.slot_ids], state.top_p[rows.slot_ids])
+    return torch.where((temp == 0)[:, None], logits, out, out=out)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Keep tokens with prob >= min_p * max prob. min_p [n] fp32 (0 = off)."""
-    probs = logits.softmax(dim=-1)
-    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(~keep, float("-inf"))
+    """Keep tokens with prob >= min_p * max prob, in place on logits [n, V]. min_p [n] fp32 (0 = off)."""
+    for i in range(0, logits.shape[0], CHUNK_ROWS):
+        rows = logits[i : i + CHUNK_ROWS]
+        probs = rows.softmax(dim=-1)
+        keep = probs >= min_p[i : i + CHUNK_ROWS, None] * probs.max(dim=-1, keepdim=True).values
+        rows.masked_fill_(~keep, float("-inf"))
+    return logits
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Top-k (k [n] int64, 0 = off) then top-p (p [n] fp32, 1 = off) over the top-k survivors.
+    """Top-k (k [n] int64, 0 = off) then top-p (p [n] fp32, 1 = off) over the top-k survivors,
+    in place on logits [n, V].
 
     Top-k keeps every token whose logit is >= the k-th largest (ties at the cut survive).
     Top-p keeps the smallest set of highest-probability tokens whose mass reaches p: a token
     survives when the mass strictly above it in sorted order is < p (the top token always does).
     """
+    for i in range(0, logits.shape[0], CHUNK_ROWS):
+        j = slice(i, i + CHUNK_ROWS)
+        _top_k_top_p(logits[j], top_k[j], top_p[j])
+    return logits
+
+
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> None:
     vocab = logits.shape[-1]
-    sorted_logits, _ = logits.sort(dim=-1, descending=True)  # [n, V]
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [n, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     kth = sorted_logits.gather(1, (k - 1)[:, None])  # [n, 1]
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
+    mass_above = probs.cumsum(dim=-1).sub_(probs)
     keep_sorted = mass_above < top_p[:, None]
     # Threshold: the smallest kept logit per row (the kept set is a prefix of the sorted order).
     num_keep = keep_sorted.sum(dim=-1, keepdim=True).clamp(min=1)
-    cut = sorted_logits.gather(1, num_keep - 1)
-    return logits.masked_fill(logits < cut, float("-inf"))
+    cut = torch.maximum(sorted_logits.gather(1, num_keep - 1), kth)
+    logits.masked_fill_(logits < cut, float("-inf"))

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from tandem.sampling.gumbel import TARGET_SALT, gumbel_argmax
-from tandem.sampling.processors import SampleRows, apply_logits_processors, apply_temperature_and_masks
+from tandem.sampling.processors import CHUNK_ROWS, SampleRows, apply_logits_processors, apply_temperature_and_masks
 from tandem.sampling.state import SamplingState
 
 
@@ -53,7 +53,16 @@ def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int 
 
 
 def compute_logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> chosen logprob [n], chosen rank [n] (1-based), top ids [n, num_top], top logprobs [n, num_top]."""
+    """-> chosen logprob [n], chosen rank [n] (1-based), top ids [n, num_top], top logprobs [n, num_top].
+    Rows go CHUNK_ROWS at a time (each chunk's log-softmax is a [rows, V] temporary)."""
+    if processed.shape[0] <= CHUNK_ROWS:
+        return _logprobs(processed, tokens, num_top)
+    chunks = [_logprobs(processed[i : i + CHUNK_ROWS], tokens[i : i + CHUNK_ROWS], num_top)
+              for i in range(0, processed.shape[0], CHUNK_ROWS)]
+    return tuple(torch.cat(parts) for parts in zip(*chunks))
+
+
+def _logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     logprobs = processed.log_softmax(dim=-1)
     tokens = tokens.clamp(min=0)  # rows past a rejection may hold -1; nothing reads them
     chosen = logprobs.gather(1, tokens[:, None])  # [n, 1]

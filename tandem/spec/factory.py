@@ -85,14 +85,6 @@ class SpeculatorFactory:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return KVCache.bytes_per_block(self.draft_cfg.arch, block_size, self.draft_cfg.dtype)
 
-    def buffer_bytes(self, max_num_seqs: int) -> int:
-        """Device bytes of the speculator's per-slot buffers (allocated after the KV pool)."""
-        return DraftSpeculator.buffer_bytes(self.spec, self.vocab_size, max_num_seqs)
-
-    def graph_output_bytes(self, max_num_seqs: int) -> int:
-        """Device bytes of the static outputs of the draft's CUDA graphs (allocated after the KV pool)."""
-        return DraftSpeculator.graph_output_bytes(self.model, self.spec.num_speculative_tokens, max_num_seqs)
-
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
         return DraftSpeculator(
             self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend

@@ -18,7 +18,6 @@ from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
-from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch, row_prior_drafts
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
@@ -69,17 +68,6 @@ class DraftSpeculator:
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: DraftGraphs | None = None
-
-    @staticmethod
-    def buffer_bytes(spec: SpeculativeConfig, vocab_size: int, max_num_seqs: int) -> int:
-        """Bytes of drafts and (probabilistic drafts) draft_logits, as __init__ allocates them."""
-        logits = max_num_seqs * spec.k * vocab_size * 4 if spec.draft_sample_method == "probabilistic" else 0
-        return (max_num_seqs + 1) * spec.k * 8 + logits
-
-    @staticmethod
-    def graph_output_bytes(model, k: int, max_num_seqs: int) -> int:
-        """Bytes of the static outputs capture_graphs allocates (the catch-up's logits)."""
-        return GraphRunner.output_bytes(model, DraftGraphs.catchup_tokens(k), max_num_seqs)
 
     def capture_graphs(self, max_num_reqs: int, max_blocks: int, pool=None) -> None:
         """Capture the catch-up forward and the greedy draft loop (CUDA only) into the graph memory

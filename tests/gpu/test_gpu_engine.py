@@ -127,11 +127,14 @@ def test_kv_pool_sized_from_memory_fraction(models):
     assert [o.outputs[0].token_ids for o in outs] == base
 
 
-def test_graphs_stay_within_the_memory_fraction(tmp_path):
-    """The CUDA graphs' static logits (one buffer per captured step kind, every batch size writing
-    into it) are set aside before the KV pool takes what gpu_memory_utilization leaves: with a
-    128k vocabulary and 256 sequences (when each size kept its own logits, ~2.7 GiB above the
-    fraction), the process stays within it after capture and a run."""
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_the_process_stays_within_the_memory_fraction(tmp_path, method):
+    """gpu_memory_utilization bounds everything the process holds on the device: weights,
+    activations, the KV pool, and what is allocated after it (the runner's and speculator's
+    buffers, the CUDA graphs' static logits, their memory pool and the driver's memory for them,
+    measured once against a one-block KV cache before the pool is sized). With a 128k vocabulary
+    and 256 sequences the graphs take ~1 GiB (their logits alone 0.74 GiB; probabilistic drafts
+    keep 0.5 GiB of draft logits more); read as the device's used memory after a run."""
     shape = dict(num_key_value_heads=2, vocab_size=128256, max_position_embeddings=1024, num_hidden_layers=2,
                  num_attention_heads=8)
     target = _config_dir(tmp_path / "t", hidden_size=512, intermediate_size=1024, **shape)
@@ -141,12 +144,16 @@ def test_graphs_stay_within_the_memory_fraction(tmp_path):
     total = torch.cuda.mem_get_info()[1]
     llm = LLM(target, dtype="bfloat16", device="cuda", load_format="dummy", max_model_len=1024, max_num_seqs=256,
               gpu_memory_utilization=0.3,
-              speculative_config=dict(model=draft, num_speculative_tokens=4, draft_load_format="dummy"))
+              speculative_config=dict(model=draft, num_speculative_tokens=4, draft_load_format="dummy",
+                                      draft_sample_method=method))
     assert llm.engine.graph_memory_bytes > 700 << 20  # the three static logits buffers: 0.74 GiB
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(64)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    over = torch.cuda.memory_reserved() - 0.3 * total
-    assert over <= 256 << 20, f"{over / 2**20:.0f} MiB above gpu_memory_utilization"
+    llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    used = total - torch.cuda.mem_get_info()[0]  # by every process: the CUDA context counts as the engine's
+    over = used - 0.3 * total
+    print(f"used {used / 2**30:.2f} GiB, {over / 2**20:.0f} MiB above gpu_memory_utilization")
+    assert over <= 64 << 20, f"{over / 2**20:.0f} MiB above gpu_memory_utilization"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

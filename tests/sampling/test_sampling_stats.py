@@ -273,10 +273,10 @@ def test_top_k_top_p_mask_exact(vocab):
 
 def test_top_k_keeps_ties_at_the_cut():
     row = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
-    out = apply_top_k_top_p(row, torch.tensor([2]), torch.tensor([1.0]))
+    out = apply_top_k_top_p(row.clone(), torch.tensor([2]), torch.tensor([1.0]))
     assert torch.isfinite(out[0]).tolist() == [True, False, True, True, True, False]
     # With k=1 the single survivor has all the mass: any p keeps just it.
-    out = apply_top_k_top_p(row, torch.tensor([1]), torch.tensor([0.5]))
+    out = apply_top_k_top_p(row.clone(), torch.tensor([1]), torch.tensor([0.5]))
     assert torch.isfinite(out[0]).tolist() == [True, False, False, False, False, False]
 
 
@@ -284,7 +284,7 @@ def test_top_p_uses_top_k_renormalised_mass():
     # Probabilities ~ [0.4, 0.3, 0.2, 0.1]: without top-k, p=0.6 keeps 2 tokens; with k=2 the
     # renormalised mass is [0.571, 0.429], and p=0.6 still needs both; p=0.55 needs only one.
     row = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    keep = lambda k, p: torch.isfinite(apply_top_k_top_p(row, torch.tensor([k]), torch.tensor([p]))[0]).tolist()  # noqa: E731
+    keep = lambda k, p: torch.isfinite(apply_top_k_top_p(row.clone(), torch.tensor([k]), torch.tensor([p]))[0]).tolist()  # noqa: E731
     assert keep(0, 0.6) == [True, True, False, False]
     assert keep(2, 0.6) == [True, True, False, False]
     assert keep(2, 0.55) == [True, False, False, False]
@@ -463,3 +463,20 @@ def test_first_token_matches_transformers_softmax(tmp_path):
         # Negative control: the untruncated, differently tempered distribution is rejected.
         wrong = _ref_probs(logits, cfg["temperature"] * 1.3, 0, 1.0)
         assert chisq_counts_pvalue(np.bincount(tokens[c], minlength=vocab), wrong) < 1e-4, cfg
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_logprobs_in_row_chunks_equal_the_whole_batch(num_top):
+    """compute_logprobs goes CHUNK_ROWS rows at a time (bounding its [rows, V] temporaries): the
+    same values as one pass over all rows, -1 tokens (past a rejection) included."""
+    from tandem.sampling.processors import CHUNK_ROWS
+    from tandem.sampling.sampler import _logprobs, compute_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    n = 2 * CHUNK_ROWS + 17
+    processed = torch.randn(n, 50, generator=g)
+    processed[::7, :10] = float("-inf")
+    tokens = torch.randint(0, 50, (n,), generator=g)
+    tokens[::5] = -1
+    for got, want in zip(compute_logprobs(processed, tokens, num_top), _logprobs(processed, tokens, num_top)):
+        assert got.shape == want.shape and torch.equal(got, want)
