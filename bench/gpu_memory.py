@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
+    p.add_argument("--cases", default="target,greedy,probabilistic",
+                   help="engines: target (target-only, 64 sequences), greedy (k = 4, 64), probabilistic (k = 4, 256)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up lines
@@ -69,8 +71,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target = write_config(Path(tmp), "target", target_shape)
         draft = write_config(Path(tmp), "draft", draft_shape)
-        cases = [(None, "greedy", 64), (draft, "greedy", 64), (draft, "probabilistic", 256)]
-        rows = [measure(target, d, m, s, args.util, max_model_len) for d, m, s in cases]
+        cases = {"target": (None, "greedy", 64), "greedy": (draft, "greedy", 64),
+                 "probabilistic": (draft, "probabilistic", 256)}
+        rows = [measure(target, *cases[c], args.util, max_model_len) for c in args.cases.split(",")]
     headers = ["engine", "max_num_seqs", "set aside GiB", "graphs took GiB", "start s", "used GiB", "allowed GiB",
                "over MiB"]
     table = [[("target-only" if r["draft"] is None else f"k = 4, {r['draft']} drafts"), r["max_num_seqs"],

@@ -480,3 +480,33 @@ def test_logprobs_in_row_chunks_equal_the_whole_batch(num_top):
     tokens[::5] = -1
     for got, want in zip(compute_logprobs(processed, tokens, num_top), _logprobs(processed, tokens, num_top)):
         assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_penalties_over_more_rows_than_a_chunk():
+    """Penalties go CHUNK_ROWS rows at a time: a batch of 2.5 chunks (rows of 60 requests with
+    different penalties, several rows per request as in a verification, some without
+    penalties) matches the reference row by row."""
+    from tandem.sampling.processors import CHUNK_ROWS
+
+    vocab, num_slots = 30, 60
+    g = torch.Generator().manual_seed(5)
+    state = SamplingState(num_slots, vocab, (1,), torch.device("cpu"))
+    cases = {}
+    for slot in range(num_slots):
+        prompt = torch.randint(0, vocab, (3,), generator=g).tolist()
+        output = torch.randint(0, vocab, (slot % 5,), generator=g).tolist()
+        params = SamplingParams(max_tokens=50) if slot % 4 == 0 else SamplingParams(
+            repetition_penalty=1.0 + slot / 50, frequency_penalty=slot / 100, presence_penalty=-slot / 80, max_tokens=50)
+        state.add(NewReq(req_id=slot, slot=slot, token_ids=prompt + output, num_prompt_tokens=3, params=params, seed=slot))
+        cases[slot] = (prompt, output, params)
+    slots = [i % num_slots for i in range(5 * CHUNK_ROWS // 2)]
+    n = len(slots)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    rows = SampleRows(slots=slots, slot_ids=torch.tensor(slots), positions=torch.zeros(n, dtype=torch.int64),
+                      num_outputs=[len(cases[s][1]) for s in slots])
+    got = logits.clone()
+    apply_logits_processors(got, state, rows)
+    for i, slot in enumerate(slots):
+        prompt, output, params = cases[slot]
+        ref = _ref_processors(logits[i], params, prompt, output, len(output))
+        torch.testing.assert_close(got[i].double(), ref, rtol=1e-6, atol=1e-5, msg=f"row {i}")
