@@ -3,9 +3,10 @@
     python3 bench/gpu_memory.py --out $OUT/gpu_memory.json      # on the H200
 
 For each engine (dummy weights, real shapes): what the KV budget set aside for what follows
-the pool (the runner's and speculator's buffers and the CUDA graphs, measured against a
-one-block KV cache), what capturing the real graphs took, the start-up time, and, after a run of
-long prompts, the device's used memory against total * gpu_memory_utilization.
+the pool (the runner's and speculator's buffers, the CUDA graphs and the sampler's
+temporaries, measured by a rehearsal over a scratch KV pool of a few blocks), what capturing
+the real graphs took, the start-up time, and, after a run of long prompts, the device's used
+memory against total * gpu_memory_utilization.
 """
 from __future__ import annotations
 

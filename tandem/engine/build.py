@@ -3,11 +3,14 @@
 The KV pool is sized before the runner exists, yet what the runner allocates after it (per-slot
 buffers, the CUDA graphs' static outputs and memory pool, the kernels and driver memory they
 load, the sampler's temporaries) comes out of the same gpu_memory_utilization. `rehearse` builds
-all of it once against a scratch pool of a few blocks, captures every graph and runs one
-worst-case step (max_num_seqs requests, k drafts each, every sampling feature on), so that
-`tandem.runner.memory.after_pool_bytes` can read what it takes before the real pool is sized.
+all of it once against a scratch pool of a few blocks (`scratch_cache`), captures every graph
+and runs one worst-case step (max_num_seqs requests, k drafts each, every sampling feature on),
+so that `tandem.runner.memory.after_pool_bytes` can read what it takes before the real pool is
+sized.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -16,10 +19,12 @@ from tandem.plan import NewReq, ScheduledReq, StepPlan
 from tandem.runner.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
 
-# Every processor and the widest logprobs: the sampler's largest temporaries.
-WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                   frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 0.5}, min_tokens=2,
-                                   logprobs=20, seed=0)
+
+def worst_case_params() -> SamplingParams:
+    """Every processor and the widest logprobs: the sampler's largest temporaries."""
+    return SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                          frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 0.5}, min_tokens=2,
+                          logprobs=20, seed=0)
 
 
 def build_runner(cfg: EngineConfig, cache: CacheConfig, model, speculator_factory) -> ModelRunner:
@@ -47,18 +52,28 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig) -> None:
     torch.cuda.empty_cache()  # the warm-up runs' temporaries, cached on the capture streams
 
 
-def rehearse(cfg: EngineConfig, scratch: CacheConfig, model, speculator_factory, use_graphs: bool) -> ModelRunner:
-    """Build the runner over the scratch pool (room for 2k + 3 tokens: a request at position 1
-    verifying k drafts, then drafting k more), capture its graphs, and run one worst-case step,
-    whose temporaries stay in the allocator's cache; -> the runner (the caller measures, then
-    drops it)."""
+def scratch_cache(cfg: EngineConfig) -> CacheConfig:
+    """The rehearsal's KV pool: room for 2k + 3 tokens (a request at position 0 verifying k
+    drafts, then drafting k more), shared by every request."""
+    k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
+    return dataclasses.replace(cfg.cache, num_blocks=-(-(2 * k + 3) // cfg.cache.block_size))
+
+
+def rehearse(cfg: EngineConfig, model, speculator_factory, use_graphs: bool) -> ModelRunner:
+    """Build the runner over `scratch_cache(cfg)`, capture its graphs, and run one worst-case
+    step, whose temporaries stay in the allocator's cache; -> the runner (the caller measures,
+    then drops it)."""
+    scratch = scratch_cache(cfg)
     runner = build_runner(cfg, scratch, model, speculator_factory)
     if use_graphs:
         capture_graphs(runner, cfg)
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
+    # Positions 0 .. d verified, d + 1 emitted; a tiny max_model_len gets fewer drafts, as the
+    # scheduler would give it (the draft's later steps clamp their positions).
+    d = min(k, cfg.sched.max_model_len - 2)
     blocks = list(range(scratch.num_blocks))  # every request on the same blocks: the values do not matter
-    n = cfg.sched.max_num_seqs
-    new = [NewReq(i, i, [1, 2], 1, WORST_CASE_PARAMS, seed=i) for i in range(n)]
-    reqs = [ScheduledReq(i, i, 1, [2], k, blocks, True, 1, num_next_drafts=k) for i in range(n)]
+    n, params = cfg.sched.max_num_seqs, worst_case_params()
+    new = [NewReq(i, i, [1], 1, params, seed=i) for i in range(n)]
+    reqs = [ScheduledReq(i, i, 0, [1], d, blocks, True, 0, num_next_drafts=d) for i in range(n)]
     runner.execute(StepPlan(new, reqs))
     return runner

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.build import build_runner, capture_graphs, rehearse
+from tandem.engine.build import build_runner, capture_graphs, rehearse, scratch_cache
 from tandem.engine.detokenizer import Detokenizer, DetokState
 from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -81,19 +81,17 @@ class Engine:
 
         self.after_pool_estimate = 0  # bytes the budget set aside for what follows the KV pool (GPU)
 
-        def after_pool() -> int:  # what the runner, speculator and graphs take, built once against a scratch pool
-            scratch = dataclasses.replace(cfg.cache, num_blocks=-(-(2 * k + 3) // cfg.cache.block_size))
+        def after_pool() -> int:  # what the runner, speculator and graphs take, built once over a scratch pool
             with OutOfMemoryGuard(cfg.device, f"measuring the buffers and CUDA graphs of max_num_seqs={cfg.sched.max_num_seqs}",
                                   "lower max_num_seqs or max_num_batched_tokens, or pass enforce_eager=True"):
                 t0 = time.monotonic()
-                self.after_pool_estimate = after_pool_bytes(
-                    cfg.device, lambda: rehearse(cfg, scratch, model, speculator_factory, use_graphs),
-                    bytes_per_block(cfg, draft_bytes) * scratch.num_blocks)
-            logger.info("buffers, CUDA graphs and sampling take %.2f GiB (measured in %.1f s against a scratch KV cache)",
-                        self.after_pool_estimate / 2**30, time.monotonic() - t0)
-            return self.after_pool_estimate
+                taken = after_pool_bytes(cfg.device, lambda: rehearse(cfg, model, speculator_factory, use_graphs),
+                                         bytes_per_block(cfg, draft_bytes) * scratch_cache(cfg).num_blocks)
+            logger.info("buffers, CUDA graphs and sampling take %.2f GiB (measured in %.1f s over a scratch KV cache)",
+                        taken / 2**30, time.monotonic() - t0)
+            return taken
 
-        num_blocks = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
+        num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
         kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)

@@ -18,16 +18,17 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draft_model=None,
-                  after_pool: Callable[[], int] | None = None) -> int:
+                  after_pool: Callable[[], int] | None = None) -> tuple[int, int]:
     """Blocks that fit the budget, counting target and draft KV bytes per block together. On a
     GPU sized from gpu_memory_utilization, the largest step of both models is profiled (the draft
     runs the same prefill chunks), then after_pool() measures what the engine allocates after the
-    pool (the runner's and speculator's buffers, the CUDA graphs; `after_pool_bytes`) and the
-    pool takes what is left.
+    pool (the runner's and speculator's buffers, the CUDA graphs, the sampler's temporaries;
+    `after_pool_bytes`) and the pool takes what is left. -> (blocks, the bytes set aside for after the pool).
 
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
     cache, sched = cfg.cache, cfg.sched
+    later = 0  # bytes set aside for what the engine allocates after the pool
     per_block = bytes_per_block(cfg, draft_bytes_per_block)
     tokens_per_req = sched.max_model_len + sched.num_lookahead_tokens
     blocks_per_req = -(-tokens_per_req // cache.block_size)
@@ -50,7 +51,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
         if after_pool is not None:
             later = after_pool()
             budget -= later
-            source += f" (less {later / 2**30:.2f} GiB for buffers and CUDA graphs)"
+            source += f" (less {later / 2**30:.2f} GiB for buffers, CUDA graphs and sampling)"
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)
         source = "the CPU default (min of 4 GiB and max_num_seqs full-length requests)"
@@ -63,7 +64,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
             f"{blocks_per_req} blocks ({need} bytes); raise {budget_setting(cfg)} or lower max_model_len"
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
-    return num_blocks
+    return num_blocks, later
 
 
 def after_pool_bytes(device: torch.device, build: Callable[[], object], scratch_bytes: int) -> int:
@@ -77,11 +78,14 @@ def after_pool_bytes(device: torch.device, build: Callable[[], object], scratch_
     gc.collect()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info(device)[0]
+    reserved_before = torch.cuda.memory_reserved(device)
     built = build()
     torch.cuda.synchronize(device)
-    taken = free_before - torch.cuda.mem_get_info(device)[0] - scratch_bytes
+    taken = free_before - torch.cuda.mem_get_info(device)[0]
+    # At least what PyTorch's allocator grew by (free memory can also rise: another process).
+    taken = max(taken, torch.cuda.memory_reserved(device) - reserved_before) - scratch_bytes
     del built
-    gc.collect()  # runner, speculator and graphs refer to one another
+    gc.collect()
     torch.cuda.empty_cache()
     return max(taken, 0)
 

@@ -51,7 +51,7 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
 
 def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen: list[int]) -> None:
     (idx,) = state.upload(pen)
-    counts = torch.stack([state.output_counts[rows.slots[i]] for i in pen]).clone()  # [m, V] int32
+    counts = torch.stack([state.output_counts[rows.slots[i]] for i in pen])  # [m, V] int32, a copy
     if rows.prior_drafts is not None:
         prior = rows.prior_drafts[idx]  # [m, k]
         counts.scatter_add_(1, prior.clamp(min=0), (prior >= 0).to(torch.int32))
@@ -85,10 +85,10 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     """Keep tokens with prob >= min_p * max prob, in place on logits [n, V]. min_p [n] fp32 (0 = off)."""
     for i in range(0, logits.shape[0], CHUNK_ROWS):
-        rows = logits[i : i + CHUNK_ROWS]
-        probs = rows.softmax(dim=-1)
+        chunk = logits[i : i + CHUNK_ROWS]
+        probs = chunk.softmax(dim=-1)
         keep = probs >= min_p[i : i + CHUNK_ROWS, None] * probs.max(dim=-1, keepdim=True).values
-        rows.masked_fill_(~keep, float("-inf"))
+        chunk.masked_fill_(~keep, float("-inf"))
     return logits
 
 

@@ -46,34 +46,3 @@ def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch):
     check_weights_fit(8 * GiB, cuda, "model='small'", "-")  # fits
     check_weights_fit(1 << 50, torch.device("cpu"), "model='big'", "-")  # host memory is not checked
 
-
-@pytest.mark.parametrize("method", [None, "greedy", "probabilistic"])
-def test_the_rehearsal_runs_a_worst_case_step(tmp_path, method):
-    """On a GPU the KV budget sets aside what the engine allocates after the pool, measured by a
-    rehearsal (tandem/engine/build.py) over a scratch pool of a few blocks: its worst-case step
-    (max_num_seqs requests verifying k drafts, every sampling feature on) runs through the real
-    runner and speculator. On the CPU: every request of it samples (penalties count the emitted
-    tokens) and, with a draft, gets k new drafts."""
-    import dataclasses
-
-    from tandem import LLM
-    from tandem.engine.build import WORST_CASE_PARAMS, rehearse
-    from tandem.spec.factory import SpeculatorFactory
-    from tests.helpers import make_hf_model
-
-    target = make_hf_model(tmp_path / "t", "llama")
-    spec = None
-    if method is not None:
-        draft = make_hf_model(tmp_path / "d", "llama", num_layers=1, seed=2)
-        spec = dict(model=str(draft), num_speculative_tokens=3, draft_sample_method=method)
-    llm = LLM(str(target), dtype="float32", max_model_len=64, max_num_seqs=5, speculative_config=spec)
-    cfg = llm.engine.cfg
-    factory = SpeculatorFactory(cfg.spec, cfg.model, llm.tokenizer, cfg.device) if spec else None
-    k = cfg.spec.num_speculative_tokens if spec else 0
-    scratch = dataclasses.replace(cfg.cache, num_blocks=-(-(2 * k + 3) // cfg.cache.block_size))
-    runner = rehearse(cfg, scratch, llm.engine.runner.model, factory, use_graphs=False)
-    state = runner.state
-    assert state.params == [WORST_CASE_PARAMS] * 5
-    assert all(int(state.output_counts[s].sum()) >= 2 for s in range(5))  # the prompt's output token + one emitted
-    if spec:
-        assert bool((runner.speculator.drafts[:5] != 0).any())
