@@ -79,8 +79,6 @@ class Engine:
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
 
-        self.after_pool_estimate = 0  # bytes the budget set aside for what follows the KV pool (GPU)
-
         def after_pool() -> int:  # what the runner, speculator and graphs take, built once over a scratch pool
             with OutOfMemoryGuard(cfg.device, f"measuring the buffers and CUDA graphs of max_num_seqs={cfg.sched.max_num_seqs}",
                                   "lower max_num_seqs or max_num_batched_tokens, or pass enforce_eager=True"):
@@ -91,6 +89,7 @@ class Engine:
                         taken / 2**30, time.monotonic() - t0)
             return taken
 
+        # after_pool_estimate: bytes the budget set aside for what follows the KV pool (GPU; else 0)
         num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)

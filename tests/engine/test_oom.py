@@ -45,4 +45,3 @@ def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch):
                             "80.0 GiB (other processes hold 70.0 GiB); use a smaller model, or a smaller dtype")
     check_weights_fit(8 * GiB, cuda, "model='small'", "-")  # fits
     check_weights_fit(1 << 50, torch.device("cpu"), "model='big'", "-")  # host memory is not checked
-

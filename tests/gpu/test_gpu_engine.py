@@ -132,9 +132,10 @@ def test_the_process_stays_within_the_memory_fraction(tmp_path, method):
     """gpu_memory_utilization bounds everything the process holds on the device: weights,
     activations, the KV pool, and what is allocated after it (the runner's and speculator's
     buffers, the CUDA graphs' static logits, their memory pool and the driver's memory for them,
-    measured once over a scratch KV pool of a few blocks before the pool is sized). With a 128k vocabulary
-    and 256 sequences the graphs take ~1 GiB (their logits alone 0.74 GiB; probabilistic drafts
-    keep 0.5 GiB of draft logits more); read as the device's used memory after a run."""
+    the sampler's temporaries; measured by a rehearsal over a scratch KV pool before the pool is
+    sized). With a 128k vocabulary and 256 sequences the graphs take ~1 GiB (their logits alone
+    0.74 GiB; probabilistic drafts keep 0.5 GiB of draft logits more); read as the device's used
+    memory after a run."""
     shape = dict(num_key_value_heads=2, vocab_size=128256, max_position_embeddings=1024, num_hidden_layers=2,
                  num_attention_heads=8)
     target = _config_dir(tmp_path / "t", hidden_size=512, intermediate_size=1024, **shape)
