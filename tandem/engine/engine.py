@@ -112,7 +112,6 @@ class Engine:
                 torch.cuda.empty_cache()  # so that what capture takes shows in the device's free memory
                 free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()
-                torch.cuda.empty_cache()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
             logger.info("captured CUDA graphs in %.1f s: %.2f GiB", time.monotonic() - t0, self.graph_memory_bytes / 2**30)
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k)
