@@ -36,9 +36,10 @@ def build_runner(cfg: EngineConfig, cache: CacheConfig, model, speculator_factor
     return runner
 
 
-def capture_graphs(runner: ModelRunner, cfg: EngineConfig) -> None:
-    """Capture the target's uniform decode and verification steps and the draft's graphs, all in
-    one memory pool: they replay one after another on one stream and keep nothing in it between
+def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.Stream) -> None:
+    """Capture the target's uniform decode and verification steps and the draft's graphs on
+    stream (the engine's one capture stream: the rehearsal's and the real capture's cuBLAS
+    workspace is then the same one), all in one memory pool: they replay one after another on one stream and keep nothing in it between
     replays (logits and drafts live in static buffers), so their temporaries can share memory
     (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic drafts: graphs 1.39 -> 1.05 GiB; at
     64 sequences 1.21 -> 1.31, within the measure's spread)."""
@@ -46,34 +47,52 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig) -> None:
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
     tokens_per_req = [1] + ([1 + k] if k else [])  # decode, and verification of k drafts
-    runner.capture_graphs(tokens_per_req, cfg.sched.max_num_seqs, max_blocks, pool)
+    runner.capture_graphs(tokens_per_req, cfg.sched.max_num_seqs, max_blocks, stream, pool)
     if runner.speculator is not None:
-        runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks, pool)
+        runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks, stream, pool)
     torch.cuda.empty_cache()  # the warm-up runs' temporaries, cached on the capture streams
 
 
 def scratch_cache(cfg: EngineConfig) -> CacheConfig:
-    """The rehearsal's KV pool: room for 2k + 3 tokens (a request at position 0 verifying k
-    drafts, then drafting k more), shared by every request."""
+    """The rehearsal's KV pool: room for 2k + 3 tokens (a request verifying k drafts, then
+    drafting k more), shared by every request and position (block ids repeat in the tables)."""
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     return dataclasses.replace(cfg.cache, num_blocks=-(-(2 * k + 3) // cfg.cache.block_size))
 
 
-def rehearse(cfg: EngineConfig, model, speculator_factory, use_graphs: bool) -> ModelRunner:
-    """Build the runner over `scratch_cache(cfg)`, capture its graphs, and run one worst-case
-    step, whose temporaries stay in the allocator's cache; -> the runner (the caller measures,
-    then drops it)."""
+def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch.cuda.Stream | None) -> ModelRunner:
+    """Build the runner over `scratch_cache(cfg)`, capture its graphs on capture_stream (None:
+    eager), and run the steps whose temporaries the allocator keeps cached, in the order a
+    generation meets them: max_num_seqs prompts prefilled at once (eager), all of them verifying
+    k drafts (the graphs), then verifying a ragged number of drafts, as near the end of their
+    budgets (eager: logits for every row outside the graphs' buffers). Every step samples with
+    every feature on. Measuring one step alone is not enough: each step's blocks are the wrong
+    sizes for the next's, so the cache grows with each kind (H200, 2-layer 128k-vocabulary
+    models, 256 sequences: ~1.2 GiB for each of the first two, 0.5 for the ragged step, 76 MiB
+    over gpu_memory_utilization when only the graph step was rehearsed). -> the runner (the
+    caller measures, then drops it)."""
     scratch = scratch_cache(cfg)
     runner = build_runner(cfg, scratch, model, speculator_factory)
-    if use_graphs:
-        capture_graphs(runner, cfg)
+    if capture_stream is not None:
+        capture_graphs(runner, cfg, capture_stream)
+    sched, bs = cfg.sched, cfg.cache.block_size
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
-    # Positions 0 .. d verified, d + 1 emitted; a tiny max_model_len gets fewer drafts, as the
-    # scheduler would give it (the draft's later steps clamp their positions).
-    d = min(k, cfg.sched.max_model_len - 2)
-    blocks = list(range(scratch.num_blocks))  # every request on the same blocks: the values do not matter
-    n, params = cfg.sched.max_num_seqs, worst_case_params()
-    new = [NewReq(i, i, [1], 1, params, seed=i) for i in range(n)]
-    reqs = [ScheduledReq(i, i, 0, [1], d, blocks, True, 0, num_next_drafts=d) for i in range(n)]
-    runner.execute(StepPlan(new, reqs))
+    # Verification at position 0 (d drafts, then one emitted token and d new drafts); a tiny
+    # max_model_len gets fewer drafts, as the scheduler would give it (the draft's later steps
+    # clamp their positions).
+    d = max(0, min(k, sched.max_model_len - 2))
+    n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    prompt_len = max(1, min(sched.max_num_batched_tokens // n, sched.max_model_len - 1 - d))
+    blocks = [b % scratch.num_blocks for b in range(-(-(prompt_len + d + 1) // bs))]  # the values do not matter
+    params = worst_case_params()
+
+    def step(tokens: list[int], num_drafts: list[int]) -> None:
+        new = [NewReq(i, i, tokens, len(tokens), params, seed=i) for i in range(n)]
+        reqs = [ScheduledReq(i, i, 0, tokens, num_drafts[i], blocks, True, 0, num_next_drafts=d) for i in range(n)]
+        runner.execute(StepPlan(new, reqs, freed_slots=list(range(n))))
+
+    step([1] * prompt_len, [0] * n)  # prefill
+    step([1], [d] * n)  # uniform verification: the graphs
+    if d >= 1:
+        step([1], [d] * (n - 1) + [d - 1])  # ragged: eager
     return runner

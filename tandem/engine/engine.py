@@ -78,12 +78,14 @@ class Engine:
         draft_model = speculator_factory.model if speculator_factory is not None else None
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+        # One side stream for every graph's warm-up and capture, the rehearsal's too (graphs.capture_on)
+        self._capture_stream = torch.cuda.Stream(cfg.device) if use_graphs else None
 
         def after_pool() -> int:  # what the runner, speculator and graphs take, built once over a scratch pool
             with OutOfMemoryGuard(cfg.device, f"measuring the buffers and CUDA graphs of max_num_seqs={cfg.sched.max_num_seqs}",
                                   "lower max_num_seqs or max_num_batched_tokens, or pass enforce_eager=True"):
                 t0 = time.monotonic()
-                taken = after_pool_bytes(cfg.device, lambda: rehearse(cfg, model, speculator_factory, use_graphs),
+                taken = after_pool_bytes(cfg.device, lambda: rehearse(cfg, model, speculator_factory, self._capture_stream),
                                          bytes_per_block(cfg, draft_bytes) * scratch_cache(cfg).num_blocks)
             logger.info("buffers, CUDA graphs and sampling take %.2f GiB (measured in %.1f s over a scratch KV cache)",
                         taken / 2**30, time.monotonic() - t0)
@@ -130,7 +132,7 @@ class Engine:
 
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
-        capture_graphs(self.runner, self.cfg)
+        capture_graphs(self.runner, self.cfg, self._capture_stream)
 
     # ---------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

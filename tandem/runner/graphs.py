@@ -16,6 +16,25 @@ from tandem.layers.table_attention import TableAttnMetadata
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def capture_on(stream: torch.cuda.Stream, pool, fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """Run fn() warmups times on stream, then capture it there into the memory pool `pool` (a
+    handle, or None for a new pool). -> the graph.
+
+    Every graph of an engine warms up and captures on one stream: cuBLAS keeps a workspace
+    (32 MiB on Hopper) for each stream it ever ran on, for the life of the process, and a fresh
+    `torch.cuda.Stream()` per graph walks PyTorch's pool of 32 streams, leaving up to 32 of
+    them behind."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        fn()
+    return graph
+
+
 class GraphRunner:
     def __init__(self, model, kv, *, tokens_per_req: int, max_num_reqs: int, max_blocks: int, block_size: int,
                  device: torch.device, use_triton: bool):
@@ -56,18 +75,11 @@ class GraphRunner:
         return self.model.compute_logits(hidden, out=self.logits[:m])  # [n * t, vocab]
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        """pool: a graph memory pool handle to share (torch.cuda.graph_pool_handle()); sizes share one."""
+    def capture(self, stream: torch.cuda.Stream, pool=None) -> None:
+        """stream: the side stream to warm up and capture on (see `capture_on`); pool: a graph
+        memory pool handle to share (torch.cuda.graph_pool_handle()); sizes share one."""
         for n in sorted(self.sizes, reverse=True):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    self.forward(n)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(n)
+            graph = capture_on(stream, pool, lambda: self.forward(n), warmups=2)  # Triton compiles, cuBLAS picks kernels
             pool = graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize()

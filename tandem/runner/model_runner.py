@@ -71,13 +71,15 @@ class ModelRunner:
         assert self.speculator is None, "steps are planned ahead only without a draft model"
         self.last_tokens = torch.zeros(self._max_num_seqs, dtype=torch.int64, device=self.device)
 
-    def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int, pool=None) -> None:
-        """Capture uniform decode / verification steps (CUDA only) into the graph memory pool `pool`."""
+    def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream,
+                       pool=None) -> None:
+        """Capture uniform decode / verification steps (CUDA only) on stream, into the graph memory
+        pool `pool`."""
         for t in tokens_per_req:
             runner = GraphRunner(self.model, self.kv, tokens_per_req=t, max_num_reqs=max_num_reqs,
                                  max_blocks=max_blocks, block_size=self.block_size, device=self.device,
                                  use_triton=self.attn_backend.use_triton)
-            runner.capture(pool)
+            runner.capture(stream, pool)
             self.graphs[t] = runner
 
     def execute(self, plan: StepPlan) -> StepResult:

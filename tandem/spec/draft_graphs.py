@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from tandem.layers.backend import AttnBackend
-from tandem.runner.graphs import GraphRunner
+from tandem.runner.graphs import GraphRunner, capture_on
 from tandem.sampling.sampler import greedy_tokens
 
 
@@ -64,23 +64,17 @@ class DraftGraphs:
             self.drafts[slots, step] = greedy_tokens(logits, self.backend.use_triton)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        """pool: a graph memory pool handle to share (every draft graph shares one)."""
+    def capture(self, stream: torch.cuda.Stream, pool=None) -> None:
+        """stream: the side stream to warm up and capture on (`capture_on`); pool: a graph memory
+        pool handle to share (every draft graph shares one)."""
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.catchup.capture(pool)
+        self.catchup.capture(stream, pool)
         kinds = [(self.rounds, self._round)]
         if self.k >= 2:
             kinds.append((self.loops, lambda n: self._loop(n, self.pos[:n])))
         for graphs, fn in kinds:
             for n in sorted(self.sizes, reverse=True):
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn(n)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fn(n)
+                graph = capture_on(stream, pool, lambda: fn(n))
                 pool = graph.pool()
                 graphs[n] = graph
         self.drafts.zero_()

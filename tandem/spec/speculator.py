@@ -69,14 +69,14 @@ class DraftSpeculator:
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: DraftGraphs | None = None
 
-    def capture_graphs(self, max_num_reqs: int, max_blocks: int, pool=None) -> None:
-        """Capture the catch-up forward and the greedy draft loop (CUDA only) into the graph memory
-        pool `pool`."""
+    def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None) -> None:
+        """Capture the catch-up forward and the greedy draft loop (CUDA only) on stream, into the
+        graph memory pool `pool`."""
         self.graphs = DraftGraphs(
             self.model, self.kv, self.drafts, k=self.k, vocab_size=self.vocab_size, max_num_reqs=max_num_reqs,
             max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
         )
-        self.graphs.capture(pool)
+        self.graphs.capture(stream, pool)
 
     def add(self, new: NewReq) -> None:
         """Nothing per request: sampling parameters live in the shared SamplingState."""

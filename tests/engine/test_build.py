@@ -1,7 +1,9 @@
 """The start-up rehearsal (tandem/engine/build.py): on a GPU the KV budget sets aside what it
-measures (tests/gpu/test_gpu_engine.py); here its worst-case step runs through the real runner
+measures (tests/gpu/test_gpu_engine.py); here its worst-case steps run through the real runner
 and speculator on the CPU."""
 import pytest
+
+from tandem.runner.model_runner import ModelRunner
 
 from tandem import LLM
 from tandem.engine.build import rehearse, scratch_cache, worst_case_params
@@ -19,7 +21,7 @@ def _rehearse(tmp_path, method, k=3, max_model_len=64, max_num_seqs=5):
               speculative_config=spec)
     cfg = llm.engine.cfg
     factory = SpeculatorFactory(cfg.spec, cfg.model, llm.tokenizer, cfg.device) if spec else None
-    return rehearse(cfg, llm.engine.runner.model, factory, use_graphs=False)
+    return rehearse(cfg, llm.engine.runner.model, factory, capture_stream=None)
 
 
 @pytest.mark.parametrize("method", [None, "greedy", "probabilistic"])
@@ -32,6 +34,19 @@ def test_the_worst_case_step_samples_every_request(tmp_path, method):
     assert all(int(state.output_counts[s].sum()) >= 1 for s in range(5))
     if method is not None:
         assert bool((runner.speculator.drafts[:5] != 0).any())
+
+
+def test_the_rehearsal_runs_each_kind_of_step(tmp_path, monkeypatch):
+    """A full prefill of max_num_seqs prompts, a uniform verification, a ragged one (eager)."""
+    plans = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, plan: (plans.append(plan), execute(self, plan))[1])
+    _rehearse(tmp_path, "greedy", k=3, max_model_len=64, max_num_seqs=5)
+    assert len(plans) == 3
+    prefill, uniform, ragged = ([(len(r.input_token_ids), r.num_drafts) for r in p.reqs] for p in plans)
+    assert prefill == [(60, 0)] * 5  # min(2048 // 5, 64 - 1 - 3) tokens each
+    assert uniform == [(1, 3)] * 5
+    assert ragged == [(1, 3)] * 4 + [(1, 2)]
 
 
 @pytest.mark.parametrize("k, max_model_len", [(1, 64), (4, 6), (4, 3)])

@@ -135,7 +135,7 @@ def test_the_process_stays_within_the_memory_fraction(tmp_path, method):
     the sampler's temporaries; measured by a rehearsal over a scratch KV pool before the pool is
     sized). With a 128k vocabulary and 256 sequences the graphs take ~1 GiB (their logits alone
     0.74 GiB; probabilistic drafts keep 0.5 GiB of draft logits more); read as the device's used
-    memory after a run."""
+    memory after a run of max_num_seqs requests with every sampling feature."""
     shape = dict(num_key_value_heads=2, vocab_size=128256, max_position_embeddings=1024, num_hidden_layers=2,
                  num_attention_heads=8)
     target = _config_dir(tmp_path / "t", hidden_size=512, intermediate_size=1024, **shape)
@@ -148,8 +148,15 @@ def test_the_process_stays_within_the_memory_fraction(tmp_path, method):
               speculative_config=dict(model=draft, num_speculative_tokens=4, draft_load_format="dummy",
                                       draft_sample_method=method))
     assert llm.engine.graph_memory_bytes > 700 << 20  # the three static logits buffers: 0.74 GiB
-    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(64)]
-    llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    # The worst case the rehearsal measures, for real: max_num_seqs requests of 8 tokens (the first
+    # step prefills max_num_batched_tokens = 2048), then all of them verifying drafts at once with
+    # every sampling feature and 20 logprobs.
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9, 10, 11, 12]} for i in range(256)]
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 0.5}, min_tokens=2,
+                            logprobs=20, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     torch.cuda.synchronize()
     used = total - torch.cuda.mem_get_info()[0]  # by every process: the CUDA context counts as the engine's
     over = used - 0.3 * total
