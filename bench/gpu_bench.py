@@ -352,6 +352,65 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
     free(llm, target, draft)
 
 
+def serving(root, target, draft, batches, args, results) -> None:
+    """Continuous batching as a server meets it: 4 x max_num_seqs requests of args.prompt_len
+    tokens, output lengths drawn from 64..256 (seeded), all submitted at once; requests finish
+    at different steps and waiting ones are prefilled into their slots. Target-only against
+    k = 4 at synthetic uniform acceptance 0.8 on the same requests. Reports output tokens/s over
+    the whole run (warm: the second run of the same requests; cold: the first, whose eager
+    steps compile kernels for the shapes they meet), and the share of steps that replayed a
+    CUDA graph (the rest ran eagerly: prefills, mixed steps, verifications of unequal draft
+    counts)."""
+    from tandem import SamplingParams
+
+    tname, tshape = target
+    dname, dshape = draft
+    tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
+    k, rate = 4, 0.8
+    rates = [rate ** (i + 1) for i in range(k)]  # unconditional, as speculative_config takes them
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        n = 4 * b
+        prompts = [{"prompt_token_ids": torch.randint(10, 30000, (args.prompt_len,), generator=g).tolist()}
+                   for _ in range(n)]
+        lengths = torch.randint(64, 257, (n,), generator=g).tolist()
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+        for name, spec in (("target-only", None),
+                           (f"k={k} uniform-{rate}", dict(model=ddir, num_speculative_tokens=k, draft_load_format="dummy",
+                                                         rejection_sample_method="synthetic",
+                                                         synthetic_acceptance_rates=rates))):
+            llm = make_llm(tdir, spec, b, args.max_model_len)
+            runner = llm.engine.runner
+            graph_for, used = runner._graph_for, []
+
+            def counted(plan, graph_for=graph_for, used=used):
+                graph = graph_for(plan)
+                used.append(graph is not None)
+                return graph
+
+            runner._graph_for = counted
+            llm.generate(prompts[:b], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * b,
+                         use_tqdm=False)  # warm-up: compiles the eager paths' kernels
+            walls = []
+            for _ in range(2):  # cold (the eager steps' new shapes compile kernels), then warm
+                used.clear()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                walls.append(time.perf_counter() - t0)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert tokens == sum(lengths)
+            wall = walls[1]
+            r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0],
+                     tok_s=tokens / wall, cold_tok_s=tokens / walls[0], steps=len(used), graph_steps=sum(used))
+            results["serving"].append(r)
+            print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
+                  f"{r['cold_tok_s']:.0f} cold; {sum(used)} of {len(used)} steps on graphs", flush=True)
+            free(llm, runner)
+        base, spec_r = results["serving"][-2], results["serving"][-1]
+        spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
+
+
 def hf_peer(target_shape, draft_shape, args, results) -> None:
     import transformers
 
@@ -401,7 +460,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-repeats", type=int, default=3,
                    help="warm timed transformers runs per mode (median), after one cold timed run")
     p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
-    p.add_argument("--sections", default="target,synthetic,eps,hf")
+    p.add_argument("--sections", default="target,synthetic,eps,hf",
+                   help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
+    p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
     p.add_argument("--ab-gemv", action="store_true",
                    help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
@@ -415,7 +476,7 @@ def main(argv=None) -> int:
                    help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
-    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": []}
+    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -459,6 +520,9 @@ def main(argv=None) -> int:
         write_json(args.out, results)
         if "hf" in sections:
             hf_peer(target[1], draft[1], args, results)
+        if "serving" in sections:
+            serving_batches = [int(b) for b in args.serving_batches.split(",")]
+            serving(root, target, draft, serving_batches, args, results)
     write_json(args.out, results)
     rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
              f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
@@ -474,6 +538,12 @@ def main(argv=None) -> int:
             for r in results["eps_pair"]]
     if rows:
         print_table(["eps", "tok/s", "accept len", "speedup"], rows)
+    rows = [(r["engine"], r["max_num_seqs"], r["requests"], r["output_tokens"], f"{r['seconds']:.2f}",
+             f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}" if "speedup" in r else "-", f"{r['cold_tok_s']:.0f}",
+             f"{r['graph_steps']} / {r['steps']}") for r in results["serving"]]
+    if rows:
+        print_table(["serving", "max_num_seqs", "requests", "tokens", "warm s", "warm tok/s", "speedup", "cold tok/s",
+                     "graph steps"], rows)
     if results["hf"]:
         ours = next((r["tok_s"] for r in results["target_only"] if r["model"] == target[0] and r["batch"] == 1), None)
         ratio = lambda t: f"{ours / t:.1f}x" if ours else "-"  # noqa: E731

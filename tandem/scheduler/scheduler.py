@@ -179,10 +179,11 @@ class Scheduler:
         remaining = req.num_tokens - start
         num_drafts = 0
         if remaining == 1:
-            # Verify no more drafts than can still become output, nor run past max_model_len.
-            room_out = req.max_tokens - len(req.output_token_ids) - 1
+            # Verify every pending draft, even past max_tokens (update() stops at it, and the
+            # batch stays uniform: a CUDA graph, not an eager step), but run no draft past
+            # max_model_len.
             room_len = self.cfg.max_model_len - req.num_tokens - 1
-            num_drafts = max(0, min(req.num_pending_drafts, room_out, room_len, budget - 1))
+            num_drafts = max(0, min(req.num_pending_drafts, room_len, budget - 1))
         chunk = min(remaining, budget)
         sample = start + chunk == req.num_tokens
         return ScheduledReq(
