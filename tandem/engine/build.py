@@ -38,9 +38,10 @@ def build_runner(cfg: EngineConfig, cache: CacheConfig, model, speculator_factor
 
 def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.Stream) -> None:
     """Capture the target's uniform decode and verification steps and the draft's graphs on
-    stream (the engine's one capture stream: the rehearsal's and the real capture's cuBLAS
-    workspace is then the same one), all in one memory pool: they replay one after another on one stream and keep nothing in it between
-    replays (logits and drafts live in static buffers), so their temporaries can share memory
+    stream (the engine's one capture stream, so the rehearsal's cuBLAS workspace is the real
+    capture's too), all in one memory pool: they replay one after another on one stream and
+    keep nothing in it between replays (logits and drafts live in static buffers), so their
+    temporaries can share memory
     (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic drafts: graphs 1.39 -> 1.05 GiB; at
     64 sequences 1.21 -> 1.31, within the measure's spread)."""
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
@@ -50,7 +51,7 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     runner.capture_graphs(tokens_per_req, cfg.sched.max_num_seqs, max_blocks, stream, pool)
     if runner.speculator is not None:
         runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks, stream, pool)
-    torch.cuda.empty_cache()  # the warm-up runs' temporaries, cached on the capture streams
+    torch.cuda.empty_cache()  # the warm-up runs' temporaries, cached on the capture stream
 
 
 def scratch_cache(cfg: EngineConfig) -> CacheConfig:
@@ -64,13 +65,13 @@ def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch
     """Build the runner over `scratch_cache(cfg)`, capture its graphs on capture_stream (None:
     eager), and run the steps whose temporaries the allocator keeps cached, in the order a
     generation meets them: max_num_seqs prompts prefilled at once (eager), all of them verifying
-    k drafts (the graphs), then verifying a ragged number of drafts, as near the end of their
-    budgets (eager: logits for every row outside the graphs' buffers). Every step samples with
-    every feature on. Measuring one step alone is not enough: each step's blocks are the wrong
-    sizes for the next's, so the cache grows with each kind (H200, 2-layer 128k-vocabulary
-    models, 256 sequences: ~1.2 GiB for each of the first two, 0.5 for the ragged step, 76 MiB
-    over gpu_memory_utilization when only the graph step was rehearsed). -> the runner (the
-    caller measures, then drops it)."""
+    k drafts (the graphs), then verifying unequal numbers of drafts (eager, as beside a prefill
+    or near max_model_len: logits for every row outside the graphs' buffers). Every step samples
+    with every feature on. One step alone is not enough: each kind leaves blocks in the cache
+    that the next kind cannot reuse (H200, 2-layer 128k-vocabulary models, 256 sequences with
+    every feature: the cache grew 1.27 GiB at the prefill, 1.26 at the first verification and
+    0.5 more by the end, 76 MiB over gpu_memory_utilization with only the graph step rehearsed,
+    876 MiB under with these three). -> the runner (the caller measures, then drops it)."""
     scratch = scratch_cache(cfg)
     runner = build_runner(cfg, scratch, model, speculator_factory)
     if capture_stream is not None:

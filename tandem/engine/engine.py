@@ -132,6 +132,8 @@ class Engine:
 
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
+        if self._capture_stream is None:
+            raise RuntimeError("this engine runs eagerly (enforce_eager=True, or not on CUDA): it has no CUDA graphs")
         capture_graphs(self.runner, self.cfg, self._capture_stream)
 
     # ---------------------------------------------------------------- requests
