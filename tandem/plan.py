@@ -40,10 +40,19 @@ class ScheduledReq:
     sample: bool  # the chunk reaches the last known token, so a token is sampled
     num_output_tokens: int  # output tokens before this step (min_tokens, penalties)
     num_next_drafts: int = 0  # drafts to propose after this step (0: no drafting)
+    # Of num_drafts, those that can still become output (None: all). The rest lie past max_tokens:
+    # verified only so the batch stays uniform, and left out of the acceptance metrics.
+    num_useful_drafts: int | None = None
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.input_token_ids) + self.num_drafts
+
+    def counted_round(self, num_emitted: int) -> tuple[int, int]:
+        """-> (drafts, accepted) of this step's verification that the acceptance metrics count,
+        given the tokens it emitted (accepted drafts + 1)."""
+        drafts = self.num_drafts if self.num_useful_drafts is None else min(self.num_drafts, self.num_useful_drafts)
+        return drafts, min(num_emitted - 1, drafts)
 
 
 @dataclass(slots=True)

@@ -64,14 +64,15 @@ def scratch_cache(cfg: EngineConfig) -> CacheConfig:
 def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch.cuda.Stream | None) -> ModelRunner:
     """Build the runner over `scratch_cache(cfg)`, capture its graphs on capture_stream (None:
     eager), and run the steps whose temporaries the allocator keeps cached, in the order a
-    generation meets them: max_num_seqs prompts prefilled at once (eager), all of them verifying
-    k drafts (the graphs), then verifying unequal numbers of drafts (eager, as beside a prefill
-    or near max_model_len: logits for every row outside the graphs' buffers). Every step samples
-    with every feature on. One step alone is not enough: each kind leaves blocks in the cache
-    that the next kind cannot reuse (H200, 2-layer 128k-vocabulary models, 256 sequences with
-    every feature: the cache grew 1.27 GiB at the prefill, 1.26 at the first verification and
-    0.5 more by the end, 76 MiB over gpu_memory_utilization with only the graph step rehearsed,
-    876 MiB under with these three). -> the runner (the caller measures, then drops it)."""
+    generation meets them: max_num_seqs prompts prefilled at once (eager), as many of them as
+    the token budget allows verifying k drafts (the graphs), then unequal numbers of drafts
+    (eager, as beside a prefill or near max_model_len: logits for every row outside the graphs'
+    buffers). Every step samples with every feature on. One step alone is not enough: each kind
+    leaves blocks in the cache that the next kind cannot reuse (H200, 2-layer 128k-vocabulary
+    models, 256 sequences with every feature: the cache grew 1.27 GiB at the prefill, 1.26 at
+    the first verification and 0.5 more by the end, 76 MiB over gpu_memory_utilization with only
+    the graph step rehearsed, 876 MiB under with these three). -> the runner (the caller
+    measures, then drops it)."""
     scratch = scratch_cache(cfg)
     runner = build_runner(cfg, scratch, model, speculator_factory)
     if capture_stream is not None:
@@ -88,12 +89,14 @@ def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch
     params = worst_case_params()
 
     def step(tokens: list[int], num_drafts: list[int]) -> None:
-        new = [NewReq(i, i, tokens, len(tokens), params, seed=i) for i in range(n)]
-        reqs = [ScheduledReq(i, i, 0, tokens, num_drafts[i], blocks, True, 0, num_next_drafts=d) for i in range(n)]
-        runner.execute(StepPlan(new, reqs, freed_slots=list(range(n))))
+        m = len(num_drafts)
+        new = [NewReq(i, i, tokens, len(tokens), params, seed=i) for i in range(m)]
+        reqs = [ScheduledReq(i, i, 0, tokens, num_drafts[i], blocks, True, 0, num_next_drafts=d) for i in range(m)]
+        runner.execute(StepPlan(new, reqs, freed_slots=list(range(m))))
 
     step([1] * prompt_len, [0] * n)  # prefill
-    step([1], [d] * n)  # uniform verification: the graphs
+    n_verify = min(n, max(1, sched.max_num_batched_tokens // (1 + d)))  # as many as the token budget lets verify
+    step([1], [d] * n_verify)  # uniform verification: the graphs
     if d >= 1:
-        step([1], [d] * (n - 1) + [d - 1])  # ragged: eager
+        step([1], [d] * (n_verify - 1) + [d - 1])  # ragged: eager
     return runner

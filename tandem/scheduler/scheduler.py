@@ -179,11 +179,13 @@ class Scheduler:
         remaining = req.num_tokens - start
         num_drafts = 0
         if remaining == 1:
-            # Verify every pending draft, even past max_tokens (update() stops at it, and the
-            # batch stays uniform: a CUDA graph, not an eager step), but run no draft past
-            # max_model_len.
+            # Verify every pending draft, even past max_tokens: update() ends the output there,
+            # and the batch stays uniform (a CUDA graph, not an eager step). The drafts past it
+            # hold KV slots for this one step (at most k - 1 positions) and stay out of the
+            # acceptance metrics (num_useful_drafts). No draft runs past max_model_len.
             room_len = self.cfg.max_model_len - req.num_tokens - 1
             num_drafts = max(0, min(req.num_pending_drafts, room_len, budget - 1))
+        room_out = max(0, req.max_tokens - len(req.output_token_ids) - 1)  # drafts that can become output
         chunk = min(remaining, budget)
         sample = start + chunk == req.num_tokens
         return ScheduledReq(
@@ -196,6 +198,7 @@ class Scheduler:
             sample=sample,
             num_output_tokens=len(req.output_token_ids),
             num_next_drafts=self.k if sample else 0,
+            num_useful_drafts=min(num_drafts, room_out),
         )
 
     def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
@@ -231,8 +234,9 @@ class Scheduler:
                 continue
             num_accepted = len(tokens) - 1 if item.num_drafts else 0
             req.num_computed_tokens += len(item.input_token_ids) + num_accepted
-            if item.num_drafts:
-                self._count_acceptance(req, item.num_drafts, num_accepted)
+            num_counted, num_counted_accepted = item.counted_round(len(tokens))
+            if num_counted:
+                self._count_acceptance(req, num_counted, num_counted_accepted)
             req.num_pending_drafts = num_proposed
             emitted = []
             for token in tokens:

@@ -29,13 +29,15 @@ class SpecMetrics:
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         for item, tokens in zip(plan.reqs, result.sampled_token_ids):
-            if not item.num_drafts or not tokens:
+            if not tokens:
                 continue
-            accepted = len(tokens) - 1
+            drafts, accepted = item.counted_round(len(tokens))  # drafts past max_tokens do not count
+            if not drafts:
+                continue
             self.num_draft_rounds += 1
-            self.num_draft_tokens += item.num_drafts
+            self.num_draft_tokens += drafts
             self.num_accepted_tokens += accepted
-            for i in range(item.num_drafts):
+            for i in range(drafts):
                 self.drafted_per_position[i] += 1
             for i in range(accepted):
                 self.accepted_per_position[i] += 1

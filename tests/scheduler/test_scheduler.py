@@ -745,8 +745,12 @@ def test_drafts_past_max_tokens_are_verified_and_dropped():
     assert r.num_pending_drafts == 4
     plan, _, events = h.step()
     assert plan.reqs[0].num_drafts == 4  # 1 output so far, room for 2 more: all 4 drafts verified
+    assert plan.reqs[0].num_useful_drafts == 1
     assert len(events[0][1]) == 2
     assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, 3)
+    # The metrics count the one draft that could become output, as if only it had been verified.
+    assert (r.num_draft_rounds, r.num_draft_tokens, r.num_accepted_tokens) == (1, 1, 1)
+    assert r.accepted_per_position == [1]
     h.check_no_leaks()
 
 

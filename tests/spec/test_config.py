@@ -153,6 +153,18 @@ def test_metrics_arithmetic():
     assert "acceptance rate 0.500" in m.log_line()
 
 
+def test_metrics_leave_out_drafts_past_max_tokens():
+    """A request with room for 1 more draft verifies 3: one round of 1 draft, accepted or not."""
+    m = SpecMetrics(k=3)
+    items = [ScheduledReq(0, 0, 10, [1], 3, [0], True, 3, num_useful_drafts=1),
+             ScheduledReq(1, 1, 10, [1], 3, [0], True, 3, num_useful_drafts=0),
+             ScheduledReq(2, 2, 10, [1], 3, [0], True, 3, num_useful_drafts=2)]
+    m.observe(StepPlan([], items), StepResult([[5, 6, 7, 8], [5, 6], [5]], [None] * 3, [3, 3, 3]))
+    assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (2, 3, 1)
+    assert m.accepted_per_position == [1, 0, 0] and m.drafted_per_position == [2, 1, 0]
+    assert m.length_histogram == [0, 1, 1, 0, 0]
+
+
 def test_per_request_metrics(pair):
     target, _, _ = pair
     spec = dict(model=str(target), num_speculative_tokens=3)
@@ -164,3 +176,10 @@ def test_per_request_metrics(pair):
     assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 9, 9)
     assert m.acceptance_rate == 1.0 and m.mean_acceptance_length == 4.0
     assert m.accepted_per_position == [3, 3, 3]
+    # 11 tokens: the third round verifies 3 drafts but only 1 can become output, and only it counts.
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    assert len(out.outputs[0].token_ids) == 11
+    assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 7, 7)
+    assert m.mean_acceptance_length == pytest.approx(1 + 7 / 3) and m.accepted_per_position == [3, 2, 2]
