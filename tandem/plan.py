@@ -48,11 +48,10 @@ class ScheduledReq:
     def num_new_tokens(self) -> int:
         return len(self.input_token_ids) + self.num_drafts
 
-    def counted_round(self, num_emitted: int) -> tuple[int, int]:
-        """-> (drafts, accepted) of this step's verification that the acceptance metrics count,
-        given the tokens it emitted (accepted drafts + 1)."""
-        drafts = self.num_drafts if self.num_useful_drafts is None else min(self.num_drafts, self.num_useful_drafts)
-        return drafts, min(num_emitted - 1, drafts)
+    @property
+    def num_counted_drafts(self) -> int:
+        """The drafts the acceptance metrics count: num_drafts less those past max_tokens."""
+        return self.num_drafts if self.num_useful_drafts is None else min(self.num_drafts, self.num_useful_drafts)
 
 
 @dataclass(slots=True)

@@ -234,9 +234,8 @@ class Scheduler:
                 continue
             num_accepted = len(tokens) - 1 if item.num_drafts else 0
             req.num_computed_tokens += len(item.input_token_ids) + num_accepted
-            num_counted, num_counted_accepted = item.counted_round(len(tokens))
-            if num_counted:
-                self._count_acceptance(req, num_counted, num_counted_accepted)
+            if item.num_counted_drafts:
+                self._count_acceptance(req, item.num_counted_drafts, min(num_accepted, item.num_counted_drafts))
             req.num_pending_drafts = num_proposed
             emitted = []
             for token in tokens:

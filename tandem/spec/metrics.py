@@ -29,11 +29,10 @@ class SpecMetrics:
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         for item, tokens in zip(plan.reqs, result.sampled_token_ids):
-            if not tokens:
+            drafts = item.num_counted_drafts  # drafts past max_tokens do not count
+            if not drafts or not tokens:
                 continue
-            drafts, accepted = item.counted_round(len(tokens))  # drafts past max_tokens do not count
-            if not drafts:
-                continue
+            accepted = min(len(tokens) - 1, drafts)
             self.num_draft_rounds += 1
             self.num_draft_tokens += drafts
             self.num_accepted_tokens += accepted
