@@ -41,9 +41,8 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     stream (the engine's one capture stream, so the rehearsal's cuBLAS workspace is the real
     capture's too), all in one memory pool: they replay one after another on one stream and
     keep nothing in it between replays (logits and drafts live in static buffers), so their
-    temporaries can share memory
-    (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic drafts: graphs 1.39 -> 1.05 GiB; at
-    64 sequences 1.21 -> 1.31, within the measure's spread)."""
+    temporaries can share memory (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic
+    drafts: graphs 1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread)."""
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
