@@ -352,15 +352,84 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
     free(llm, target, draft)
 
 
+def triton_variants() -> int:
+    """Compiled Triton kernel variants in this process, over tandem's kernels."""
+    import importlib
+    import pkgutil
+
+    import tandem.kernels
+    from triton.runtime.jit import JITFunction
+
+    n = 0
+    for info in pkgutil.iter_modules(tandem.kernels.__path__):
+        try:
+            mod = importlib.import_module(f"tandem.kernels.{info.name}")
+        except Exception:  # the CPU extension's module
+            continue
+        for obj in vars(mod).values():
+            if isinstance(obj, JITFunction):
+                n += sum(len(cache[0]) for cache in obj.device_caches.values())
+    return n
+
+
+class StepLog:
+    """Every step the runner launches: its kind, device time (CUDA events around the launch,
+    so the time from the previous step's end to this one's, idle included), host launch time,
+    and the Triton variants its launch compiled. Kinds: graph (a captured decode / verification
+    replay), ragged (eager decodes / verifications), mixed (prefill chunks beside decodes),
+    prefill (prefill chunks only)."""
+
+    def __init__(self, runner):
+        self.runner, self.launch, self.rows = runner, runner.launch, []
+        runner.launch = self._launch
+
+    def _launch(self, plan):
+        prefill = sum(len(r.input_token_ids) for r in plan.reqs if len(r.input_token_ids) > 1)
+        graph = self.runner._graph_for(plan) is not None
+        kind = "graph" if graph else "prefill" if prefill == plan.num_tokens else "mixed" if prefill else "ragged"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        variants, t0 = triton_variants(), time.perf_counter()
+        start.record()
+        launched = self.launch(plan)
+        end.record()
+        self.rows.append(dict(kind=kind, reqs=len(plan.reqs), tokens=plan.num_tokens, prefill_tokens=prefill,
+                              host_ms=(time.perf_counter() - t0) * 1e3, compiled=triton_variants() - variants,
+                              events=(start, end)))
+        return launched
+
+    def clear(self) -> None:
+        self.rows = []
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        out = {}
+        for r in self.rows:
+            start, end = r.pop("events")
+            r["device_ms"] = start.elapsed_time(end)
+        for kind in ("graph", "ragged", "mixed", "prefill"):
+            rows = [r for r in self.rows if r["kind"] == kind]
+            if not rows:
+                continue
+            clean = [r for r in rows if not r["compiled"]]
+            out[kind] = dict(steps=len(rows), seconds=sum(r["device_ms"] for r in rows) / 1e3,
+                             median_ms=statistics.median(r["device_ms"] for r in clean) if clean else None,
+                             median_host_ms=statistics.median(r["host_ms"] for r in clean) if clean else None,
+                             median_tokens=statistics.median(r["tokens"] for r in rows),
+                             compiles=sum(r["compiled"] for r in rows),
+                             compile_steps=len(rows) - len(clean),
+                             compile_step_seconds=sum(r["device_ms"] for r in rows if r["compiled"]) / 1e3)
+        return out
+
+
 def serving(root, target, draft, batches, args, results) -> None:
     """Continuous batching as a server meets it: 4 x max_num_seqs requests of args.prompt_len
     tokens, output lengths drawn from 64..256 (seeded), all submitted at once; requests finish
     at different steps and waiting ones are prefilled into their slots. Target-only against
     k = 4 at synthetic uniform acceptance 0.8 on the same requests. Reports output tokens/s over
     the whole run (warm: the second run of the same requests; cold: the first, whose eager
-    steps compile kernels for the shapes they meet), and the share of steps that replayed a
-    CUDA graph (the rest ran eagerly: prefills, mixed steps, verifications of unequal draft
-    counts)."""
+    steps compile kernels for the shapes they meet), and where the steps' time went by kind
+    (StepLog): CUDA graph replays, eager ragged verifications, eager steps with prefill chunks,
+    and the Triton variants compiled during serving."""
     from tandem import SamplingParams
 
     tname, tshape = target
@@ -379,34 +448,33 @@ def serving(root, target, draft, batches, args, results) -> None:
                            (f"k={k} uniform-{rate}", dict(model=ddir, num_speculative_tokens=k, draft_load_format="dummy",
                                                          rejection_sample_method="synthetic",
                                                          synthetic_acceptance_rates=rates))):
+            t0 = time.perf_counter()
             llm = make_llm(tdir, spec, b, args.max_model_len)
-            runner = llm.engine.runner
-            graph_for, used = runner._graph_for, []
-
-            def counted(plan, graph_for=graph_for, used=used):
-                graph = graph_for(plan)
-                used.append(graph is not None)
-                return graph
-
-            runner._graph_for = counted
+            start_s, start_variants = time.perf_counter() - t0, triton_variants()
+            log = StepLog(llm.engine.runner)
             llm.generate(prompts[:b], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * b,
                          use_tqdm=False)  # warm-up: compiles the eager paths' kernels
-            walls = []
+            walls, kinds = [], []
             for _ in range(2):  # cold (the eager steps' new shapes compile kernels), then warm
-                used.clear()
+                log.clear()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 walls.append(time.perf_counter() - t0)
+                kinds.append(log.summary())
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             assert tokens == sum(lengths)
             wall = walls[1]
             r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0],
-                     tok_s=tokens / wall, cold_tok_s=tokens / walls[0], steps=len(used), graph_steps=sum(used))
+                     tok_s=tokens / wall, cold_tok_s=tokens / walls[0], start_s=start_s,
+                     variants_at_start=start_variants, variants_after=triton_variants(),
+                     steps=sum(v["steps"] for v in kinds[1].values()),
+                     graph_steps=kinds[1].get("graph", {}).get("steps", 0), cold_kinds=kinds[0], warm_kinds=kinds[1])
             results["serving"].append(r)
             print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
-                  f"{r['cold_tok_s']:.0f} cold; {sum(used)} of {len(used)} steps on graphs", flush=True)
-            free(llm, runner)
+                  f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "
+                  f"{start_variants} at start, {r['variants_after']} after", flush=True)
+            free(llm)
         base, spec_r = results["serving"][-2], results["serving"][-1]
         spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
 
@@ -544,6 +612,13 @@ def main(argv=None) -> int:
     if rows:
         print_table(["serving", "max_num_seqs", "requests", "tokens", "warm s", "warm tok/s", "speedup", "cold tok/s",
                      "graph steps"], rows)
+        rows = [(r["engine"], r["max_num_seqs"], run, kind, v["steps"], f"{v['seconds']:.2f}",
+                 "-" if v["median_ms"] is None else f"{v['median_ms']:.1f}",
+                 "-" if v["median_host_ms"] is None else f"{v['median_host_ms']:.1f}", f"{v['median_tokens']:.0f}",
+                 f"{v['compiles']} in {v['compile_steps']} steps, {v['compile_step_seconds']:.2f} s")
+                for r in results["serving"] for run in ("cold", "warm") for kind, v in r[f"{run}_kinds"].items()]
+        print_table(["serving", "max_num_seqs", "run", "step kind", "steps", "device s", "median ms", "host ms",
+                     "median tokens", "Triton compiles"], rows)
     if results["hf"]:
         ours = next((r["tok_s"] for r in results["target_only"] if r["model"] == target[0] and r["batch"] == 1), None)
         ratio = lambda t: f"{ours / t:.1f}x" if ours else "-"  # noqa: E731

@@ -14,7 +14,9 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     included), target-only and speculative: busy and idle time per step and the longest idle
     gaps; --timeline writes every activity (offset, duration, name) to PREFIX.<label>.txt;
 (6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft round graphs of
-    a k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant.
+    a k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant;
+(7) `--sections eager [--eager-batch B]`: host time of eager steps (what a serving run's mixed
+    steps pay): step time, Triton launches a step, cProfile by own time.
 """
 from __future__ import annotations
 
@@ -128,12 +130,12 @@ def host_phases(llm, args) -> dict:
     return out
 
 
-def kernel_table(llm, args) -> list[tuple[str, float, int]]:
+def kernel_table(llm, args, batch: int = 1) -> list[tuple[str, float, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     steps = 5
     prof = profile(activities=[ProfilerActivity.CUDA])
-    drive(llm, 1, args.prompt_len, steps, lambda on: prof.start() if on else (torch.cuda.synchronize(), prof.stop()))
+    drive(llm, batch, args.prompt_len, steps, lambda on: prof.start() if on else (torch.cuda.synchronize(), prof.stop()))
     agg = defaultdict(lambda: [0.0, 0])
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -208,6 +210,43 @@ def spec_round(root: Path, args, results: dict) -> None:
     results["spec_round"] = out
     del eager
     torch.cuda.empty_cache()
+
+
+def eager_host(root: Path, args, results: dict) -> None:
+    """Host time of eager steps (no CUDA graphs), where a serving run's mixed prefill + decode
+    steps go: 8B target-only and 8B + 1B k = 4 (synthetic 0.8) at --eager-batch decodes; median
+    step time, Triton launches per step, and the cProfile functions by own time."""
+    from tandem import LLM
+
+    tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
+    k, b = 4, args.eager_batch
+    spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[0.8 ** (i + 1) for i in range(k)], draft_load_format="dummy")
+    out = {}
+    for label, sp in (("target-only", None), (f"k={k}", spec)):
+        llm = LLM(tdir, dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=b,
+                  kv_cache_memory_bytes=8 << 30, enable_prefix_caching=False, enforce_eager=True,
+                  speculative_config=sp)
+        times = drive(llm, b, args.prompt_len, args.steps)
+        prof = cProfile.Profile()
+        drive(llm, b, args.prompt_len, 10, lambda on: prof.enable() if on else prof.disable())
+        st = pstats.Stats(prof)
+        launches = sum(v[1] for (f, _, name), v in st.stats.items() if name == "run" and f.endswith("jit.py"))
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        r = dict(batch=b, step_ms=statistics.median(times) * 1e3, triton_launches_per_step=launches / 10,
+                 cprofile=text.getvalue())
+        print(f"[eager {label} b={b}] step {r['step_ms']:.2f} ms, {r['triton_launches_per_step']:.0f} Triton "
+              f"launches a step", flush=True)
+        print(r["cprofile"][:3000])
+        rows = kernel_table(llm, args, b)
+        r["device_ms"], r["kernels"] = sum(t for _, t, _ in rows) / 1e3, rows
+        print(f"[eager {label} b={b}] device time {r['device_ms']:.2f} ms a step")
+        print_table(["kernel", "us/step", "calls/step"], [(k_, f"{t:.1f}", c) for k_, t, c in rows[:25]])
+        out[label] = r
+        del llm
+        torch.cuda.empty_cache()
+    results["eager_host"] = out
 
 
 def device_gaps(llm, args, label: str) -> dict:
@@ -328,6 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--sections", default="linear,target,spec")
+    p.add_argument("--eager-batch", type=int, default=32, help="--sections eager: decodes a step")
     p.add_argument("--timeline", default="", metavar="PREFIX",
                    help="--sections gaps: write each profile's device timeline to PREFIX.<label>.txt")
     p.add_argument("--pair", default="llama", choices=sorted(PAIRS),
@@ -359,6 +399,8 @@ def main(argv=None) -> int:
             verify_section(Path(tmp), args, results)
         if "spec" in sections:
             spec_round(Path(tmp), args, results)
+        if "eager" in sections:
+            eager_host(Path(tmp), args, results)
         for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():
             path = write_config(Path(tmp), name, shape)
             llm = make_llm(path, None, 4, args.max_model_len)

@@ -42,14 +42,21 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     capture's too), all in one memory pool: they replay one after another on one stream and
     keep nothing in it between replays (logits and drafts live in static buffers), so their
     temporaries can share memory (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic
-    drafts: graphs 1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread)."""
+    drafts: graphs 1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread).
+    The piecewise graphs of the other steps (runner/piecewise.py) join the pool; each token
+    bucket keeps only its output rows there."""
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
     tokens_per_req = [1] + ([1 + k] if k else [])  # decode, and verification of k drafts
-    runner.capture_graphs(tokens_per_req, cfg.sched.max_num_seqs, max_blocks, stream, pool)
-    if runner.speculator is not None:
-        runner.speculator.capture_graphs(cfg.sched.max_num_seqs, max_blocks, stream, pool)
+    max_pieces = cfg.extra.get("max_cudagraph_tokens", 0)
+    sched = cfg.sched
+    runner.capture_graphs(tokens_per_req, sched.max_num_seqs, max_blocks, stream, pool,
+                          piecewise_tokens=min(max_pieces, sched.max_num_batched_tokens))
+    if runner.speculator is not None:  # a catch-up adds a row per request to the target's tokens
+        draft_tokens = sched.max_num_batched_tokens + sched.max_num_seqs
+        runner.speculator.capture_graphs(sched.max_num_seqs, max_blocks, stream, pool,
+                                         piecewise_tokens=min(max_pieces, draft_tokens))
     torch.cuda.empty_cache()  # the warm-up runs' temporaries, cached on the capture stream
 
 

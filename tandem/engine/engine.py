@@ -83,7 +83,8 @@ class Engine:
 
         def after_pool() -> int:  # what the runner, speculator and graphs take, built once over a scratch pool
             with OutOfMemoryGuard(cfg.device, f"measuring the buffers and CUDA graphs of max_num_seqs={cfg.sched.max_num_seqs}",
-                                  "lower max_num_seqs or max_num_batched_tokens, or pass enforce_eager=True"):
+                                  "lower max_num_seqs, max_num_batched_tokens or max_cudagraph_tokens, "
+                                  "or pass enforce_eager=True"):
                 t0 = time.monotonic()
                 taken = after_pool_bytes(cfg.device, lambda: rehearse(cfg, model, speculator_factory, self._capture_stream),
                                          bytes_per_block(cfg, draft_bytes) * scratch_cache(cfg).num_blocks)
@@ -110,7 +111,8 @@ class Engine:
         self.graph_memory_bytes = 0  # device memory capturing the CUDA graphs took
         if use_graphs:
             with OutOfMemoryGuard(cfg.device, f"capturing CUDA graphs (batches up to max_num_seqs={cfg.sched.max_num_seqs})",
-                                  f"lower max_num_seqs or {self._budget_setting}, or pass enforce_eager=True"):
+                                  f"lower max_num_seqs, max_cudagraph_tokens or {self._budget_setting}, "
+                                  "or pass enforce_eager=True"):
                 torch.cuda.empty_cache()  # so that what capture takes shows in the device's free memory
                 free_before, t0 = torch.cuda.mem_get_info(cfg.device)[0], time.monotonic()
                 self.capture_graphs()

@@ -50,6 +50,7 @@ class LLM:
         speculative_config: Any = None,
         num_gpu_blocks_override: int | None = None,
         enforce_eager: bool = False,
+        max_cudagraph_tokens: int = 512,
         cpu_matmul: str = "auto",
         async_scheduling: bool | None = None,
     ):
@@ -67,6 +68,10 @@ class LLM:
             or not 0 < gpu_memory_utilization <= 1
         ):
             raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
+        if not isinstance(max_cudagraph_tokens, int) or isinstance(max_cudagraph_tokens, bool) \
+                or max_cudagraph_tokens < 0:
+            raise ConfigError(f"max_cudagraph_tokens={max_cudagraph_tokens!r} must be an integer >= 0 (0: run "
+                              "prefill-mixed and ragged steps eagerly)")
         if cpu_matmul not in CPU_MATMULS:
             raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
         if load_format not in ("auto", "dummy"):
@@ -115,7 +120,7 @@ class LLM:
             ),
             device=dev,
             spec=spec,
-            extra={"enforce_eager": bool(enforce_eager)},
+            extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer or model_dir)
         target = load_model(cfg.model, dev)

@@ -20,6 +20,7 @@ from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
+from tandem.runner.piecewise import PiecewiseGraphs
 from tandem.runner.inputs import Batch, build_batch
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
@@ -60,6 +61,7 @@ class ModelRunner:
                                    use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
+        self.piecewise: PiecewiseGraphs | None = None  # the other steps' forward, cut at the attention
         # [max_num_seqs] int64: each slot's last sampled token, for steps planned ahead of it
         # (PENDING_TOKEN inputs); allocated by enable_pending_inputs().
         self.last_tokens: Tensor | None = None
@@ -72,15 +74,19 @@ class ModelRunner:
         self.last_tokens = torch.zeros(self._max_num_seqs, dtype=torch.int64, device=self.device)
 
     def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream,
-                       pool=None) -> None:
+                       pool=None, piecewise_tokens: int = 0) -> None:
         """Capture uniform decode / verification steps (CUDA only) on stream, into the graph memory
-        pool `pool`."""
+        pool `pool`, and the piecewise forward of other steps of up to piecewise_tokens tokens
+        (0: none; needs the Triton kernels)."""
         for t in tokens_per_req:
             runner = GraphRunner(self.model, self.kv, tokens_per_req=t, max_num_reqs=max_num_reqs,
                                  max_blocks=max_blocks, block_size=self.block_size, device=self.device,
                                  use_triton=self.attn_backend.use_triton)
             runner.capture(stream, pool)
             self.graphs[t] = runner
+        if piecewise_tokens > 0 and self.attn_backend.use_triton:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv, max_tokens=piecewise_tokens, device=self.device)
+            self.piecewise.capture(stream, pool)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.collect(self.launch(plan))
@@ -121,7 +127,10 @@ class ModelRunner:
             a = batch.attn
             return graph.replay(len(plan.reqs), batch.input_ids, batch.positions, a.slot_mapping, a.block_tables,
                                 a.seq_lens)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)  # [num_tokens, hidden]
+        if self.piecewise is not None and self.piecewise.takes(batch.input_ids.shape[0], batch.attn):
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.attn)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _graph_for(self, plan: StepPlan) -> GraphRunner | None:

@@ -19,6 +19,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
+from tandem.runner.piecewise import PiecewiseGraphs
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
 from tandem.sampling.sampler import greedy_tokens, process_logits
@@ -68,15 +69,28 @@ class DraftSpeculator:
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: DraftGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # catch-ups beside prefills, cut at the attention
 
-    def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None) -> None:
+    def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None,
+                       piecewise_tokens: int = 0) -> None:
         """Capture the catch-up forward and the greedy draft loop (CUDA only) on stream, into the
-        graph memory pool `pool`."""
+        graph memory pool `pool`, and the piecewise forward of other catch-ups of up to
+        piecewise_tokens tokens (0: none)."""
         self.graphs = DraftGraphs(
             self.model, self.kv, self.drafts, k=self.k, vocab_size=self.vocab_size, max_num_reqs=max_num_reqs,
             max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
         )
         self.graphs.capture(stream, pool)
+        if piecewise_tokens > 0 and self.attn_backend.use_triton:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv, max_tokens=piecewise_tokens, device=self.device)
+            self.piecewise.capture(stream, pool)
+
+    def _forward(self, ids: Tensor, positions: Tensor, meta) -> Tensor:
+        """The draft's forward over a catch-up batch -> hidden [num_tokens, hidden] (pieces of
+        graphs where they take it)."""
+        if self.piecewise is not None and self.piecewise.takes(ids.shape[0], meta):
+            return self.piecewise.run(ids, positions, meta)
+        return self.model(ids, positions, meta, self.kv)
 
     def add(self, new: NewReq) -> None:
         """Nothing per request: sampling parameters live in the shared SamplingState."""
@@ -143,7 +157,7 @@ class DraftSpeculator:
         ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
         meta = self.attn_backend.prefill(starts, lens, tables, rowwise=False)  # draft: batched is fine
         if not sampling:
-            self.model(ids, positions, meta, self.kv)
+            self._forward(ids, positions, meta)
             return
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
         num_accepted = num_emitted - 1  # [num_sampling]
@@ -160,7 +174,7 @@ class DraftSpeculator:
             logits = self.graphs.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
                                                 meta.block_tables, meta.seq_lens)[new_rows]
         else:
-            logits = self.model.compute_logits(self.model(ids, positions, meta, self.kv)[new_rows])
+            logits = self.model.compute_logits(self._forward(ids, positions, meta)[new_rows])
         pos = positions[new_rows]  # [num_sampling] position of the emitted token
         self._draft_step(0, logits, slots, pos + 1, sampling)
         if self.graphs is not None and self.graphs.loops and self._greedy(sampling) \
@@ -171,7 +185,7 @@ class DraftSpeculator:
             pos = pos + 1  # position of drafts[:, step - 1]
             safe = pos.clamp(max=self.max_model_len - 1)
             meta = self.attn_backend.decode(safe, table, max_kv)
-            hidden = self.model(self.drafts[slots, step - 1], safe, meta, self.kv)
+            hidden = self._forward(self.drafts[slots, step - 1], safe, meta)
             self._draft_step(step, self.model.compute_logits(hidden), slots, pos + 1, sampling)
 
     def _greedy(self, sampling) -> bool:
