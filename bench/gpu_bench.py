@@ -352,24 +352,24 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
     free(llm, target, draft)
 
 
-def triton_variants() -> int:
-    """Compiled Triton kernel variants in this process, over tandem's kernels."""
+def triton_variants() -> dict[str, int]:
+    """Compiled Triton kernel variants in this process, per kernel of tandem's."""
     import importlib
     import pkgutil
 
     import tandem.kernels
     from triton.runtime.jit import JITFunction
 
-    n = 0
+    out = {}
     for info in pkgutil.iter_modules(tandem.kernels.__path__):
         try:
             mod = importlib.import_module(f"tandem.kernels.{info.name}")
         except Exception:  # the CPU extension's module
             continue
-        for obj in vars(mod).values():
+        for name, obj in vars(mod).items():
             if isinstance(obj, JITFunction):
-                n += sum(len(cache[0]) for cache in obj.device_caches.values())
-    return n
+                out[name] = sum(len(cache[0]) for cache in obj.device_caches.values())
+    return out
 
 
 class StepLog:
@@ -392,9 +392,10 @@ class StepLog:
         start.record()
         launched = self.launch(plan)
         end.record()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        new = {k: v - variants.get(k, 0) for k, v in triton_variants().items() if v > variants.get(k, 0)}
         self.rows.append(dict(kind=kind, reqs=len(plan.reqs), tokens=plan.num_tokens, prefill_tokens=prefill,
-                              host_ms=(time.perf_counter() - t0) * 1e3, compiled=triton_variants() - variants,
-                              events=(start, end)))
+                              host_ms=host_ms, compiled=sum(new.values()), compiled_kernels=new, events=(start, end)))
         return launched
 
     def clear(self) -> None:
@@ -417,7 +418,8 @@ class StepLog:
                              median_tokens=statistics.median(r["tokens"] for r in rows),
                              compiles=sum(r["compiled"] for r in rows),
                              compile_steps=len(rows) - len(clean),
-                             compile_step_seconds=sum(r["device_ms"] for r in rows if r["compiled"]) / 1e3)
+                             compile_step_seconds=sum(r["device_ms"] for r in rows if r["compiled"]) / 1e3,
+                             compiled_kernels=sorted({k for r in rows for k in r["compiled_kernels"]}))
         return out
 
 
@@ -450,7 +452,7 @@ def serving(root, target, draft, batches, args, results) -> None:
                                                          synthetic_acceptance_rates=rates))):
             t0 = time.perf_counter()
             llm = make_llm(tdir, spec, b, args.max_model_len)
-            start_s, start_variants = time.perf_counter() - t0, triton_variants()
+            start_s, start_variants = time.perf_counter() - t0, sum(triton_variants().values())
             log = StepLog(llm.engine.runner)
             llm.generate(prompts[:b], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * b,
                          use_tqdm=False)  # warm-up: compiles the eager paths' kernels
@@ -467,7 +469,7 @@ def serving(root, target, draft, batches, args, results) -> None:
             wall = walls[1]
             r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0],
                      tok_s=tokens / wall, cold_tok_s=tokens / walls[0], start_s=start_s,
-                     variants_at_start=start_variants, variants_after=triton_variants(),
+                     variants_at_start=start_variants, variants_after=sum(triton_variants().values()),
                      steps=sum(v["steps"] for v in kinds[1].values()),
                      graph_steps=kinds[1].get("graph", {}).get("steps", 0), cold_kinds=kinds[0], warm_kinds=kinds[1])
             results["serving"].append(r)
@@ -615,7 +617,8 @@ def main(argv=None) -> int:
         rows = [(r["engine"], r["max_num_seqs"], run, kind, v["steps"], f"{v['seconds']:.2f}",
                  "-" if v["median_ms"] is None else f"{v['median_ms']:.1f}",
                  "-" if v["median_host_ms"] is None else f"{v['median_host_ms']:.1f}", f"{v['median_tokens']:.0f}",
-                 f"{v['compiles']} in {v['compile_steps']} steps, {v['compile_step_seconds']:.2f} s")
+                 f"{v['compiles']} in {v['compile_steps']} steps, {v['compile_step_seconds']:.2f} s "
+                 f"{','.join(v['compiled_kernels'])}")
                 for r in results["serving"] for run in ("cold", "warm") for kind, v in r[f"{run}_kinds"].items()]
         print_table(["serving", "max_num_seqs", "run", "step kind", "steps", "device s", "median ms", "host ms",
                      "median tokens", "Triton compiles"], rows)

@@ -11,7 +11,7 @@ queries. Softmax is online (flash-style) in fp32, in base 2. Keys before the til
 query position need no causal mask and run in an unmasked loop; the rest run masked.
 
 Split-K: when the batch is one tile per request and too small to fill the chip, each program
-takes 1/NUM_SPLITS of its request's keys (at least MIN_SPLIT_KEYS) and writes (acc, max, sum)
+takes 1/num_splits of its request's keys (at least MIN_SPLIT_KEYS) and writes (acc, max, sum)
 partials, which a second kernel merges. The number of splits with keys is decided on the device
 from seq_len, so a short context runs one split that writes the output itself and the merge
 exits at once: a captured graph serves every context length without paying for empty splits.
@@ -31,6 +31,7 @@ from torch import Tensor
 from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = 32  # split-K factors are powers of two up to this
 
 
 @triton.jit
@@ -75,7 +76,9 @@ def _attn_tile(
     return m_i, l_i, acc
 
 
-@triton.jit
+# The split count and the block table's row stride vary from step to step: not specialised on
+# (Triton would compile a variant for each value that is 1 or divisible by 16, mid-serving).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, H, D]
     k_cache_ptr,  # [num_blocks, CACHE_BLOCK, Hkv, D]
@@ -84,19 +87,20 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks] int32 / int64
     seq_lens_ptr,  # [num_reqs]
     cu_q_lens_ptr,  # [num_reqs + 1]
-    part_acc_ptr,  # [num_reqs, Hkv, NUM_SPLITS, BLOCK_M, BLOCK_D] fp32 (split-K only)
-    part_ml_ptr,  # [num_reqs, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32 (split-K only)
+    part_acc_ptr,  # [num_reqs, Hkv, num_splits, BLOCK_M, BLOCK_D] fp32 (split-K only)
+    part_ml_ptr,  # [num_reqs, Hkv, num_splits, 2, BLOCK_M] fp32 (split-K only)
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
+    num_splits,  # split-K factor (1 without SPLIT)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    if NUM_SPLITS > 1:
+    if SPLIT:
         tile = 0
         split = tl.program_id(0)
     else:
@@ -135,8 +139,8 @@ def _paged_attention_kernel(
     diag = ctx + tile * BLOCK_Q
     lo = 0
     num_active = 1
-    if NUM_SPLITS > 1:
-        chunk = _split_chunk(hi, NUM_SPLITS, BLOCK_N, MIN_SPLIT_KEYS)
+    if SPLIT:
+        chunk = _split_chunk(hi, num_splits, BLOCK_N, MIN_SPLIT_KEYS)
         num_active = tl.maximum(1, tl.cdiv(hi, chunk))
         if split >= num_active:
             return
@@ -165,7 +169,7 @@ def _paged_attention_kernel(
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     else:
-        part = (req * tl.num_programs(2) + kvh) * NUM_SPLITS + split
+        part = (req * tl.num_programs(2) + kvh) * num_splits + split
         pa = part_acc_ptr + part.to(tl.int64) * (BLOCK_M * BLOCK_D)
         tl.store(pa + offs_m[:, None] * BLOCK_D + offs_d[None, :], acc)
         pml = part_ml_ptr + part.to(tl.int64) * (2 * BLOCK_M)
@@ -174,17 +178,17 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _split_chunk(hi, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
+def _split_chunk(hi, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
     """Keys per split for a request whose queries see keys [0, hi): a multiple of BLOCK_N."""
-    chunk = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, MIN_SPLIT_KEYS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_merge_kernel(
-    out_ptr, cu_q_lens_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+    out_ptr, cu_q_lens_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the active splits of one
@@ -196,15 +200,15 @@ def _split_merge_kernel(
     q_start = tl.load(cu_q_lens_ptr + req).to(tl.int32)
     q_len = tl.load(cu_q_lens_ptr + req + 1).to(tl.int32) - q_start
     hi = tl.load(seq_lens_ptr + req).to(tl.int32)  # one query tile: the last query sees every key
-    num_active = tl.maximum(1, tl.cdiv(hi, _split_chunk(hi, NUM_SPLITS, BLOCK_N, MIN_SPLIT_KEYS)))
+    num_active = tl.maximum(1, tl.cdiv(hi, _split_chunk(hi, num_splits, BLOCK_N, MIN_SPLIT_KEYS)))
     if q_len > 0 and num_active > 1:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_s = tl.arange(0, NUM_SPLITS)
-        base = (req * tl.num_programs(1) + kvh).to(tl.int64) * NUM_SPLITS
+        offs_s = tl.arange(0, MAX_SPLITS)
+        base = (req * tl.num_programs(1) + kvh).to(tl.int64) * num_splits
         ml = part_ml_ptr + base * (2 * BLOCK_M)
         m_all = tl.load(ml + offs_s[:, None] * (2 * BLOCK_M) + offs_m[None, :],
-                        mask=(offs_s < num_active)[:, None], other=-float("inf"))  # [NUM_SPLITS, BLOCK_M]
+                        mask=(offs_s < num_active)[:, None], other=-float("inf"))  # [MAX_SPLITS, BLOCK_M]
         m_max = tl.max(m_all, 0)
         m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
         l_tot = tl.zeros([BLOCK_M], tl.float32)
@@ -251,10 +255,10 @@ def _tile_config(max_q_len: int, group_pad: int, block_d: int, elem_bytes: int) 
 
 
 def _default_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough splits for about two programs per SM, a power of two, at most 32."""
+    """Enough splits for about two programs per SM, a power of two, at most MAX_SPLITS."""
     programs = max(1, num_reqs * num_kv_heads)
     want = max(1, (2 * _num_sms(device)) // programs)
-    return min(32, 1 << (want.bit_length() - 1))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
 def paged_attention(
@@ -312,7 +316,8 @@ def paged_attention(
         num_splits = 1
     elif num_splits is None:
         num_splits = _default_splits(num_reqs, num_kv_heads, q.device)
-    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    assert 1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
+        "num_splits must be a power of two, at most MAX_SPLITS"
     block_m = block_q * group_pad
     if tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
         # Small decode / verify batches (split-K on): no software pipelining, whose prologue costs
@@ -329,14 +334,14 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys or block_n, **pdl_flags(q))
+                  MIN_SPLIT_KEYS=min_split_keys or block_n, **pdl_flags(q))
     _paged_attention_kernel[(num_q_tiles * num_splits, num_reqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_q_lens, part_acc, part_ml, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        BLOCK_N=block_n, CACHE_BLOCK=k_cache.shape[1],
+        block_tables.stride(0), num_splits,
+        SPLIT=num_splits > 1, BLOCK_N=block_n, CACHE_BLOCK=k_cache.shape[1],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # NOTE: Triton 3.6's interpreter multiplies raw bf16 bits in tl.dot; upcast there only.
         UPCAST_DOT=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
@@ -344,8 +349,8 @@ def paged_attention(
     )
     if num_splits > 1:
         _split_merge_kernel[(num_reqs, num_kv_heads)](
-            out, cu_q_lens, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), BLOCK_N=block_n, num_warps=4,
-            **consts,
+            out, cu_q_lens, seq_lens, part_acc, part_ml, out.stride(0), out.stride(1), num_splits,
+            MAX_SPLITS=MAX_SPLITS, BLOCK_N=block_n, num_warps=4, **consts,
         )
     return out
 
