@@ -12,9 +12,12 @@ replay times (target verify vs decode, the draft's catch-up and whole round) com
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -381,6 +384,7 @@ class StepLog:
 
     def __init__(self, runner):
         self.runner, self.launch, self.rows = runner, runner.launch, []
+        self.profile: tuple[set[str], cProfile.Profile] | None = None  # (kinds, profiler): host time of those
         runner.launch = self._launch
 
     def _launch(self, plan):
@@ -390,7 +394,12 @@ class StepLog:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         variants, t0 = triton_variants(), time.perf_counter()
         start.record()
+        profiled = self.profile is not None and kind in self.profile[0]
+        if profiled:
+            self.profile[1].enable()
         launched = self.launch(plan)
+        if profiled:
+            self.profile[1].disable()
         end.record()
         host_ms = (time.perf_counter() - t0) * 1e3
         new = {k: v - variants.get(k, 0) for k, v in triton_variants().items() if v > variants.get(k, 0)}
@@ -464,6 +473,14 @@ def serving(root, target, draft, batches, args, results) -> None:
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 walls.append(time.perf_counter() - t0)
                 kinds.append(log.summary())
+            if args.serving_profile:  # a third run: the host time of those steps' launches, by function
+                log.profile = (set(args.serving_profile.split(",")), cProfile.Profile())
+                llm.generate(prompts, params, use_tqdm=False)
+                text = io.StringIO()
+                pstats.Stats(log.profile[1], stream=text).sort_stats("tottime").print_stats(30)
+                print(f"[serving] {name} max_num_seqs={b}: host time of {args.serving_profile} launches", flush=True)
+                print(text.getvalue()[:8000], flush=True)
+                log.profile = None
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             assert tokens == sum(lengths)
             wall = walls[1]
@@ -533,6 +550,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="target,synthetic,eps,hf",
                    help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
+    p.add_argument("--serving-profile", default="", metavar="KINDS",
+                   help="the serving section: cProfile the launches of these step kinds (e.g. mixed) in a third run")
     p.add_argument("--ab-gemv", action="store_true",
                    help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",

@@ -97,8 +97,8 @@ class ModelRunner:
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
         for slot in plan.freed_slots:
             self.state.remove(slot)
+        self.state.add_all(plan.new_reqs)
         for new in plan.new_reqs:
-            self.state.add(new)
             if self.speculator is not None:
                 self.speculator.add(new)
         batch = build_batch(plan, self.attn_backend, self.device)

@@ -13,6 +13,20 @@ from tandem.runner.upload import Uploader
 from tandem.sampling_params import SamplingParams
 
 
+# The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _float_bits(values: list[float]) -> list[int]:
+    """Floats as the int64 bit patterns of their float64 values (the uploader moves int64)."""
+    return torch.tensor(values, dtype=torch.float64).view(torch.int64).tolist()
+
+
+def _from_bits(t: Tensor) -> Tensor:
+    """_float_bits' values, uploaded -> fp32 (the rounding `buf[slot] = value` applies)."""
+    return t.view(torch.float64).to(torch.float32)
+
+
 class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
@@ -42,37 +56,47 @@ class SamplingState:
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
 
     def add(self, req: NewReq) -> None:
+        self.add_all([req])
+
+    def add_all(self, reqs: list[NewReq]) -> None:
+        """Install new requests' parameters in their slots: one upload and one index_copy_ per
+        buffer. (A per-slot `buf[slot] = value` copies a scalar from pageable host memory, which
+        waits for every kernel queued on the stream: eight hidden syncs per new request.)"""
+        if not reqs:
+            return
+        n = len(reqs)
+        for req in reqs:
+            self.params[req.slot] = req.params
+            self.seeds_cpu[req.slot] = req.seed
+        ints = [[r.params.top_k if r.params.top_k > 0 else 0 for r in reqs], [r.seed for r in reqs]]
+        floats = [[getattr(r.params, name) for r in reqs] for name in _FLOAT_PARAMS]
+        slot_t, int_t, float_t = self.upload([r.slot for r in reqs], [v for row in ints for v in row],
+                                             _float_bits([v for row in floats for v in row]))
+        float_t = _from_bits(float_t).view(len(_FLOAT_PARAMS), n)
+        for buf, row in zip((self.top_k, self.seeds), int_t.view(2, n)):
+            buf.index_copy_(0, slot_t, row)
+        for name, row in zip(_FLOAT_PARAMS, float_t):
+            getattr(self, name).index_copy_(0, slot_t, row)
+        for req in reqs:
+            self._add_extras(req)
+
+    def _add_extras(self, req: NewReq) -> None:
+        """The optional per-slot tensors: logit bias, min_tokens' stop ids, penalty counts."""
         p, slot = req.params, req.slot
-        self.params[slot] = p
-        self.seeds_cpu[slot] = req.seed
-        top_k = p.top_k if p.top_k > 0 else 0
-        for buf, value in (
-            (self.temperature, p.temperature),
-            (self.top_k, top_k),
-            (self.top_p, p.top_p),
-            (self.min_p, p.min_p),
-            (self.seeds, req.seed),
-            (self.repetition_penalty, p.repetition_penalty),
-            (self.frequency_penalty, p.frequency_penalty),
-            (self.presence_penalty, p.presence_penalty),
-        ):
-            buf[slot] = value
         self.logit_bias.pop(slot, None)
         self.min_tokens_ids.pop(slot, None)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
-            self.logit_bias[slot] = (
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor([p.logit_bias[t] for t in ids], dtype=torch.float32, device=self.device),
-            )
+            ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
+            self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
         if p.min_tokens > 0:
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             stop_ids = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)
-            self.min_tokens_ids[slot] = torch.tensor(stop_ids, dtype=torch.int64, device=self.device)
+            (self.min_tokens_ids[slot],) = self.upload(stop_ids)
         if p.has_penalties:
-            ids = torch.tensor(req.token_ids, dtype=torch.int64, device=self.device)
+            (ids,) = self.upload(req.token_ids)
             ids = ids.clamp(max=self.vocab_size - 1)
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             mask[ids[: req.num_prompt_tokens]] = True

@@ -105,3 +105,32 @@ def test_max_cudagraph_tokens_is_checked(models):
     llm = _llm(models[0], max_cudagraph_tokens=100, max_num_batched_tokens=64)
     assert llm.engine.runner.piecewise.sizes == [16, 32, 48, 64]
     assert _llm(models[0], max_cudagraph_tokens=0).engine.runner.piecewise is None
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_a_request_joining_waits_for_the_device_once(models, spec_on):
+    """A request joining running ones (its parameters installed in the slot, its prefill beside
+    the decodes on the pieces) waits for nothing but the step's result copy: a hidden
+    synchronisation raises."""
+    target, _, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    engine = _llm(target, "bfloat16", speculative_config=spec).engine
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(str(i), list(range(5 + 20 * i, 40 + 20 * i)), greedy)
+    for _ in range(4):
+        engine.step()
+    ran = []
+    run = engine.runner.piecewise.run
+    engine.runner.piecewise.run = lambda *a: ran.append(1) or run(*a)
+    every = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.1,
+                           presence_penalty=0.2, frequency_penalty=0.1, logit_bias={5: 1.0}, min_tokens=3, seed=1,
+                           max_tokens=20)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.add_request("new", list(range(7, 70)), every)
+        for _ in range(6):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ran and engine.has_unfinished_requests()
