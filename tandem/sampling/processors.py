@@ -43,7 +43,7 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
             logits[i].index_add_(0, bias[0], bias[1])
         stop_ids = state.min_tokens_ids.get(slot)
         if stop_ids is not None and rows.num_outputs[i] < state.params[slot].min_tokens:
-            logits[i, stop_ids] = float("-inf")
+            logits[i].index_fill_(0, stop_ids, float("-inf"))  # `[i, ids] = -inf` copies the scalar: a sync
     pen = [i for i, slot in enumerate(rows.slots) if slot in state.output_counts]
     for i in range(0, len(pen), CHUNK_ROWS):
         _apply_penalties(logits, state, rows, pen[i : i + CHUNK_ROWS])

@@ -99,7 +99,7 @@ class SamplingState:
             (ids,) = self.upload(req.token_ids)
             ids = ids.clamp(max=self.vocab_size - 1)
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            mask[ids[: req.num_prompt_tokens]] = True
+            mask.index_fill_(0, ids[: req.num_prompt_tokens], True)  # `mask[ids] = True` would copy True over
             counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
             counts.index_add_(0, ids[req.num_prompt_tokens :], torch.ones_like(ids[req.num_prompt_tokens :], dtype=torch.int32))
             self.prompt_mask[slot] = mask
