@@ -44,7 +44,7 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     temporaries can share memory (H200, 8B + 1B shapes, k = 4, 256 sequences, probabilistic
     drafts: graphs 1.39 -> 1.05 GiB; at 64 sequences 1.21 -> 1.31, within the measure's spread).
     The piecewise graphs of the other steps (runner/piecewise.py) join the pool; each token
-    bucket keeps only its output rows there."""
+    bucket keeps its output rows there, which every caller reads before another graph replays."""
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
@@ -70,10 +70,11 @@ def scratch_cache(cfg: EngineConfig) -> CacheConfig:
 def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch.cuda.Stream | None) -> ModelRunner:
     """Build the runner over `scratch_cache(cfg)`, capture its graphs on capture_stream (None:
     eager), and run the steps whose temporaries the allocator keeps cached, in the order a
-    generation meets them: max_num_seqs prompts prefilled at once (eager), as many of them as
-    the token budget allows verifying k drafts (the graphs), then unequal numbers of drafts
-    (eager, as beside a prefill or near max_model_len: logits for every row outside the graphs'
-    buffers). Every step samples with every feature on. One step alone is not enough: each kind
+    generation meets them: max_num_seqs prompts prefilled at once, as many of them as the token
+    budget allows verifying k drafts (the graphs), then unequal numbers of drafts (as beside a
+    prefill or near max_model_len: logits for every row outside the graphs' buffers). The first
+    and the last run as serving would run them: eagerly above max_cudagraph_tokens, on the
+    piecewise graphs up to it. Every step samples with every feature on. One step alone is not enough: each kind
     leaves blocks in the cache that the next kind cannot reuse (H200, 2-layer 128k-vocabulary
     models, 256 sequences with every feature: the cache grew 1.27 GiB at the prefill, 1.26 at
     the first verification and 0.5 more by the end, 76 MiB over gpu_memory_utilization with only
@@ -104,5 +105,5 @@ def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch
     n_verify = min(n, max(1, sched.max_num_batched_tokens // (1 + d)))  # as many as the token budget lets verify
     step([1], [d] * n_verify)  # uniform verification: the graphs
     if d >= 1:
-        step([1], [d] * (n_verify - 1) + [d - 1])  # ragged: eager
+        step([1], [d] * (n_verify - 1) + [d - 1])  # ragged: the pieces, or eager above them
     return runner

@@ -119,27 +119,37 @@ class PiecewiseGraphs:
 
         graphs: list[torch.cuda.CUDAGraph] = []
         attention: list[tuple[Tensor, Tensor, float]] = []
+        capturing = [False]
 
         def begin() -> None:
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=graphs[0].pool() if graphs else pool)
             graphs.append(graph)
+            graph.capture_begin(pool=graphs[0].pool() if len(graphs) > 1 else pool)
+            capturing[0] = True
+
+        def end() -> None:
+            capturing[0] = False
+            graphs[-1].capture_end()
 
         def cut(q_layer: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
             q.copy_(q_layer)  # captured: the last kernel of this piece
-            graphs[-1].capture_end()
+            end()
             attention.append((k_cache, v_cache, scale))
             begin()
             return out
 
         with torch.cuda.stream(stream):
-            begin()
             try:
+                begin()
                 hidden = self._forward(t, cut)
+                end()
             except BaseException:
-                graphs[-1].capture_end()  # leave the stream out of capture mode before raising
+                if capturing[0]:  # leave the stream out of capture mode, keep the first error
+                    try:
+                        end()
+                    except Exception:
+                        pass
                 raise
-            graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         return _Pieces(graphs, attention, hidden)
 
@@ -151,6 +161,7 @@ class PiecewiseGraphs:
 
         n = input_ids.shape[0]
         t = self.bucket(n)
+        assert positions.shape[0] == n and attn.slot_mapping.shape[0] == n, "one position and KV slot per token"
         # One multi-tensor launch for the inputs; padding rows write no KV.
         torch._foreach_copy_([self.input_ids[:n], self.positions[:n], self.slot_mapping[:n]],
                              [input_ids, positions, attn.slot_mapping])
