@@ -20,7 +20,7 @@ from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
-from tandem.runner.piecewise import PiecewiseGraphs
+from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.runner.inputs import Batch, build_batch
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
@@ -127,10 +127,7 @@ class ModelRunner:
             a = batch.attn
             return graph.replay(len(plan.reqs), batch.input_ids, batch.positions, a.slot_mapping, a.block_tables,
                                 a.seq_lens)
-        if self.piecewise is not None and self.piecewise.takes(batch.input_ids.shape[0], batch.attn):
-            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.attn)  # [num_tokens, hidden]
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv)
+        hidden = forward(self.model, self.kv, self.piecewise, batch.input_ids, batch.positions, batch.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _graph_for(self, plan: StepPlan) -> GraphRunner | None:

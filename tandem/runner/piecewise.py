@@ -175,3 +175,11 @@ class PiecewiseGraphs:
                             scale, out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
+
+
+def forward(model, kv, pieces: PiecewiseGraphs | None, input_ids: Tensor, positions: Tensor, attn) -> Tensor:
+    """model's forward over a step (-> hidden [T, hidden_size]): on the pieces where they take
+    it, else eagerly."""
+    if pieces is not None and pieces.takes(input_ids.shape[0], attn):
+        return pieces.run(input_ids, positions, attn)
+    return model(input_ids, positions, attn, kv)

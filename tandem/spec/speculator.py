@@ -19,7 +19,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
-from tandem.runner.piecewise import PiecewiseGraphs
+from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
 from tandem.sampling.sampler import greedy_tokens, process_logits
@@ -88,9 +88,7 @@ class DraftSpeculator:
     def _forward(self, ids: Tensor, positions: Tensor, meta) -> Tensor:
         """The draft's forward over a catch-up batch -> hidden [num_tokens, hidden] (pieces of
         graphs where they take it)."""
-        if self.piecewise is not None and self.piecewise.takes(ids.shape[0], meta):
-            return self.piecewise.run(ids, positions, meta)
-        return self.model(ids, positions, meta, self.kv)
+        return forward(self.model, self.kv, self.piecewise, ids, positions, meta)
 
     def add(self, new: NewReq) -> None:
         """Nothing per request: sampling parameters live in the shared SamplingState."""
