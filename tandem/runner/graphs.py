@@ -16,6 +16,16 @@ from tandem.layers.table_attention import TableAttnMetadata
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def warm_up_on(stream: torch.cuda.Stream, fn, times: int) -> None:
+    """Run fn() times times on stream (Triton compiles, cuBLAS picks its kernels), ordered after
+    and before the current stream's work."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 def capture_on(stream: torch.cuda.Stream, pool, fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
     """Run fn() warmups times on stream, then capture it there into the memory pool `pool` (a
     handle, or None for a new pool). -> the graph.
@@ -24,11 +34,7 @@ def capture_on(stream: torch.cuda.Stream, pool, fn, warmups: int = 1) -> torch.c
     (32 MiB on Hopper) for each stream it ever ran on, for the life of the process, and a fresh
     `torch.cuda.Stream()` per graph walks PyTorch's pool of 32 streams, leaving up to 32 of
     them behind."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up_on(stream, fn, warmups)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         fn()

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from tandem.layers.table_attention import TableAttnMetadata
+from tandem.runner.graphs import warm_up_on
 
 # Token-count buckets (capped by the engine's max_cudagraph_tokens): steps above the largest run
 # eagerly, where the prefill's arithmetic outlasts the host's launches anyway.
@@ -110,11 +111,7 @@ class PiecewiseGraphs:
             q.copy_(q_layer)
             return out
 
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # Triton compiles, cuBLAS picks its kernels
-                self._forward(t, warm)
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up_on(stream, lambda: self._forward(t, warm), 2)
         torch.cuda.synchronize()
 
         graphs: list[torch.cuda.CUDAGraph] = []
