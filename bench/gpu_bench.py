@@ -232,15 +232,14 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                 use_gemv(llm, True)
                 print(f"[target-only] {name} b=1 with cuBLAS for one-row linears: {r['cublas_ms_per_step']:.2f} "
                       f"ms/step ({r['cublas_graph_ms']:.2f} graph)", flush=True)
-            if b == 1:
-                for variant in args.env_ab:
-                    with env_variant(llm, variant):
-                        v = dict(ms_per_step=measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"])
-                        g = llm.engine.runner.graphs[1]
-                        v["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
-                    r.setdefault("variants", {})[variant] = v
-                    print(f"[target-only] {name} b=1 with {variant}: {v['ms_per_step']:.2f} ms/step "
-                          f"({v['graph_ms']:.2f} graph)", flush=True)
+            for variant in args.env_ab:
+                with env_variant(llm, variant):
+                    v = dict(ms_per_step=measure_steps(llm, b, args.prompt_len, args.steps)["ms_per_step"])
+                    g = llm.engine.runner.graphs[1]
+                    v["graph_ms"] = graph_time(g.graphs[g.bucket(b)])
+                r.setdefault("variants", {})[variant] = v
+                print(f"[target-only] {name} b={b} with {variant}: {v['ms_per_step']:.2f} ms/step "
+                      f"({v['graph_ms']:.2f} graph)", flush=True)
             r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
             r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
             r.update(model=name, batch=b, weight_gb=wb / 1e9)
@@ -293,7 +292,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 print(f"[synthetic{tag}] {tname} / {dname} k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
                       f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
-                for variant in args.env_ab if b == 1 and pname == "uniform-0.8" else []:
+                for variant in args.env_ab if pname == "uniform-0.8" else []:
                     with env_variant(llm, variant):
                         c = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
                         v_round = draft_graph_times(sp, b)[1]
@@ -301,7 +300,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                     v = dict(round_ms=c["ms_per_step"], draft_step_ms=v_round / k,
                              speedup_at_expected=expected * v_base / c["ms_per_step"])
                     r.setdefault("variants", {})[variant] = v
-                    print(f"[synthetic] k={k} b=1 uniform-0.8 with {variant}: round {v['round_ms']:.2f} ms, draft "
+                    print(f"[synthetic] k={k} b={b} uniform-0.8 with {variant}: round {v['round_ms']:.2f} ms, draft "
                           f"step {v['draft_step_ms']:.2f} ms, x{v['speedup_at_expected']:.2f} at the expected "
                           f"acceptance (of its own target-only)", flush=True)
                 if args.ab_gemv and b == 1 and pname == "uniform-0.8" and "cublas_ms_per_step" in ref:
@@ -555,7 +554,7 @@ def main(argv=None) -> int:
     p.add_argument("--ab-gemv", action="store_true",
                    help="at batch 1 also measure with cuBLAS for one-row linears (graphs recaptured)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
-                   help="at batch 1 (target-only, and k = 4 synthetic at 0.8) also measure with these "
+                   help="at every batch (target-only, and synthetic at uniform 0.8) also measure with these "
                         "environment settings, graphs recaptured (repeatable), e.g. TANDEM_PDL=0")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     p.add_argument("--draft-quantization", default="none",

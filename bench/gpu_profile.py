@@ -10,11 +10,13 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
     sum of its graphs (verify, the draft round), and the kernels of an eager round;
-(5) `--sections gaps [--timeline PREFIX]`: the device timeline of real engine steps (graphs
-    included), target-only and speculative: busy and idle time per step and the longest idle
-    gaps; --timeline writes every activity (offset, duration, name) to PREFIX.<label>.txt;
-(6) `--sections verify [--env-ab VAR=VALUE]`: the verification, draft catch-up and draft round graphs of
-    a k = 4 round, kernel by kernel (offsets and durations of one replay), per environment variant;
+(5) `--sections gaps [--batch B] [--timeline PREFIX]`: the device timeline of real engine steps
+    (graphs included), target-only and speculative: busy and idle time per step and the longest
+    idle gaps, then the host's time in the same steps by function (cProfile); --timeline writes
+    every activity (offset, duration, name) to PREFIX.<label>.txt;
+(6) `--sections verify [--batch B] [--env-ab VAR=VALUE]`: the target's decode graph and the
+    verification, draft catch-up and draft round graphs of a k = 4 round, kernel by kernel
+    (offsets and durations of one replay), per environment variant;
 (7) `--sections eager [--eager-batch B]`: host time of eager steps (what a serving run's mixed
     steps pay): step time, Triton launches a step, cProfile by own time.
 """
@@ -257,7 +259,7 @@ def device_gaps(llm, args, label: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    times = drive(llm, 1, args.prompt_len, args.steps,
+    times = drive(llm, args.batch, args.prompt_len, args.steps,
                   lambda on: prof.start() if on else (torch.cuda.synchronize(), prof.stop()))
     evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > 0),
                  key=lambda e: e.time_range.start)
@@ -282,20 +284,25 @@ def device_gaps(llm, args, label: str) -> dict:
     print(f"[{label}] step {out['step_ms']:.3f} ms, device busy {out['busy_ms_per_step']:.3f} ms, "
           f"idle {out['idle_ms_per_step']:.3f} ms per step ({len(evs)} activities)", flush=True)
     print_table(["gap us", "after", "before"], out["top_gaps_us"])
+    host = cProfile.Profile()  # the same steps again: where the host's time goes
+    drive(llm, args.batch, args.prompt_len, args.steps, lambda on: host.enable() if on else host.disable())
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue()[:6000], flush=True)
     return out
 
 
 def gaps_section(root: Path, args, results: dict) -> None:
     k = 4
     tdir, ddir = write_config(root, "llama-8b", LLAMA_8B), write_config(root, "llama-1b", LLAMA_1B)
-    llm = make_llm(tdir, None, 4, args.max_model_len)
-    results["gaps_target"] = device_gaps(llm, args, "target-only b=1")
+    llm = make_llm(tdir, None, max(4, args.batch), args.max_model_len)
+    results["gaps_target"] = device_gaps(llm, args, f"target-only b={args.batch}")
     del llm
     torch.cuda.empty_cache()
     spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                 synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy")
-    llm = make_llm(tdir, spec, 4, args.max_model_len)
-    results["gaps_spec"] = device_gaps(llm, args, f"spec k={k} b=1")
+    llm = make_llm(tdir, spec, max(4, args.batch), args.max_model_len)
+    results["gaps_spec"] = device_gaps(llm, args, f"spec k={k} b={args.batch}")
     del llm
     torch.cuda.empty_cache()
 
@@ -330,8 +337,8 @@ def graph_timeline(graph, label: str, first: int = 14, skip: int = 0) -> dict:
 
 
 def verify_section(root: Path, args, results: dict) -> None:
-    """The verification and catch-up graphs of a k = 4 round at batch 1, kernel by kernel, under
-    each `--env-ab` variant (graphs recaptured) and as built."""
+    """The verification and catch-up graphs of a k = 4 round at batch --batch, kernel by
+    kernel, under each `--env-ab` variant (graphs recaptured) and as built."""
     from bench.gpu_bench import env_variant
 
     k = 4
@@ -339,18 +346,20 @@ def verify_section(root: Path, args, results: dict) -> None:
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
     spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                 synthetic_acceptance_rates=[0.8] * k, draft_load_format="dummy")
-    llm = make_llm(tdir, spec, 4, args.max_model_len)
+    b = args.batch
+    llm = make_llm(tdir, spec, max(4, b), args.max_model_len)
     for variant in [None] + args.env_ab:
         label = variant or "as built"
         if variant:
             ctx = env_variant(llm, variant)
             ctx.__enter__()
-        drive(llm, 1, args.prompt_len, 10)
+        drive(llm, b, args.prompt_len, 10)
         runner, sp = llm.engine.runner, llm.engine.runner.speculator
-        out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(1)],
+        out = {"decode": graph_timeline(runner.graphs[1].graphs[runner.graphs[1].bucket(b)], f"decode, {label}"),
+               "verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
                                         f"verify, {label}"),
-               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(1)], f"catch-up, {label}"),
-               "draft_round": graph_timeline(sp.graphs.rounds[sp.graphs.bucket(1)],
+               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)], f"catch-up, {label}"),
+               "draft_round": graph_timeline(sp.graphs.rounds[sp.graphs.bucket(b)],
                                              f"draft round (catch-up + k - 1 forwards), {label}",
                                              first=args.first, skip=args.skip)}
         results[f"verify_{label}"] = out
@@ -372,6 +381,7 @@ def main(argv=None) -> int:
                    help="--sections gaps: write each profile's device timeline to PREFIX.<label>.txt")
     p.add_argument("--pair", default="llama", choices=sorted(PAIRS),
                    help="--sections verify: the target / draft shapes (llama: 8B / 1B, qwen: Qwen2.5-Coder 1.5B / 0.5B)")
+    p.add_argument("--batch", type=int, default=1, help="--sections verify, gaps: requests a step")
     p.add_argument("--first", type=int, default=14,
                    help="--sections verify: kernels of the draft round listed in order")
     p.add_argument("--skip", type=int, default=0,

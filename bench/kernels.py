@@ -88,7 +88,7 @@ def eager(fn, n: int = 50) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def paged_setup(q_lens: list[int], ctx_lens: list[int], dtype=torch.bfloat16):
+def paged_setup(q_lens: list[int], ctx_lens: list[int], dtype=torch.bfloat16, head_dim: int = D):
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     nblk = [-(-s // BS) for s in seq_lens]
     perm = torch.randperm(sum(nblk)).tolist()
@@ -96,9 +96,9 @@ def paged_setup(q_lens: list[int], ctx_lens: list[int], dtype=torch.bfloat16):
     for n in nblk:
         tables.append(perm[off : off + n])
         off += n
-    k_cache = torch.randn(sum(nblk), BS, HKV, D, device=DEV, dtype=dtype)
+    k_cache = torch.randn(sum(nblk), BS, HKV, head_dim, device=DEV, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(q_lens), H, D, device=DEV, dtype=dtype)
+    q = torch.randn(sum(q_lens), H, head_dim, device=DEV, dtype=dtype)
     bt = torch.zeros(len(tables), max(nblk), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t)
@@ -416,12 +416,41 @@ def sweep_short_attention() -> list[list]:
     return rows
 
 
+def sweep_batch_attention() -> list[list]:
+    """Decode / verification attention at serving batch sizes (8B: D = 128, 1B: D = 64; 32 query
+    and 8 KV heads), short and longer contexts: tile (BLOCK_N, warps, stages; None = built-in)
+    x num_splits (None = built-in)."""
+    from tandem.kernels.attention import paged_attention
+
+    tiles = [None, (128, 4, 1), (128, 4, 3), (64, 4, 1), (64, 4, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2)]
+    splits = [None, 1, 2, 4, 8]
+    rows = []
+    for d, b, q_len, ctx in ((128, 8, 5, 200), (128, 32, 1, 200), (128, 32, 5, 200), (128, 32, 5, 1000),
+                             (64, 32, 1, 200), (64, 32, 6, 200)):
+        q, kc, vc, bt, sl, cu, _ = paged_setup([q_len] * b, [ctx] * b, head_dim=d)
+        out = torch.empty_like(q)
+        res = {}
+        for tile in tiles:
+            for ns in splits:
+                try:
+                    res[(tile, ns)] = bench(lambda: paged_attention(q, kc, vc, bt, sl, cu, q_len, d**-0.5, out,
+                                                                    num_splits=ns, tile_override=tile))
+                except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
+                    print(f"tile {tile} splits {ns}: {type(e).__name__}", flush=True)
+        nbytes = b * (ctx + q_len) * HKV * d * 2 * 2
+        best = sorted(res, key=res.get)[:3]
+        rows.append([f"D={d} B={b} q={q_len} ctx={ctx}", f"{nbytes / 1e6:.1f}", f"{res[(None, None)] * 1e6:.1f}"]
+                    + [f"{t}, {ns}: {res[(t, ns)] * 1e6:.1f}" for t, ns in best])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows and environment here")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode-attention tiles")
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
     ap.add_argument("--short-attn", action="store_true", help="only the short-context batch-1 attention sweep")
+    ap.add_argument("--batch-attn", action="store_true", help="only the serving-batch attention sweep")
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
@@ -446,6 +475,10 @@ def main() -> None:
         print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",
                      "norm inside, other tiles", "", ""],
                     sweep_gemv_fused(), title="one-row GEMV fusions, bf16, cold weights, CUDA graphs")
+        return
+    if args.batch_attn:
+        print_table(["case", "KV MB", "built-in us", "best (tile, splits)", "2nd", "3rd"], sweep_batch_attention(),
+                    title="serving-batch attention: (tile, num_splits), cold L2, CUDA graphs")
         return
     if args.short_attn:
         print_table(["case", "built-in us", "best", "2nd", "3rd"], sweep_short_attention(),

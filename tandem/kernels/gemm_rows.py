@@ -1,12 +1,24 @@
-"""GEMM for a few rows (2-16): out[m, n] = sum_k x[m, k] * w[n, k], on tensor cores.
+"""GEMM for a few rows (2-32): out[m, n] = sum_k x[m, k] * w[n, k], on tensor cores.
 
 A verification step at batch 1 (1 + k tokens) and the draft's catch-up (k + 2 tokens) multiply a
 handful of rows by every weight matrix: still weight streaming, like a one-row decode step. The
 weights are the wide operand: one program owns BLOCK_N weight rows and walks K in BLOCK_K steps,
-`tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])` into an fp32 [BLOCK_N, 16] accumulator (the
-rows of x padded to the 16 a tensor-core tile needs; padding rows are never loaded). No split-K
-(cuBLAS splits K and launches a reduction for the 8B's o and down projections at these sizes):
-each output element is summed in one order, the same for every row count up to 16.
+`tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, BLOCK_M])` into an fp32 [BLOCK_N, BLOCK_M]
+accumulator (the rows of x padded to BLOCK_M = 16, or 32 above 16 rows; padding rows are never
+loaded). No split-K (cuBLAS splits K and launches a reduction for the 8B's o and down projections
+at these sizes): each output element is summed in one order, the same for every row count.
+
+17-32 rows are a decode step of 17-32 requests (the target's, and each of the draft's loop
+steps) or a small batch's verification. There the products alone run about as fast as cuBLAS
+(H200, `bench/kernels.py --rows 32`, cold weights, us: 8B qkv 15.7 / 15.7, o 12.8 / 13.5,
+gate_up 57.9 / 57.6, LM head 244.5 / 270.4; 1B gate_up 18.1 / 18.6, head 127.1 / 131.1), and the
+epilogues save the launches after them (the qkv projection with the rotary and KV store inside
+7.8 us against 9.3 for cuBLAS and the rotary kernel on the 1B); long-K layers lose (the 8B's
+down, K = 14336: 35.6 against 33.1 with cuBLAS's split-K) and stay on cuBLAS
+(tandem/layers/gpu_linear.py). At 64 rows every layer lost (8B down 44.5 / 36.1, gate_up 67.4 /
+61.0), hence MAX_ROWS. In the engine at 32 requests (bench/gpu_bench.py --batches 32 --env-ab
+TANDEM_GEMM_ROWS=16, the old cap, in the same run): the 8B's decode step 5.13 -> 4.95 ms, a k = 4
+round with the 1B draft 11.76 -> 11.53 ms (the draft's loop step 1.37 -> 1.28 ms).
 
 gemm_rows_qkv_rope is the packed q | k | v projection with the rotary embedding and the paged KV
 store in its epilogue (a program owns 16 rotary pairs (d, d + D/2) of one head: a 32-row tile),
@@ -56,7 +68,12 @@ from tandem.kernels.fused import _numerics, _round
 from tandem.kernels.gemv import _check_weight, _mul_rn, _silu_mul
 from tandem.kernels.pdl import pdl_enabled, release_next, wait_only
 
-MAX_ROWS = 16
+MAX_ROWS = 32
+
+
+def row_tile(m: int) -> int:
+    """BLOCK_M for m rows: the 16 a tensor-core tile needs, or 32 above 16 rows."""
+    return max(16, triton.next_power_of_2(m))
 
 
 @triton.jit
@@ -308,7 +325,7 @@ def _check_x(x: Tensor, k: int, weight: Tensor, w_scale: Tensor | None) -> None:
 def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
               config: tuple[int, int, int, int] | None = None, act: str | None = None,
               w_scale: Tensor | None = None) -> Tensor:
-    """x [M, K] with 1 <= M <= 16, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
+    """x [M, K] with 1 <= M <= MAX_ROWS, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
     contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
     w_scale [N] fp32: weight is fp8 e4m3 (widened to x's dtype in registers) and row n's sums are
     multiplied by w_scale[n] before the bias (power-of-two scales: the products of gemm_rows on
@@ -334,7 +351,7 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
         x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_M=row_tile(m), BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out
@@ -375,7 +392,7 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
         k_cache, v_cache, w_scale if w_scale is not None else out, m, k, x.stride(0), weight.stride(0), cos.stride(0),
         sin.stride(0), NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
         W_SCALE=w_scale is not None,
-        EVEN_K=k % block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=k % block_k == 0, BLOCK_M=row_tile(m), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         **_numerics(x),
         **_launch_flags(x),
     )

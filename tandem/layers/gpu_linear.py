@@ -8,7 +8,8 @@ on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/
 of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs go to
 tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotating and storing
 K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilogue:
-`forward_then_silu_mul`); more rows, and the narrow layers, stay on cuBLAS.
+`forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
+with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
@@ -32,8 +33,9 @@ from tandem.layers.cpu_linear import linear_sites
 from tandem.layers.norm import fused_kernels_available
 
 
-FEW_ROWS = 16  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
+FEW_ROWS = 32  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
 FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvLinear.few_rows)
+FEW_ROWS_LONG_K = 4096  # above 16 rows, layers with more inputs keep cuBLAS (its split-K wins there)
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,20 @@ class GemvLinear(nn.Module):
         return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
     def few_rows(self, x: Tensor) -> bool:
-        """Whether x [n, in_features] takes the few-row tensor-core GEMM (2 <= n <= 16, bf16 / fp16,
-        at least FEW_ROWS_MIN_OUT outputs; TANDEM_GEMM_ROWS=0 sends it to cuBLAS, an A/B switch). cuBLAS keeps
-        the narrow layers: the 1B draft's o / down projections (2048 x 2048, 2048 x 8192) ran 1.3
-        and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py --sections verify)."""
-        return (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS
-                and x.stride(-1) == 1
-                and x.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TANDEM_GEMM_ROWS", "1") != "0")
+        """Whether x [n, in_features] takes the few-row tensor-core GEMM: bf16 / fp16, at least
+        FEW_ROWS_MIN_OUT outputs, and 2 <= n <= 16, or n <= 32 with at most FEW_ROWS_LONG_K inputs
+        and model-dtype weights.
+        cuBLAS keeps the narrow layers: the 1B draft's o / down projections (2048 x 2048, 2048 x
+        8192) ran 1.3 and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py
+        --sections verify). TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every
+        multi-row input; an A/B switch)."""
+        n = x.shape[0] if x.dim() == 2 else 0
+        if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        if n > 16 and (self.in_features > FEW_ROWS_LONG_K or self.w8 is not None):
+            return False  # (fp8 weights at 17-32 rows: not measured; cuBLAS on the bf16 copy as before)
+        return n <= int(os.environ.get("TANDEM_GEMM_ROWS", FEW_ROWS))
 
     def forward(self, x: Tensor | NormedRow, out: Tensor | None = None) -> Tensor:
         """out [n, out_features] contiguous: the product is written there (the same bits)."""

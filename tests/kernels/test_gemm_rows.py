@@ -55,7 +55,7 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, m: int, dty
     pos = torch.arange(m, device=device) + 290
     slots = torch.arange(m, device=device) * 2 + 1
     slots[m // 2] = -1
-    k_cache = torch.full((8, 4, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    k_cache = torch.full((max(8, m // 2 + 1), 4, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
     v_cache = k_cache.clone()
     out = gemm_rows_qkv_rope(x, w, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots,
                              config=config and config[1:])
@@ -67,7 +67,7 @@ def check_qkv_rope(heads: int, kv_heads: int, head_dim: int, k: int, m: int, dty
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [2, 5, 6, 16])
+@pytest.mark.parametrize("m", [2, 5, 6, 16, 17, 32])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (3072, 2048), (2048, 8192), (1536, 8960),
                                  (1000, 700), (7, 4096)])
 def test_gemm_rows_gpu(n, k, m, dtype):
@@ -91,7 +91,7 @@ def check_silu_mul(n: int, k: int, m: int, dtype: torch.dtype, bias: bool, devic
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [2, 5, 6])
+@pytest.mark.parametrize("m", [2, 5, 6, 32])
 @pytest.mark.parametrize("n,k", [(28672, 4096), (16384, 2048), (17920, 1536), (1000, 700)])
 def test_gemm_rows_silu_mul_gpu(n, k, m, dtype):
     check_silu_mul(n, k, m, dtype, bias=n == 1000, device="cuda")
@@ -101,7 +101,8 @@ def test_gemm_rows_silu_mul_gpu(n, k, m, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,k,bias,m", [(32, 8, 128, 4096, False, 5), (32, 8, 64, 2048, False, 6),
-                                                             (12, 2, 128, 1536, True, 5), (14, 2, 64, 896, True, 2)])
+                                                             (12, 2, 128, 1536, True, 5), (14, 2, 64, 896, True, 2),
+                                                             (32, 8, 128, 4096, False, 32), (32, 8, 64, 2048, False, 24)])
 def test_gemm_rows_qkv_rope_gpu(heads, kv_heads, head_dim, k, bias, m, dtype):
     check_qkv_rope(heads, kv_heads, head_dim, k, m, dtype, "cuda", bias)
 
@@ -129,7 +130,7 @@ def test_decoder_few_rows_gpu(tmp_path, arch, monkeypatch):
 
 @interpret_mark(_rows_kernel)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,m", [(40, 96, 2), (24, 64, 5), (33, 80, 16)])
+@pytest.mark.parametrize("n,k,m", [(40, 96, 2), (24, 64, 5), (33, 80, 16), (33, 80, 24)])
 def test_gemm_rows_interpreter(n, k, m, dtype):
     check_rows(n, k, m, dtype, bias=n == 40, device="cpu", config=SMALL, max_ulps=2 if dtype == torch.bfloat16 else 1)
 

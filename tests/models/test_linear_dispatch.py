@@ -1,0 +1,39 @@
+"""Which kernel a CUDA linear (tandem/layers/gpu_linear.GemvLinear) picks for a row count: pure
+shape rules, checked on CPU tensors (no kernel runs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.layers.gpu_linear import GemvLinear
+
+
+def layer(out_features: int, in_features: int) -> GemvLinear:
+    return GemvLinear(nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows,few", [(1, False), (2, True), (16, True), (17, True), (32, True), (33, False)])
+def test_wide_layers_take_the_few_row_gemm_up_to_32_rows(rows, few):
+    lin = layer(6144, 4096)  # the 8B's qkv projection
+    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+    assert lin.few_rows(x) is few
+    assert lin.one_row(x) is (rows == 1)
+
+
+def test_long_k_and_narrow_layers_keep_cublas_above_16_rows():
+    down = layer(4096, 14336)  # the 8B's down projection: cuBLAS's split-K wins at 17-32 rows
+    assert down.few_rows(torch.zeros(16, 14336, dtype=torch.bfloat16))
+    assert not down.few_rows(torch.zeros(17, 14336, dtype=torch.bfloat16))
+    narrow = layer(2048, 2048)  # the 1B's o projection
+    assert not narrow.few_rows(torch.zeros(5, 2048, dtype=torch.bfloat16))
+    assert not layer(6144, 4096).few_rows(torch.zeros(5, 4096, dtype=torch.float32))  # fp32: cuBLAS
+
+
+def test_the_row_cap_is_an_environment_switch(monkeypatch):
+    lin = layer(6144, 4096)
+    x = torch.zeros(24, 4096, dtype=torch.bfloat16)
+    monkeypatch.setenv("TANDEM_GEMM_ROWS", "16")
+    assert not lin.few_rows(x) and lin.few_rows(x[:16])
+    monkeypatch.setenv("TANDEM_GEMM_ROWS", "0")
+    assert not lin.few_rows(x[:2])
