@@ -56,7 +56,10 @@ def _gumbel(key, tokens):
     return -tl.log(-tl.log(_uniform(key, tokens)))
 
 
-@triton.jit
+# The chunking follows the number of rows (enough programs to fill the chip), which changes from
+# step to step in serving: neither it nor the chunk count is specialised on, so a new batch size
+# compiles nothing (each new value had compiled a variant of both kernels mid-run, ~0.5 s).
+@triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def _gumbel_block_kernel(
     logits_ptr,  # [n, V] fp32 / bf16 / fp16
     temperature_ptr,  # [n] fp32
@@ -67,7 +70,7 @@ def _gumbel_block_kernel(
     stride_row,
     vocab,
     num_chunks,
-    CHUNK: tl.constexpr,
+    chunk_size,  # tokens per program, a multiple of BLOCK_V
     BLOCK_V: tl.constexpr,
     SALT: tl.constexpr,
     SAMPLE: tl.constexpr,  # False: plain argmax (temperature, seeds and positions are not read)
@@ -83,9 +86,9 @@ def _gumbel_block_kernel(
         key = _noise_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), SALT)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     best_val = -float("inf")
-    best_idx = chunk * CHUNK
-    for i in range(0, CHUNK, BLOCK_V):
-        v0 = chunk * CHUNK + i
+    best_idx = chunk * chunk_size
+    for i in range(0, chunk_size, BLOCK_V):
+        v0 = chunk * chunk_size + i
         offs = v0 + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
@@ -101,8 +104,9 @@ def _gumbel_block_kernel(
     tl.store(part_idx_ptr + row * num_chunks + chunk, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_C >= num_chunks for every chunking of the vocabulary (one variant per vocabulary size)."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
@@ -176,12 +180,12 @@ def _blocked_argmax(logits: Tensor, noise: tuple[Tensor, Tensor, Tensor] | None,
     part_idx = torch.empty((n, num_chunks), dtype=torch.int32, device=logits.device)
     temperature, seeds, positions = noise if noise is not None else (logits, logits, logits)  # unread
     _gumbel_block_kernel[(n, num_chunks)](
-        logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks,
-        CHUNK=chunk, BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8, **pdl_flags(logits),
+        logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks, chunk,
+        BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8, **pdl_flags(logits),
     )
     _argmax_reduce_kernel[(n,)](
-        part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
-        **pdl_flags(logits),
+        part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(triton.cdiv(vocab, _BLOCK_V)),
+        num_warps=1, **pdl_flags(logits),
     )
     return out
 
