@@ -29,11 +29,15 @@ class Uploader:
         self.end = self.offset + self.half_size
 
     def __call__(self, *lists: list[int]) -> list[Tensor]:
-        """One int64 tensor per list, all views of a single transfer."""
+        """One int64 tensor per list, all views of a single transfer, each starting on a 16-byte
+        boundary: Triton specialises a kernel on whether each pointer argument is 16-byte aligned,
+        so a view at an odd offset would compile another variant of the kernels it feeds (the
+        attention's seq_lens and cu_q_lens, the rotary kernel's positions) in the middle of serving."""
         sizes = [len(x) for x in lists]
-        host = torch.tensor([v for x in lists for v in x], dtype=torch.int64)
+        padded = [n + (n & 1) for n in sizes]  # even: 2 x 8 bytes
+        host = torch.tensor([v for x in lists for v in (x if len(x) % 2 == 0 else [*x, 0])], dtype=torch.int64)
         if self.pinned is None:
-            return list(host.to(self.device).split(sizes))
+            return [t[:n] for t, n in zip(host.to(self.device).split(padded), sizes)]
         n = host.shape[0]
         if self.offset + n <= self.end:
             staged = self.pinned[self.offset : self.offset + n]
@@ -41,4 +45,4 @@ class Uploader:
             self.offset += n
         else:  # larger than what is left this step: a one-off pinned copy
             staged = host.pin_memory()
-        return list(staged.to(self.device, non_blocking=True).split(sizes))
+        return [t[:n] for t, n in zip(staged.to(self.device, non_blocking=True).split(padded), sizes)]
