@@ -14,8 +14,8 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     (graphs included), target-only and speculative: busy and idle time per step and the longest
     idle gaps, then the host's time in the same steps by function (cProfile); --timeline writes
     every activity (offset, duration, name) to PREFIX.<label>.txt;
-(6) `--sections verify [--batch B] [--env-ab VAR=VALUE]`: the target's decode graph and the
-    verification, draft catch-up and draft round graphs of a k = 4 round, kernel by kernel
+(6) `--sections verify [--batch B] [--env-ab VAR=VALUE]`: the verification, draft catch-up and
+    draft round graphs of a k = 4 round, kernel by kernel
     (offsets and durations of one replay), per environment variant;
 (7) `--sections eager [--eager-batch B]`: host time of eager steps (what a serving run's mixed
     steps pay): step time, Triton launches a step, cProfile by own time.
@@ -355,8 +355,7 @@ def verify_section(root: Path, args, results: dict) -> None:
             ctx.__enter__()
         drive(llm, b, args.prompt_len, 10)
         runner, sp = llm.engine.runner, llm.engine.runner.speculator
-        out = {"decode": graph_timeline(runner.graphs[1].graphs[runner.graphs[1].bucket(b)], f"decode, {label}"),
-               "verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
+        out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
                                         f"verify, {label}"),
                "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)], f"catch-up, {label}"),
                "draft_round": graph_timeline(sp.graphs.rounds[sp.graphs.bucket(b)],

@@ -11,7 +11,8 @@
 - gemv: one-row linears (batch-1 steps), optionally with SiLU-and-mul or an RMSNorm of the input
   in the prologue, a residual add in the epilogue, or (the qkv projection) rotary + paged KV
   store in the epilogue, each with the separate kernel's rounding.
-- gemm_rows: 2-16 row linears (a batch-1 verification, the draft's catch-up) on tensor cores,
+- gemm_rows: 2-32 row linears (a batch-1 verification, the draft's catch-up, decode steps of
+  up to 32 requests) on tensor cores,
   the qkv projection optionally with rotary + paged KV store in the epilogue.
 - pdl: programmatic dependent launch (Hopper): every kernel above launches with it and waits for
   the kernel before it first thing (the attention reads its step metadata before: see pdl.py),

@@ -34,7 +34,7 @@ an SM (H200, the 1B's head 95 -> 62 us, gate_up 12.9 -> 10.2; the fp8 draft's k 
 7.85 -> 7.63 ms). So the sums run in another order than the bf16 weights' (within an ulp of
 their result, tests/kernels/test_gemv.py).
 
-Rows 2-16 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
+Rows 2-32 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
 weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
 was not kept.
 

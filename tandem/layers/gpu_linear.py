@@ -38,6 +38,16 @@ FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvL
 FEW_ROWS_LONG_K = 4096  # above 16 rows, layers with more inputs keep cuBLAS (its split-K wins there)
 
 
+def _gemm_rows_cap() -> int:
+    """TANDEM_GEMM_ROWS: unset or 1 (on, its old meaning): FEW_ROWS; 0: off; N: at most N rows."""
+    raw = os.environ.get("TANDEM_GEMM_ROWS", "1")
+    try:
+        cap = int(raw)
+    except ValueError:
+        raise ValueError(f"TANDEM_GEMM_ROWS={raw!r}: expected 0 (off), 1 (on) or a row cap such as 16") from None
+    return FEW_ROWS if cap == 1 else cap
+
+
 @dataclass(frozen=True)
 class AddedRow:
     """A one-row layer output already added into the residual stream by its GEMV: sumsq [P] fp32,
@@ -97,14 +107,14 @@ class GemvLinear(nn.Module):
         cuBLAS keeps the narrow layers: the 1B draft's o / down projections (2048 x 2048, 2048 x
         8192) ran 1.3 and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py
         --sections verify). TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every
-        multi-row input; an A/B switch)."""
+        multi-row input, 1: on; an A/B switch)."""
         n = x.shape[0] if x.dim() == 2 else 0
         if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
         if n > 16 and (self.in_features > FEW_ROWS_LONG_K or self.w8 is not None):
             return False  # (fp8 weights at 17-32 rows: not measured; cuBLAS on the bf16 copy as before)
-        return n <= int(os.environ.get("TANDEM_GEMM_ROWS", FEW_ROWS))
+        return n <= _gemm_rows_cap()
 
     def forward(self, x: Tensor | NormedRow, out: Tensor | None = None) -> Tensor:
         """out [n, out_features] contiguous: the product is written there (the same bits)."""

@@ -85,7 +85,7 @@ def test_gemv_linear_dispatch(monkeypatch):
     assert torch.equal(layer(torch.ones(3, 512, device="cuda", dtype=torch.bfloat16)),
                        F.linear(torch.ones(3, 512, device="cuda", dtype=torch.bfloat16), lin.weight, lin.bias))
     monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS_MIN_OUT", 300)  # 300 outputs: narrow, unless lowered
-    x = torch.randn(17, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(33, 512, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, lin.weight, lin.bias))  # many rows: cuBLAS
     assert torch.equal(layer(x[:3]), gemm_rows(x[:3], lin.weight, lin.bias))  # a few rows: the tensor-core GEMM
     assert torch.equal(layer(x[1:2]), gemv(x[1:2].contiguous(), lin.weight, lin.bias))  # one row: the GEMV

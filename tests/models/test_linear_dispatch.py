@@ -37,3 +37,13 @@ def test_the_row_cap_is_an_environment_switch(monkeypatch):
     assert not lin.few_rows(x) and lin.few_rows(x[:16])
     monkeypatch.setenv("TANDEM_GEMM_ROWS", "0")
     assert not lin.few_rows(x[:2])
+
+
+def test_the_row_switch_keeps_its_old_values_and_names_itself(monkeypatch):
+    lin = layer(6144, 4096)
+    x = torch.zeros(32, 4096, dtype=torch.bfloat16)
+    monkeypatch.setenv("TANDEM_GEMM_ROWS", "1")  # "on", as it meant before it became a cap
+    assert lin.few_rows(x)
+    monkeypatch.setenv("TANDEM_GEMM_ROWS", "yes")
+    with pytest.raises(ValueError, match="TANDEM_GEMM_ROWS"):
+        lin.few_rows(x)
