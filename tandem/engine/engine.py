@@ -320,11 +320,17 @@ class Engine:
 
     def _push_tokens(self, seq: SeqState, emitted: list[int], logprobs: list[TokenLogprobs] | None) -> None:
         req = seq.req
+        # A stop token (EOS, or one of stop_token_ids) that ended the request is kept in token_ids
+        # but not in the text, unless include_stop_str_in_output asks for it (as vLLM does).
+        ended_by_token = (req.is_finished and req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+                          and not req.params.include_stop_str_in_output)
         for j, token in enumerate(emitted):
             seq.token_ids.append(token)
             if seq.logprobs is not None and logprobs is not None:
                 seq.logprobs.append(self._logprob_dict(logprobs[j]))
                 seq.cumulative_logprob += logprobs[j].logprob
+            if ended_by_token and j == len(emitted) - 1:
+                break
             stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) >= req.params.min_tokens)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop

@@ -158,6 +158,8 @@ def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: 
         top: dict[str, float] = {}
         for v in _top(lp, k):  # tokens that decode alike share a key: keep the likeliest
             top.setdefault(_token_text(v), v.logprob)
+        if chosen is not None:  # the sampled token is always among them (up to k + 1 entries), as in OpenAI's
+            top.setdefault(text, chosen.logprob)
         out.top_logprobs.append(top)
         offset += len(text)
     return out
@@ -239,6 +241,9 @@ class CompletionRenderer(_Renderer):
     def __init__(self, *args, echo: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.echo = echo
+        # Streamed text_offset runs over the tokens' texts, as the whole response's does; the text
+        # itself may lag behind the tokens (held back for stop strings).
+        self.token_offset = [len(self.prompts[idx // self.n].text or "") if echo else 0 for idx in range(len(self.done))]
 
     def preamble(self) -> list[BaseModel]:
         if not self.echo:
@@ -252,7 +257,8 @@ class CompletionRenderer(_Renderer):
     def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
         logprobs = None
         if lps is not None:
-            logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.sent_chars[idx])
+            logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx])
+            self.token_offset[idx] += sum(len(t) for t in logprobs.tokens)
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
                                             stop_reason=stop)])
 
@@ -395,7 +401,7 @@ class OpenAIServer:
         params = self._params(body, {}, "prompt")
         prompts = self._completion_prompts(body.prompt)
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo)
-        return await self._generate(request, prompts, params, renderer, body.stream, "prompt")
+        return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -406,7 +412,8 @@ class OpenAIServer:
         params = self._params(body, fields, "messages")
         prompts = [self._chat_prompt(body)]
         renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage)
-        return await self._generate(request, prompts, params, renderer, body.stream, "messages")
+        return await self._generate(request, prompts, params, renderer, body.stream, "messages",
+                                    body.max_tokens_field)
 
     # ---------------------------------------------------------------- helpers
     def _check_common(self, body) -> str:
@@ -459,7 +466,8 @@ class OpenAIServer:
         return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
-                        renderer: _Renderer, stream: bool, prompt_param: str) -> Response:
+                        renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
+        self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
 
         def release() -> None:
@@ -475,6 +483,21 @@ class OpenAIServer:
         if outputs is None:
             return Response(status_code=499)  # the client is gone; its requests were aborted
         return JSONResponse(renderer.response(outputs).model_dump(mode="json"))
+
+    def _check_context(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
+                       max_tokens_param: str) -> None:
+        """A prompt plus an explicit max_tokens past max_model_len is refused (as OpenAI and vLLM
+        do) rather than cut short; a null max_tokens means whatever room the prompt leaves. A prompt
+        that leaves no room at all is the engine's error (it names the prompt)."""
+        if params.max_tokens is None:
+            return
+        for p in prompts:
+            num = len(p.token_ids)
+            if num < self.max_model_len and num + params.max_tokens > self.max_model_len:
+                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{num + params.max_tokens} were requested ({num} in '{prompt_param}', "
+                               f"{params.max_tokens} in '{max_tokens_param}'); shorten the prompt or lower "
+                               f"'{max_tokens_param}'", param=max_tokens_param, code="context_length_exceeded")
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str) -> list[RequestStream]:

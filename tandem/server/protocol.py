@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.sampling_params import SamplingParams
 
@@ -21,9 +23,25 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _allows_none(annotation) -> bool:
+    return annotation is None or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and type(None) in typing.get_args(annotation))
+
+
 class _Request(BaseModel):
     # strict: "5" is not an int and true is not a number; JSON ints still pass as floats.
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default means that default (OpenAI clients send
+        `"n": null` and the like); fields that are nullable keep their null."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required() and not _allows_none(fields[k].annotation))}
 
 
 class _Response(BaseModel):
@@ -131,7 +149,7 @@ class ChatMessage(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            out["content"] = "".join(part.text for part in self.content)
+            out["content"] = "\n".join(part.text for part in self.content)  # as vLLM joins text parts
         return out
 
 

@@ -199,6 +199,41 @@ def test_completion_logprobs(live, reference):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(live):
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=1.5, seed=5,
+                                       logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # OpenAI's: up to logprobs + 1 entries, the sampled token among them (tokens that decode alike share
+        # an entry, which keeps the likeliest)
+        assert 1 <= len(top) <= 2 and top[token] >= chosen - 1e-5
+
+
+def test_streamed_logprobs_match_the_whole_response(live):
+    """Text held back for a stop string does not shift the streamed tokens' text_offset."""
+    kw = dict(model=MODEL, prompt=PROMPTS[6], max_tokens=16, temperature=0, logprobs=2, stop=["never-seen-stop"])
+    whole = live.client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in live.client.completions.create(**kw, stream=True) if c.choices]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+
+
+def test_null_fields_take_their_defaults(live, reference):
+    """OpenAI clients send explicit nulls; a null means the field's default."""
+    nulls = dict.fromkeys(["n", "presence_penalty", "frequency_penalty", "stream", "top_k", "min_p",
+                           "repetition_penalty", "stream_options", "ignore_eos", "min_tokens"])
+    r = live.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "echo": None,
+                           **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline(reference, PROMPTS[0], **greedy(max_tokens=6))[0].outputs[0].text
+    r = live.post(CH, json={**OK_CH, "logprobs": None, "add_generation_prompt": None, **nulls})
+    assert r.status_code == 200, r.text
+    r = live.post(C, json={**OK_C, "prompt": [5] * 100, "max_tokens": None})  # null: the room the prompt leaves
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 28, r.text
+
+
 def test_streaming_completion(live, reference):
     ref = offline(reference, PROMPTS[5], **greedy(max_tokens=16))[0]
     chunks = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=16, temperature=0,
@@ -247,10 +282,10 @@ def test_chat_matches_offline(live, reference):
 
 def test_chat_content_parts_logprobs_and_n(live, reference):
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
-                                          {"type": "text", "text": " of France?"}]}]
+                                          {"type": "text", "text": "of France?"}]}]  # joined by a newline
     r = live.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=5, temperature=0.8, seed=3, n=2,
                                             logprobs=True, top_logprobs=2)
-    ref = reference.chat([{"role": "user", "content": "What is the capital of France?"}],
+    ref = reference.chat([{"role": "user", "content": "What is the capital\nof France?"}],
                          SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=5, logprobs=2), use_tqdm=False)[0]
     assert [c.message.content for c in r.choices] == [o.text for o in ref.outputs]
     for choice, out in zip(r.choices, ref.outputs):
@@ -357,7 +392,8 @@ def test_engine_failure_ends_requests_in_flight_but_not_the_loop(live, monkeypat
     r = live.post(C, json={**OK_C, "max_tokens": 3})
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error" and "injected failure" in r.json()["error"]["message"]
-    assert live.client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+    after = live.client.completions.create(model=MODEL, prompt="after", max_tokens=3, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 3
     assert httpx.get(live.url + "/health").status_code == 200
     blocks = engine.scheduler.blocks
     _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
@@ -380,7 +416,8 @@ def test_out_of_memory_in_a_step_names_the_settings(live, monkeypatch):
     assert r.status_code == 500, r.text
     message = r.json()["error"]["message"]
     assert "ran out of GPU memory" in message and "max_num_batched_tokens=" in message, message
-    assert live.client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+    after = live.client.completions.create(model=MODEL, prompt="after", max_tokens=3, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 3
     blocks = engine.scheduler.blocks
     _wait_for(lambda: blocks.num_free_blocks == blocks.num_blocks)
 
@@ -438,6 +475,8 @@ BAD_INPUTS = [
     ("chat-max-completion-tokens", CH, {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("chat-too-long", CH, {"messages": [{"role": "user", "content": "fox " * 300}]}, 400, "messages"),
     ("chat-unknown-model", CH, {"model": "nope"}, 404, "model"),
+    ("context-length", C, {"prompt": [5] * 100, "max_tokens": 100}, 400, "max_tokens"),
+    ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
 ]
 
 

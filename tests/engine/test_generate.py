@@ -92,6 +92,29 @@ def test_min_tokens_and_eos(llm):
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
 
 
+def test_a_stop_token_is_in_token_ids_but_not_in_the_text(llm):
+    """As vLLM: the EOS or stop_token_ids token that ends a request is not detokenized, unless
+    include_stop_str_in_output; text shown with skip_special_tokens=False too."""
+    prompt = {"prompt_token_ids": [8, 9, 10]}
+    run = lambda **kw: llm.generate(prompt, SamplingParams(temperature=0, ignore_eos=True, **kw),
+                                    use_tqdm=False)[0].outputs[0]
+    base = run(max_tokens=12)
+    stop_at = next(i for i in range(2, 12) if base.token_ids[i] not in base.token_ids[:i])
+    stop_id = base.token_ids[stop_at]
+    before, through = run(max_tokens=stop_at).text, run(max_tokens=stop_at + 1).text
+    assert through != before  # the stop token has text of its own
+    for include, want in ((False, before), (True, through)):
+        out = run(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        assert out.token_ids == base.token_ids[: stop_at + 1] and out.stop_reason == stop_id
+        assert out.text == want
+    eos = llm.engine.eos_token_ids[0]
+    p = SamplingParams(temperature=0, max_tokens=4, logit_bias={eos: 100.0}, min_tokens=2, skip_special_tokens=False)
+    out = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+    alone = run(max_tokens=2, skip_special_tokens=False)  # the same two tokens before it (EOS was masked)
+    assert out.token_ids == alone.token_ids + [eos] and out.text == alone.text  # the EOS token's text left out
+
+
 def test_penalties_change_greedy_output(llm):
     prompt = {"prompt_token_ids": [8, 9, 10]}
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
