@@ -74,6 +74,10 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model, tokenizer, eos_token_ids: tuple[int, ...], speculator_factory=None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        # The model's EOS set grows with generation_config.json and the tokenizer's (models.source):
+        # the sampler's min_tokens mask must hold back the same ids the stop check ends on.
+        arch = dataclasses.replace(cfg.model.arch, eos_token_ids=tuple(eos_token_ids))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch))
         draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
         draft_model = speculator_factory.model if speculator_factory is not None else None
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0

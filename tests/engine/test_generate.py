@@ -115,6 +115,22 @@ def test_a_stop_token_is_in_token_ids_but_not_in_the_text(llm):
     assert out.token_ids == alone.token_ids + [eos] and out.text == alone.text  # the EOS token's text left out
 
 
+def test_min_tokens_holds_back_every_eos_id(tmp_path):
+    """An EOS id that only generation_config.json names (Qwen2.5-Instruct's <|endoftext|>) is masked
+    until min_tokens like config.json's, and ends the request after it."""
+    import json
+
+    d = make_hf_model(tmp_path / "m", init_std=0.3)
+    extra_eos = 292
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, extra_eos]}))
+    llm = LLM(str(d), dtype="float32", max_model_len=64, block_size=8)
+    assert extra_eos in llm.engine.eos_token_ids
+    p = SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={extra_eos: 100.0})
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p, use_tqdm=False)[0].outputs[0]
+    assert extra_eos not in out.token_ids[:3]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == extra_eos and out.finish_reason == "stop"
+
+
 def test_penalties_change_greedy_output(llm):
     prompt = {"prompt_token_ids": [8, 9, 10]}
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
