@@ -49,14 +49,13 @@ class ModelRunner:
         sched: SchedulerConfig,
         device: torch.device,
         model: CausalLM,
-        vocab_size: int | None = None,
     ):
         self.model = model
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = AttnBackend(cache.block_size, device)
         self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
-        self.vocab_size = vocab_size or model_cfg.arch.vocab_size
+        self.vocab_size = model_cfg.arch.vocab_size
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
                                    use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
         self.speculator = None  # set by the engine when a draft model is configured

@@ -44,7 +44,7 @@ class SpeculatorFactory:
                 f"the draft model {spec.model!r} supports {arch.max_position_embeddings} positions, fewer than "
                 f"max_model_len={max_len}; lower max_model_len to {arch.max_position_embeddings}"
             )
-        self.vocab_size = self._check_vocab(target, target_tokenizer, draft_dir, arch)
+        self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization)
         self.model = load_model(self.draft_cfg, device, "speculative_config model", "speculative_config dtype")
@@ -55,7 +55,11 @@ class SpeculatorFactory:
                 list(spec.synthetic_acceptance_rates),
             )
 
-    def _check_vocab(self, target: ModelConfig, target_tok, draft_dir, arch) -> int:
+    def _check_vocab(self, target: ModelConfig, target_tok, draft_dir, arch) -> None:
+        """The draft must share the target's token-to-id map; its embedding table may differ in size
+        by padding rows past the tokenizer's tokens (Qwen2.5's 0.5B / 1.5B pad to 151936 rows, its 7B
+        and larger to 152064): the target keeps its whole vocabulary, the draft gives the rows it
+        lacks probability zero (DraftSpeculator)."""
         t_size, d_size = target.arch.vocab_size, arch.vocab_size
         shared = min(t_size, d_size)
         # Byte-identical tokenizer files mean the same token-to-id map: skip loading it again.
@@ -80,7 +84,6 @@ class SpeculatorFactory:
                 f"{names} have different vocabulary sizes ({t_size} vs {d_size}) and no tokenizer to prove "
                 "the shared part matches"
             )
-        return shared
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return KVCache.bytes_per_block(self.draft_cfg.arch, block_size, self.draft_cfg.dtype)

@@ -12,6 +12,7 @@ proposing never waits for the host.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -56,7 +57,12 @@ class DraftSpeculator:
             self.rejection_sample = rejection_sample
         self.max_model_len = sched.max_model_len
         self.state = state
-        self.vocab_size = state.vocab_size
+        self.vocab_size = state.vocab_size  # the target's
+        # The draft scores ids below draft_vocab; ids a smaller draft table lacks (padding rows past
+        # the tokenizer, factory._check_vocab) get probability zero, and the draft embeds them as its
+        # last row when the target emits one.
+        self.draft_vocab = min(self.vocab_size, draft_cfg.arch.vocab_size)
+        self.clamp_ids = draft_cfg.arch.vocab_size < self.vocab_size
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.kv = KVCache(draft_cfg.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
@@ -77,7 +83,7 @@ class DraftSpeculator:
         graph memory pool `pool`, and the piecewise forward of other catch-ups of up to
         piecewise_tokens tokens (0: none)."""
         self.graphs = DraftGraphs(
-            self.model, self.kv, self.drafts, k=self.k, vocab_size=self.vocab_size, max_num_reqs=max_num_reqs,
+            self.model, self.kv, self.drafts, k=self.k, vocab_size=self.draft_vocab, max_num_reqs=max_num_reqs,
             max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
         )
         self.graphs.capture(stream, pool)
@@ -153,6 +159,8 @@ class DraftSpeculator:
             src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
         )
         ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
+        if self.clamp_ids:
+            ids = ids.clamp_(max=self.draft_vocab - 1)
         meta = self.attn_backend.prefill(starts, lens, tables, rowwise=False)  # draft: batched is fine
         if not sampling:
             self._forward(ids, positions, meta)
@@ -160,6 +168,8 @@ class DraftSpeculator:
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
         num_accepted = num_emitted - 1  # [num_sampling]
         new_tokens = row_tokens[row_base + num_accepted]  # [num_sampling]
+        if self.clamp_ids:
+            new_tokens = new_tokens.clamp(max=self.draft_vocab - 1)
         new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
         graph_catchup = self._catchup_graph_fits(plan, batch)
@@ -199,11 +209,13 @@ class DraftSpeculator:
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
         """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
         position of the token being drafted (the noise key)."""
-        logits = logits[:, : self.vocab_size]  # [n, V]
+        logits = logits[:, : self.draft_vocab]  # [n, draft_vocab]
         if self._greedy(sampling):
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
         logits = logits.float()
+        if self.draft_vocab < self.vocab_size:  # ids the draft lacks: probability zero
+            logits = F.pad(logits, (0, self.vocab_size - self.draft_vocab), value=float("-inf"))  # [n, V]
         params = [self.state.params[r.slot] for r in sampling]
         temp = self.state.temperature[slots]
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]

@@ -114,6 +114,31 @@ def test_sampled_speculation_runs_on_gpu(models):
     assert a == b and all(len(t) == 32 for t in a)
 
 
+def test_draft_with_fewer_vocabulary_rows_on_gpu(models, tmp_path):
+    """A draft table of 310 rows under a 320-row target (the tokenizer has 301): greedy output
+    equals target-only through the draft's graphs (prompt ids up to 319 reach its embedding), and
+    probabilistic drafts run with the rows it lacks at probability zero."""
+    target, _ = models
+    small = make_hf_model(tmp_path / "d", "qwen2", num_layers=1, hidden_size=64, seed=3, vocab_size=310,
+                          max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(2, 320, (n,), generator=g).tolist()} for n in (5, 40, 120)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
+    outs = {}
+    for spec in (None, dict(model=str(small), num_speculative_tokens=3),
+                 dict(model=str(small), num_speculative_tokens=3, draft_sample_method="probabilistic")):
+        llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
+                  speculative_config=spec, kv_cache_memory_bytes=64 << 20)
+        assert llm.engine.vocab_size == 320
+        method = spec and spec.get("draft_sample_method", "greedy")
+        outs[method] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+                        for p in (greedy, sampled)]
+        del llm
+    assert outs["greedy"][0] == outs[None][0] == outs["probabilistic"][0]
+    assert all(len(t) == 40 for t in outs["probabilistic"][1])
+
+
 def test_kv_pool_sized_from_memory_fraction(models):
     """No explicit byte budget: the pool comes from gpu_memory_utilization after profiling."""
     target, draft = models

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -57,7 +58,28 @@ def models(tmp_path_factory):
     (near / "config.json").write_text(json.dumps(config))
     small = make_hf_model(root / "small", "qwen2", vocab_size=V, hidden_size=32, num_layers=1, num_heads=2,
                           num_kv_heads=1, intermediate_size=64, tokenizer=False, init_std=0.2, seed=2)
-    return {"target": target, "near": near, "small": small}
+    # A tokenizer of V - 4 tokens for the target, and the near draft cut to those rows: the
+    # target's last 4 ids are padding rows the draft lacks (Qwen2.5's 7B against its 0.5B).
+    target_tok, near_cut = root / "target_tok", root / "near_cut"
+    shutil.copytree(target, target_tok)
+    shutil.copytree(near, near_cut)
+    for d in (target_tok, near_cut):
+        _word_tokenizer(V - 4).save_pretrained(str(d))
+    cut = {n: (w[: V - 4] if n in ("model.embed_tokens.weight", "lm_head.weight") else w)
+           for n, w in load_file(str(near / "model.safetensors")).items()}
+    save_file(cut, str(near_cut / "model.safetensors"), metadata={"format": "pt"})
+    config["vocab_size"] = V - 4
+    (near_cut / "config.json").write_text(json.dumps(config))
+    return {"target": target, "near": near, "small": small, "target_tok": target_tok, "near_cut": near_cut}
+
+
+def _word_tokenizer(n: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 @functools.cache
@@ -142,11 +164,11 @@ def fit_pvalues(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- sampling
-def _llm(models, draft=None, k=2, method="probabilistic", **spec_kw):
+def _llm(models, draft=None, k=2, method="probabilistic", target="target", **spec_kw):
     spec = None
     if draft is not None:
         spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method, **spec_kw)
-    return LLM(str(models["target"]), dtype="float32", max_model_len=64, block_size=8, max_num_seqs=512,
+    return LLM(str(models[target]), dtype="float32", max_model_len=64, block_size=8, max_num_seqs=512,
                speculative_config=spec)
 
 
@@ -219,6 +241,21 @@ def test_small_draft_and_k3(models):
         tokens = sample_tokens(llm, configs[:1], N, seed_base=30_000_000, max_tokens=5)
         assert llm.engine.spec_metrics.drafted_per_position[2] > 0.2 * N
         _check(models, tokens, configs[:1], f"near/k3/{method}")
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_a_draft_with_fewer_vocabulary_rows(models, method):
+    """A draft lacking the target's last ids (padding rows past the tokenizer) leaves the target's
+    distribution whole: those ids keep the target's probability (the draft gives them zero, and
+    embeds them as its last row when the target emits one)."""
+    llm = _llm(models, "near_cut", k=2, method=method, target="target_tok")
+    assert llm.engine.vocab_size == V
+    configs = [dict(temperature=1.0), dict(temperature=1.5, top_k=12)]
+    tokens = sample_tokens(llm, configs, N, seed_base=50_000_000 + 1_000_000 * (method == "greedy"))
+    assert any((t >= V - 4).any() for t in tokens)  # the target does emit the ids the draft lacks
+    m = llm.engine.spec_metrics
+    assert m.num_accepted_tokens > 0.1 * m.num_draft_tokens
+    _check(models, tokens, configs, f"near_cut/{method}")
 
 
 def test_negative_controls_have_power(models, monkeypatch):

@@ -116,6 +116,25 @@ def test_unrelated_smaller_draft(models, baseline, method):
     assert llm.engine.spec_metrics.acceptance_rate < 0.1
 
 
+@pytest.mark.parametrize("draft_vocab", [310, 330])
+def test_draft_vocabulary_of_another_size(models, baseline, tmp_path, draft_vocab):
+    """A draft whose table has fewer or more padding rows than the target's 320 (the tokenizer has
+    301 tokens): the target keeps its whole vocabulary; prompts hold ids up to 319, which a
+    310-row draft embeds as its last row."""
+    d = make_hf_model(tmp_path / "d", "qwen2", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7,
+                      vocab_size=draft_vocab)
+    spec = dict(model=str(d), num_speculative_tokens=3)
+    llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN, speculative_config=spec)
+    assert llm.engine.vocab_size == 320
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    base = _llm(models).generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert _tokens(outs) == baseline == _tokens(base)
+    for a, b in zip(outs, base):
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == pytest.approx(
+            [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)], abs=1e-4)
+
+
 def test_chunked_prefill_with_mixed_batch(models, baseline):
     llm = _llm(models, "near", 4, max_num_batched_tokens=24)
     assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == baseline
