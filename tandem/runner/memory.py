@@ -58,10 +58,15 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     num_blocks = budget // per_block
     if num_blocks < blocks_per_req:
         need = blocks_per_req * per_block
+        k = sched.num_lookahead_tokens
+        what, fix = f"max_model_len={sched.max_model_len}", "lower max_model_len"
+        if k:
+            what += f" and its {k} draft slots (speculative_config.num_speculative_tokens)"
+            fix += " or num_speculative_tokens"
         raise ConfigError(
             f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
-            f"({per_block} bytes each), but one request of max_model_len={sched.max_model_len} needs "
-            f"{blocks_per_req} blocks ({need} bytes); raise {budget_setting(cfg)} or lower max_model_len"
+            f"({per_block} bytes each), but one request of {what} needs {blocks_per_req} blocks ({need} bytes); "
+            f"raise {budget_setting(cfg)} or {fix}"
         )
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
     return num_blocks, later
@@ -136,6 +141,8 @@ def _gpu_budget(cfg: EngineConfig) -> int:
     if budget <= 0:
         raise ConfigError(
             f"gpu_memory_utilization={cfg.cache.gpu_memory_utilization} leaves no room for the KV cache after "
-            f"the weights ({peak / 2**30:.1f} GiB); raise gpu_memory_utilization or use a smaller model"
+            f"what this process already holds on the device ({peak / 2**30:.1f} GiB: the weights and the largest "
+            f"step's activations, and any other engine still alive in it); raise gpu_memory_utilization, free "
+            f"the other engines, or use a smaller model"
         )
     return budget
