@@ -408,6 +408,13 @@ class OpenAIServer:
         model = self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise APIError(400, f"'response_format' of type {body.response_format.get('type')!r} (structured output) "
+                           "is not supported; leave it out or use {'type': 'text'}", param="response_format")
+        if body.tools or (body.tool_choice not in (None, "none")):
+            param = "tools" if body.tools else "tool_choice"
+            raise APIError(400, f"'{param}': tool calling is not supported; leave out 'tools' and 'tool_choice'",
+                           param=param)
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
         prompts = [self._chat_prompt(body)]

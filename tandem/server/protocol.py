@@ -162,6 +162,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Read only to refuse what is not supported (structured output, tool calls), not ignored silently.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @property
     def max_tokens_field(self) -> str:

@@ -78,9 +78,6 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
-        if k >= target_max_model_len:
-            raise ConfigError(f"speculative_config.num_speculative_tokens={k} must be below max_model_len="
-                              f"{target_max_model_len} (a request could never verify them all); lower it")
         _one_of("method", self.method, METHODS)
         _one_of("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _one_of("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)

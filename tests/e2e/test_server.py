@@ -228,7 +228,8 @@ def test_null_fields_take_their_defaults(live, reference):
                            **nulls})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == offline(reference, PROMPTS[0], **greedy(max_tokens=6))[0].outputs[0].text
-    r = live.post(CH, json={**OK_CH, "logprobs": None, "add_generation_prompt": None, **nulls})
+    r = live.post(CH, json={**OK_CH, "logprobs": None, "add_generation_prompt": None, "tools": None,
+                            "tool_choice": "none", "response_format": {"type": "text"}, **nulls})
     assert r.status_code == 200, r.text
     r = live.post(C, json={**OK_C, "prompt": [5] * 100, "max_tokens": None})  # null: the room the prompt leaves
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 28, r.text
@@ -476,6 +477,9 @@ BAD_INPUTS = [
     ("chat-too-long", CH, {"messages": [{"role": "user", "content": "fox " * 300}]}, 400, "messages"),
     ("chat-unknown-model", CH, {"model": "nope"}, 404, "model"),
     ("context-length", C, {"prompt": [5] * 100, "max_tokens": 100}, 400, "max_tokens"),
+    ("chat-json-mode", CH, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat-tools", CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat-tool-choice", CH, {"tool_choice": "required"}, 400, "tool_choice"),
     ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
 ]
 

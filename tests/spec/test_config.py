@@ -23,7 +23,6 @@ def cfg(**kw):
         (dict(num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
         (dict(num_speculative_tokens=True), "num_speculative_tokens"),
-        (dict(num_speculative_tokens=128), "must be below max_model_len=128"),
         (dict(method="eagle"), "method"),
         (dict(draft_sample_method="nucleus"), "draft_sample_method"),
         (dict(rejection_sample_method="block"), "rejection_sample_method"),
