@@ -16,6 +16,8 @@ import torch
 
 from tandem.errors import ConfigError
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # ModelConfig.logprobs_mode
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -72,6 +74,9 @@ class ModelConfig:
     seed: int = 0
     cpu_matmul: str = "auto"  # "auto" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
     quantization: str | None = None  # "fp8": weight-only e4m3 linears (tandem/layers/quant.py; the draft's option)
+    # Which distribution returned logprobs describe: "raw_logprobs" (the model's, as vLLM returns by
+    # default) or "processed_logprobs" (after penalties, bias, temperature and truncation: the one sampled).
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from tandem.config import (
+    LOGPROBS_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -53,6 +54,7 @@ class LLM:
         max_cudagraph_tokens: int = 512,
         cpu_matmul: str = "auto",
         async_scheduling: bool | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -74,6 +76,8 @@ class LLM:
                               "prefill-mixed and ragged steps eagerly)")
         if cpu_matmul not in CPU_MATMULS:
             raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -103,7 +107,8 @@ class LLM:
                 f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one verification of 1 + k={1 + k} tokens"
             )
         cfg = EngineConfig(
-            model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul),
+            model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
+                              logprobs_mode=logprobs_mode),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -56,6 +56,7 @@ class ModelRunner:
         self.attn_backend = AttnBackend(cache.block_size, device)
         self.kv = KVCache(model_cfg.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
         self.vocab_size = model_cfg.arch.vocab_size
+        self.logprobs_mode = model_cfg.logprobs_mode
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
                                    use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
         self.speculator = None  # set by the engine when a draft model is configured
@@ -106,6 +107,7 @@ class ModelRunner:
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
         logits = self._logits(plan, batch)  # [num_rows, vocab]
+        raw = self._raw_for_logprobs(logits, batch)
         if self.speculator is None:
             processed = process_logits(logits, self.state, batch.rows)
             row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
@@ -115,7 +117,7 @@ class ModelRunner:
         else:
             processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
         self._record_outputs(batch, row_tokens, num_emitted)
-        launched = self._copy_results(plan, batch, processed, row_tokens, num_emitted)
+        launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted)
         if self.speculator is not None:  # the draft runs while the host applies this result
             self.speculator.propose(plan, batch, row_tokens, num_emitted)
         return launched
@@ -153,16 +155,26 @@ class ModelRunner:
         tokens = torch.where(emitted, row_tokens, -1)
         self.state.record_outputs(rows.slots, tokens[:, None])
 
+    def _raw_for_logprobs(self, logits: Tensor, batch: Batch) -> Tensor | None:
+        """The raw logits [num_rows, V] fp32 that logprobs are taken from under logprobs_mode
+        "raw_logprobs", kept apart from the processors (which write in place); None when no row
+        wants logprobs or they come from the processed distribution."""
+        if self.logprobs_mode != "raw_logprobs" or all(self.state.params[s].logprobs is None for s in batch.rows.slots):
+            return None
+        raw = logits[:, : self.vocab_size].float()
+        return raw.clone() if raw.data_ptr() == logits.data_ptr() else raw
+
     def _copy_results(
-        self, plan: StepPlan, batch: Batch, processed: Tensor, row_tokens: Tensor, num_emitted: Tensor
+        self, plan: StepPlan, batch: Batch, lp_logits: Tensor, row_tokens: Tensor, num_emitted: Tensor
     ) -> Launched:
-        """Pack the step's results into one tensor and start its copy to pinned host memory."""
+        """Pack the step's results into one tensor and start its copy to pinned host memory;
+        logprobs come from lp_logits [num_rows, V] (raw or processed, ModelConfig.logprobs_mode)."""
         want = [self.state.params[s].logprobs for s in batch.rows.slots]
         num_top = max((w for w in want if w is not None), default=None)
         if num_top is None:
             packed = torch.cat([row_tokens, num_emitted])  # [num_rows + num_sampling] int64
         else:
-            lp, rank, top_ids, top_lp = compute_logprobs(processed, row_tokens, num_top)
+            lp, rank, top_ids, top_lp = compute_logprobs(lp_logits, row_tokens, num_top)
             rows = torch.cat(
                 [row_tokens[:, None].double(), lp[:, None].double(), rank[:, None].double(),
                  top_ids.double(), top_lp.double()], dim=1

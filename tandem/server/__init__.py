@@ -26,6 +26,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                       help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default 64)")

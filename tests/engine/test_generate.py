@@ -38,12 +38,32 @@ def test_logprobs_match_transformers(llm, model):
     assert math.isclose(out.outputs[0].cumulative_logprob, total, rel_tol=1e-6)
 
 
-def test_logprobs_of_sampled_tokens_are_of_processed_distribution(llm):
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_mode(llm, model, mode):
+    """raw_logprobs (the default, as vLLM's): the model's own distribution; processed_logprobs: the
+    one sampled from (temperature, top-k), checked against transformers on the same prefix."""
+    engine = llm if mode == "raw_logprobs" else LLM(str(model), dtype="float32", max_model_len=128, block_size=8,
+                                                    logprobs_mode=mode)
+    prompt = [5, 6, 7]
     p = SamplingParams(temperature=0.7, top_k=5, max_tokens=8, logprobs=2, seed=1, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, p, use_tqdm=False)[0].outputs[0]
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        assert tok in lp and lp[tok].rank <= 5  # top-k survivors only
-        assert sum(math.exp(v.logprob) for t, v in lp.items() if t != tok or len(lp) == 2) <= 1 + 1e-5
+    out = engine.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        ref = hf_model(model)(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    if mode == "processed_logprobs":
+        ref = (ref / 0.7).masked_fill(ref < ref.topk(5, dim=-1).values[:, -1:], float("-inf"))
+    ref = ref.log_softmax(-1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp[tok].rank <= 5  # a top-k survivor was sampled
+        assert math.isclose(lp[tok].logprob, ref[i, tok].item(), abs_tol=1e-4)
+        top = ref[i].topk(2)
+        assert [lp[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_logprobs_mode_is_checked(model):
+    from tandem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logprobs_mode='raw_logits' is not supported"):
+        LLM(str(model), dtype="float32", max_model_len=128, logprobs_mode="raw_logits")
 
 
 def test_stop_strings(llm):
