@@ -87,6 +87,29 @@ def test_gpu_matches_cpu_fp32(models):
     assert gpu == cpu
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_on_gpu_match_cpu(models, mode):
+    """fp32, a sampled request with top-k and a greedy one, speculation on (the verification graph's
+    logits buffer, which the processors overwrite in place): the GPU's logprobs in either mode are
+    the CPU's."""
+    target, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3)
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=7, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True, repetition_penalty=1.3)]
+    outs = {}
+    for device in ("cuda", "cpu"):
+        llm = LLM(str(target), dtype="float32", device=device, max_model_len=512, block_size=16, max_num_seqs=8,
+                  speculative_config=spec, kv_cache_memory_bytes=64 << 20, logprobs_mode=mode)
+        got = llm.generate(_prompts()[:2], params, use_tqdm=False)
+        outs[device] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+        del llm
+    for (toks_g, lps_g), (toks_c, lps_c) in zip(outs["cuda"], outs["cpu"]):
+        assert toks_g == toks_c
+        for a, b in zip(lps_g, lps_c):
+            assert a.keys() == b.keys()
+            assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-4)
+
+
 def test_head_dim_80_on_gpu_matches_cpu(tmp_path):
     """A head_dim that is not a power of two (80, as Phi-2 / StableLM have) runs the masked Triton
     tiles: fp32 greedy output on the GPU (graphs and speculation on) equals the CPU reference's; a
