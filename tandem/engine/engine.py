@@ -335,7 +335,8 @@ class Engine:
                 seq.cumulative_logprob += logprobs[j].logprob
             if ended_by_token and j == len(emitted) - 1:
                 break
-            stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) >= req.params.min_tokens)
+            # As EOS, a stop string cannot end in the text of the first min_tokens tokens.
+            stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) > req.params.min_tokens)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 self.scheduler.finish(req, "stop", stop)

@@ -99,6 +99,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     Top-k keeps every token whose logit is >= the k-th largest (ties at the cut survive).
     Top-p keeps the smallest set of highest-probability tokens whose mass reaches p: a token
     survives when the mass strictly above it in sorted order is < p (the top token always does).
+    The mass is summed from the least likely token up (as vLLM does): the tail's small terms are
+    not lost to rounding, and a row with p = 1 loses no token, whatever rows share its batch.
     """
     for i in range(0, logits.shape[0], CHUNK_ROWS):
         j = slice(i, i + CHUNK_ROWS)
@@ -108,14 +110,15 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> None:
     vocab = logits.shape[-1]
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [n, V]
+    sorted_logits = logits.sort(dim=-1).values  # [n, V] ascending
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [n, 1]
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [n, 1] the k-th largest
     sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1).sub_(probs)
-    keep_sorted = mass_above < top_p[:, None]
-    # Threshold: the smallest kept logit per row (the kept set is a prefix of the sorted order).
-    num_keep = keep_sorted.sum(dim=-1, keepdim=True).clamp(min=1)
-    cut = torch.maximum(sorted_logits.gather(1, num_keep - 1), kth)
+    mass_at_or_below = probs.cumsum(dim=-1)  # [n, V]
+    drop_sorted = (mass_at_or_below <= (1 - top_p)[:, None]) & (top_p < 1)[:, None]
+    drop_sorted[:, -1] = False  # the top token always survives
+    # Threshold: the smallest kept logit per row (the dropped set is a prefix of the sorted order).
+    num_drop = drop_sorted.sum(dim=-1, keepdim=True)
+    cut = torch.maximum(sorted_logits.gather(1, num_drop), kth)
     logits.masked_fill_(logits < cut, float("-inf"))

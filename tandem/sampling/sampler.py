@@ -66,7 +66,7 @@ def _logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, 
     logprobs = processed.log_softmax(dim=-1)
     tokens = tokens.clamp(min=0)  # rows past a rejection may hold -1; nothing reads them
     chosen = logprobs.gather(1, tokens[:, None])  # [n, 1]
-    rank = (logprobs > chosen).sum(dim=-1) + 1
+    rank = (logprobs >= chosen).sum(dim=-1)  # tokens tied with the chosen one count before it, as in vLLM
     top = logprobs.topk(num_top, dim=-1) if num_top > 0 else None
     top_vals = top.values if top is not None else logprobs[:, :0]
     top_ids = top.indices if top is not None else tokens[:, None][:, :0]

@@ -82,6 +82,24 @@ def test_stop_strings(llm):
         assert out.token_ids == base.token_ids[: len(out.token_ids)]
 
 
+def test_a_stop_string_cannot_end_in_the_first_min_tokens(llm):
+    """As EOS is held back for min_tokens tokens, a stop string counts only when it ends in the
+    text of a later token (vLLM's rule)."""
+    prompt = {"prompt_token_ids": [8, 9, 10]}
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    texts = [tok.decode(base.token_ids[: i + 1]) for i in range(len(base.token_ids))]
+    # m: the first token (from the 2nd) whose text is new: found nowhere else in the output.
+    m, stop = next((i + 1, texts[i][len(texts[i - 1]):]) for i in range(1, 10)
+                   if texts[i][len(texts[i - 1]):].strip() and texts[-1].count(texts[i][len(texts[i - 1]):]) == 1)
+    for min_tokens, length in ((m - 1, m), (m, 12)):
+        p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=min_tokens, stop=[stop])
+        out = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == length, (min_tokens, stop, out)
+        assert out.finish_reason == ("stop" if length == m else "length")
+
+
 def test_n_greater_than_one(llm):
     p = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": [4, 5, 6]}, p, use_tqdm=False)[0]

@@ -271,6 +271,16 @@ def test_top_k_top_p_mask_exact(vocab):
     assert torch.equal(same, logits)
 
 
+def test_top_p_one_keeps_every_token_in_a_mixed_batch():
+    # A row without top-k / top-p, batched with one that uses them, runs through the same masks:
+    # at a real vocabulary a fp32 running sum reaches 1 before the tail, which must not drop it.
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 151_936, generator=g) * 3
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([0, 50]), torch.tensor([1.0, 0.9]))
+    assert torch.equal(out[0], logits[0])
+    assert int(torch.isfinite(out[1]).sum()) <= 50
+
+
 def test_top_k_keeps_ties_at_the_cut():
     row = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
     out = apply_top_k_top_p(row.clone(), torch.tensor([2]), torch.tensor([1.0]))
@@ -480,6 +490,16 @@ def test_logprobs_in_row_chunks_equal_the_whole_batch(num_top):
     tokens[::5] = -1
     for got, want in zip(compute_logprobs(processed, tokens, num_top), _logprobs(processed, tokens, num_top)):
         assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_logprob_rank_counts_ties_before_the_token():
+    """The sampled token's rank is the number of tokens at least as likely (vLLM's rule): tied
+    tokens, frequent in bf16 logits, all rank as the last of their tie."""
+    from tandem.sampling.sampler import compute_logprobs
+
+    processed = torch.tensor([[4.0, 2.0, 2.0, 2.0, 1.0], [4.0, 2.0, 2.0, 2.0, 1.0]])
+    _, rank, _, _ = compute_logprobs(processed, torch.tensor([2, 0]), 0)
+    assert rank.tolist() == [4, 1]
 
 
 def test_penalties_over_more_rows_than_a_chunk():
