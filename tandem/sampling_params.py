@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -45,6 +46,11 @@ class SamplingParams:
                 f"SamplingParams.stop_token_ids={self.stop_token_ids!r} is invalid: give a list of token ids"
             )
         self.stop = list(self.stop or [])
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise RequestError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r} is invalid: "
+                                   "give a list of token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
@@ -90,6 +96,11 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be integers >= 0")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "give at least one token id, or None for the whole vocabulary")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "token ids must be integers >= 0")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise bad("logit_bias", "biases must be in [-100, 100]")
 

@@ -153,6 +153,8 @@ class Engine:
             raise RequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise RequestError(f"SamplingParams.logit_bias has token ids outside [0, {self.vocab_size})")
+        if params.allowed_token_ids and any(t >= self.vocab_size for t in params.allowed_token_ids):
+            raise RequestError(f"SamplingParams.allowed_token_ids has token ids outside [0, {self.vocab_size})")
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(

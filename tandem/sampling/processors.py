@@ -1,6 +1,6 @@
 """Turn raw logits into the processed distribution a request samples from.
 
-Order (as vLLM): logit bias, min_tokens, penalties, then (sampled rows only) temperature,
+Order (as vLLM): allowed token ids, logit bias, min_tokens, penalties, then (sampled rows only) temperature,
 min-p, top-k, top-p. Masked tokens get -inf. Every stage works on fp32 rows and decides from
 host mirrors whether it has anything to do, so an unused feature costs nothing.
 """
@@ -36,8 +36,12 @@ class SampleRows:
 
 
 def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
-    """Logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
+    """Allowed token ids, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):
+        allowed = state.allowed_ids.get(slot)
+        if allowed is not None:
+            kept = logits[i].index_select(0, allowed)  # [m]
+            logits[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
         bias = state.logit_bias.get(slot)
         if bias is not None:
             logits[i].index_add_(0, bias[0], bias[1])

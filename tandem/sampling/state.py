@@ -50,6 +50,7 @@ class SamplingState:
         self.presence_penalty = torch.zeros(s, dtype=torch.float32, device=device)
         self.params: list[SamplingParams | None] = [None] * s  # host mirror
         self.seeds_cpu = [0] * s
+        self.allowed_ids: dict[int, Tensor] = {}  # slot -> ids [m] int64, the only ones it may sample
         self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
         self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
@@ -81,12 +82,15 @@ class SamplingState:
             self._add_extras(req)
 
     def _add_extras(self, req: NewReq) -> None:
-        """The optional per-slot tensors: logit bias, min_tokens' stop ids, penalty counts."""
+        """The optional per-slot tensors: allowed ids, logit bias, min_tokens' stop ids, penalty counts."""
         p, slot = req.params, req.slot
+        self.allowed_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.min_tokens_ids.pop(slot, None)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
+        if p.allowed_token_ids:
+            (self.allowed_ids[slot],) = self.upload(sorted({t for t in p.allowed_token_ids if t < self.vocab_size}))
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
             ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
@@ -107,7 +111,7 @@ class SamplingState:
 
     def remove(self, slot: int) -> None:
         self.params[slot] = None
-        for d in (self.logit_bias, self.min_tokens_ids, self.output_counts, self.prompt_mask):
+        for d in (self.allowed_ids, self.logit_bias, self.min_tokens_ids, self.output_counts, self.prompt_mask):
             d.pop(slot, None)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:

@@ -48,6 +48,7 @@ from tandem.server.protocol import (
     ModelCard,
     ModelList,
     SpecDecodeStats,
+    UNSUPPORTED_FIELDS,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -430,6 +431,9 @@ class OpenAIServer:
                            type="invalid_request_error", param="model", code="model_not_found")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+        field = body.unsupported_field()
+        if field is not None:
+            raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
         return model
 
     def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:
@@ -438,6 +442,10 @@ class OpenAIServer:
                 if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
                     raise APIError(400, f"'logit_bias' key {key!r} is not a token id in [0, {self.vocab_size})",
                                    param="logit_bias")
+        bad = [t for t in body.allowed_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"'allowed_token_ids' holds {bad[0]}, not a token id in [0, {self.vocab_size})",
+                           param="allowed_token_ids")
         try:
             return body.to_sampling_params()
         except RequestError as e:

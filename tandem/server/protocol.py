@@ -18,6 +18,20 @@ from tandem.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per request: more would take the whole batch
 
+# vLLM's extra request fields that tandem refuses -> what they would need.
+UNSUPPORTED_FIELDS = {
+    "bad_words": "banned multi-token words are not supported; use 'logit_bias' with -100 to ban single tokens",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "use_beam_search": "beam search is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
+    "logits_processors": "custom logits processors are not supported",
+    "guided_json": "structured output is not supported",
+    "guided_regex": "structured output is not supported",
+    "guided_choice": "structured output is not supported",
+    "guided_grammar": "structured output is not supported",
+    "structured_outputs": "structured output is not supported",
+}
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -79,6 +93,7 @@ class _SamplingRequest(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -91,6 +106,23 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def unsupported_field(self) -> str | None:
+        """The first vLLM field this request sets that tandem does not implement (None, false and
+        empty count as unset)."""
+        return next((name for name in UNSUPPORTED_FIELDS if getattr(self, name) not in (None, False, [], {}, "")),
+                    None)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -103,6 +135,7 @@ class _SamplingRequest(_Request):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

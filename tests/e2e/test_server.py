@@ -186,6 +186,15 @@ def test_stop_sequence(live, reference):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_allowed_token_ids_match_offline(live, reference):
+    allowed = list(range(100, 300))
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                       extra_body={"allowed_token_ids": allowed})
+    ref = offline(reference, PROMPTS[2], **greedy(max_tokens=8, allowed_token_ids=allowed))[0].outputs[0]
+    assert set(ref.token_ids) <= set(allowed)
+    assert r.choices[0].text == ref.text
+
+
 def test_completion_logprobs(live, reference):
     r = live.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0, logprobs=3)
     ref = offline(reference, PROMPTS[4], **greedy(max_tokens=6, logprobs=3))[0].outputs[0]
@@ -481,6 +490,12 @@ BAD_INPUTS = [
     ("chat-tools", CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat-tool-choice", CH, {"tool_choice": "required"}, 400, "tool_choice"),
     ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
+    ("allowed-token-ids-range", C, {"allowed_token_ids": [5, 100000]}, 400, "allowed_token_ids"),
+    ("allowed-token-ids-empty", C, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("bad-words", C, {"bad_words": ["fox"]}, 400, "bad_words"),
+    ("prompt-logprobs", C, {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
+    ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
 ]
 
 

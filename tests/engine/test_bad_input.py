@@ -227,6 +227,9 @@ BAD_PARAMS = [
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3.0]), "allowed_token_ids"),
 ]
 
 
@@ -238,8 +241,9 @@ def test_bad_sampling_params(kwargs, field):
 
 @pytest.mark.parametrize("kwargs,field", [(dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
                                           (dict(logit_bias={"a": 1.0}), "logit_bias"),
-                                          (dict(logit_bias=[1]), "logit_bias")],
-                         ids=["stop=5", "stop_token_ids=5", "logit_bias-str-key", "logit_bias-list"])
+                                          (dict(logit_bias=[1]), "logit_bias"),
+                                          (dict(allowed_token_ids=5), "allowed_token_ids")],
+                         ids=["stop=5", "stop_token_ids=5", "logit_bias-str-key", "logit_bias-list", "allowed=5"])
 def test_malformed_sampling_params(kwargs, field):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**kwargs)
@@ -288,6 +292,12 @@ def test_prompts_argument_not_a_sequence(llm):
 def test_longest_prompt_that_fits(llm):
     (out,) = llm.generate({"prompt_token_ids": [5] * (MAX_LEN - 1)}, SamplingParams(max_tokens=10), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_allowed_token_ids_outside_the_vocabulary(llm):
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(allowed_token_ids=[5, VOCAB]), use_tqdm=False)
+    assert_idle(llm)
 
 
 def test_bool_token_id(llm):

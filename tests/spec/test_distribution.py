@@ -106,6 +106,10 @@ def _all_prefix_logits(path: str) -> list[torch.Tensor]:
 def _process(logits: torch.Tensor, outputs: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Reference processing, float64, rows [n, V] with their output tokens so far [n, d] -> probs."""
     x = logits.clone()
+    if cfg.get("allowed_token_ids") is not None:
+        banned = torch.ones(V, dtype=torch.bool)
+        banned[cfg["allowed_token_ids"]] = False
+        x[:, banned] = float("-inf")
     for t, b in (cfg.get("logit_bias") or {}).items():
         x[:, t] += b
     rep, freq, pres = cfg.get("repetition_penalty", 1.0), cfg.get("frequency_penalty", 0.0), cfg.get("presence_penalty", 0.0)
@@ -197,7 +201,7 @@ CONFIGS = [
 ]
 EXTRA = [  # everything the sampler does at once: penalties see earlier drafts of the round
     dict(temperature=1.0, min_p=0.05, logit_bias={3: 1.5, 7: -1.0}, repetition_penalty=1.3,
-         frequency_penalty=0.4, presence_penalty=0.3),
+         frequency_penalty=0.4, presence_penalty=0.3, allowed_token_ids=[t for t in range(V) if t % 4 != 1]),
 ]
 
 

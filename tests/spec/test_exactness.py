@@ -164,6 +164,22 @@ def test_prefix_cache_hits(models):
     assert all(o.metrics.num_cached_tokens >= 40 - 8 for o in rest)
 
 
+def test_allowed_token_ids_with_speculation(models, baseline):
+    """Rows limited to allowed_token_ids, batched with rows that are not: the limited rows emit only
+    those ids, speculative output equals target-only, and the other rows are untouched."""
+    allowed = list(range(2, 320, 3))
+    limited = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=allowed)
+    params = [limited if i % 2 else PARAMS for i in range(len(PROMPTS))]
+    base = _tokens(_llm(models).generate(PROMPTS, params, use_tqdm=False))
+    spec = _tokens(_llm(models, "near", 4).generate(PROMPTS, params, use_tqdm=False))
+    assert spec == base
+    for i, toks in enumerate(base):
+        if i % 2:
+            assert set(toks) <= set(allowed) and toks != baseline[i]
+        else:
+            assert toks == baseline[i]
+
+
 def test_max_tokens_and_stops_inside_accepted_runs(models):
     """With the target as its own draft every draft is accepted, so limits land mid-run."""
     prompts = PROMPTS[:3]
