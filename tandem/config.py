@@ -7,6 +7,7 @@ filled in by the engine with dataclasses.replace, in one visible place.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from tandem.errors import ConfigError
+
+logger = logging.getLogger("tandem")
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # ModelConfig.logprobs_mode
 
@@ -28,9 +31,12 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
+    "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -56,6 +62,7 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    sliding_window: int | None = None  # attention window in effect (Mistral's, or Qwen's when enabled)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -114,16 +121,20 @@ class EngineConfig:
 
 
 def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
-    """Parse config.json into an ArchConfig, refusing architectures we do not implement."""
+    """Parse config.json into an ArchConfig, refusing architectures we do not implement and
+    missing or malformed fields (named, with the file)."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"model: {model_dir} has no config.json; pass a Hugging Face model directory") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"model: {path} holds a {type(raw).__name__}, not a JSON object of settings")
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    archs = [archs] if isinstance(archs, str) else archs
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
     if arch is None:
         raise ConfigError(
             f"model: architecture {archs or '(none given)'} in {path} is not supported; "
@@ -131,10 +142,30 @@ def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
         )
     if raw.get("mlp_bias"):
         raise ConfigError(f"model: mlp_bias=True in {path} is not supported")
-    num_heads = raw["num_attention_heads"]
-    hidden = raw["hidden_size"]
-    head_dim = raw.get("head_dim") or hidden // num_heads
+
+    def count(key: str, default=None) -> int:
+        """A positive integer setting (required when default is None)."""
+        value = raw.get(key)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"model: {path} lacks {key!r}, which the model's shape needs")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"model: {key}={value!r} in {path} must be a positive integer")
+        return value
+
+    num_heads = count("num_attention_heads")
+    hidden = count("hidden_size")
+    head_dim = count("head_dim", hidden // num_heads) if raw.get("head_dim") else hidden // num_heads
+    if head_dim < 1:
+        raise ConfigError(f"model: hidden_size={hidden} over num_attention_heads={num_heads} in {path} leaves no head_dim")
+    num_kv_heads = count("num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"model: num_attention_heads={num_heads} in {path} is not a multiple of "
+                          f"num_key_value_heads={num_kv_heads}")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"model: rope_scaling={rope!r} in {path} must be an object")
     rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
@@ -143,25 +174,29 @@ def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    # Mistral applies sliding_window when set; Qwen2/3 configs carry one that applies only with
+    # use_sliding_window.
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" or raw.get("use_sliding_window") else None
     return ArchConfig(
         architecture=arch,
-        vocab_size=raw["vocab_size"],
+        vocab_size=count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
+        intermediate_size=count("intermediate_size"),
+        num_layers=count("num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         rope_scaling=scaling,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=count("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        sliding_window=count("sliding_window") if window is not None else None,
     )
 
 
@@ -192,31 +227,51 @@ def check_device_support(arch: ArchConfig, device: torch.device, field_name: str
         )
 
 
-def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device) -> torch.dtype:
+def check_dtype_name(dtype: str | torch.dtype, field_name: str = "dtype") -> None:
+    """Refuse a dtype no model can take, before anything is fetched or converted for it."""
+    if isinstance(dtype, torch.dtype):
+        ok = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    else:
+        ok = dtype == "auto" or dtype in _DTYPES
+    if not ok:
+        raise ConfigError(f"{field_name}={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
+
+
+def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device,
+                  field_name: str = "dtype") -> torch.dtype:
     """'auto' takes the checkpoint's dtype (float16 becomes bfloat16 on CPU, where it is slow)."""
+    check_dtype_name(dtype, field_name)
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         resolved = _DTYPES.get(str(arch.torch_dtype).replace("torch.", ""), torch.float32)
         if resolved == torch.float16 and device.type == "cpu":
             resolved = torch.bfloat16
-    elif dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
     else:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ConfigError(f"dtype={resolved} is not supported; use float32, bfloat16 or float16")
+        resolved = _DTYPES[dtype]
     if resolved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("dtype='bfloat16' is not supported by this GPU; use dtype='float16'")
+        raise ConfigError(f"{field_name}='bfloat16' is not supported by this GPU; use {field_name}='float16'")
     return resolved
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig, field_name: str = "max_model_len") -> int:
+    """The context length: at most the model's positions, and at most its attention window
+    (sliding-window attention is not implemented; within the window it changes nothing)."""
     limit = arch.max_position_embeddings
+    window = arch.sliding_window
     if requested is None:
+        if window is not None and window < limit:
+            logger.warning("%s defaults to the model's sliding_window=%d (sliding-window attention is not "
+                           "implemented; within the window it changes nothing)", field_name, window)
+            return window
         return limit
     if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
         raise ConfigError(f"{field_name}={requested!r} must be a positive integer")
+    if window is not None and requested > window:
+        raise ConfigError(
+            f"{field_name}={requested} exceeds the model's sliding_window={window}: sliding-window attention is not "
+            f"supported, so tokens past the window would attend to too much; use {field_name}<={window}"
+        )
     if requested > limit:
         raise ConfigError(
             f"{field_name}={requested} exceeds the model's max_position_embeddings={limit}; "

@@ -1,6 +1,7 @@
 """LLM: the offline entry point, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from tandem.config import (
     ModelConfig,
     SchedulerConfig,
     check_device_support,
+    check_dtype_name,
     read_arch_config,
     resolve_device,
     resolve_dtype,
@@ -24,7 +26,7 @@ from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_SEED, SamplingParams
 
 PromptType = str | dict
 
@@ -80,8 +82,9 @@ class LLM:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ConfigError(f"seed={seed!r} must be an integer >= 0")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}]")
+        check_dtype_name(dtype)  # before a model is fetched or converted for it
 
         dev = resolve_device(device)
         model_dir = resolve_model_dir(model, dtype, load_format)
@@ -127,7 +130,7 @@ class LLM:
             spec=spec,
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
-        self.tokenizer = load_tokenizer(tokenizer or model_dir)
+        self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)
         target = load_model(cfg.model, dev)
         factory = None
         if spec is not None:
@@ -183,7 +186,14 @@ class LLM:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         if self.tokenizer is None:
             raise RequestError("chat() needs a tokenizer, and this model directory has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(conversations, list) or not all(
+            isinstance(conv, list) and conv and all(isinstance(m, dict) and "role" in m for m in conv)
+            for conv in conversations
+        ):
+            raise RequestError("chat() takes a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                               "list of conversations")
         prompts = []
         for conv in conversations:
             try:
@@ -205,7 +215,7 @@ class LLM:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise RequestError("prompt_token_ids must be a list of integers")
-            return list(ids), prompt.get("prompt")
+            return [_as_int(t) for t in ids], prompt.get("prompt")
         raise RequestError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
@@ -237,6 +247,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _as_int(t):
+    """An integer-like id (numpy's integers too) as a Python int; anything else is left for the
+    engine's check to refuse (bool included)."""
+    if isinstance(t, bool):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t
 
 
 def _parse_spec(spec, target_max_len: int):

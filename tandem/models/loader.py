@@ -5,7 +5,7 @@ import glob
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tandem.config import ModelConfig
 from tandem.errors import ConfigError
@@ -84,39 +84,20 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str) -> Causa
 def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> dict:
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
-        raise ConfigError(f"model: no *.safetensors files in {cfg.path}; use load_format='dummy' for random weights")
-    loaded = {}
+        pickled = glob.glob(os.path.join(cfg.path, "*.bin")) + glob.glob(os.path.join(cfg.path, "*.pt"))
+        fix = ("convert them to safetensors (transformers: save_pretrained(..., safe_serialization=True))"
+               if pickled else "load_format='dummy' gives random weights of the same shapes")
+        raise ConfigError(f"model: no *.safetensors files in {cfg.path}"
+                          + (f" (only pickled weights: {os.path.basename(pickled[0])})" if pickled else "")
+                          + f"; {fix}")
+    loaded: dict[str, torch.Tensor] = {}
     shards_seen: dict[str, set[int]] = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                packed = _packed_target(name)
-                if packed is not None and packed[0] in params:
-                    target, kind, shard = packed
-                    rows = _shard_rows(kind, cfg.arch)
-                    tensor = f.get_tensor(name)
-                    if tensor.shape[0] != rows[shard]:
-                        raise ConfigError(f"model: tensor {name!r} has {tensor.shape[0]} rows, the config implies {rows[shard]}")
-                    if target not in loaded:
-                        loaded[target] = torch.empty(params[target].shape, dtype=cfg.dtype, device=device)
-                    start = sum(rows[:shard])
-                    loaded[target][start : start + rows[shard]].copy_(tensor)
-                    shards_seen.setdefault(target, set()).add(shard)
-                    continue
-                if name not in params:
-                    if name == "lm_head.weight" and cfg.arch.tie_word_embeddings:
-                        continue
-                    raise ConfigError(f"model: unexpected tensor {name!r} in {path}")
-                param = params[name]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ConfigError(
-                        f"model: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, "
-                        f"the config implies {tuple(param.shape)}"
-                    )
-                loaded[name] = tensor.to(device=device, dtype=cfg.dtype)
+        try:
+            _read_file(path, params, cfg, device, loaded, shards_seen)
+        except SafetensorError as e:
+            raise ConfigError(f"model: {path} is not a valid safetensors file ({e}); re-download or re-convert it") \
+                from None
     for target, seen in shards_seen.items():
         kind = target.split(".")[-2]
         if len(seen) != len(_shard_rows(kind, cfg.arch)):
@@ -125,6 +106,40 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> d
     if missing:
         raise ConfigError(f"model: {cfg.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return loaded
+
+
+def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, loaded: dict,
+               shards_seen: dict[str, set[int]]) -> None:
+    """One safetensors file's tensors into loaded (packed projections: their rows, in shards_seen)."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            packed = _packed_target(name)
+            if packed is not None and packed[0] in params:
+                target, kind, shard = packed
+                rows = _shard_rows(kind, cfg.arch)
+                tensor = f.get_tensor(name)
+                if tensor.shape[0] != rows[shard]:
+                    raise ConfigError(f"model: tensor {name!r} has {tensor.shape[0]} rows, the config implies {rows[shard]}")
+                if target not in loaded:
+                    loaded[target] = torch.empty(params[target].shape, dtype=cfg.dtype, device=device)
+                start = sum(rows[:shard])
+                loaded[target][start : start + rows[shard]].copy_(tensor)
+                shards_seen.setdefault(target, set()).add(shard)
+                continue
+            if name not in params:
+                if name == "lm_head.weight" and cfg.arch.tie_word_embeddings:
+                    continue
+                raise ConfigError(f"model: unexpected tensor {name!r} in {path}")
+            param = params[name]
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"model: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, "
+                    f"the config implies {tuple(param.shape)}"
+                )
+            loaded[name] = tensor.to(device=device, dtype=cfg.dtype)
 
 
 def _dummy_tensors(params: dict, cfg: ModelConfig, device: torch.device) -> dict:

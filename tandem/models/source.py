@@ -10,10 +10,10 @@ import torch
 from tandem.errors import ConfigError
 
 
-def resolve_model_dir(model: str, dtype, load_format: str) -> Path:
+def resolve_model_dir(model: str, dtype, load_format: str, field: str = "model") -> Path:
     """A local HF directory, a .gguf file or a known model name -> a directory with config.json."""
     if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise ConfigError(f"model={model!r} must be a path or a model name")
+        raise ConfigError(f"{field}={model!r} must be a path or a model name")
     try:
         from tandem.models.hub import resolve_model
     except ImportError:  # pragma: no cover - hub support not installed
@@ -25,28 +25,50 @@ def resolve_model_dir(model: str, dtype, load_format: str) -> Path:
         want = dtype if isinstance(dtype, torch.dtype) else {"float32": torch.float32, "float16": torch.float16}.get(
             dtype, torch.bfloat16
         )
-        return Path(resolve_model(str(model), want))
+        try:
+            return Path(resolve_model(str(model), want))
+        except ConfigError as e:
+            if field == "model":
+                raise
+            raise type(e)(f"{field}: {e}") from None  # say which of the two models it was
     if not path.exists():
-        raise ConfigError(f"model path {model!r} does not exist; pass a Hugging Face model directory")
-    raise ConfigError(f"model: {model!r} has no config.json; pass a Hugging Face model directory")
+        raise ConfigError(f"{field} path {model!r} does not exist; pass a Hugging Face model directory")
+    raise ConfigError(f"{field}: {model!r} has no config.json; pass a Hugging Face model directory")
 
 
-def load_tokenizer(path):
-    """AutoTokenizer from the directory, or None when it ships no tokenizer files."""
+def load_tokenizer(path, field: str | None = None):
+    """AutoTokenizer from the directory, or None when it ships no tokenizer files.
+
+    field: the setting that named the path explicitly (`tokenizer`): then a path without tokenizer
+    files is an error rather than "no tokenizer"."""
     path = Path(path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    where = f"{field}={str(path)!r}" if field else f"the tokenizer in {path}"
+    if field and not path.is_dir():
+        raise ConfigError(f"{where} is not a directory; pass the directory that holds tokenizer.json")
     if path.is_dir() and not any((path / n).exists() for n in names):
+        if field:
+            raise ConfigError(f"{where} holds no tokenizer files ({', '.join(names)})")
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many kinds for broken files: name the files, keep the reason
+        raise ConfigError(f"{where} could not be loaded ({type(e).__name__}: {e}); check or re-download "
+                          "its tokenizer files") from None
 
 
 def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
     ids = list(arch.eos_token_ids)
     gen = Path(model_dir) / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(gen.read_text())["eos_token_id"]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"model: {gen} is not valid JSON ({e})") from None
+        except (KeyError, TypeError):
+            eos = None
         ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

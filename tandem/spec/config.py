@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.config import check_dtype_name
 from tandem.errors import ConfigError
 from tandem.layers.quant import QUANTIZATIONS
+from tandem.sampling_params import MAX_SEED
 
 METHODS = ("draft_model",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -106,6 +109,11 @@ class SpeculativeConfig:
                     f"speculative_config.synthetic_acceptance_rates={list(rates)} must be non-increasing "
                     "(they are unconditional: P(first i+1 drafts accepted))"
                 )
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"speculative_config.seed={self.seed!r} must be an integer in [0, {MAX_SEED}]")
+        check_dtype_name(self.dtype, "speculative_config.dtype")
         if length is not None and (not isinstance(length, (int, float)) or not 1 <= length <= k + 1):
             raise ConfigError(f"speculative_config.synthetic_acceptance_length={length!r} must be in [1, k+1={k + 1}]")
         mml = self.max_model_len

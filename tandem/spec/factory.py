@@ -29,10 +29,11 @@ class SpeculatorFactory:
         self.spec = spec
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
-                                      spec.draft_load_format)
+                                      spec.draft_load_format, "speculative_config.model")
         arch = read_arch_config(draft_dir)
         check_device_support(arch, device, "speculative_config model")
-        dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device)
+        dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device,
+                                                                        "speculative_config.dtype")
         max_len = spec.max_model_len or target.max_model_len
         if max_len < target.max_model_len:
             raise ConfigError(
@@ -43,6 +44,12 @@ class SpeculatorFactory:
             raise ConfigError(
                 f"the draft model {spec.model!r} supports {arch.max_position_embeddings} positions, fewer than "
                 f"max_model_len={max_len}; lower max_model_len to {arch.max_position_embeddings}"
+            )
+        if arch.sliding_window is not None and arch.sliding_window < max_len:
+            raise ConfigError(
+                f"the draft model {spec.model!r} has sliding_window={arch.sliding_window}, below max_model_len="
+                f"{max_len}, and sliding-window attention is not supported; lower max_model_len to "
+                f"{arch.sliding_window}"
             )
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,

@@ -1,13 +1,15 @@
 """User mistakes raise a clear ConfigError / RequestError naming the field, before any work
 starts, and an invalid request never disturbs the others."""
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import tandem.engine.llm as llm_module
 from tandem import LLM, SamplingParams
-from tandem.config import SUPPORTED_ARCHITECTURES
+from tandem.config import SUPPORTED_ARCHITECTURES, read_arch_config
 from tandem.errors import ConfigError, RequestError, TandemError
 from tests.helpers import make_hf_model
 
@@ -102,6 +104,96 @@ def test_invalid_config_json(tmp_path, no_loading):
         LLM(str(d), dtype="float32")
 
 
+def _copy_with_config(src, dst, change):
+    """A copy of the model directory src whose config.json is change(config) (a dict or anything)."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(change(raw)))
+    return dst
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: {k: v for k, v in c.items() if k != "num_attention_heads"}, "num_attention_heads"),
+    (lambda c: {k: v for k, v in c.items() if k != "vocab_size"}, "vocab_size"),
+    (lambda c: [c], "not a JSON object"),
+    (lambda c: c | {"max_position_embeddings": 0}, "max_position_embeddings"),
+    (lambda c: c | {"hidden_size": "64"}, "hidden_size"),
+    (lambda c: c | {"num_attention_heads": 0}, "num_attention_heads"),
+    (lambda c: c | {"num_key_value_heads": 3}, "num_key_value_heads"),
+    (lambda c: c | {"rope_scaling": "linear"}, "rope_scaling"),
+], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str"])
+def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
+    d = _copy_with_config(model_dir, tmp_path / "m", change)
+    with pytest.raises(ConfigError, match=match) as e:
+        LLM(str(d), dtype="float32")
+    assert "config.json" in str(e.value)
+
+
+def test_architectures_given_as_a_string(model_dir, tmp_path):
+    d = _copy_with_config(model_dir, tmp_path / "m", lambda c: c | {"architectures": "LlamaForCausalLM"})
+    assert read_arch_config(d).architecture == "LlamaForCausalLM"
+
+
+def test_broken_weight_files(model_dir, tmp_path):
+    truncated = tmp_path / "truncated"
+    shutil.copytree(model_dir, truncated)
+    (weights,) = truncated.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="not a valid safetensors file"):
+        LLM(str(truncated), dtype="float32", max_model_len=MAX_LEN)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(model_dir, pickled)
+    weights = next(pickled.glob("*.safetensors"))
+    weights.rename(pickled / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"pytorch_model.bin.*convert them to safetensors"):
+        LLM(str(pickled), dtype="float32", max_model_len=MAX_LEN)
+
+
+def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
+    d = tmp_path / "tok"
+    shutil.copytree(model_dir, d)
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="tokenizer"):
+        LLM(str(d), dtype="float32", max_model_len=MAX_LEN)
+    g = tmp_path / "gen"
+    shutil.copytree(model_dir, g)
+    (g / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        LLM(str(g), dtype="float32", max_model_len=MAX_LEN)
+
+
+def test_tokenizer_argument_must_hold_a_tokenizer(model_dir, tmp_path, no_loading):
+    with pytest.raises(ConfigError, match="tokenizer=.*not a directory"):
+        LLM(str(model_dir), tokenizer=str(tmp_path / "missing"), dtype="float32", max_model_len=MAX_LEN)
+    with pytest.raises(ConfigError, match="tokenizer=.*no tokenizer files"):
+        LLM(str(model_dir), tokenizer=str(tmp_path), dtype="float32", max_model_len=MAX_LEN)
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    """Sliding-window attention is not implemented: the context stays within the window (where the
+    window changes nothing) by default, and a longer one is refused."""
+    mistral = make_hf_model(tmp_path / "mistral", "mistral")
+    d = _copy_with_config(mistral, tmp_path / "windowed", lambda c: c | {"sliding_window": 64})
+    assert LLM(str(d), dtype="float32").config.sched.max_model_len == 64
+    with pytest.raises(ConfigError, match="sliding_window=64"):
+        LLM(str(d), dtype="float32", max_model_len=128)
+    # Qwen2 configs carry a window that applies only with use_sliding_window.
+    qwen = make_hf_model(tmp_path / "qwen", "qwen2")
+    off = _copy_with_config(qwen, tmp_path / "off", lambda c: c | {"sliding_window": 64, "use_sliding_window": False})
+    assert read_arch_config(off).sliding_window is None
+    on = _copy_with_config(qwen, tmp_path / "on", lambda c: c | {"sliding_window": 64, "use_sliding_window": True})
+    assert read_arch_config(on).sliding_window == 64
+
+
+def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model was resolved (fetched or converted) before the dtype was checked")
+
+    monkeypatch.setattr(llm_module, "resolve_model_dir", forbidden)
+    with pytest.raises(ConfigError, match="dtype='int8'"):
+        LLM("qwen2.5-coder-1.5b-instruct", dtype="int8")
+
+
 # ---------------------------------------------------------------- engine arguments
 
 
@@ -134,6 +226,7 @@ def test_invalid_config_json(tmp_path, no_loading):
         (dict(load_format="safetensors"), "load_format"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(seed=-1), "seed"),
+        (dict(seed=2**70), "seed"),
     ],
     ids=lambda v: repr(v) if not isinstance(v, str) else v,
 )
@@ -298,6 +391,18 @@ def test_allowed_token_ids_outside_the_vocabulary(llm):
     with pytest.raises(RequestError, match="allowed_token_ids"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(allowed_token_ids=[5, VOCAB]), use_tqdm=False)
     assert_idle(llm)
+
+
+def test_numpy_token_ids_are_integers(llm, reference):
+    prompts, outs = reference
+    out = llm.generate({"prompt_token_ids": list(np.array(prompts[0]))}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == outs[0]
+
+
+def test_chat_takes_message_dicts(llm):
+    for bad in ("hello", ["hello"], [[{"content": "no role"}]]):
+        with pytest.raises(RequestError, match="conversation"):
+            llm.chat(bad, GREEDY, use_tqdm=False)
 
 
 def test_bool_token_id(llm):
