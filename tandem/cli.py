@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 
@@ -13,21 +14,71 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_K = 3
 
 
+# argparse types that range-check a flag while parsing, so a bad value fails at once, before any
+# model loads, with argparse's "argument --flag: ..." error naming the flag.
+def int_in(lo: int, hi: int | None = None):
+    """An integer >= lo (and <= hi)."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use {want}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = False):
+    """A finite float in [lo, hi] ((lo, hi] with lo_open)."""
+    want = f"a number {'>' if lo_open else '>='} {lo}" + ("" if hi == math.inf else f" and <= {hi}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; use {want}") from None
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
+        return value
+
+    return parse
+
+
+def non_empty(fix: str):
+    """A string that is not empty: "" is a typo or an unset shell variable, never a choice to fall back on."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"must not be empty; {fix}")
+        return text
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM inference with draft-model speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion, streaming it to stdout")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--model", default=None, help=f"target model path or name (default: {DEFAULT_TARGET})")
-    gen.add_argument("--draft", default=None, help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT})")
+    gen.add_argument("--model", default=None, type=non_empty("pass a model path or name, or leave --model out"),
+                     help=f"target model path or name (default: {DEFAULT_TARGET})")
+    gen.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or use --no-draft"),
+                     help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT})")
     gen.add_argument("--no-draft", action="store_true", help="run the target alone")
-    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help=f"drafts per step (default {DEFAULT_K})")
-    gen.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy")
+    # The draft-only flags default to None so that giving one without a draft is caught, not ignored.
+    gen.add_argument("--num-speculative-tokens", "-k", type=int_in(1), default=None,
+                     help=f"drafts per step (default {DEFAULT_K})")
+    gen.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
+                     help="how the draft picks its tokens (default greedy)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--max-model-len", type=int_in(1), default=None)
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--min-tokens", type=int, default=0)
@@ -64,14 +115,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _draft_model(args) -> str | None:
+    """The draft to run, or None; raises ConfigError for draft flags that would be ignored."""
+    from tandem.errors import ConfigError
+
+    draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
+                  ("--draft-sample-method", args.draft_sample_method)]
+    if args.no_draft:
+        for flag, value in [("--draft", args.draft)] + draft_only:
+            if value is not None:
+                raise ConfigError(f"{flag} conflicts with --no-draft, which runs the target alone; drop one of them")
+        return None
+    if args.draft is not None:
+        return args.draft
+    if args.model is None:  # the default target comes with its default draft
+        return DEFAULT_DRAFT
+    for flag, value in draft_only:  # a --model of the user's own runs alone unless given a --draft
+        if value is not None:
+            raise ConfigError(f"{flag} needs a draft model, and --model without --draft runs the target alone; "
+                              f"add --draft PATH or drop {flag.split()[0]}")
+    return None
+
+
 def _generate(args) -> int:
+    draft = _draft_model(args)  # before the imports and loads below, so a flag mistake fails fast
+    model = DEFAULT_TARGET if args.model is None else args.model
+    k = DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
+    method = args.draft_sample_method or "greedy"
+
     import torch
 
     from tandem import LLM, SamplingParams
 
-    model = args.model or DEFAULT_TARGET
-    draft = None if args.no_draft else (args.draft or (DEFAULT_DRAFT if args.model is None else None))
-    k = args.num_speculative_tokens or DEFAULT_K
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -82,7 +157,7 @@ def _generate(args) -> int:
                   load_format=args.load_format, max_num_seqs=8)
     spec = None
     if draft is not None:
-        spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method,
+        spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format)
     t0 = time.perf_counter()
     llm = LLM(model, speculative_config=spec, **common)
@@ -115,13 +190,20 @@ def _generate(args) -> int:
 
 
 def _prompt_ids(llm, prompt: str, chat: bool) -> list[int]:
+    from tandem.errors import RequestError
+
     tok = llm.get_tokenizer()
     if tok is None:
-        from tandem.errors import RequestError
-
         raise RequestError("this model has no tokenizer, so a text prompt cannot be encoded")
     if chat:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        # transformers raises a bare ValueError here; say it in the CLI's terms instead.
+        if not getattr(tok, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; drop --chat")
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+        except Exception as e:  # a template that fails to render (jinja errors, raise_exception)
+            raise RequestError(f"--chat: this model's chat template could not be applied ({e}); drop --chat") from None
         return tok(text, add_special_tokens=False).input_ids
     return tok(prompt).input_ids
 

@@ -8,41 +8,60 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.cli import float_in, int_in, non_empty
+
 DEFAULT_K = 4
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `tandem serve` flags to parser (a subparser); run_server(args) reads them."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", required=True, help="target model path or name")
-    model.add_argument("--draft", default=None, help="draft model path or name (enables speculative decoding)")
-    model.add_argument("--num-speculative-tokens", "-k", type=int, default=DEFAULT_K,
+    # Every numeric flag is range-checked while parsing (int_in, float_in), before the model loads.
+    model.add_argument("--model", required=True, type=non_empty("pass a model path or name"),
+                       help="target model path or name")
+    model.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or leave --draft out"),
+                       help="draft model path or name (enables speculative decoding)")
+    # The draft-only flags default to None so that check_serve_args can refuse them without --draft.
+    model.add_argument("--num-speculative-tokens", "-k", type=int_in(1), default=None,
                        help=f"drafts per step with --draft (default {DEFAULT_K})")
-    model.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy")
-    model.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    model.add_argument("--served-model-name", action="append", default=None,
+    model.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
+                       help="how the draft picks its tokens, with --draft (default greedy)")
+    model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
+                       help="tokenizer path (default: the model's)")
+    model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),
                        help="name clients use for the model (repeatable; default: --model)")
     model.add_argument("--dtype", default="auto")
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--seed", type=int_in(0), default=0)
     model.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default 64)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--max-model-len", type=int_in(1), default=None)
+    engine.add_argument("--max-num-seqs", type=int_in(1), default=64, help="sequences per batch (default 64)")
+    engine.add_argument("--max-num-batched-tokens", type=int_in(1), default=None)
+    engine.add_argument("--block-size", type=int_in(1), default=16)
+    engine.add_argument("--kv-cache-memory-bytes", type=int_in(1), default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9)
     engine.add_argument("--no-prefix-caching", action="store_true")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--max-queued-requests", type=int, default=256,
+    server.add_argument("--port", type=int_in(0, 65535), default=8000)
+    server.add_argument("--max-queued-requests", type=int_in(0), default=256,
                         help="sequences allowed to wait for a batch slot before requests get 503 (default 256)")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+    server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that would be silently ignored (ranges are checked while parsing)."""
+    from tandem.errors import ConfigError
+
+    if args.draft is None:
+        for flag, value in (("--num-speculative-tokens (-k)", args.num_speculative_tokens),
+                            ("--draft-sample-method", args.draft_sample_method)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")

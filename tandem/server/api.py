@@ -654,14 +654,19 @@ def build_app(
 # ---------------------------------------------------------------- command line
 def run_server(args: argparse.Namespace) -> int:
     """`tandem serve`: load the model (and draft), then serve until interrupted. args: see add_serve_args."""
+    from tandem.server import DEFAULT_K, check_serve_args
+
+    check_serve_args(args)  # before the model loads, so a flag mistake fails fast
     import uvicorn
 
     from tandem.engine.llm import LLM
 
     spec = None
-    if args.draft:
-        spec = dict(model=args.draft, num_speculative_tokens=args.num_speculative_tokens,
-                    draft_sample_method=args.draft_sample_method, draft_load_format=args.load_format)
+    if args.draft is not None:
+        k = DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
+        method = args.draft_sample_method or "greedy"
+        spec = dict(model=args.draft, num_speculative_tokens=k, draft_sample_method=method,
+                    draft_load_format=args.load_format)
     llm = LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

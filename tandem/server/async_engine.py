@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.engine.engine import Engine
-from tandem.errors import StepError
+from tandem.errors import ConfigError, StepError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.metrics import ServerMetrics
@@ -138,8 +138,8 @@ class AsyncEngine:
     """Runs an Engine on a background thread and serves many asyncio requests concurrently."""
 
     def __init__(self, engine: Engine, *, max_queued_requests: int = 256, metrics: ServerMetrics | None = None):
-        if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests={max_queued_requests!r} must be an integer >= 0")
+        if not isinstance(max_queued_requests, int) or isinstance(max_queued_requests, bool) or max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests={max_queued_requests!r} must be an integer >= 0")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics

@@ -1,5 +1,10 @@
-"""`tandem generate` end to end on a tiny local pair: streaming, the summary line, --compare."""
+"""`tandem generate` end to end on a tiny local pair: streaming, the summary line, --compare; and the CLI's
+errors for bad flags (generate and serve), each naming the flag."""
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from tandem.cli import main
 from tests.helpers import make_hf_model
@@ -21,3 +26,102 @@ def test_generate_bad_model_is_one_clear_error(tmp_path, capsys):
     rc = main(["generate", "--model", str(tmp_path / "missing"), "--no-draft", "hello"])
     assert rc == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+# ---------------------------------------------------------------- bad flags: one clear error, no model loaded
+# A missing --model path makes a check that came too late show up as "does not exist" instead.
+def _argparse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", ""], "--model"),
+    (["--model", "  "], "--model"),
+    (["--draft", ""], "--draft"),
+    (["-k", "0"], "--num-speculative-tokens"),
+    (["-k", "-2"], "--num-speculative-tokens"),
+    (["--max-model-len", "0"], "--max-model-len"),
+])
+def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
+    if "--model" not in argv:
+        argv = ["--model", str(tmp_path / "missing")] + argv
+    err = _argparse_error(capsys, ["generate", *argv, "hello"])
+    assert f"argument {flag}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--draft", "D", "--no-draft"], "--draft conflicts with --no-draft"),
+    (["-k", "2", "--no-draft"], "--num-speculative-tokens (-k) conflicts with --no-draft"),
+    (["--draft-sample-method", "probabilistic", "--no-draft"], "--draft-sample-method conflicts with --no-draft"),
+    # a --model of one's own runs without a draft unless --draft names one: -k would be ignored
+    (["-k", "2"], "--num-speculative-tokens (-k) needs a draft model"),
+    (["--draft-sample-method", "greedy"], "--draft-sample-method needs a draft model"),
+])
+def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
+    rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}") and "does not exist" not in err
+
+
+def test_generate_chat_without_template(tmp_path, capsys):
+    model = make_hf_model(tmp_path / "t", "qwen2")
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()  # drop the checkpoint writer's progress bar
+    rc = main(["generate", "--model", str(model), "--dtype", "float32", "--max-tokens", "1", "--chat", "hi"])
+    assert rc == 2
+    assert capsys.readouterr().err == "error: this model's tokenizer has no chat template; drop --chat\n"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", ""], "--model"),
+    (["--draft", ""], "--draft"),
+    (["--tokenizer", ""], "--tokenizer"),
+    (["--served-model-name", ""], "--served-model-name"),
+    (["--port", "70000"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--port", "x"], "--port"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--block-size", "0"], "--block-size"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
+    (["--seed", "-1"], "--seed"),
+    (["-k", "0"], "--num-speculative-tokens"),
+])
+def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
+    if "--model" not in argv:
+        argv = ["--model", str(tmp_path / "missing")] + argv
+    err = _argparse_error(capsys, ["serve", *argv])
+    assert f"argument {flag}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["-k", "2"], "--num-speculative-tokens (-k)"),
+    (["--draft-sample-method", "probabilistic"], "--draft-sample-method"),
+])
+def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
+    rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
+    assert rc == 2
+    assert capsys.readouterr().err.startswith(f"error: {flag} needs a draft model; add --draft PATH")
+
+
+def test_async_engine_bad_queue_limit_is_a_config_error():
+    from tandem.errors import ConfigError
+    from tandem.server.async_engine import AsyncEngine
+
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ConfigError, match="max_queued_requests"):
+            AsyncEngine(None, max_queued_requests=bad)
