@@ -26,6 +26,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only among these
+    # Words never to generate: the last token of a word is banned where the output so far ends with
+    # the rest of it. The engine tokenizes bad_words into bad_words_token_ids (which may also be
+    # given directly, as token id sequences).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -51,6 +56,17 @@ class SamplingParams:
                 raise RequestError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r} is invalid: "
                                    "give a list of token ids")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
+            raise RequestError(f"SamplingParams.bad_words={self.bad_words!r} is invalid: give a list of strings")
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                isinstance(w, (list, tuple)) for w in self.bad_words_token_ids
+            ):
+                raise RequestError(f"SamplingParams.bad_words_token_ids={self.bad_words_token_ids!r} is invalid: "
+                                   "give a list of token id lists")
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
@@ -101,6 +117,12 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "give at least one token id, or None for the whole vocabulary")
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "token ids must be integers >= 0")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "bad words must be non-empty strings")
+        if self.bad_words_token_ids is not None and any(
+            not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise bad("logit_bias", "biases must be in [-100, 100]")
 

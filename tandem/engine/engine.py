@@ -155,6 +155,11 @@ class Engine:
             raise RequestError(f"SamplingParams.logit_bias has token ids outside [0, {self.vocab_size})")
         if params.allowed_token_ids and any(t >= self.vocab_size for t in params.allowed_token_ids):
             raise RequestError(f"SamplingParams.allowed_token_ids has token ids outside [0, {self.vocab_size})")
+        if params.bad_words_token_ids and any(t >= self.vocab_size for w in params.bad_words_token_ids for t in w):
+            raise RequestError(f"SamplingParams.bad_words_token_ids has token ids outside [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError("SamplingParams.bad_words needs a tokenizer, and this model has none; give "
+                               "bad_words_token_ids instead")
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(
@@ -171,6 +176,9 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        if params.bad_words:
+            params = params.clone(bad_words=None,
+                                  bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))
         prompt_token_ids = list(prompt_token_ids)
         max_room = self.cfg.sched.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or max_room, max_room)
@@ -196,6 +204,18 @@ class Engine:
             self._seq_of[req.req_id] = seq
             self.scheduler.add(req)
         self._requests[request_id] = state
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds
+        a leading space into the first token, after a space (as vLLM bans both)."""
+        out = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced != plain and len(spaced) == len(plain):
+                out.append(spaced)
+        return [w for w in out if w]
 
     def abort_request(self, request_id: str) -> bool:
         state = self._requests.pop(request_id, None)

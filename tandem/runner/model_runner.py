@@ -144,8 +144,8 @@ class ModelRunner:
         return None
 
     def _record_outputs(self, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
-        """Penalty counts follow the emitted tokens on the device (no host round trip)."""
-        if not self.state.output_counts:
+        """Penalty counts and bad-word windows follow the emitted tokens on the device (no host round trip)."""
+        if not (self.state.output_counts or self.state.recent):
             return
         rows = batch.rows
         cu = batch.cu_num_rows

@@ -1,6 +1,6 @@
 """Turn raw logits into the processed distribution a request samples from.
 
-Order (as vLLM): allowed token ids, logit bias, min_tokens, penalties, then (sampled rows only) temperature,
+Order (as vLLM): allowed token ids, bad words, logit bias, min_tokens, penalties, then (sampled rows only) temperature,
 min-p, top-k, top-p. Masked tokens get -inf. Every stage works on fp32 rows and decides from
 host mirrors whether it has anything to do, so an unused feature costs nothing.
 """
@@ -36,12 +36,16 @@ class SampleRows:
 
 
 def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
-    """Allowed token ids, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
+    """Allowed token ids, bad words, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):
         allowed = state.allowed_ids.get(slot)
         if allowed is not None:
             kept = logits[i].index_select(0, allowed)  # [m]
             logits[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
+        words = state.bad_words.get(slot)
+        if words is not None:
+            _ban_bad_words(logits[i], words, state.recent.get(slot),
+                           rows.prior_drafts[i] if rows.prior_drafts is not None else None)
         bias = state.logit_bias.get(slot)
         if bias is not None:
             logits[i].index_add_(0, bias[0], bias[1])
@@ -51,6 +55,28 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
     pen = [i for i, slot in enumerate(rows.slots) if slot in state.output_counts]
     for i in range(0, len(pen), CHUNK_ROWS):
         _apply_penalties(logits, state, rows, pen[i : i + CHUNK_ROWS])
+
+
+def _ban_bad_words(row: Tensor, words: tuple[Tensor, Tensor], recent: Tensor | None,
+                   prior: Tensor | None) -> None:
+    """Ban, in row [V], the last token of every bad word whose other tokens end the output so far.
+
+    words: prefixes [w, width] (right-aligned, -1 = any token) and last tokens [w]; recent [width]
+    the slot's last output tokens (-1 = none); prior [k] the drafts before this row in its
+    verification (-1 padded), which the output so far includes."""
+    prefixes, last = words
+    width = prefixes.shape[1]
+    if width == 0:  # single-token words: always banned
+        row.index_fill_(0, last, float("-inf"))
+        return
+    history = recent
+    if prior is not None:  # the last `width` tokens of recent + the row's prior drafts
+        both = torch.cat([recent, prior])  # [width + k]
+        start = (prior >= 0).sum()  # the prior drafts are a prefix of `prior`
+        history = both.gather(0, start + torch.arange(width, device=both.device))
+    match = ((prefixes == history) | (prefixes < 0)).all(dim=-1)  # [w]
+    # index_add_, not a masked write: words sharing a last token must not overwrite each other.
+    row.index_add_(0, last, torch.where(match, float("-inf"), 0.0))
 
 
 def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen: list[int]) -> None:

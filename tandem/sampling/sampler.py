@@ -12,13 +12,14 @@ from tandem.sampling.state import SamplingState
 def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Tensor:
     """Raw logits [n, V] -> the processed distribution's logits [n, V] fp32 (-inf = masked).
 
-    Greedy rows get allowed ids, bias, min_tokens and penalties but no temperature or truncation.
+    Greedy rows get allowed ids, bad words, bias, min_tokens and penalties but no temperature or truncation.
     """
     # NOTE: processors write in place; for fp32 models that is the step's own logits buffer
     # (or a graph's static output), which nothing reads after sampling.
     logits = logits[:, : state.vocab_size].float()
     params = [state.params[s] for s in rows.slots]
-    if any(p.allowed_token_ids or p.logit_bias or p.min_tokens or p.has_penalties for p in params):
+    if any(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias or p.min_tokens or p.has_penalties
+           for p in params):
         apply_logits_processors(logits, state, rows)
     if all(p.temperature == 0 for p in params):
         return logits  # greedy rows: no temperature, no truncation

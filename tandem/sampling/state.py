@@ -51,6 +51,9 @@ class SamplingState:
         self.params: list[SamplingParams | None] = [None] * s  # host mirror
         self.seeds_cpu = [0] * s
         self.allowed_ids: dict[int, Tensor] = {}  # slot -> ids [m] int64, the only ones it may sample
+        # slot -> (prefixes [w, width] int64, -1 = any token; last tokens [w] int64) of its bad words
+        self.bad_words: dict[int, tuple[Tensor, Tensor]] = {}
+        self.recent: dict[int, Tensor] = {}  # slot -> [width] int64 its last output tokens (-1 = none yet)
         self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
         self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
@@ -82,15 +85,20 @@ class SamplingState:
             self._add_extras(req)
 
     def _add_extras(self, req: NewReq) -> None:
-        """The optional per-slot tensors: allowed ids, logit bias, min_tokens' stop ids, penalty counts."""
+        """The optional per-slot tensors: allowed ids, bad words, logit bias, min_tokens' stop ids,
+        penalty counts."""
         p, slot = req.params, req.slot
         self.allowed_ids.pop(slot, None)
+        self.bad_words.pop(slot, None)
+        self.recent.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.min_tokens_ids.pop(slot, None)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         if p.allowed_token_ids:
             (self.allowed_ids[slot],) = self.upload(sorted({t for t in p.allowed_token_ids if t < self.vocab_size}))
+        if p.bad_words_token_ids:
+            self._add_bad_words(req)
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
             ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
@@ -109,14 +117,31 @@ class SamplingState:
             self.prompt_mask[slot] = mask
             self.output_counts[slot] = counts
 
+    def _add_bad_words(self, req: NewReq) -> None:
+        words = req.params.bad_words_token_ids
+        width = max(len(w) for w in words) - 1  # the longest prefix: output tokens to remember
+        prefixes = [[-1] * (width - len(w) + 1) + w[:-1] for w in words]  # right-aligned
+        outputs = req.token_ids[req.num_prompt_tokens :]
+        recent = ([-1] * width + outputs)[len(outputs) :] if width else []
+        pre_t, last_t, recent_t = self.upload([t for p in prefixes for t in p], [w[-1] for w in words], recent)
+        self.bad_words[req.slot] = (pre_t.view(len(words), width), last_t)
+        if width:
+            self.recent[req.slot] = recent_t
+
     def remove(self, slot: int) -> None:
         self.params[slot] = None
-        for d in (self.allowed_ids, self.logit_bias, self.min_tokens_ids, self.output_counts, self.prompt_mask):
+        for d in (self.allowed_ids, self.bad_words, self.recent, self.logit_bias, self.min_tokens_ids,
+                  self.output_counts, self.prompt_mask):
             d.pop(slot, None)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:
-        """Count emitted tokens for penalty slots. tokens [n, m] int64 (-1 = none), no host sync."""
+        """Count emitted tokens for penalty slots, and slide bad-word slots' windows over them.
+        tokens [n, m] int64 (-1 = none; a slot's rows in order), no host sync."""
         for row, slot in enumerate(slots):
+            window = self.recent.get(slot)
+            if window is not None:
+                for t in tokens[row]:
+                    window.copy_(torch.where(t >= 0, torch.cat([window[1:], t[None]]), window))
             counts = self.output_counts.get(slot)
             if counts is None:
                 continue

@@ -20,7 +20,6 @@ MAX_N = 128  # choices per request: more would take the whole batch
 
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
-    "bad_words": "banned multi-token words are not supported; use 'logit_bias' with -100 to ban single tokens",
     "prompt_logprobs": "prompt logprobs are not supported",
     "use_beam_search": "beam search is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
@@ -106,8 +105,8 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
-    bad_words: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
@@ -136,6 +135,7 @@ class _SamplingRequest(_Request):
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -108,8 +108,8 @@ class DraftSpeculator:
     def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState):
         """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs])."""
         rows = batch.rows
-        if state.output_counts:
-            rows.prior_drafts = row_prior_drafts(batch, self.drafts)  # penalties see earlier drafts
+        if state.output_counts or state.recent:  # penalties and bad words see earlier drafts
+            rows.prior_drafts = row_prior_drafts(batch, self.drafts)
         processed = process_logits(logits, state, rows)
         row_req, row_index, row_is_bonus = [], [], []
         for n, i in enumerate(batch.sampling):

@@ -492,7 +492,7 @@ BAD_INPUTS = [
     ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
     ("allowed-token-ids-range", C, {"allowed_token_ids": [5, 100000]}, 400, "allowed_token_ids"),
     ("allowed-token-ids-empty", C, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
-    ("bad-words", C, {"bad_words": ["fox"]}, 400, "bad_words"),
+    ("bad-words-empty", C, {"bad_words": [" "]}, 400, "bad_words"),
     ("prompt-logprobs", C, {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
     ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),

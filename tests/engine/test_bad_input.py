@@ -508,3 +508,10 @@ def test_string_prompt_without_tokenizer(llm_no_tok):
     # Token-id prompts still work without a tokenizer (no text, but tokens).
     (out,) = llm_no_tok.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_bad_words_without_tokenizer(llm_no_tok):
+    with pytest.raises(RequestError, match="bad_words_token_ids instead"):
+        llm_no_tok.generate({"prompt_token_ids": [5, 6]}, GREEDY.clone(bad_words=["x"]), use_tqdm=False)
+    out = llm_no_tok.generate({"prompt_token_ids": [5, 6]}, GREEDY.clone(bad_words_token_ids=[[7]]), use_tqdm=False)
+    assert 7 not in out[0].outputs[0].token_ids

@@ -100,6 +100,21 @@ def test_a_stop_string_cannot_end_in_the_first_min_tokens(llm):
         assert out.finish_reason == ("stop" if length == m else "length")
 
 
+def test_bad_words(llm):
+    """A bad word (a string, tokenized with and without a leading space) never appears in the output;
+    the output before it is untouched."""
+    prompt = {"prompt_token_ids": [8, 9, 10]}
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    word = tok.decode(base.token_ids[4:6])
+    ids = tok.encode(word.lstrip(), add_special_tokens=False)
+    out = llm.generate(prompt, p.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert not any(out.token_ids[i : i + len(ids)] == ids for i in range(len(out.token_ids)))
+    first = next(i for i in range(len(base.token_ids)) if base.token_ids[i : i + len(ids)] == ids)
+    assert out.token_ids[: first + len(ids) - 1] == base.token_ids[: first + len(ids) - 1]
+
+
 def test_n_greater_than_one(llm):
     p = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": [4, 5, 6]}, p, use_tqdm=False)[0]

@@ -89,18 +89,22 @@ def test_gpu_matches_cpu_fp32(models):
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_logprobs_on_gpu_match_cpu(models, mode):
-    """fp32, a sampled request with top-k and a greedy one, speculation on (the verification graph's
-    logits buffer, which the processors overwrite in place): the GPU's logprobs in either mode are
-    the CPU's."""
+    """fp32, a sampled request with top-k, a greedy one, and one with allowed ids and bad words,
+    speculation on (the verification graph's logits buffer, which the processors overwrite in
+    place; bad words read the earlier drafts): the GPU's tokens and logprobs in either mode are the
+    CPU's."""
     target, draft = models
     spec = dict(model=str(draft), num_speculative_tokens=3)
     params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=7, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True, repetition_penalty=1.3)]
+              SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, max_tokens=24, seed=3, logprobs=3, ignore_eos=True,
+                             allowed_token_ids=list(range(2, 250)),
+                             bad_words_token_ids=[[5], [7, 8], [9, 10, 11]] + [[a, a + 1] for a in range(2, 250, 2)])]
     outs = {}
     for device in ("cuda", "cpu"):
         llm = LLM(str(target), dtype="float32", device=device, max_model_len=512, block_size=16, max_num_seqs=8,
                   speculative_config=spec, kv_cache_memory_bytes=64 << 20, logprobs_mode=mode)
-        got = llm.generate(_prompts()[:2], params, use_tqdm=False)
+        got = llm.generate(_prompts()[:3], params, use_tqdm=False)
         outs[device] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
         del llm
     for (toks_g, lps_g), (toks_c, lps_c) in zip(outs["cuda"], outs["cpu"]):
@@ -233,9 +237,11 @@ def test_steady_step_waits_for_the_device_once(models, spec_on):
     llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, kv_cache_memory_bytes=64 << 20)
     engine = llm.engine
-    for i, p in enumerate(_prompts()[:3]):
-        engine.add_request(str(i), p["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=60,
-                                                                          ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    limited = greedy.clone(allowed_token_ids=list(range(2, 250)), bad_words_token_ids=[[5], [7, 8], [9, 10, 11]],
+                           repetition_penalty=1.2)
+    for i, p in enumerate(_prompts()[:4]):
+        engine.add_request(str(i), p["prompt_token_ids"], limited if i == 3 else greedy)
     for _ in range(4):  # prefills, first decodes
         engine.step()
     torch.cuda.set_sync_debug_mode("error")

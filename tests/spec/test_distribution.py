@@ -110,6 +110,11 @@ def _process(logits: torch.Tensor, outputs: torch.Tensor, cfg: dict) -> torch.Te
         banned = torch.ones(V, dtype=torch.bool)
         banned[cfg["allowed_token_ids"]] = False
         x[:, banned] = float("-inf")
+    for word in cfg.get("bad_words_token_ids") or []:  # banned after the rest of the word ends the output
+        n = len(word) - 1
+        if n <= outputs.shape[1]:
+            hit = (outputs[:, outputs.shape[1] - n :] == torch.tensor(word[:-1])).all(1)
+            x[hit, word[-1]] = float("-inf")
     for t, b in (cfg.get("logit_bias") or {}).items():
         x[:, t] += b
     rep, freq, pres = cfg.get("repetition_penalty", 1.0), cfg.get("frequency_penalty", 0.0), cfg.get("presence_penalty", 0.0)
@@ -201,7 +206,8 @@ CONFIGS = [
 ]
 EXTRA = [  # everything the sampler does at once: penalties see earlier drafts of the round
     dict(temperature=1.0, min_p=0.05, logit_bias={3: 1.5, 7: -1.0}, repetition_penalty=1.3,
-         frequency_penalty=0.4, presence_penalty=0.3, allowed_token_ids=[t for t in range(V) if t % 4 != 1]),
+         frequency_penalty=0.4, presence_penalty=0.3, allowed_token_ids=[t for t in range(V) if t % 4 != 1],
+         bad_words_token_ids=[[2]] + [[a, (7 * a + 3) % V] for a in range(V)] + [[4, 6, 8]]),
 ]
 
 

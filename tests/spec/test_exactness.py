@@ -180,6 +180,22 @@ def test_allowed_token_ids_with_speculation(models, baseline):
             assert toks == baseline[i]
 
 
+def test_bad_words_with_speculation(models, baseline):
+    """Bad words of one to three tokens, taken from the target-only output so they bite, banned
+    with the earlier drafts of a verification counted as output: speculative output equals
+    target-only, and no banned sequence appears."""
+    base = baseline[2]
+    words = [[base[5]], base[10:12], base[20:23]]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words_token_ids=words)
+    want = _tokens(_llm(models).generate(PROMPTS, p, use_tqdm=False))
+    for llm in (_llm(models, "near", 4), _llm(models, "target", 3)):
+        assert _tokens(llm.generate(PROMPTS, p, use_tqdm=False)) == want
+    assert want[2] != base
+    for toks in want:
+        for w in words:
+            assert not any(toks[i : i + len(w)] == w for i in range(len(toks))), (w, toks)
+
+
 def test_max_tokens_and_stops_inside_accepted_runs(models):
     """With the target as its own draft every draft is accepted, so limits land mid-run."""
     prompts = PROMPTS[:3]
