@@ -75,3 +75,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n (None for the first)
+    prompt_logprobs: SampleLogprobs | None = None

@@ -43,6 +43,9 @@ class ScheduledReq:
     # Of num_drafts, those that can still become output (None: all). The rest lie past max_tokens:
     # verified only so the batch stays uniform, and left out of the acceptance metrics.
     num_useful_drafts: int | None = None
+    # prompt_logprobs: the prompt tokens after each of the chunk's first tokens, whose logprobs the
+    # chunk yields (token start_pos + 1 + j for input token j); None when not asked for.
+    prompt_logprob_targets: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -91,3 +94,5 @@ class StepResult:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
     num_drafts_proposed: list[int]  # drafts now pending in each request's slot
+    # per request: the logprobs of ScheduledReq.prompt_logprob_targets (None when it has none)
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None

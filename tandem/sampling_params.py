@@ -38,6 +38,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (after the first) and its top-n
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -108,6 +109,9 @@ class SamplingParams:
             raise bad("seed", f"it must be an integer in [0, {MAX_SEED}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "it must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "it must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

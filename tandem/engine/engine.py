@@ -45,6 +45,7 @@ class SeqState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, token 1's, ...] as they arrive
 
 
 @dataclass
@@ -199,7 +200,8 @@ class Engine:
                 prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
             seq = SeqState(request_id, req, i, detok, logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+                           cumulative_logprob=0.0 if params.logprobs is not None else None,
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
             state.seqs.append(seq)
             self._seq_of[req.req_id] = seq
             self.scheduler.add(req)
@@ -321,11 +323,13 @@ class Engine:
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:
         now = time.monotonic()
         index_of = {r.req_id: i for i, r in enumerate(plan.reqs)}
-        for item in plan.reqs:
+        for i, item in enumerate(plan.reqs):
             seq = self._seq_of.get(item.req_id)
             if seq is not None:
                 m = self._requests[seq.request_id].metrics
                 m.first_scheduled_time = m.first_scheduled_time or start
+                if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                    self._push_prompt_logprobs(seq, item.start_pos + 1, result.prompt_logprobs[i])
         for req, emitted in events:
             seq = self._seq_of.get(req.req_id)
             if seq is None:
@@ -366,6 +370,12 @@ class Engine:
         if req.is_finished:
             seq.finish_reason, seq.stop_reason = req.finish_reason, req.stop_reason
 
+    def _push_prompt_logprobs(self, seq: SeqState, first: int, lps: list[TokenLogprobs]) -> None:
+        """Prompt tokens first, first + 1, ...'s logprobs; a recomputation after preemption adds nothing."""
+        for j, lp in enumerate(lps):
+            if first + j == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(self._logprob_dict(lp))
+
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         out = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
@@ -398,5 +408,9 @@ class Engine:
             )
             for s in state.seqs
         ]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m,
+                             prompt_logprobs=_copy(state.seqs[0].prompt_logprobs))
 
+
+def _copy(items: list | None) -> list | None:
+    return None if items is None else list(items)

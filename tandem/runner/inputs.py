@@ -27,6 +27,10 @@ class Batch:
     draft_src: Tensor | None  # [num_draft_tokens, 2] int64 (slot, draft index) of each
     pending_dst: Tensor | None  # [num_pending] int64 token rows fed the slot's last sampled token
     pending_slots: Tensor | None  # [num_pending] int64 the slot of each
+    # prompt_logprobs: token rows whose logits give a prompt token's logprobs, and those tokens
+    prompt_rows: Tensor | None = None  # [num_prompt_rows] int64
+    prompt_targets: Tensor | None = None  # [num_prompt_rows] int64
+    prompt_reqs: list[int] | None = None  # indices into plan.reqs of the requests they belong to, in order
 
 
 def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> Batch:
@@ -43,8 +47,15 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
     pending_slots: list[int] = []
     sampling: list[int] = []
     cu_num_rows = [0]
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_reqs: list[int] = []
     for i, r in enumerate(plan.reqs):
         base = len(ids)
+        if r.prompt_logprob_targets:
+            prompt_rows.extend(range(base, base + len(r.prompt_logprob_targets)))
+            prompt_targets.extend(r.prompt_logprob_targets)
+            prompt_reqs.append(i)
         if r.input_token_ids[0] == PENDING_TOKEN:  # planned ahead: the token is on the device
             pending_dst.append(base)
             pending_slots.append(r.slot)
@@ -72,9 +83,10 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         [r.block_ids for r in plan.reqs],
     )
     flat_src = [v for pair in draft_src for v in pair]
-    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t, pend_dst_t, pend_slots_t) = backend.upload(
+    (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t, pend_dst_t, pend_slots_t, prompt_rows_t,
+     prompt_targets_t) = backend.upload(
         ids, positions, logits_indices, row_slots, row_positions, row_draft_index, draft_dst, flat_src, pending_dst,
-        pending_slots,
+        pending_slots, prompt_rows, prompt_targets,
     )
     rows = SampleRows(slots=row_slots, slot_ids=slots_t, positions=row_pos_t, num_outputs=row_num_outputs)
     return Batch(
@@ -90,6 +102,9 @@ def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> B
         draft_src=src_t.view(-1, 2) if draft_src else None,
         pending_dst=pend_dst_t if pending_dst else None,
         pending_slots=pend_slots_t if pending_dst else None,
+        prompt_rows=prompt_rows_t if prompt_rows else None,
+        prompt_targets=prompt_targets_t if prompt_rows else None,
+        prompt_reqs=prompt_reqs or None,
     )
 
 

@@ -22,6 +22,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.runner.inputs import Batch, build_batch
+from tandem.sampling.processors import CHUNK_ROWS
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
 
@@ -37,6 +38,8 @@ class Launched:
     num_top: int | None  # widest top-n of the step (None: no logprobs)
     host: Tensor  # the results, being copied to (pinned) host memory
     ready: torch.cuda.Event | None  # recorded after the copy (None on CPU: already there)
+    prompt_host: Tensor | None = None  # prompt logprobs rows [num_prompt_rows, 2 + 2 * top], same copy
+    prompt_ks: dict[int, int] | None = None  # plan.reqs index -> its prompt top-n
 
 
 class ModelRunner:
@@ -106,7 +109,8 @@ class ModelRunner:
             batch.input_ids[batch.pending_dst] = self.last_tokens[batch.pending_slots]
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
-        logits = self._logits(plan, batch)  # [num_rows, vocab]
+        logits, hidden = self._logits(plan, batch)  # [num_rows, vocab]
+        prompt = self._prompt_logprobs(plan, batch, hidden)  # before the processors write over logits
         raw = self._raw_for_logprobs(logits, batch)
         if self.speculator is None:
             processed = process_logits(logits, self.state, batch.rows)
@@ -117,19 +121,36 @@ class ModelRunner:
         else:
             processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
         self._record_outputs(batch, row_tokens, num_emitted)
-        launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted)
+        launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result
             self.speculator.propose(plan, batch, row_tokens, num_emitted)
         return launched
 
-    def _logits(self, plan: StepPlan, batch: Batch) -> Tensor:
+    def _logits(self, plan: StepPlan, batch: Batch) -> tuple[Tensor, Tensor | None]:
+        """-> logits [num_rows, vocab], and the hidden states [num_tokens, hidden] (None from a graph)."""
         graph = self._graph_for(plan)
         if graph is not None:
             a = batch.attn
             return graph.replay(len(plan.reqs), batch.input_ids, batch.positions, a.slot_mapping, a.block_tables,
-                                a.seq_lens)
+                                a.seq_lens), None
         hidden = forward(self.model, self.kv, self.piecewise, batch.input_ids, batch.positions, batch.attn)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden
+
+    def _prompt_logprobs(self, plan: StepPlan, batch: Batch, hidden: Tensor | None) -> Tensor | None:
+        """prompt_logprobs: the raw logprob, rank and top-n of each prompt token a chunk row predicts
+        -> [num_prompt_rows, 2 + 2 * top] fp64 (None when no request asks). Prefill chunks never run
+        as whole-step graphs, so their hidden states are at hand."""
+        if batch.prompt_rows is None:
+            return None
+        top = max(self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs)
+        parts = []  # (widest top-n of the step: the runner's state may be another request's by collect())
+        for i in range(0, batch.prompt_rows.shape[0], CHUNK_ROWS):  # bounds the [rows, V] temporaries
+            rows = batch.prompt_rows[i : i + CHUNK_ROWS]
+            logits = self.model.compute_logits(hidden[rows])[:, : self.vocab_size].float()
+            lp, rank, top_ids, top_lp = compute_logprobs(logits, batch.prompt_targets[i : i + CHUNK_ROWS], top)
+            parts.append(torch.cat([lp[:, None].double(), rank[:, None].double(), top_ids.double(), top_lp.double()],
+                                   dim=1))
+        return torch.cat(parts)
 
     def _graph_for(self, plan: StepPlan) -> GraphRunner | None:
         """A captured graph when every request feeds 1 token + the same number of drafts."""
@@ -165,7 +186,8 @@ class ModelRunner:
         return raw.clone() if raw.data_ptr() == logits.data_ptr() else raw
 
     def _copy_results(
-        self, plan: StepPlan, batch: Batch, lp_logits: Tensor, row_tokens: Tensor, num_emitted: Tensor
+        self, plan: StepPlan, batch: Batch, lp_logits: Tensor, row_tokens: Tensor, num_emitted: Tensor,
+        prompt: Tensor | None = None,
     ) -> Launched:
         """Pack the step's results into one tensor and start its copy to pinned host memory;
         logprobs come from lp_logits [num_rows, V] (raw or processed, ModelConfig.logprobs_mode)."""
@@ -183,9 +205,14 @@ class ModelRunner:
         ready = None
         if packed.is_cuda:
             packed = packed.to("cpu", non_blocking=True)  # into pinned memory, no wait
+            if prompt is not None:
+                prompt = prompt.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(plan, batch.sampling, batch.cu_num_rows, want, num_top, packed, ready)
+        ks = None
+        if prompt is not None:
+            ks = {i: self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs}
+        return Launched(plan, batch.sampling, batch.cu_num_rows, want, num_top, packed, ready, prompt, ks)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for a launched step's results and read them (host data only: the slot state may
@@ -213,7 +240,26 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
-        return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed)
+        return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
+                          prompt_logprobs=_prompt_results(launched))
+
+
+def _prompt_results(launched: Launched) -> list[list[TokenLogprobs] | None] | None:
+    """The prompt logprobs rows, read back -> per planned request (None: it asked for none)."""
+    if launched.prompt_host is None:
+        return None
+    rows = launched.prompt_host.tolist()
+    top = (launched.prompt_host.shape[1] - 2) // 2
+    out: list[list[TokenLogprobs] | None] = [None] * len(launched.plan.reqs)
+    at = 0
+    for i, r in enumerate(launched.plan.reqs):
+        if not r.prompt_logprob_targets:
+            continue
+        k = launched.prompt_ks[i]
+        out[i] = [_token_logprobs([t] + row, k, top) for t, row in
+                  zip(r.prompt_logprob_targets, rows[at : at + len(r.prompt_logprob_targets)])]
+        at += len(r.prompt_logprob_targets)
+    return out
 
 
 def _token_logprobs(row: list[float], k: int, num_top: int) -> TokenLogprobs:

@@ -152,7 +152,8 @@ class Scheduler:
                 return None
 
     def _admit(self, req: Request, budget: int) -> tuple[NewReq, ScheduledReq] | None:
-        num_cached = self.blocks.match_prefix(req)
+        # Prompt logprobs need the logits of every prompt position: no cached prefix skips them.
+        num_cached = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
         req.num_computed_tokens = num_cached
         item = self._make_item(req, budget)
         if not self.blocks.allocate(req, self._blocks_span(req, item)):
@@ -188,6 +189,10 @@ class Scheduler:
         room_out = max(0, req.max_tokens - len(req.output_token_ids) - 1)  # drafts that can become output
         chunk = min(remaining, budget)
         sample = start + chunk == req.num_tokens
+        targets = None
+        num_prompt = len(req.prompt_token_ids)
+        if req.params.prompt_logprobs is not None and start + 1 < num_prompt:
+            targets = req.prompt_token_ids[start + 1 : min(start + chunk, num_prompt - 1) + 1]
         return ScheduledReq(
             req_id=req.req_id,
             slot=req.slot,
@@ -199,6 +204,7 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             num_next_drafts=self.k if sample else 0,
             num_useful_drafts=min(num_drafts, room_out),
+            prompt_logprob_targets=targets,
         )
 
     def _blocks_span(self, req: Request, item: ScheduledReq) -> int:

@@ -47,6 +47,8 @@ from tandem.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     SpecDecodeStats,
     UNSUPPORTED_FIELDS,
     TopLogprob,
@@ -138,6 +140,13 @@ def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
         accepted_per_position=per_pos, acceptance_rate=accepted / drafts if drafts else None,
         mean_acceptance_length=1 + accepted / rounds,
     )
+
+
+def prompt_logprobs(lps: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    if lps is None:
+        return None
+    return [None if lp is None else {t: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=v.decoded_token)
+                                     for t, v in lp.items()} for lp in lps]
 
 
 def _top(lp: dict[int, Logprob], k: int) -> list[Logprob]:
@@ -239,9 +248,14 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    def __init__(self, *args, echo: bool, **kwargs):
+    def __init__(self, *args, echo: bool, show_prompt_logprobs: bool = False, decode=None, **kwargs):
+        """echo: the prompt leads each choice's text (and, with logprobs, its logprobs: the engine
+        then computes prompt logprobs, shown as vLLM's `prompt_logprobs` only if asked for);
+        decode: token id -> text, for the first prompt token's entry."""
         super().__init__(*args, **kwargs)
         self.echo = echo
+        self.show_prompt_logprobs = show_prompt_logprobs
+        self.decode = decode
         # Streamed text_offset runs over the tokens' texts, as the whole response's does; the text
         # itself may lag behind the tokens (held back for stop strings).
         self.token_offset = [len(self.prompts[idx // self.n].text or "") if echo else 0 for idx in range(len(self.done))]
@@ -254,6 +268,19 @@ class CompletionRenderer(_Renderer):
 
     def chunk(self, choices: list, **extra) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+
+    def _echo_logprobs(self, out: RequestOutput, completion: CompletionLogprobs) -> CompletionLogprobs:
+        """OpenAI's echo with logprobs: the prompt tokens' entries (the first has no logprob), then
+        the completion's."""
+        ids = out.prompt_token_ids
+        first = self.decode(ids[0]) if self.decode is not None else ""
+        rest = completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first))
+        return CompletionLogprobs(
+            text_offset=[0] + rest.text_offset + completion.text_offset,
+            token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
+            tokens=[first] + rest.tokens + completion.tokens,
+            top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
+        )
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
         logprobs = None
@@ -271,9 +298,13 @@ class CompletionRenderer(_Renderer):
                 logprobs = None
                 if seq.logprobs is not None:
                     logprobs = completion_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, len(prefix))
+                    if self.echo:
+                        logprobs = self._echo_logprobs(out, logprobs)
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + seq.text,
                                                 logprobs=logprobs, finish_reason=seq.finish_reason,
-                                                stop_reason=seq.stop_reason))
+                                                stop_reason=seq.stop_reason,
+                                                prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
+                                                if self.show_prompt_logprobs else None))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage(outputs), spec_decode=spec_stats(outputs))
 
@@ -300,7 +331,8 @@ class ChatRenderer(_Renderer):
             choices.append(ChatChoice(index=seq.index, message=ChatResponseMessage(content=seq.text),
                                       logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage(outputs), spec_decode=spec_stats(outputs))
+                                      usage=self.usage(outputs), spec_decode=spec_stats(outputs),
+                                      prompt_logprobs=prompt_logprobs(outputs[0].prompt_logprobs))
 
 
 def _sse(chunk: BaseModel) -> str:
@@ -396,12 +428,17 @@ class OpenAIServer:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
                            param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "'echo' with 'logprobs' would need prompt logprobs, which are not supported; "
-                           "drop one of them", param="echo")
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and body.stream:
+            raise APIError(400, "'echo' with 'logprobs' is not supported with 'stream': true; drop one of them",
+                           param="echo")
         params = self._params(body, {}, "prompt")
+        if echo_logprobs:  # the prompt's entries come from the prompt logprobs
+            params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         prompts = self._completion_prompts(body.prompt)
-        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo)
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
+        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
+                                      show_prompt_logprobs=body.prompt_logprobs is not None, decode=decode)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
 
     async def chat_completions(self, request: Request) -> Response:
@@ -434,6 +471,9 @@ class OpenAIServer:
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "'prompt_logprobs' is not supported with 'stream': true; drop one of them",
+                           param="prompt_logprobs")
         return model
 
     def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:

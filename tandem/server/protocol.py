@@ -20,7 +20,6 @@ MAX_N = 128  # choices per request: more would take the whole batch
 
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
-    "prompt_logprobs": "prompt logprobs are not supported",
     "use_beam_search": "beam search is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
     "logits_processors": "custom logits processors are not supported",
@@ -106,8 +105,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
@@ -136,6 +135,7 @@ class _SamplingRequest(_Request):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -234,12 +234,25 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One entry of vLLM's prompt_logprobs: a token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (None for the first): token id -> its entry, the prompt token's and the top-n.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs=n
 
 
 class CompletionResponse(_Response):
@@ -290,6 +303,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     spec_decode: SpecDecodeStats | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs=n
 
 
 class DeltaMessage(_Response):

@@ -195,6 +195,32 @@ def test_allowed_token_ids_match_offline(live, reference):
     assert r.choices[0].text == ref.text
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
+    """vLLM's prompt_logprobs (completions and chat), and OpenAI's echo with logprobs: the prompt's
+    tokens lead the logprobs, the first without one."""
+    ref = offline(reference, PROMPTS[1], **greedy(max_tokens=4, logprobs=2, prompt_logprobs=2))[0]
+    want = [None] + [lp[t].logprob for lp, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])]
+    r = live.post(C, json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+                           "prompt_logprobs": 2}).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want)
+    assert [g[str(t)]["logprob"] for g, t in zip(got[1:], ref.prompt_token_ids[1:])] == pytest.approx(want[1:], abs=1e-4)
+    assert all(len(g) <= 3 for g in got[1:])
+    chat = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                               "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    echo = live.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2,
+                                          echo=True).choices[0]
+    lp = echo.logprobs
+    n = len(ref.prompt_token_ids)
+    assert lp.token_logprobs[:n] == pytest.approx(want, abs=1e-4)
+    assert lp.token_logprobs[n:] == pytest.approx([d[t].logprob for d, t in zip(ref.outputs[0].logprobs,
+                                                                               ref.outputs[0].token_ids)], abs=1e-4)
+    assert lp.top_logprobs[0] is None and len(lp.tokens) == n + 4
+    assert "".join(lp.tokens[:n]) == PROMPTS[1] and echo.text.startswith(PROMPTS[1])
+    assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
+
+
 def test_completion_logprobs(live, reference):
     r = live.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0, logprobs=3)
     ref = offline(reference, PROMPTS[4], **greedy(max_tokens=6, logprobs=3))[0].outputs[0]
@@ -493,7 +519,9 @@ BAD_INPUTS = [
     ("allowed-token-ids-range", C, {"allowed_token_ids": [5, 100000]}, 400, "allowed_token_ids"),
     ("allowed-token-ids-empty", C, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("bad-words-empty", C, {"bad_words": [" "]}, 400, "bad_words"),
-    ("prompt-logprobs", C, {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-range", C, {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-stream", C, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("echo-logprobs-stream", C, {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
     ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
 ]

@@ -59,6 +59,32 @@ def test_logprobs_mode(llm, model, mode):
         assert [lp[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_prompt_logprobs_match_transformers(model, chunk):
+    """Every prompt token after the first gets its logprob under the model (raw, as vLLM), its rank
+    and the top-n; in prefill chunks too, and with prefix caching on (the cache is bypassed), for a
+    request in a batch with others that ask for none."""
+    kw = {} if chunk is None else dict(max_num_batched_tokens=chunk)
+    engine = LLM(str(model), dtype="float32", max_model_len=128, block_size=8, enable_prefix_caching=True, **kw)
+    prompt = [5, 17, 99, 3, 250, 7, 7, 8, 9, 10, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46]
+    with torch.no_grad():
+        ref = hf_model(model)(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    p = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    engine.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)  # fills the cache
+    outs = engine.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[:6]}],
+                           [p, SamplingParams(max_tokens=2)], use_tqdm=False)
+    got = outs[0].prompt_logprobs
+    assert outs[1].prompt_logprobs is None
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        row, tok = ref[i - 1], prompt[i]
+        assert math.isclose(got[i][tok].logprob, row[tok].item(), abs_tol=1e-4)
+        assert got[i][tok].rank == int((row >= row[tok]).sum())
+        top = row.topk(2)
+        assert [got[i][t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert len(got[i]) <= 3
+
+
 def test_logprobs_mode_is_checked(model):
     from tandem.errors import ConfigError
 

@@ -89,13 +89,14 @@ def test_gpu_matches_cpu_fp32(models):
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_logprobs_on_gpu_match_cpu(models, mode):
-    """fp32, a sampled request with top-k, a greedy one, and one with allowed ids and bad words,
+    """fp32, a sampled request with top-k (and prompt logprobs), a greedy one, and one with allowed ids and bad words,
     speculation on (the verification graph's logits buffer, which the processors overwrite in
     place; bad words read the earlier drafts): the GPU's tokens and logprobs in either mode are the
     CPU's."""
     target, draft = models
     spec = dict(model=str(draft), num_speculative_tokens=3)
-    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=7, logprobs=3, ignore_eos=True),
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=7, logprobs=3, ignore_eos=True,
+                             prompt_logprobs=2),
               SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(temperature=0.9, max_tokens=24, seed=3, logprobs=3, ignore_eos=True,
                              allowed_token_ids=list(range(2, 250)),
@@ -105,10 +106,11 @@ def test_logprobs_on_gpu_match_cpu(models, mode):
         llm = LLM(str(target), dtype="float32", device=device, max_model_len=512, block_size=16, max_num_seqs=8,
                   speculative_config=spec, kv_cache_memory_bytes=64 << 20, logprobs_mode=mode)
         got = llm.generate(_prompts()[:3], params, use_tqdm=False)
-        outs[device] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+        outs[device] = [(o.outputs[0].token_ids, o.outputs[0].logprobs + (o.prompt_logprobs or [None])[1:])
+                        for o in got]
         del llm
     for (toks_g, lps_g), (toks_c, lps_c) in zip(outs["cuda"], outs["cpu"]):
-        assert toks_g == toks_c
+        assert toks_g == toks_c and len(lps_g) == len(lps_c)
         for a, b in zip(lps_g, lps_c):
             assert a.keys() == b.keys()
             # fp32 on both, but the GPU's matmuls reduce in another order: 1.8e-4 seen at a logprob of -3.6

@@ -147,10 +147,18 @@ def test_preemption(models, baseline):
         draft_arch, 8, torch.float32
     )
     llm = _llm(models, "near", 4, max_model_len=176, kv_cache_memory_bytes=per_block * 24)
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    params = PARAMS.clone(prompt_logprobs=1)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert _tokens(outs) == baseline
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+    # Prompt logprobs with speculation and preemption (recomputed prompts add nothing) = target-only's.
+    ref = _llm(models).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(outs, ref):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert [x[t].logprob for t in x] == pytest.approx([y[t].logprob for t in x], abs=1e-4)
 
 
 def test_prefix_cache_hits(models):
