@@ -44,7 +44,7 @@ def load_tokenizer(path, field: str | None = None):
     path = Path(path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     where = f"{field}={str(path)!r}" if field else f"the tokenizer in {path}"
-    if field and not path.is_dir():
+    if field and path.exists() and not path.is_dir():
         raise ConfigError(f"{where} is not a directory; pass the directory that holds tokenizer.json")
     if path.is_dir() and not any((path / n).exists() for n in names):
         if field:

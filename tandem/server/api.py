@@ -446,9 +446,6 @@ class OpenAIServer:
         model = self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise APIError(400, f"'response_format' of type {body.response_format.get('type')!r} (structured output) "
-                           "is not supported; leave it out or use {'type': 'text'}", param="response_format")
         if body.tools or (body.tool_choice not in (None, "none")):
             param = "tools" if body.tools else "tool_choice"
             raise APIError(400, f"'{param}': tool calling is not supported; leave out 'tools' and 'tool_choice'",
@@ -468,6 +465,9 @@ class OpenAIServer:
                            type="invalid_request_error", param="model", code="model_not_found")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise APIError(400, f"'response_format' of type {body.response_format.get('type')!r} (structured output) "
+                           "is not supported; leave it out or use {'type': 'text'}", param="response_format")
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
@@ -515,7 +515,9 @@ class OpenAIServer:
         conversation = [m.template_dict() for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=body.add_generation_prompt)
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      chat_template=body.chat_template,
+                                                      **(body.chat_template_kwargs or {}))
         except Exception as e:  # jinja errors, or a tokenizer without a template
             raise APIError(400, f"the chat template could not be applied to 'messages': {e}", param="messages")
         return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)

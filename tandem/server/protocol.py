@@ -28,11 +28,16 @@ UNSUPPORTED_FIELDS = {
     "guided_choice": "structured output is not supported",
     "guided_grammar": "structured output is not supported",
     "structured_outputs": "structured output is not supported",
+    "guided_decoding_backend": "structured output is not supported",
 }
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
 
 
 def _allows_none(annotation) -> bool:
@@ -115,12 +120,12 @@ class _SamplingRequest(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    guided_decoding_backend: Any = None
 
     def unsupported_field(self) -> str | None:
         """The first vLLM field this request sets that tandem does not implement (None, false and
-        empty count as unset)."""
-        return next((name for name in UNSUPPORTED_FIELDS if getattr(self, name) not in (None, False, [], {}, "")),
-                    None)
+        empty count as unset; 0 does not)."""
+        return next((name for name in UNSUPPORTED_FIELDS if not _unset(getattr(self, name))), None)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -161,6 +166,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # read only to refuse structured output
 
     def to_sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs)
@@ -195,6 +201,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
     # Read only to refuse what is not supported (structured output, tool calls), not ignored silently.
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None

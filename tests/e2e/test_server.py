@@ -221,6 +221,14 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
 
 
+def test_chat_template_and_its_kwargs(live, reference):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
+    r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                            "chat_template": template, "chat_template_kwargs": {"suffix": " there"}}).json()
+    want = reference.get_tokenizer()("hi there", add_special_tokens=False).input_ids
+    assert r["usage"]["prompt_tokens"] == len(want)
+
+
 def test_completion_logprobs(live, reference):
     r = live.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0, logprobs=3)
     ref = offline(reference, PROMPTS[4], **greedy(max_tokens=6, logprobs=3))[0].outputs[0]
@@ -522,6 +530,9 @@ BAD_INPUTS = [
     ("prompt-logprobs-range", C, {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("prompt-logprobs-stream", C, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("echo-logprobs-stream", C, {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    ("json-mode", C, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("chat-template-error", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "messages"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
     ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
 ]

@@ -163,8 +163,11 @@ def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
 
 
 def test_tokenizer_argument_must_hold_a_tokenizer(model_dir, tmp_path, no_loading):
-    with pytest.raises(ConfigError, match="tokenizer=.*not a directory"):
+    with pytest.raises(ConfigError, match="tokenizer=.*could not be loaded"):  # nor fetched (a hub id)
         LLM(str(model_dir), tokenizer=str(tmp_path / "missing"), dtype="float32", max_model_len=MAX_LEN)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="tokenizer=.*not a directory"):
+        LLM(str(model_dir), tokenizer=str(tmp_path / "file"), dtype="float32", max_model_len=MAX_LEN)
     with pytest.raises(ConfigError, match="tokenizer=.*no tokenizer files"):
         LLM(str(model_dir), tokenizer=str(tmp_path), dtype="float32", max_model_len=MAX_LEN)
 
