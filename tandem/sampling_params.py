@@ -39,6 +39,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # logprobs of each prompt token (after the first) and its top-n
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -109,6 +110,10 @@ class SamplingParams:
             raise bad("seed", f"it must be an integer in [0, {MAX_SEED}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "it must be an integer in [0, 20]")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            raise bad("truncate_prompt_tokens", "it must be an integer >= 1, or -1 for max_model_len")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", "it must be an integer in [0, 20]")

@@ -144,10 +144,20 @@ class Engine:
         capture_graphs(self.runner, self.cfg, self._capture_stream)
 
     # ---------------------------------------------------------------- requests
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt the request runs on: its last truncate_prompt_tokens tokens, when asked (-1:
+        max_model_len, as vLLM)."""
+        k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        if k is None:
+            return prompt_token_ids
+        k = self.cfg.sched.max_model_len if k == -1 else k
+        return list(prompt_token_ids)[-k:]
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         if not prompt_token_ids:
             raise RequestError("prompt is empty: give at least one token")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -177,6 +187,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         if params.bad_words:
             params = params.clone(bad_words=None,
                                   bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))

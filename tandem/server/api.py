@@ -524,6 +524,10 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
+        if params.truncate_prompt_tokens is not None:  # the context check and the usage count what runs
+            k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            for p in prompts:
+                p.token_ids = p.token_ids[-k:]
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
 

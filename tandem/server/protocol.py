@@ -21,7 +21,6 @@ MAX_N = 128  # choices per request: more would take the whole batch
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
-    "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
     "logits_processors": "custom logits processors are not supported",
     "guided_json": "structured output is not supported",
     "guided_regex": "structured output is not supported",
@@ -111,9 +110,9 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
     use_beam_search: Any = None
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -141,6 +140,7 @@ class _SamplingRequest(_Request):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -221,6 +221,13 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
 
 
+def test_truncate_prompt_tokens(live, reference):
+    r = live.post(C, json={"model": MODEL, "prompt": [5] * 200, "max_tokens": 3, "temperature": 0,
+                           "truncate_prompt_tokens": 50})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 50
+
+
 def test_chat_template_and_its_kwargs(live, reference):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
     r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.errors import RequestError
 from tests.helpers import hf_model, make_hf_model
 
 
@@ -139,6 +140,19 @@ def test_bad_words(llm):
     assert not any(out.token_ids[i : i + len(ids)] == ids for i in range(len(out.token_ids)))
     first = next(i for i in range(len(base.token_ids)) if base.token_ids[i : i + len(ids)] == ids)
     assert out.token_ids[: first + len(ids) - 1] == base.token_ids[: first + len(ids) - 1]
+
+
+def test_truncate_prompt_tokens(llm):
+    """The prompt's last k tokens run (left truncation, as vLLM); -1 keeps max_model_len of them."""
+    prompt = list(range(20, 220))  # longer than max_model_len = 128
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": prompt[-50:]}, p, use_tqdm=False)[0]
+    got = llm.generate({"prompt_token_ids": prompt}, p.clone(truncate_prompt_tokens=50), use_tqdm=False)[0]
+    assert got.prompt_token_ids == prompt[-50:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(RequestError, match="max_model_len"):  # 128 tokens leave no room to generate
+        llm.generate({"prompt_token_ids": prompt}, p.clone(truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(RequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
 
 
 def test_n_greater_than_one(llm):
