@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: `build_app(llm_or_engine, model_name)` and `run_server(args)`.
 
 Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template), /v1/models, /health,
-/metrics. Bodies are parsed here (pydantic, strict types) so every error, malformed JSON included,
+/metrics, and vLLM's /tokenize, /detokenize and /version. Bodies are parsed here (pydantic, strict types) so every error, malformed JSON included,
 gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
 responses are server-sent events ending with `data: [DONE]`.
 """
@@ -50,6 +50,10 @@ from tandem.server.protocol import (
     PromptLogprob,
     PromptLogprobs,
     SpecDecodeStats,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     UNSUPPORTED_FIELDS,
     TopLogprob,
     UsageInfo,
@@ -415,6 +419,35 @@ class OpenAIServer:
         cards = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len) for name in self.model_names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
+    async def tokenize(self, request: Request) -> Response:
+        body = await _parse(request, TokenizeRequest)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="prompt" if body.prompt is not None else "messages")
+        if body.prompt is not None:
+            ids = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        else:
+            ids = self._chat_prompt(body).token_ids
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                             tokens=ids).model_dump(mode="json"))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await _parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"'tokens' holds {bad[0]}, not a token id in [0, {self.vocab_size})", param="tokens")
+        return JSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)).model_dump(mode="json"))
+
+    async def version(self, request: Request) -> Response:
+        from tandem import __version__
+
+        return JSONResponse({"version": __version__})
+
     async def prometheus(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
@@ -458,11 +491,15 @@ class OpenAIServer:
                                     body.max_tokens_field)
 
     # ---------------------------------------------------------------- helpers
-    def _check_common(self, body) -> str:
-        model = body.model or self.model_names[0]
+    def _check_model(self, name: str | None) -> str:
+        model = name or self.model_names[0]
         if model not in self.model_names:
             raise APIError(404, f"the model '{model}' does not exist; this server serves {self.model_names}",
                            type="invalid_request_error", param="model", code="model_not_found")
+        return model
+
+    def _check_common(self, body) -> str:
+        model = self._check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
@@ -688,6 +725,9 @@ def build_app(
     route("/v1/models", server.models, "GET")
     route("/health", server.health, "GET")
     route("/metrics", server.prometheus, "GET")
+    route("/tokenize", server.tokenize)
+    route("/detokenize", server.detokenize)
+    route("/version", server.version, "GET")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

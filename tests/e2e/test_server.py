@@ -228,6 +228,23 @@ def test_truncate_prompt_tokens(live, reference):
     assert r.json()["usage"]["prompt_tokens"] == 50
 
 
+def test_tokenize_detokenize_and_version(live, reference):
+    tok = reference.get_tokenizer()
+    r = live.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == tok(PROMPTS[0]).input_ids and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    messages = [{"role": "user", "content": "hi"}]
+    chat = live.post("/tokenize", json={"messages": messages}).json()
+    usage = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+    assert live.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens"), ("/detokenize", {}, "tokens")):
+        bad = live.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert live.post("/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+    assert httpx.get(live.url + "/version").json()["version"]
+
+
 def test_chat_template_and_its_kwargs(live, reference):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
     r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
