@@ -381,6 +381,14 @@ class Engine:
         if req.is_finished:
             seq.finish_reason, seq.stop_reason = req.finish_reason, req.stop_reason
 
+    @staticmethod
+    def _prompt_logprobs_of(state: RequestState) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs: its sequences each prefill the prompt, and the one furthest
+        along has the most (n > 1 in chunked prefill)."""
+        if state.seqs[0].prompt_logprobs is None:
+            return None
+        return max((s.prompt_logprobs for s in state.seqs), key=len)
+
     def _push_prompt_logprobs(self, seq: SeqState, first: int, lps: list[TokenLogprobs]) -> None:
         """Prompt tokens first, first + 1, ...'s logprobs; a recomputation after preemption adds nothing."""
         for j, lp in enumerate(lps):
@@ -420,7 +428,7 @@ class Engine:
             for s in state.seqs
         ]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m,
-                             prompt_logprobs=_copy(state.seqs[0].prompt_logprobs))
+                             prompt_logprobs=_copy(self._prompt_logprobs_of(state)))
 
 
 def _copy(items: list | None) -> list | None:

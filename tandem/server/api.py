@@ -202,6 +202,7 @@ class _Renderer:
         self.n = params.n
         size = len(prompts) * self.n
         self.sent_chars, self.sent_tokens, self.done = [0] * size, [0] * size, [False] * size
+        self.started = [False] * size
         self.finals: dict[int, RequestOutput] = {}
         # Streamed text holds back what could still turn out to be the start of a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -209,12 +210,22 @@ class _Renderer:
     def preamble(self) -> list[BaseModel]:
         return []
 
+    def opening(self, idx: int, out: RequestOutput) -> BaseModel | None:
+        """A chunk sent before a choice's first text, once its request has output (prompt
+        logprobs are complete by then); None: nothing to send."""
+        return None
+
     def on_output(self, i: int, out: RequestOutput) -> list[BaseModel]:
         chunks = []
         for seq in out.outputs:
             idx = i * self.n + seq.index
             if self.done[idx]:
                 continue
+            if not self.started[idx]:
+                self.started[idx] = True
+                first = self.opening(idx, out)
+                if first is not None:
+                    chunks.append(first)
             end = len(seq.text) if seq.finish_reason else max(self.sent_chars[idx], len(seq.text) - self.holdback)
             delta = seq.text[self.sent_chars[idx]:end]
             if not delta and seq.finish_reason is None:
@@ -264,11 +275,26 @@ class CompletionRenderer(_Renderer):
         # itself may lag behind the tokens (held back for stop strings).
         self.token_offset = [len(self.prompts[idx // self.n].text or "") if echo else 0 for idx in range(len(self.done))]
 
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo and self.params.logprobs is not None
+
     def preamble(self) -> list[BaseModel]:
-        if not self.echo:
+        if not self.echo or self.echo_logprobs:  # echoed with its logprobs once they are known: opening()
             return []
         return [self.chunk([CompletionChoice(index=i * self.n + j, text=p.text or "")])
                 for i, p in enumerate(self.prompts) for j in range(self.n)]
+
+    def opening(self, idx: int, out: RequestOutput) -> CompletionChunk | None:
+        if not (self.echo_logprobs or self.show_prompt_logprobs):
+            return None
+        text, logprobs = "", None
+        if self.echo_logprobs:
+            text = self.prompts[idx // self.n].text or ""
+            logprobs = self._echo_logprobs(out, CompletionLogprobs())
+        return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs,
+                                            prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
+                                            if self.show_prompt_logprobs else None)])
 
     def chunk(self, choices: list, **extra) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
@@ -462,9 +488,6 @@ class OpenAIServer:
             raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
                            param="best_of")
         echo_logprobs = body.echo and body.logprobs is not None
-        if echo_logprobs and body.stream:
-            raise APIError(400, "'echo' with 'logprobs' is not supported with 'stream': true; drop one of them",
-                           param="echo")
         params = self._params(body, {}, "prompt")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
             params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
@@ -479,6 +502,9 @@ class OpenAIServer:
         model = self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "'prompt_logprobs' with 'stream': true is supported on /v1/completions only; "
+                           "drop one of them", param="prompt_logprobs")
         if body.tools or (body.tool_choice not in (None, "none")):
             param = "tools" if body.tools else "tool_choice"
             raise APIError(400, f"'{param}': tool calling is not supported; leave out 'tools' and 'tool_choice'",
@@ -508,9 +534,6 @@ class OpenAIServer:
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
-        if body.prompt_logprobs is not None and body.stream:
-            raise APIError(400, "'prompt_logprobs' is not supported with 'stream': true; drop one of them",
-                           param="prompt_logprobs")
         return model
 
     def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:

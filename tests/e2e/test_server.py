@@ -219,6 +219,18 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert lp.top_logprobs[0] is None and len(lp.tokens) == n + 4
     assert "".join(lp.tokens[:n]) == PROMPTS[1] and echo.text.startswith(PROMPTS[1])
     assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
+    # Streamed: the first chunk of the choice carries the prompt's part, then the completion follows.
+    chunks = [c.choices[0] for c in live.client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True,
+        extra_body={"prompt_logprobs": 2}) if c.choices]
+    assert chunks[0].text == PROMPTS[1] and chunks[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert [g and {int(t): v["logprob"] for t, v in g.items()} for g in chunks[0].model_extra["prompt_logprobs"]] \
+        == [g and {int(t): v["logprob"] for t, v in g.items()} for g in got]
+    assert "".join(c.text for c in chunks) == echo.text
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert offsets == lp.text_offset
 
 
 def test_truncate_prompt_tokens(live, reference):
@@ -552,8 +564,7 @@ BAD_INPUTS = [
     ("allowed-token-ids-empty", C, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("bad-words-empty", C, {"bad_words": [" "]}, 400, "bad_words"),
     ("prompt-logprobs-range", C, {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
-    ("prompt-logprobs-stream", C, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
-    ("echo-logprobs-stream", C, {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    ("chat-prompt-logprobs-stream", CH, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("json-mode", C, {"response_format": {"type": "json_object"}}, 400, "response_format"),
     ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("chat-template-error", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "messages"),
