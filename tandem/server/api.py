@@ -146,11 +146,24 @@ def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
     )
 
 
-def prompt_logprobs(lps: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
-    if lps is None:
+def prompt_logprobs(out: RequestOutput, k: int | None) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs field: per prompt token, the token and the top k (None: not asked).
+    The engine may hold more (echo with a wider logprobs asks for them)."""
+    if k is None or out.prompt_logprobs is None:
         return None
     return [None if lp is None else {t: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=v.decoded_token)
-                                     for t, v in lp.items()} for lp in lps]
+                                     for t, v in lp.items() if t == token or v.rank <= k}
+            for token, lp in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def _end(lp: CompletionLogprobs) -> int:
+    """The text offset just past lp's last token."""
+    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
 
 
 def _top(lp: dict[int, Logprob], k: int) -> list[Logprob]:
@@ -263,13 +276,14 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    def __init__(self, *args, echo: bool, show_prompt_logprobs: bool = False, decode=None, **kwargs):
+    def __init__(self, *args, echo: bool, shown_prompt_logprobs: int | None = None, decode=None, **kwargs):
         """echo: the prompt leads each choice's text (and, with logprobs, its logprobs: the engine
-        then computes prompt logprobs, shown as vLLM's `prompt_logprobs` only if asked for);
-        decode: token id -> text, for the first prompt token's entry."""
+        then computes prompt logprobs); shown_prompt_logprobs: the top-n of vLLM's
+        `prompt_logprobs` field (None: not shown); decode: token id -> text, for the first prompt
+        token's entry."""
         super().__init__(*args, **kwargs)
         self.echo = echo
-        self.show_prompt_logprobs = show_prompt_logprobs
+        self.shown_prompt_logprobs = shown_prompt_logprobs
         self.decode = decode
         # Streamed text_offset runs over the tokens' texts, as the whole response's does; the text
         # itself may lag behind the tokens (held back for stop strings).
@@ -286,31 +300,25 @@ class CompletionRenderer(_Renderer):
                 for i, p in enumerate(self.prompts) for j in range(self.n)]
 
     def opening(self, idx: int, out: RequestOutput) -> CompletionChunk | None:
-        if not (self.echo_logprobs or self.show_prompt_logprobs):
+        if not self.echo_logprobs and self.shown_prompt_logprobs is None:
             return None
         text, logprobs = "", None
         if self.echo_logprobs:
             text = self.prompts[idx // self.n].text or ""
-            logprobs = self._echo_logprobs(out, CompletionLogprobs())
+            logprobs = self._prompt_part(out)
+            self.token_offset[idx] = _end(logprobs)  # the completion's offsets go on from the prompt's tokens
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs,
-                                            prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
-                                            if self.show_prompt_logprobs else None)])
+                                            prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs))])
 
     def chunk(self, choices: list, **extra) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
 
-    def _echo_logprobs(self, out: RequestOutput, completion: CompletionLogprobs) -> CompletionLogprobs:
-        """OpenAI's echo with logprobs: the prompt tokens' entries (the first has no logprob), then
-        the completion's."""
+    def _prompt_part(self, out: RequestOutput) -> CompletionLogprobs:
+        """OpenAI's echo with logprobs: the prompt tokens' entries (the first has no logprob)."""
         ids = out.prompt_token_ids
         first = self.decode(ids[0]) if self.decode is not None else ""
-        rest = completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first))
-        return CompletionLogprobs(
-            text_offset=[0] + rest.text_offset + completion.text_offset,
-            token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
-            tokens=[first] + rest.tokens + completion.tokens,
-            top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
-        )
+        head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
+        return _joined(head, completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first)))
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
         logprobs = None
@@ -327,14 +335,14 @@ class CompletionRenderer(_Renderer):
             for seq in out.outputs:
                 logprobs = None
                 if seq.logprobs is not None:
-                    logprobs = completion_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, len(prefix))
-                    if self.echo:
-                        logprobs = self._echo_logprobs(out, logprobs)
+                    part = self._prompt_part(out) if self.echo else CompletionLogprobs()
+                    offset = _end(part) if self.echo else 0  # the completion's offsets go on from the prompt's tokens
+                    logprobs = _joined(part, completion_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs,
+                                                                 offset))
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + seq.text,
                                                 logprobs=logprobs, finish_reason=seq.finish_reason,
                                                 stop_reason=seq.stop_reason,
-                                                prompt_logprobs=prompt_logprobs(out.prompt_logprobs)
-                                                if self.show_prompt_logprobs else None))
+                                                prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage(outputs), spec_decode=spec_stats(outputs))
 
@@ -362,7 +370,7 @@ class ChatRenderer(_Renderer):
                                       logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(outputs), spec_decode=spec_stats(outputs),
-                                      prompt_logprobs=prompt_logprobs(outputs[0].prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
 
 
 def _sse(chunk: BaseModel) -> str:
@@ -494,7 +502,7 @@ class OpenAIServer:
         prompts = self._completion_prompts(body.prompt)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
-                                      show_prompt_logprobs=body.prompt_logprobs is not None, decode=decode)
+                                      shown_prompt_logprobs=body.prompt_logprobs, decode=decode)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
 
     async def chat_completions(self, request: Request) -> Response:
@@ -573,11 +581,11 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
         conversation = [m.template_dict() for m in body.messages]
+        # chat_template_kwargs override the request's own fields, as in vLLM; the text is tokenized here.
+        kwargs = {"add_generation_prompt": body.add_generation_prompt, "chat_template": body.chat_template}
+        kwargs.update({k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in ("tokenize", "conversation")})
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=body.add_generation_prompt,
-                                                      chat_template=body.chat_template,
-                                                      **(body.chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template
             raise APIError(400, f"the chat template could not be applied to 'messages': {e}", param="messages")
         return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)

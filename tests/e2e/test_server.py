@@ -206,6 +206,10 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert got[0] is None and len(got) == len(want)
     assert [g[str(t)]["logprob"] for g, t in zip(got[1:], ref.prompt_token_ids[1:])] == pytest.approx(want[1:], abs=1e-4)
     assert all(len(g) <= 3 for g in got[1:])
+    # echo with a wider logprobs does not widen the prompt_logprobs shown
+    wide = live.post(C, json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "echo": True,
+                              "logprobs": 5, "prompt_logprobs": 0}).json()["choices"][0]
+    assert [list(g) for g in wide["prompt_logprobs"][1:]] == [[str(t)] for t in ref.prompt_token_ids[1:]]
     chat = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
@@ -217,6 +221,8 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert lp.token_logprobs[n:] == pytest.approx([d[t].logprob for d, t in zip(ref.outputs[0].logprobs,
                                                                                ref.outputs[0].token_ids)], abs=1e-4)
     assert lp.top_logprobs[0] is None and len(lp.tokens) == n + 4
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[n] == lp.text_offset[n - 1] + len(lp.tokens[n - 1])  # the completion goes on from the prompt
     assert "".join(lp.tokens[:n]) == PROMPTS[1] and echo.text.startswith(PROMPTS[1])
     assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
     # Streamed: the first chunk of the choice carries the prompt's part, then the completion follows.
@@ -263,6 +269,10 @@ def test_chat_template_and_its_kwargs(live, reference):
                             "chat_template": template, "chat_template_kwargs": {"suffix": " there"}}).json()
     want = reference.get_tokenizer()("hi there", add_special_tokens=False).input_ids
     assert r["usage"]["prompt_tokens"] == len(want)
+    # kwargs override the request's own fields (vLLM's rule) instead of clashing with them
+    r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                            "chat_template_kwargs": {"add_generation_prompt": False, "tokenize": True}})
+    assert r.status_code == 200, r.text
 
 
 def test_completion_logprobs(live, reference):
