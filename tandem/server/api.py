@@ -276,13 +276,16 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    def __init__(self, *args, echo: bool, shown_prompt_logprobs: int | None = None, decode=None, **kwargs):
+    def __init__(self, *args, echo: bool, shown_prompt_logprobs: int | None = None, decode=None,
+                 prompt_only: bool = False, **kwargs):
         """echo: the prompt leads each choice's text (and, with logprobs, its logprobs: the engine
         then computes prompt logprobs); shown_prompt_logprobs: the top-n of vLLM's
         `prompt_logprobs` field (None: not shown); decode: token id -> text, for the first prompt
-        token's entry."""
+        token's entry; prompt_only: echo with max_tokens 0 (scoring a prompt): the one token generated
+        to get there is left out."""
         super().__init__(*args, **kwargs)
         self.echo = echo
+        self.prompt_only = prompt_only
         self.shown_prompt_logprobs = shown_prompt_logprobs
         self.decode = decode
         # Streamed text_offset runs over the tokens' texts, as the whole response's does; the text
@@ -333,18 +336,23 @@ class CompletionRenderer(_Renderer):
         for i, out in enumerate(outputs):
             prefix = (self.prompts[i].text or "") if self.echo else ""
             for seq in out.outputs:
+                token_ids, lps, text = seq.token_ids, seq.logprobs, seq.text
+                finish, stop = seq.finish_reason, seq.stop_reason
+                if self.prompt_only:
+                    token_ids, lps, text, finish, stop = [], [] if lps is not None else None, "", "length", None
                 logprobs = None
-                if seq.logprobs is not None:
+                if lps is not None:
                     part = self._prompt_part(out) if self.echo else CompletionLogprobs()
                     offset = _end(part) if self.echo else 0  # the completion's offsets go on from the prompt's tokens
-                    logprobs = _joined(part, completion_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs,
-                                                                 offset))
-                choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + seq.text,
-                                                logprobs=logprobs, finish_reason=seq.finish_reason,
-                                                stop_reason=seq.stop_reason,
+                    logprobs = _joined(part, completion_logprobs(token_ids, lps, self.params.logprobs, offset))
+                choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + text,
+                                                logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
+        usage = self.usage(outputs)
+        if self.prompt_only:
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage(outputs), spec_decode=spec_stats(outputs))
+                                  usage=usage, spec_decode=spec_stats(outputs))
 
 
 class ChatRenderer(_Renderer):
@@ -461,9 +469,11 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="prompt" if body.prompt is not None else "messages")
         if body.prompt is not None:
-            ids = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            special = body.add_special_tokens is not False
+            ids = self.tokenizer(body.prompt, add_special_tokens=special).input_ids
         else:
-            ids = self._chat_prompt(body).token_ids
+            text = self._chat_prompt(body).text
+            ids = self.tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids).model_dump(mode="json"))
 
@@ -496,13 +506,18 @@ class OpenAIServer:
             raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
                            param="best_of")
         echo_logprobs = body.echo and body.logprobs is not None
+        # echo with max_tokens 0 scores the prompt (OpenAI's legacy use): one token runs, none is shown
+        prompt_only = body.echo and body.max_tokens == 0 and not body.stream
+        if prompt_only:
+            body = body.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         params = self._params(body, {}, "prompt")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
             params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         prompts = self._completion_prompts(body.prompt)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
-                                      shown_prompt_logprobs=body.prompt_logprobs, decode=decode)
+                                      shown_prompt_logprobs=body.prompt_logprobs, decode=decode,
+                                      prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
 
     async def chat_completions(self, request: Request) -> Response:

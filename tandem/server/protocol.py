@@ -367,7 +367,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None

@@ -225,6 +225,11 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     assert lp.text_offset[n] == lp.text_offset[n - 1] + len(lp.tokens[n - 1])  # the completion goes on from the prompt
     assert "".join(lp.tokens[:n]) == PROMPTS[1] and echo.text.startswith(PROMPTS[1])
     assert echo.model_extra.get("prompt_logprobs") is None  # not asked for
+    # echo with max_tokens 0 scores the prompt alone
+    scored = live.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, temperature=0, logprobs=1,
+                                            echo=True)
+    assert scored.choices[0].text == PROMPTS[1] and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
     # Streamed: the first chunk of the choice carries the prompt's part, then the completion follows.
     chunks = [c.choices[0] for c in live.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True,
