@@ -30,7 +30,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     cache, sched = cfg.cache, cfg.sched
     later = 0  # bytes set aside for what the engine allocates after the pool
     per_block = bytes_per_block(cfg, draft_bytes_per_block)
-    tokens_per_req = sched.max_model_len + sched.num_lookahead_tokens
+    tokens_per_req = sched.max_model_len  # draft lookahead slots stop at max_model_len too
     blocks_per_req = -(-tokens_per_req // cache.block_size)
     if cache.num_blocks is not None:
         budget = cache.num_blocks * per_block
@@ -58,11 +58,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     num_blocks = budget // per_block
     if num_blocks < blocks_per_req:
         need = blocks_per_req * per_block
-        k = sched.num_lookahead_tokens
         what, fix = f"max_model_len={sched.max_model_len}", "lower max_model_len"
-        if k:
-            what += f" and its {k} draft slots (speculative_config.num_speculative_tokens)"
-            fix += " or num_speculative_tokens"
         raise ConfigError(
             f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
             f"({per_block} bytes each), but one request of {what} needs {blocks_per_req} blocks ({need} bytes); "

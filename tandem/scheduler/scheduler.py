@@ -208,9 +208,10 @@ class Scheduler:
         )
 
     def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
-        """Positions whose KV this step may write: the new tokens plus the draft lookahead."""
+        """Positions whose KV this step may write: the new tokens plus the draft lookahead, never past
+        max_model_len (the draft writes a draft's KV at most at position max_model_len - 1)."""
         end = item.start_pos + item.num_new_tokens + (self.k if item.sample else 0)
-        return min(end, self.cfg.max_model_len + self.k)
+        return min(end, self.cfg.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -279,11 +279,13 @@ def test_kv_budget_too_small_for_one_request(model_dir):
 def test_too_few_override_blocks_names_the_argument(model_dir):
     with pytest.raises(ConfigError, match="raise num_gpu_blocks_override or lower max_model_len$"):
         LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, num_gpu_blocks_override=1)
-    spec = dict(model=str(model_dir), num_speculative_tokens=8)  # the draft's slots count, and say so
-    with pytest.raises(ConfigError, match=r"and its 8 draft slots \(speculative_config.num_speculative_tokens\) "
-                                          r"needs .*raise num_gpu_blocks_override or lower max_model_len or "
-                                          r"num_speculative_tokens$"):
-        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, num_gpu_blocks_override=1, speculative_config=spec)
+    # The draft's lookahead stops at max_model_len: a pool of max_model_len tokens holds a request at any k.
+    spec = dict(model=str(model_dir), num_speculative_tokens=8)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, block_size=16,
+              num_gpu_blocks_override=MAX_LEN // 16, speculative_config=spec)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, ignore_eos=True, max_tokens=None),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_LEN - 3
 
 
 # ---------------------------------------------------------------- sampling parameters

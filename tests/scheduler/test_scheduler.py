@@ -220,7 +220,7 @@ class Harness:
                 assert req.num_tokens + item.num_drafts + 1 <= cfg.max_model_len
             assert item.block_ids == req.block_ids
             end = item.start_pos + item.num_new_tokens + (self.k if item.sample else 0)
-            assert len(item.block_ids) * bs >= min(end, cfg.max_model_len + self.k)
+            assert len(item.block_ids) * bs >= min(end, cfg.max_model_len)  # drafts write below max_model_len
             # Written positions lie in blocks owned by this request alone.
             last = item.start_pos + item.num_new_tokens - 1 + (self.k if item.sample else 0)
             last = min(last, len(item.block_ids) * bs - 1)
@@ -757,10 +757,12 @@ def test_drafts_past_max_tokens_are_verified_and_dropped():
 def test_drafts_limited_by_max_model_len():
     h = spec_harness(k=4, sched=SchedCfg(max_num_batched_tokens=64, max_model_len=20, num_lookahead_tokens=4))
     r = h.add(prompt(15), max_tokens=100)
-    h.step()
+    plan, _, _ = h.step()
     assert r.num_tokens == 16
+    assert len(plan.reqs[0].block_ids) * h.cache_cfg.block_size <= 20  # the lookahead stops at max_model_len
     plan, _, _ = h.step()
     assert plan.reqs[0].num_drafts == 3  # 20 - 16 - 1
+    assert len(plan.reqs[0].block_ids) * h.cache_cfg.block_size <= 20
     assert r.finish_reason == "length" and r.num_tokens == 20
     h.check_no_leaks()
 
