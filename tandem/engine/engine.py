@@ -427,9 +427,6 @@ class Engine:
             )
             for s in state.seqs
         ]
+        prompt_lps = self._prompt_logprobs_of(state)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m,
-                             prompt_logprobs=_copy(self._prompt_logprobs_of(state)))
-
-
-def _copy(items: list | None) -> list | None:
-    return None if items is None else list(items)
+                             prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None)

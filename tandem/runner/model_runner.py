@@ -142,8 +142,8 @@ class ModelRunner:
         as whole-step graphs, so their hidden states are at hand."""
         if batch.prompt_rows is None:
             return None
-        top = max(self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs)
-        parts = []  # (widest top-n of the step: the runner's state may be another request's by collect())
+        top = max(self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs)  # the widest
+        parts = []
         for i in range(0, batch.prompt_rows.shape[0], CHUNK_ROWS):  # bounds the [rows, V] temporaries
             rows = batch.prompt_rows[i : i + CHUNK_ROWS]
             logits = self.model.compute_logits(hidden[rows])[:, : self.vocab_size].float()
@@ -209,7 +209,7 @@ class ModelRunner:
                 prompt = prompt.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        ks = None
+        ks = None  # read now: by collect() a slot may hold another request
         if prompt is not None:
             ks = {i: self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs}
         return Launched(plan, batch.sampling, batch.cu_num_rows, want, num_top, packed, ready, prompt, ks)

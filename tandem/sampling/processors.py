@@ -1,7 +1,7 @@
 """Turn raw logits into the processed distribution a request samples from.
 
-Order (as vLLM): allowed token ids, bad words, logit bias, min_tokens, penalties, then (sampled rows only) temperature,
-min-p, top-k, top-p. Masked tokens get -inf. Every stage works on fp32 rows and decides from
+Order (as vLLM): allowed token ids, bad words, logit bias, min_tokens, penalties, then (sampled
+rows only) temperature, min-p, top-k, top-p. Masked tokens get -inf. Every stage works on fp32 rows and decides from
 host mirrors whether it has anything to do, so an unused feature costs nothing.
 """
 from __future__ import annotations
