@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API: `build_app(llm_or_engine, model_name)` and `run_server(args)`.
 
 Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template), /v1/models, /health,
-/metrics, and vLLM's /tokenize, /detokenize and /version. Bodies are parsed here (pydantic, strict types) so every error, malformed JSON included,
-gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
+/metrics, and vLLM's /tokenize, /detokenize and /version. Bodies are parsed here (pydantic, strict
+types) so every error, malformed JSON included, gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
 responses are server-sent events ending with `data: [DONE]`.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ from tandem.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -50,13 +52,11 @@ from tandem.server.protocol import (
     PromptLogprob,
     PromptLogprobs,
     SpecDecodeStats,
-    DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
-    UNSUPPORTED_FIELDS,
     TopLogprob,
     UsageInfo,
+    UNSUPPORTED_FIELDS,
     random_id,
 )
 
@@ -338,13 +338,14 @@ class CompletionRenderer(_Renderer):
             for seq in out.outputs:
                 token_ids, lps, text = seq.token_ids, seq.logprobs, seq.text
                 finish, stop = seq.finish_reason, seq.stop_reason
-                if self.prompt_only:
-                    token_ids, lps, text, finish, stop = [], [] if lps is not None else None, "", "length", None
+                if self.prompt_only:  # the one token generated to get here is not shown
+                    token_ids, text, finish, stop = [], "", "length", None
+                    lps = [] if lps is not None else None
                 logprobs = None
                 if lps is not None:
                     part = self._prompt_part(out) if self.echo else CompletionLogprobs()
-                    offset = _end(part) if self.echo else 0  # the completion's offsets go on from the prompt's tokens
-                    logprobs = _joined(part, completion_logprobs(token_ids, lps, self.params.logprobs, offset))
+                    # the completion's offsets go on from the prompt's tokens
+                    logprobs = _joined(part, completion_logprobs(token_ids, lps, self.params.logprobs, _end(part)))
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + text,
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
@@ -472,8 +473,8 @@ class OpenAIServer:
             special = body.add_special_tokens is not False
             ids = self.tokenizer(body.prompt, add_special_tokens=special).input_ids
         else:
-            text = self._chat_prompt(body).text
-            ids = self.tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
+            prompt = self._chat_prompt(body)  # tokenized without special tokens, as chat is
+            ids = self.tokenizer(prompt.text).input_ids if body.add_special_tokens else prompt.token_ids
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids).model_dump(mode="json"))
 
@@ -607,10 +608,8 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
-        if params.truncate_prompt_tokens is not None:  # the context check and the usage count what runs
-            k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            for p in prompts:
-                p.token_ids = p.token_ids[-k:]
+        for p in prompts:  # the context check and the usage count what runs (truncate_prompt_tokens)
+            p.token_ids = self.client.engine.truncate_prompt(p.token_ids, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
 
