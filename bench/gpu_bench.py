@@ -286,11 +286,14 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                          # the same round time at the expected tokens per round (no sampling luck)
                          speedup_at_expected=expected * ref["ms_per_step"] / r["ms_per_step"],
                          mean_acceptance_length=1 + acc / max(rounds, 1), expected_acceptance_length=expected,
+                         # vLLM's draft acceptance rate: accepted / drafted tokens
+                         acceptance_rate=acc / max(rounds * k, 1), expected_acceptance_rate=sum(rates) / k,
                          verify_over_decode=verify_ms / decode_ms, draft_catchup_ms=catchup_ms,
                          draft_step_ms=round_ms / k, decode_ms=decode_ms, verify_ms=verify_ms)
                 results["synthetic"].append(r)
                 print(f"[synthetic{tag}] {tname} / {dname} k={k} b={b} {pname}: {r['tok_s']:.1f} tok/s, x{r['speedup']:.2f} "
-                      f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), round {r['ms_per_step']:.2f} ms, "
+                      f"(x{r['speedup_at_expected']:.2f} at the expected acceptance), acceptance rate "
+                      f"{r['acceptance_rate']:.2f} (expected {r['expected_acceptance_rate']:.2f}), round {r['ms_per_step']:.2f} ms, "
                       f"v={r['verify_over_decode']:.2f}, draft step {r['draft_step_ms']:.2f} ms", flush=True)
                 for variant in args.env_ab if pname == "uniform-0.8" else []:
                     with env_variant(llm, variant):
@@ -546,6 +549,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-repeats", type=int, default=3,
                    help="warm timed transformers runs per mode (median), after one cold timed run")
     p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
+    p.add_argument("--flat-rates", default="",
+                   help="also time the profiles flat-a: every unconditional per-position rate a (a_i = a, so "
+                        "the draft acceptance rate, accepted / drafted, is a), comma-separated values of a")
     p.add_argument("--sections", default="target,synthetic,eps,hf",
                    help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
@@ -583,6 +589,7 @@ def main(argv=None) -> int:
 
     def profiles(k):
         out = [(f"uniform-{a}", [a ** (i + 1) for i in range(k)]) for a in (0.6, 0.8, 0.9)]
+        out += [(f"flat-{a}", [float(a)] * k) for a in args.flat_rates.split(",") if a]
         if real:
             out.append(("real-cpu", (real + [real[-1] * 0.9 ** j for j in range(1, k + 1)])[:k]))
         return out
@@ -618,10 +625,11 @@ def main(argv=None) -> int:
     rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-",
              f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
              f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",
+             f"{r['acceptance_rate']:.2f} / {r['expected_acceptance_rate']:.2f}",
              f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
     if rows:
         print_table(["pair", "k", "batch", "profile", "draft quant", "tok/s", "speedup", "at expected AL",
-                     "AL real / expected", "verify/decode", "draft ms/step"], rows)
+                     "AL real / expected", "accept rate real / expected", "verify/decode", "draft ms/step"], rows)
     rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
             for r in results["eps_pair"]]
     if rows:
