@@ -1,4 +1,4 @@
-"""CPU linear kernels side by side: tandem's AVX2 kernel, FBGEMM's fp16 GEMM, torch bf16.
+"""CPU linear kernels side by side: tandem's kernel (each build this CPU runs: AVX-512, AVX2), FBGEMM's fp16 GEMM, torch bf16.
 
     python bench/cpu_gemm.py                 # Qwen2.5-Coder-1.5B / 0.5B layer shapes
     python bench/cpu_gemm.py --rows 1,5 --quick
@@ -7,7 +7,7 @@ Per layer shape (bf16 weights) and row count: the median time of y = x W^T over 
 of W (together larger than the last-level cache, as in a real forward pass, which streams every
 weight from memory), each kernel timed round-robin with the others. Reports ms and the weight
 bandwidth it implies (weight bytes / time), and the load-time cost of each kernel's weight
-preparation per weight (FBGEMM repacks to fp16; the AVX2 kernel and torch use W as loaded).
+preparation per weight (FBGEMM repacks to fp16; our kernel and torch use W as loaded).
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     from tandem.kernels import cpu_gemm
     from tandem.layers.cpu_linear import fbgemm_available
 
-    if cpu_gemm.load_error() is not None:
-        print(f"the AVX2 kernel cannot run here: {cpu_gemm.load_error()}")
+    isas = [isa for isa in cpu_gemm.ISAS if cpu_gemm.load_error(isa) is None]
+    if not isas:
+        print(f"tandem's CPU kernel cannot run here: {cpu_gemm.load_error('avx2')}")
         return 1
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = SHAPES[2:4] if args.quick else SHAPES
@@ -59,8 +60,8 @@ def main(argv=None) -> int:
         for m in rows_list:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             xf = x.float()
-            kernels = {"avx2": lambda w, i: cpu_gemm.gemm_w16(x, w, None, torch.bfloat16),
-                       "torch bf16": lambda w, i: torch.nn.functional.linear(x, w)}
+            kernels = {isa: (lambda w, i, isa=isa: cpu_gemm.gemm_w16(x, w, None, torch.bfloat16, isa)) for isa in isas}
+            kernels["torch bf16"] = lambda w, i: torch.nn.functional.linear(x, w)
             if packs:
                 kernels["fbgemm"] = lambda w, i: torch.ops.quantized.linear_dynamic_fp16(xf, packs[i]).bfloat16()
             if m > 16:
@@ -78,14 +79,14 @@ def main(argv=None) -> int:
                 row[f"{kname}_ms"] = median(ts) * 1e3
             results["rows"].append(row)
             cells = []
-            for kname in ("avx2", "fbgemm", "torch bf16"):
+            for kname in (*isas, "fbgemm", "torch bf16"):
                 ms = row.get(f"{kname}_ms")
                 cells.append("-" if ms is None else f"{ms:.2f} ({n * k * 2 / ms / 1e6:.0f} GB/s)")
             table.append([name, m, *cells])
             print(table[-1], flush=True)
         del ws, packs
     write_json(args.out, results)
-    print_table(["layer", "rows", "avx2 ms (weight GB/s)", "fbgemm ms", "torch bf16 ms"], table,
+    print_table(["layer", "rows", *(f"{isa} ms (weight GB/s)" for isa in isas), "fbgemm ms", "torch bf16 ms"], table,
                 title=f"CPU linears, bf16 weights, {torch.get_num_threads()} threads, weights streamed from memory")
     return 0
 

@@ -19,7 +19,7 @@
   so its launch overlaps that kernel's tail.
 
 And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
-AVX2 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in
+AVX2 or AVX-512 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in
 tests/models/test_cpu_linear.py). It needs no triton.
 
 The Triton submodules import triton; this package file does not, so `import tandem.kernels` is free on

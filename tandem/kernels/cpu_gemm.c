@@ -1,4 +1,4 @@
-/* Small-batch GEMM with 16-bit weights for AVX2 + FMA + F16C CPUs: y = x W^T (+ b).
+/* Small-batch GEMM with 16-bit weights for x86-64 CPUs: y = x W^T (+ b).
  *
  * x is fp32 [M, K], W is bf16 or fp16 [N, K] exactly as the checkpoint stores it (no packing,
  * so loading a model costs nothing here), b is fp32 [N] or NULL, y is fp32, bf16 or fp16 [M, N].
@@ -6,11 +6,16 @@
  * panel of up to PANEL_M rows and widened to fp32 in registers (bf16: a 16-bit shift; fp16: F16C),
  * so 1 + k rows cost about what one row costs.
  *
+ * Two builds of this file: AVX2 + FMA + F16C (8-lane vectors), and with TANDEM_AVX512 defined,
+ * AVX-512 (16 lanes: half the FMA instructions, which is what several rows are bound by on a
+ * CPU of few cores). The Python side loads the widest one the CPU runs.
+ *
  * Every output element is computed the same way whatever M is and wherever its row falls in a
- * tile: one 8-lane fp32 accumulator over the 16-column chunks in order (two FMAs per chunk), a
- * fixed horizontal sum, the scalar tail k >= K - K % 16 in order, then the bias, then one
+ * tile: one VL-lane fp32 accumulator over the CHUNK-column chunks in order (two FMAs per chunk),
+ * a fixed horizontal sum, the scalar tail k >= K - K % CHUNK in order, then the bias, then one
  * rounding. A row's result is therefore bit-identical whether it is multiplied alone (a decode
- * step) or among others (verification, prefill).
+ * step) or among others (verification, prefill). (The two builds sum in different orders, so
+ * their results differ in the last bits; one process uses one build.)
  *
  * Threads: output rows are split into contiguous blocks across an OpenMP team of the size the
  * caller passes (torch.get_num_threads()); the runtime is the libgomp.so.1 PyTorch has already
@@ -23,12 +28,35 @@
 enum { W_BF16 = 0, W_F16 = 1 };
 enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
 
+#ifdef TANDEM_AVX512
+#define VL 16
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vloadu(p) _mm512_loadu_ps(p)
+#define vfmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#else
+#define VL 8
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vloadu(p) _mm256_loadu_ps(p)
+#define vfmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#endif
+#define CHUNK (2 * VL) /* weights a row contributes per step: two vectors */
+
 /* Tiles: weight rows x input rows. Up to SMALL_TILE_M rows (1 + k verification rows for
  * k <= 5) run in one pass; more rows (prefill) in panels of PANEL_M rows with wider tiles.
  * One and two rows get taller tiles: each accumulator takes two dependent FMAs per chunk
  * (8 cycles of latency), so a 2 x 1 tile could not keep the FMA units busy and a decode step
- * would be latency-bound rather than bandwidth-bound. */
+ * would be latency-bound rather than bandwidth-bound. AVX-512's 32 vector registers hold a
+ * 4 x 6 tile with the rows' x (on the 2-core dev machine, 4 rows of the 1.5B's MLP: 4.1 / 2.4 ms
+ * against 4.8 / 2.8 at 2 x 6 and 6.5 / 3.3 for the AVX2 build). */
+#ifdef TANDEM_AVX512
+#define SMALL_TILE_N 4
+#define SMALL_ROWS_OUTER 1
+#else
 #define SMALL_TILE_N 2
+#define SMALL_ROWS_OUTER 0
+#endif
 #define SMALL_TILE_M 6
 #define WIDE_TILE_N 4
 #define WIDE_TILE_M 2
@@ -36,10 +64,20 @@ enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
 #define MAX_TILE_N 8
 #define MAX_TILE_M 6
 
-/* 16 weights at p as two fp32 vectors. bf16: lo holds the even-indexed weights (shifted up),
- * hi the odd ones (low halves masked off), so x must be split the same way (split_x); fp16:
- * lo = p[0:8], hi = p[8:16]. */
-static inline void load_w16(const uint16_t *p, int wkind, __m256 *lo, __m256 *hi) {
+/* CHUNK weights at p as two fp32 vectors. bf16: lo holds the even-indexed weights (shifted
+ * up), hi the odd ones (low halves masked off), so x must be split the same way (split_x); fp16:
+ * lo = p[0:VL], hi = p[VL:2 VL]. */
+static inline void load_w16(const uint16_t *p, int wkind, vec *lo, vec *hi) {
+#ifdef TANDEM_AVX512
+    if (wkind == W_BF16) {
+        __m512i v = _mm512_loadu_si512((const void *)p);
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        *hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        *hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16)));
+    }
+#else
     if (wkind == W_BF16) {
         __m256i v = _mm256_loadu_si256((const __m256i *)p);
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -48,6 +86,7 @@ static inline void load_w16(const uint16_t *p, int wkind, __m256 *lo, __m256 *hi
         *lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         *hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
     }
+#endif
 }
 
 static inline float load_w1(uint16_t h, int wkind) {
@@ -65,6 +104,16 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+static inline float hsum(vec v) {
+#ifdef TANDEM_AVX512
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum8(_mm256_add_ps(lo, hi));
+#else
+    return hsum8(v);
+#endif
 }
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest even, NaN kept quiet */
@@ -87,7 +136,7 @@ static inline void store1(void *y, int64_t at, float v, int ykind) {
 
 /* y[m0 : m0 + mb, n0 : n0 + nb]: tn weight rows (those past N re-read row n0 and are not
  * stored) times mb input rows; tn, mb and rows_outer are constants after inlining. xs is x laid
- * out for load_w16 (16-column chunks), x the original rows (for the tail columns). rows_outer
+ * out for load_w16 (CHUNK-column chunks), x the original rows (for the tail columns). rows_outer
  * only changes which operands stay in registers: every accumulator sees the same FMAs in the
  * same order either way. */
 static inline __attribute__((always_inline)) void tile(
@@ -95,51 +144,52 @@ static inline __attribute__((always_inline)) void tile(
     int64_t N, int64_t n0, int64_t m0, const int nb, const int tn, const int mb, const int rows_outer,
     const int wkind, const int ykind)
 {
-    __m256 acc[MAX_TILE_N][MAX_TILE_M];
+    vec acc[MAX_TILE_N][MAX_TILE_M];
     const uint16_t *wr[MAX_TILE_N];
     for (int i = 0; i < tn; i++) {
         wr[i] = w + (n0 + (i < nb ? i : 0)) * K;
         for (int j = 0; j < mb; j++)
-            acc[i][j] = _mm256_setzero_ps();
+            acc[i][j] = vzero();
     }
-    const int64_t k16 = K - K % 16;
-    /* The next tile's rows follow this one's in memory: fetch them at the rate this tile reads. */
+    const int64_t kc = K - K % CHUNK;
+    /* The next tile's rows follow this one's in memory: fetch them at the rate this tile reads
+     * (2 * CHUNK * tn bytes a step). */
     const char *ahead = (const char *)(w + (n0 + tn) * K);
-    for (int64_t k = 0; k < k16; k += 16) {
-        for (int c = 0; c < tn / 2; c++)
+    for (int64_t k = 0; k < kc; k += CHUNK) {
+        for (int c = 0; c < CHUNK * tn / 32; c++)
             _mm_prefetch(ahead + k * 2 * tn + 64 * c, _MM_HINT_T0);
         if (rows_outer) {  /* x of the mb rows in registers, one weight row at a time */
-            __m256 xe[MAX_TILE_M], xo[MAX_TILE_M];
+            vec xe[MAX_TILE_M], xo[MAX_TILE_M];
             for (int j = 0; j < mb; j++) {
-                xe[j] = _mm256_loadu_ps(xs + (m0 + j) * K + k);
-                xo[j] = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
+                xe[j] = vloadu(xs + (m0 + j) * K + k);
+                xo[j] = vloadu(xs + (m0 + j) * K + k + VL);
             }
             for (int i = 0; i < tn; i++) {
-                __m256 lo, hi;
+                vec lo, hi;
                 load_w16(wr[i] + k, wkind, &lo, &hi);
                 for (int j = 0; j < mb; j++) {
-                    acc[i][j] = _mm256_fmadd_ps(lo, xe[j], acc[i][j]);
-                    acc[i][j] = _mm256_fmadd_ps(hi, xo[j], acc[i][j]);
+                    acc[i][j] = vfmadd(lo, xe[j], acc[i][j]);
+                    acc[i][j] = vfmadd(hi, xo[j], acc[i][j]);
                 }
             }
         } else {  /* the tn weight rows in registers, one x row at a time */
-            __m256 lo[MAX_TILE_N], hi[MAX_TILE_N];
+            vec lo[MAX_TILE_N], hi[MAX_TILE_N];
             for (int i = 0; i < tn; i++)
                 load_w16(wr[i] + k, wkind, &lo[i], &hi[i]);
             for (int j = 0; j < mb; j++) {
-                const __m256 xe = _mm256_loadu_ps(xs + (m0 + j) * K + k);
-                const __m256 xo = _mm256_loadu_ps(xs + (m0 + j) * K + k + 8);
+                const vec xe = vloadu(xs + (m0 + j) * K + k);
+                const vec xo = vloadu(xs + (m0 + j) * K + k + VL);
                 for (int i = 0; i < tn; i++) {
-                    acc[i][j] = _mm256_fmadd_ps(lo[i], xe, acc[i][j]);
-                    acc[i][j] = _mm256_fmadd_ps(hi[i], xo, acc[i][j]);
+                    acc[i][j] = vfmadd(lo[i], xe, acc[i][j]);
+                    acc[i][j] = vfmadd(hi[i], xo, acc[i][j]);
                 }
             }
         }
     }
     for (int i = 0; i < nb; i++) {
         for (int j = 0; j < mb; j++) {
-            float s = hsum8(acc[i][j]);
-            for (int64_t k = k16; k < K; k++)
+            float s = hsum(acc[i][j]);
+            for (int64_t k = kc; k < K; k++)
                 s += load_w1(wr[i][k], wkind) * x[(m0 + j) * K + k];
             if (bias)
                 s += bias[n0 + i];
@@ -184,7 +234,7 @@ static void NAME(const float *xs, const float *x, const uint16_t *w, const float
 
 DEFINE_SWEEP(sweep_one, 8, 1, 1)
 DEFINE_SWEEP(sweep_two, 4, 2, 1)
-DEFINE_SWEEP(sweep_small, SMALL_TILE_N, SMALL_TILE_M, 0)
+DEFINE_SWEEP(sweep_small, SMALL_TILE_N, SMALL_TILE_M, SMALL_ROWS_OUTER)
 DEFINE_SWEEP(sweep_wide, WIDE_TILE_N, WIDE_TILE_M, 1)
 
 static void gemm(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,
@@ -211,15 +261,16 @@ static void gemm(const float *xs, const float *x, const uint16_t *w, const float
     }
 }
 
-/* xs[m, c*16 + t] = x[m, c*16 + 2t] and xs[m, c*16 + 8 + t] = x[m, c*16 + 2t + 1] for t < 8:
- * the even/odd split load_w16 gives bf16 weights. Columns past the last full chunk are unused. */
+/* xs[m, c*CHUNK + t] = x[m, c*CHUNK + 2t] and xs[m, c*CHUNK + VL + t] = x[m, c*CHUNK + 2t + 1] for
+ * t < VL: the even/odd split load_w16 gives bf16 weights. Columns past the last full chunk are
+ * unused. */
 static void split_x(const float *x, float *xs, int64_t M, int64_t K) {
-    const int64_t k16 = K - K % 16;
+    const int64_t kc = K - K % CHUNK;
     for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < k16; k += 16)
-            for (int t = 0; t < 8; t++) {
+        for (int64_t k = 0; k < kc; k += CHUNK)
+            for (int t = 0; t < VL; t++) {
                 xs[m * K + k + t] = x[m * K + k + 2 * t];
-                xs[m * K + k + 8 + t] = x[m * K + k + 2 * t + 1];
+                xs[m * K + k + VL + t] = x[m * K + k + 2 * t + 1];
             }
 }
 

@@ -1,21 +1,24 @@
-"""CPU matmuls for bf16/fp16 models: our AVX2 kernel, or FBGEMM's fp16-weight GEMM.
+"""CPU matmuls for bf16/fp16 models: our kernel (AVX-512 or AVX2 build), or FBGEMM's fp16-weight GEMM.
 
-On CPUs without native bf16 matrix instructions (AVX2-only x86), PyTorch's bf16 linear costs
-the same per input row: verifying 1 + k tokens costs 1 + k decode steps, which leaves
+On CPUs without native bf16 matrix instructions (AVX2 / AVX-512F x86), PyTorch's bf16 linear
+costs the same per input row: verifying 1 + k tokens costs 1 + k decode steps, which leaves
 speculative decoding nothing to gain. Two kernels stream the weights once for a small batch of
 rows and compute in fp32:
 
-- "avx2" (tandem/kernels/cpu_gemm.c): reads the bf16/fp16 weights exactly as loaded, so it
-  costs nothing at load time and loses no precision, and each row's result is bit-identical
-  whatever the batch (a verified token sees the same logits as a decoded one). On the 2-core
-  dev machine a 17920 x 1536 bf16 layer takes about 1.8 / 2.9 ms for 1 / 5 rows (torch bf16:
-  3.1 / 13.6 ms). Needs a C compiler at first use (the build is cached).
+- "avx512" / "avx2" (tandem/kernels/cpu_gemm.c, two builds of one source): reads the bf16/fp16
+  weights exactly as loaded, so it costs nothing at load time and loses no precision, and each
+  row's result is bit-identical whatever the batch (a verified token sees the same logits as a
+  decoded one). On the 2-core dev machine (AVX-512F), a 17920 x 1536 bf16 layer takes about
+  3.6 / 4.1 ms for 1 / 4 rows with the AVX-512 build and 3.8 / 6.5 with the AVX2 one (one row
+  is bound by memory, several by the FMAs, which AVX-512 halves). Needs a C compiler at first
+  use (the build is cached).
 - "fbgemm": the kernel behind PyTorch's dynamic fp16 linear, about as fast, but its weights
   must be repacked to fp16 at load (6-9 ns per weight on 2 cores: 14-19 s for the
   Qwen2.5-Coder pair), tiny weights (< 6.1e-5) are rounded to fp16's subnormal grid, and a
   weight above 65504 cannot be stored and is refused.
 
-"auto" takes avx2 where it can be built, else fbgemm, else torch's own linear.
+"auto" takes the widest build of our kernel that runs here (avx512, then avx2), else fbgemm,
+else torch's own linear.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from tandem.errors import ConfigError
 from tandem.kernels import cpu_gemm
 
-CPU_MATMULS = ("auto", "avx2", "fbgemm", "torch")
+CPU_MATMULS = ("auto", "avx512", "avx2", "fbgemm", "torch")
 
 
 def fbgemm_available() -> bool:
@@ -53,35 +56,41 @@ class FbgemmLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weights (FBGEMM)"
 
 
-class Avx2Linear(nn.Module):
-    """y = x W^T (+ b) through tandem/kernels/cpu_gemm.c on the weight as loaded; called like nn.Linear."""
+class W16Linear(nn.Module):
+    """y = x W^T (+ b) through the `isa` build of tandem/kernels/cpu_gemm.c on the weight as
+    loaded; called like nn.Linear."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, isa: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.isa = isa
         self.weight = linear.weight  # [out, in] bf16/fp16, shared with a tied embedding if any
         self.bias32 = linear.bias.detach().float() if linear.bias is not None else None  # [out]
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = cpu_gemm.gemm_w16(x.reshape(-1, self.in_features), self.weight, self.bias32, self.weight.dtype)
+        y = cpu_gemm.gemm_w16(x.reshape(-1, self.in_features), self.weight, self.bias32, self.weight.dtype,
+                              self.isa)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} (AVX2 kernel)"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} "
+                f"({self.isa} kernel)")
 
 
 def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel a model on `device` in `dtype` runs its linears through: "avx2", "fbgemm"
-    or "torch" (the nn.Linear as built). An explicit choice that cannot run here is an error."""
+    """Which kernel a model on `device` in `dtype` runs its linears through: "avx512" or "avx2"
+    (a build of our kernel), "fbgemm" or "torch" (the nn.Linear as built). An explicit choice
+    that cannot run here is an error."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or cpu_matmul == "torch":
         return "torch"
-    if cpu_matmul in ("auto", "avx2"):
-        err = cpu_gemm.load_error()
-        if err is None:
-            return "avx2"
-        if cpu_matmul == "avx2":
-            raise ConfigError(f"cpu_matmul='avx2' cannot run here: {err}; use cpu_matmul='auto' or 'torch'")
+    if cpu_matmul in cpu_gemm.ISAS:
+        err = cpu_gemm.load_error(cpu_matmul)
+        if err is not None:
+            raise ConfigError(f"cpu_matmul={cpu_matmul!r} cannot run here: {err}; use cpu_matmul='auto' or 'torch'")
+        return cpu_matmul
+    if cpu_matmul == "auto" and cpu_gemm.best_isa() is not None:
+        return cpu_gemm.best_isa()
     if fbgemm_available():
         return "fbgemm"
     if cpu_matmul == "fbgemm":
@@ -97,11 +106,11 @@ def linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def prepare_linears(model: nn.Module, kind: str) -> None:
     """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place."""
-    if kind == "avx2":
+    if kind in cpu_gemm.ISAS:
         for module, name, child in linear_sites(model):
             if not child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
-            setattr(module, name, Avx2Linear(child))
+            setattr(module, name, W16Linear(child, kind))
     elif kind == "fbgemm":
         pack_linears(model)
 

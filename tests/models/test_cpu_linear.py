@@ -1,4 +1,4 @@
-"""CPU bf16/fp16 linears: our AVX2 kernel (tandem/kernels/cpu_gemm.c) and FBGEMM's fp16 GEMM."""
+"""CPU bf16/fp16 linears: our kernel (tandem/kernels/cpu_gemm.c, its AVX-512 and AVX2 builds) and FBGEMM's fp16 GEMM."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +8,16 @@ from torch import nn
 from tandem import LLM, SamplingParams
 from tandem.errors import ConfigError
 from tandem.kernels import cpu_gemm
-from tandem.layers.cpu_linear import Avx2Linear, FbgemmLinear, cpu_linear_kind, fbgemm_available, pack_linears
+from tandem.layers.cpu_linear import FbgemmLinear, W16Linear, cpu_linear_kind, fbgemm_available, pack_linears
 from tests.helpers import make_hf_model
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="this PyTorch build has no FBGEMM")
-needs_avx2 = pytest.mark.skipif(cpu_gemm.load_error() is not None, reason=f"cpu_gemm: {cpu_gemm.load_error()}")
+needs_avx2 = pytest.mark.skipif(cpu_gemm.load_error("avx2") is not None,
+                                reason=f"cpu_gemm: {cpu_gemm.load_error('avx2')}")
+# Every build this CPU runs (an AVX-512 CPU runs both), each a parameter of the kernel tests.
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_gemm.load_error(isa) is not None,
+                                                   reason=f"cpu_gemm: {cpu_gemm.load_error(isa)}"))
+        for isa in cpu_gemm.ISAS]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -24,19 +29,20 @@ def _weights(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
 
 
-@needs_avx2
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 50, 100])
-@pytest.mark.parametrize("n,k", [(200, 96), (7, 90), (33, 16), (5, 3)])
-def test_gemm_w16_matches_reference(wdtype, out_dtype, rows, n, k):
-    """Tile tails in N (odd N), in rows (6-row tiles, 48-row panels) and in K (16-column chunks)."""
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 6, 7, 13, 50, 100])
+@pytest.mark.parametrize("n,k", [(200, 96), (7, 90), (33, 16), (5, 3), (9, 70)])
+def test_gemm_w16_matches_reference(wdtype, out_dtype, rows, n, k, isa):
+    """Tile tails in N (odd N), in rows (6-row tiles, 48-row panels) and in K (16- / 32-column
+    chunks of the AVX2 / AVX-512 build)."""
     w = _weights(n, k, wdtype, seed=rows * 1000 + n + k)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     for b in (None, bias):
-        out = cpu_gemm.gemm_w16(x, w, b, out_dtype)
+        out = cpu_gemm.gemm_w16(x, w, b, out_dtype, isa)
         ref = cpu_gemm.gemm_w16_ref(x, w, b, torch.float64)
         assert out.shape == (rows, n) and out.dtype == out_dtype
         if out_dtype == torch.float32:  # only the summation order differs from float64
@@ -45,65 +51,66 @@ def test_gemm_w16_matches_reference(wdtype, out_dtype, rows, n, k):
             torch.testing.assert_close(out, ref.to(out_dtype), rtol=torch.finfo(out_dtype).eps, atol=1e-5)
 
 
-@needs_avx2
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [2, 5, 6, 7, 12, 13, 49])
-def test_each_row_is_bit_identical_to_computing_it_alone(rows):
+def test_each_row_is_bit_identical_to_computing_it_alone(rows, isa):
     """A verified token's row equals the decode step's row exactly, whatever the batch."""
     w = _weights(70, 1000, torch.bfloat16, seed=rows)
     x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     bias = torch.randn(70)
-    batched = cpu_gemm.gemm_w16(x, w, bias, torch.bfloat16)
-    alone = torch.cat([cpu_gemm.gemm_w16(x[i:i + 1], w, bias, torch.bfloat16) for i in range(rows)])
+    batched = cpu_gemm.gemm_w16(x, w, bias, torch.bfloat16, isa)
+    alone = torch.cat([cpu_gemm.gemm_w16(x[i:i + 1], w, bias, torch.bfloat16, isa) for i in range(rows)])
     assert torch.equal(batched, alone)
 
 
-@needs_avx2
-def test_thread_count_does_not_change_results():
+@pytest.mark.parametrize("isa", ISAS)
+def test_thread_count_does_not_change_results(isa):
     w = _weights(301, 640, torch.bfloat16, seed=3)
     x = torch.randn(5, 640).to(torch.bfloat16)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_gemm.gemm_w16(x, w, None, torch.float32)
+        one = cpu_gemm.gemm_w16(x, w, None, torch.float32, isa)
         torch.set_num_threads(2)
-        two = cpu_gemm.gemm_w16(x, w, None, torch.float32)
+        two = cpu_gemm.gemm_w16(x, w, None, torch.float32, isa)
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one, two)
 
 
-@needs_avx2
-def test_special_values_and_empty_input():
+@pytest.mark.parametrize("isa", ISAS)
+def test_special_values_and_empty_input(isa):
     w = _weights(4, 32, torch.bfloat16, seed=0)
     x = torch.zeros(3, 32)
     x[1, 5] = float("nan")
     x[2, 0] = 1e38
     w[:, 0] = 1e4
-    out = cpu_gemm.gemm_w16(x, w, None, torch.bfloat16)
+    out = cpu_gemm.gemm_w16(x, w, None, torch.bfloat16, isa)
     assert torch.equal(out[0], torch.zeros(4, dtype=torch.bfloat16))
     assert out[1].isnan().all()
     assert out[2].isinf().all()
-    assert cpu_gemm.gemm_w16(x[:0], w, None, torch.bfloat16).shape == (0, 4)
+    assert cpu_gemm.gemm_w16(x[:0], w, None, torch.bfloat16, isa).shape == (0, 4)
 
 
 @needs_avx2
 def test_bad_operands_are_refused():
+    isa = "avx2"
     w = _weights(4, 32, torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="weight must be a contiguous bf16/fp16"):
-        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.t(), None, torch.float32)
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.t(), None, torch.float32, isa)
     with pytest.raises(ValueError, match="weight must be"):
-        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.float(), None, torch.float32)
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w.float(), None, torch.float32, isa)
     with pytest.raises(ValueError, match="bias must be a contiguous fp32"):
-        cpu_gemm.gemm_w16(torch.zeros(2, 32), w, torch.zeros(4, dtype=torch.bfloat16), torch.float32)
+        cpu_gemm.gemm_w16(torch.zeros(2, 32), w, torch.zeros(4, dtype=torch.bfloat16), torch.float32, isa)
 
 
-@needs_avx2
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_avx2_linear_matches_nn_linear(bias):
+def test_w16_linear_matches_nn_linear(bias, isa):
     lin = nn.Linear(96, 200, bias=bias).to(torch.bfloat16).requires_grad_(False)
     x = torch.randn(2, 5, 96).to(torch.bfloat16)
     ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
-    fast = Avx2Linear(lin)
+    fast = W16Linear(lin, isa)
     assert fast.weight is lin.weight  # no copy: a tied embedding keeps sharing it
     out = fast(x)
     assert out.shape == (2, 5, 200) and out.dtype == torch.bfloat16
@@ -151,7 +158,15 @@ def test_selection():
     assert cpu_linear_kind("torch", cpu, bf16) == "torch"
     assert cpu_linear_kind("auto", torch.device("cuda"), bf16) == "torch"
     fallback = "fbgemm" if fbgemm_available() else "torch"
-    assert cpu_linear_kind("auto", cpu, bf16) == ("avx2" if cpu_gemm.load_error() is None else fallback)
+    assert cpu_linear_kind("auto", cpu, bf16) == (cpu_gemm.best_isa() or fallback)
+    if cpu_gemm.load_error("avx512") is None:  # the widest build runs by default
+        assert cpu_gemm.best_isa() == "avx512"
+    for isa in cpu_gemm.ISAS:
+        if cpu_gemm.load_error(isa) is None:
+            assert cpu_linear_kind(isa, cpu, bf16) == isa
+        else:
+            with pytest.raises(ConfigError, match=f"cpu_matmul='{isa}' cannot run here"):
+                cpu_linear_kind(isa, cpu, bf16)
 
 
 def test_unbuildable_kernel_falls_back_or_says_why(monkeypatch):
@@ -159,7 +174,8 @@ def test_unbuildable_kernel_falls_back_or_says_why(monkeypatch):
     cpu_gemm._load.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     try:
-        assert "no C compiler" in cpu_gemm.load_error()
+        assert "no C compiler" in cpu_gemm.load_error("avx2")
+        assert cpu_gemm.best_isa() is None
         assert cpu_linear_kind("auto", torch.device("cpu"), torch.bfloat16) in ("fbgemm", "torch")
         with pytest.raises(ConfigError, match="cpu_matmul='avx2' cannot run here: .*no C compiler.*cpu_matmul='auto'"):
             cpu_linear_kind("avx2", torch.device("cpu"), torch.bfloat16)
@@ -181,8 +197,9 @@ def test_engine_greedy_matches_torch_matmul(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["The quick brown fox", "def fib(n):"]
     modes = {"torch": nn.Linear}
-    if cpu_gemm.load_error() is None:
-        modes["avx2"] = Avx2Linear
+    for isa in cpu_gemm.ISAS:
+        if cpu_gemm.load_error(isa) is None:
+            modes[isa] = W16Linear
     if fbgemm_available():
         modes["fbgemm"] = FbgemmLinear
     outs = {}
@@ -190,7 +207,8 @@ def test_engine_greedy_matches_torch_matmul(tmp_path):
         llm = LLM(str(tmp_path / "m"), dtype="bfloat16", cpu_matmul=mode, max_model_len=256,
                   speculative_config={"model": str(tmp_path / "m"), "num_speculative_tokens": 3})
         for model in (llm.engine.runner.model, llm.engine.runner.speculator.model):
-            kinds = {type(m) for m in model.modules()} & {nn.Linear, Avx2Linear, FbgemmLinear}
+            kinds = {type(m) for m in model.modules()} & {nn.Linear, W16Linear, FbgemmLinear}
             assert kinds == {kind}, mode
+            assert {m.isa for m in model.modules() if isinstance(m, W16Linear)} <= {mode}
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(out == outs["torch"] for out in outs.values())
