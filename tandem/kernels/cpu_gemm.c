@@ -48,9 +48,9 @@ typedef __m256 vec;
  * One and two rows get taller tiles: each accumulator takes two dependent FMAs per chunk
  * (8 cycles of latency), so a 2 x 1 tile could not keep the FMA units busy and a decode step
  * would be latency-bound rather than bandwidth-bound (AVX2: 8 x 1; AVX-512, whose chunks are
- * twice as wide: 4 x 1). AVX-512's 32 vector registers hold a
- * 4 x 6 tile with the rows' x (on the 2-core dev machine, 4 rows of the 1.5B's MLP: 4.1 / 2.4 ms
- * against 4.8 / 2.8 at 2 x 6 and 6.5 / 3.3 for the AVX2 build). */
+ * twice as wide: 4 x 1). With AVX-512's 32 vector registers, a 4 x 6 tile keeping the rows'
+ * x in registers paid best (on the 2-core dev machine, 4 rows of the 1.5B's gate_up / down:
+ * 4.1 / 2.4 ms against 4.8 / 2.8 at 2 x 6 and 6.5 / 3.3 for the AVX2 build). */
 #ifdef TANDEM_AVX512
 #define ONE_TILE_N 4 /* a decode row: 8 x 1 streamed ~5% slower at 16 lanes (a 1.5B forward: 219 / 216 ms) */
 #define SMALL_TILE_N 4
