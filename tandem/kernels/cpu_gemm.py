@@ -25,8 +25,9 @@ from tandem.models.hub import cache_root
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-# The builds of cpu_gemm.c: its 8-lane AVX2 form, and its 16-lane AVX-512 form.
-ISAS = {"avx2": [], "avx512": ["-mavx512f", "-DTANDEM_AVX512"]}
+# The builds of cpu_gemm.c and their extra flags, widest first: its 16-lane AVX-512 form, its
+# 8-lane AVX2 form.
+ISAS = {"avx512": ["-mavx512f", "-DTANDEM_AVX512"], "avx2": []}
 _WEIGHT_KIND = {torch.bfloat16: 0, torch.float16: 1}
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -86,7 +87,7 @@ def load_error(isa: str) -> str | None:
 
 def best_isa() -> str | None:
     """The widest build that runs here ("avx512", then "avx2"), or None."""
-    return next((isa for isa in ("avx512", "avx2") if load_error(isa) is None), None)
+    return next((isa for isa in ISAS if load_error(isa) is None), None)
 
 
 def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype, isa: str) -> Tensor:

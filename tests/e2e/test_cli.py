@@ -37,6 +37,14 @@ def _argparse_error(capsys, argv) -> str:
     return capsys.readouterr().err
 
 
+def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: str, tail: list[str]) -> None:
+    """`tandem command argv tail` fails while parsing, naming flag, without a traceback."""
+    if "--model" not in argv:
+        argv = ["--model", str(tmp_path / "missing")] + argv
+    err = _argparse_error(capsys, [command, *argv, *tail])
+    assert f"argument {flag}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--model", ""], "--model"),
     (["--model", "  "], "--model"),
@@ -46,10 +54,7 @@ def _argparse_error(capsys, argv) -> str:
     (["--max-model-len", "0"], "--max-model-len"),
 ])
 def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
-    if "--model" not in argv:
-        argv = ["--model", str(tmp_path / "missing")] + argv
-    err = _argparse_error(capsys, ["generate", *argv, "hello"])
-    assert f"argument {flag}" in err and "Traceback" not in err
+    _assert_names_flag(tmp_path, capsys, "generate", argv, flag, ["hello"])
 
 
 @pytest.mark.parametrize("extra, flag", [
@@ -102,10 +107,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["-k", "0"], "--num-speculative-tokens"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
-    if "--model" not in argv:
-        argv = ["--model", str(tmp_path / "missing")] + argv
-    err = _argparse_error(capsys, ["serve", *argv])
-    assert f"argument {flag}" in err and "Traceback" not in err
+    _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
 
 
 @pytest.mark.parametrize("extra, flag", [
