@@ -38,12 +38,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="two shapes, fewer repeats")
     p.add_argument("--out", default="bench/results/cpu_gemm.json")
     args = p.parse_args(argv)
-    from tandem.kernels import cpu_gemm
+    from tandem.kernels import cpu_build, cpu_gemm
     from tandem.layers.cpu_linear import fbgemm_available
 
-    isas = [isa for isa in cpu_gemm.ISAS if cpu_gemm.load_error(isa) is None]
+    isas = [isa for isa in cpu_build.ISAS if cpu_build.load_error(isa) is None]
     if not isas:
-        print(f"tandem's CPU kernel cannot run here: {cpu_gemm.load_error('avx2')}")
+        print(f"tandem's CPU kernel cannot run here: {cpu_build.load_error('avx2')}")
         return 1
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = SHAPES[2:4] if args.quick else SHAPES

@@ -104,3 +104,17 @@ def hf_model(path: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+
+
+def assert_greedy_equal_up_to_near_tie(out, ref, gap: float = 0.05, logprob_tol: float | None = None) -> None:
+    """Two greedy CompletionOutputs of one prompt (both with logprobs >= 2) agree token for token
+    until, if ever, the first place where they differ, and there the reference's two best tokens
+    were within `gap` of each other (a different rounding may break such a tie either way). With
+    logprob_tol, the chosen tokens' logprobs before that place agree within it."""
+    for t, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)):
+        if a != b:
+            top = sorted(lp.logprob for lp in ref.logprobs[t].values())[-2:]
+            assert top[1] - top[0] < gap, f"token {t}: {a} != {b}, but the reference's best two were {top}"
+            return
+        if logprob_tol is not None:
+            assert abs(out.logprobs[t][a].logprob - ref.logprobs[t][b].logprob) < logprob_tol, t

@@ -18,9 +18,14 @@
   the kernel before it first thing (the attention reads its step metadata before: see pdl.py),
   so its launch overlaps that kernel's tail.
 
-And one CPU kernel, in C: cpu_gemm.gemm_w16, small-batch GEMM with bf16/fp16 weights for
-AVX2 or AVX-512 CPUs (built with the system compiler on first use; reference gemm_w16_ref, tested in
-tests/models/test_cpu_linear.py). It needs no triton.
+And the CPU kernels, in C (one library built with the system compiler on first use for AVX2 or
+AVX-512 CPUs: cpu_build), which need no triton:
+- cpu_gemm.gemm_w16: small-batch GEMM with bf16/fp16 weights (reference gemm_w16_ref; tested
+  in tests/models/test_cpu_linear.py).
+- cpu_rows: RMSNorm (+ residual), rotary, SiLU-and-mul rows (references: the torch paths of
+  tandem/layers and decoder.MLP; tests/models/test_cpu_rows.py).
+- cpu_attention.paged_attention: the step's KV store and every query token's paged attention
+  (reference: tandem/layers/attention.py; tests/models/test_cpu_attention.py).
 
 The Triton submodules import triton; this package file does not, so `import tandem.kernels` is free on
 machines without it. Every wrapper takes its sizes from tensor shapes and host-known bounds

@@ -1,6 +1,6 @@
 /* Small-batch GEMM with 16-bit weights for x86-64 CPUs: y = x W^T (+ b).
  *
- * x is fp32 [M, K], W is bf16 or fp16 [N, K] exactly as the checkpoint stores it (no packing,
+ * x is fp32, bf16 or fp16 [M, K] (widened to fp32 first), W is bf16 or fp16 [N, K] exactly as the checkpoint stores it (no packing,
  * so loading a model costs nothing here), b is fp32 [N] or NULL, y is fp32, bf16 or fp16 [M, N].
  * Decoding and verification are bound by reading W: each weight is read from memory once per
  * panel of up to PANEL_M rows and widened to fp32 in registers (bf16: a 16-bit shift; fp16: F16C),
@@ -21,12 +21,11 @@
  * caller passes (torch.get_num_threads()); the runtime is the libgomp.so.1 PyTorch has already
  * loaded, so both share one pool of threads.
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 
-enum { W_BF16 = 0, W_F16 = 1 };
+enum { W_BF16 = H_BF16, W_F16 = H_F16 };
 enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
+enum { X_F32 = Y_F32, X_BF16 = Y_BF16, X_F16 = Y_F16 }; /* the kinds x may arrive in */
 
 #ifdef TANDEM_AVX512
 #define VL 16
@@ -92,16 +91,6 @@ static inline void load_w16(const uint16_t *p, int wkind, vec *lo, vec *hi) {
 #endif
 }
 
-static inline float load_w1(uint16_t h, int wkind) {
-    if (wkind == W_BF16) {
-        uint32_t u = (uint32_t)h << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return _cvtsh_ss(h);
-}
-
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -117,15 +106,6 @@ static inline float hsum(vec v) {
 #else
     return hsum8(v);
 #endif
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, NaN kept quiet */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline void store1(void *y, int64_t at, float v, int ykind) {
@@ -193,7 +173,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < mb; j++) {
             float s = hsum(acc[i][j]);
             for (int64_t k = kc; k < K; k++)
-                s += load_w1(wr[i][k], wkind) * x[(m0 + j) * K + k];
+                s += from_half(wr[i][k], wkind) * x[(m0 + j) * K + k];
             if (bias)
                 s += bias[n0 + i];
             store1(y, (m0 + j) * N + n0 + i, s, ykind);
@@ -277,22 +257,40 @@ static void split_x(const float *x, float *xs, int64_t M, int64_t K) {
             }
 }
 
-/* Entry point. scratch: M * K floats for the bf16 layout of x (unused for fp16 weights).
- * Returns 0, or -1 for a dtype code it does not know. */
-int tandem_gemm_w16(const float *x, const uint16_t *w, const float *bias, void *y, float *scratch,
-                    int64_t M, int64_t K, int64_t N, int wkind, int ykind, int num_threads)
+/* x [M, K] of kind xkind at row stride x_stride -> fp32 [M, K] contiguous. */
+static void widen_x(const void *x, int64_t x_stride, int xkind, float *out, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++) {
+        if (xkind == X_F32) {
+            memcpy(out + m * K, (const float *)x + m * x_stride, (size_t)K * sizeof(float));
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)x + m * x_stride;
+        const int kind = xkind == X_BF16 ? H_BF16 : H_F16;
+        for (int64_t k = 0; k < K; k++)
+            out[m * K + k] = from_half(row[k], kind);
+    }
+}
+
+/* Entry point. x: [M, K] fp32, bf16 or fp16 (xkind, the Y_* codes), rows x_stride elements
+ * apart; it is widened to fp32 exactly, so the result does not depend on how x arrives.
+ * scratch: 2 * M * K floats (the bf16 layout of x, and x widened when it is not fp32 rows
+ * already). Returns 0, or -1 for a dtype code it does not know. */
+int tandem_gemm_w16(const void *x, int64_t x_stride, int xkind, const uint16_t *w, const float *bias, void *y,
+                    float *scratch, int64_t M, int64_t K, int64_t N, int wkind, int ykind, int num_threads)
 {
-    const float *xs = x;
+    if ((wkind != W_BF16 && wkind != W_F16) || ykind < Y_F32 || ykind > Y_F16 || xkind < X_F32 || xkind > X_F16)
+        return -1;
+    const float *xf = (const float *)x;
+    if (xkind != X_F32 || x_stride != K) {
+        float *plain = scratch + M * K;
+        widen_x(x, x_stride, xkind, plain, M, K);
+        xf = plain;
+    }
+    const float *xs = xf;
     if (wkind == W_BF16) {
-        split_x(x, scratch, M, K);
+        split_x(xf, scratch, M, K);
         xs = scratch;
     }
-    if (wkind != W_BF16 && wkind != W_F16)
-        return -1;
-    switch (ykind) {
-        case Y_F32: case Y_BF16: case Y_F16:
-            gemm(xs, x, w, bias, y, M, K, N, num_threads, wkind, ykind);
-            return 0;
-        default: return -1;
-    }
+    gemm(xs, xf, w, bias, y, M, K, N, num_threads, wkind, ykind);
+    return 0;
 }

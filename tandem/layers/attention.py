@@ -17,11 +17,14 @@ change the output) is batched by equal query length with a causal mask.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from tandem.kernels import cpu_attention
 
 # Longest query chunk against a cached prefix attended token by token (see above).
 ROWWISE_MAX_Q = 16
@@ -48,19 +51,37 @@ class RowGroup:
 
 
 @dataclass(slots=True)
+class AttnRows:
+    """Every query token of a step as one row, for the C kernel (tandem/kernels/cpu_attention.py):
+    row r is token `token[r]` and sees the first `len[r]` keys of its slot list,
+    slots[slot_start[r]:]. The same visibility as the groups, in one flat form."""
+
+    token: Tensor  # [R] int64, row of the flat token dim
+    slot_start: Tensor  # [R] int64, offset of the row's slot list in `slots`
+    len: Tensor  # [R] int64, keys the row sees
+    slots: Tensor  # [S] int64 flat cache slots, the requests' lists one after another
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     """Everything attention needs for one step of one model; shared by all its layers."""
 
     slot_mapping: Tensor  # [num_tokens] int64, flat KV slot (block * block_size + offset) per token
     groups: list[AttnGroup | RowGroup]
     num_tokens: int
+    rows: AttnRows | None = None  # the same step as rows (the C kernel's input), where built
 
     fuses_kv_store = False  # the rotary kernel never stores K/V for this path
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float,
-               kv_stored: bool = False) -> Tensor:
-        """Store this step's k/v in the paged cache, then attend. -> [num_tokens, H, D]."""
+               kv_stored: bool = False, cpu_isa: str | None = None) -> Tensor:
+        """Store this step's k/v in the paged cache, then attend. -> [num_tokens, H, D].
+        With cpu_isa (the model's build of tandem's CPU kernels), one C call does both where
+        the tensors fit it; else the PyTorch reference below."""
         assert not kv_stored
+        if cpu_isa is not None and self.rows is not None and cpu_attention.fits(q, k, v, k_cache, v_cache):
+            return cpu_attention.paged_attention(q, k, v, k_cache, v_cache, self.slot_mapping, self.rows, scale,
+                                                 cpu_isa)
         store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
 
@@ -84,19 +105,20 @@ def build_attn_metadata(
 
     groups: list[AttnGroup | RowGroup] = []
     by_len: dict[int, list[int]] = {}
+    request_slots = [_kv_slots(table, start + n, block_size) for start, n, table in zip(start_pos, q_lens, block_tables)]
     for i, (start, n) in enumerate(zip(start_pos, q_lens)):
         if start == 0 and n > 1:  # prompt with no prefix: plain causal
             token_idx = torch.arange(cu[i], cu[i] + n, dtype=torch.int64)[None]
             groups.append(AttnGroup(token_idx.to(device), None, None))
         elif rowwise and n <= ROWWISE_MAX_Q:
-            groups.append(RowGroup(cu[i], n, start, _kv_slots(block_tables[i], start + n, block_size).to(device)))
+            groups.append(RowGroup(cu[i], n, start, request_slots[i].to(device)))
         else:
             by_len.setdefault(n, []).append(i)
     for q_len, members in by_len.items():
         max_kv = max(start_pos[i] + q_len for i in members)
         kv_slots = torch.zeros(len(members), max_kv, dtype=torch.int64)  # masked keys read slot 0
         for row, i in enumerate(members):
-            kv_slots[row, : start_pos[i] + q_len] = _kv_slots(block_tables[i], start_pos[i] + q_len, block_size)
+            kv_slots[row, : start_pos[i] + q_len] = request_slots[i]
         token_idx = torch.tensor([list(range(cu[i], cu[i] + q_len)) for i in members], dtype=torch.int64)
         q_pos = torch.tensor([start_pos[i] for i in members])[:, None] + torch.arange(q_len)  # [G, q_len]
         mask = torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None]  # [G, q_len, max_kv]
@@ -105,7 +127,24 @@ def build_attn_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         groups=groups,
         num_tokens=cu[-1],
+        rows=_rows(start_pos, q_lens, cu, request_slots, device),
     )
+
+
+def _rows(start_pos: list[int], q_lens: list[int], cu: list[int], request_slots: list[Tensor], device) -> AttnRows:
+    """Request i's token t (position start + t) sees the first start + t + 1 of its slots."""
+    token: list[int] = []
+    slot_start: list[int] = []
+    lens: list[int] = []
+    offset = 0
+    for i, (start, n) in enumerate(zip(start_pos, q_lens)):
+        token.extend(range(cu[i], cu[i] + n))
+        slot_start.extend([offset] * n)
+        lens.extend(range(start + 1, start + n + 1))
+        offset += start + n
+    slots = torch.cat(request_slots) if request_slots else torch.zeros(0, dtype=torch.int64)
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+    return AttnRows(as_tensor(token), as_tensor(slot_start), as_tensor(lens), slots.to(device))
 
 
 def _kv_slots(block_table: list[int], kv_len: int, block_size: int) -> Tensor:
@@ -198,4 +237,6 @@ def build_decode_metadata(positions: Tensor, block_table: Tensor, block_size: in
     mask = visible[:, None, None, :]  # [n, 1, 1, max_kv]
     slot_mapping = block_table.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
     token_idx = torch.arange(n, device=positions.device)[:, None]
-    return AttnMetadata(slot_mapping=slot_mapping, groups=[AttnGroup(token_idx, kv_slots, mask)], num_tokens=n)
+    rows = AttnRows(token_idx[:, 0], token_idx[:, 0] * max_kv, (positions + 1).clamp(max=max_kv), kv_slots.flatten())
+    return AttnMetadata(slot_mapping=slot_mapping, groups=[AttnGroup(token_idx, kv_slots, mask)], num_tokens=n,
+                        rows=rows)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.errors import ConfigError
-from tandem.kernels import cpu_gemm
+from tandem.kernels import cpu_build, cpu_gemm
 
 CPU_MATMULS = ("auto", "avx512", "avx2", "fbgemm", "torch")
 
@@ -84,13 +84,13 @@ def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -
     that cannot run here is an error."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or cpu_matmul == "torch":
         return "torch"
-    if cpu_matmul in cpu_gemm.ISAS:
-        err = cpu_gemm.load_error(cpu_matmul)
+    if cpu_matmul in cpu_build.ISAS:
+        err = cpu_build.load_error(cpu_matmul)
         if err is not None:
             raise ConfigError(f"cpu_matmul={cpu_matmul!r} cannot run here: {err}; use cpu_matmul='auto' or 'torch'")
         return cpu_matmul
-    if cpu_matmul == "auto" and cpu_gemm.best_isa() is not None:
-        return cpu_gemm.best_isa()
+    if cpu_matmul == "auto" and cpu_build.best_isa() is not None:
+        return cpu_build.best_isa()
     if fbgemm_available():
         return "fbgemm"
     if cpu_matmul == "fbgemm":
@@ -106,7 +106,7 @@ def linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def prepare_linears(model: nn.Module, kind: str) -> None:
     """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place."""
-    if kind in cpu_gemm.ISAS:
+    if kind in cpu_build.ISAS:
         for module, name, child in linear_sites(model):
             if not child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)

@@ -1,7 +1,8 @@
 """RMSNorm, computed in fp32 and scaled in the input dtype (as the reference implementation).
 
 On CUDA a fused Triton kernel does the (optional) residual add and the norm in one pass,
-bit-compatible with the torch path below.
+bit-compatible with the torch path below; on a CPU with a build of tandem's C kernels
+(`cpu_isa`, set by the loader), one call of tandem.kernels.cpu_rows does it.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import functools
 
 import torch
 from torch import Tensor, nn
+
+from tandem.kernels import cpu_rows
 
 
 @functools.cache
@@ -23,6 +26,8 @@ def fused_kernels_available() -> bool:
 
 
 class RMSNorm(nn.Module):
+    cpu_isa: str | None = None  # the build of tandem's CPU kernels the CPU path calls (None: torch ops)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -35,6 +40,9 @@ class RMSNorm(nn.Module):
             from tandem.kernels.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
+        if (self.cpu_isa is not None and self.weight.dtype == x.dtype and cpu_rows.rows_of(x) is not None
+                and (residual is None or cpu_rows.rows_of(residual) is not None)):
+            return cpu_rows.rms_norm(x, self.weight, self.eps, residual, self.cpu_isa)
         if residual is not None:
             residual.add_(x)
             x = residual

@@ -6,6 +6,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tandem.kernels import cpu_rows
 from tandem.layers.norm import fused_kernels_available
 
 
@@ -34,6 +35,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_positions), applied to q and k per token."""
 
+    cpu_isa: str | None = None  # the build of tandem's CPU kernels the CPU path calls (None: torch ops)
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device=None):
         super().__init__()
         # NOTE: built on an explicit device so the tables are real even when the module is
@@ -49,13 +52,17 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens] int64; q [num_tokens, H, D]; k [num_tokens, Hkv, D].
         On CUDA the fused kernel rotates q and k in place (they may be views of a qkv buffer);
         store = (v, k_cache, v_cache, slot_mapping) also writes k and v into the paged cache
-        in the same launch (CUDA only)."""
+        in the same launch (CUDA only). On a CPU with `cpu_isa`, one C call rotates them in
+        place (the same bits as the torch ops below)."""
         if q.is_cuda and fused_kernels_available():
             from tandem.kernels.fused import rotary_embedding
 
             rotary_embedding(positions, q, k, self.cos, self.sin, store)
             return q, k
         assert store is None, "the fused rotary + KV store runs on CUDA only"
+        if self.cpu_isa is not None and cpu_rows.rotary_fits(positions, q, k, self.cos):
+            cpu_rows.rotary_(positions, q, k, self.cos, self.sin, self.cpu_isa)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

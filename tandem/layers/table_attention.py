@@ -63,7 +63,9 @@ class TableAttnMetadata:
         return self.use_triton
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float,
-               kv_stored: bool = False) -> Tensor:
+               kv_stored: bool = False, cpu_isa: str | None = None) -> Tensor:
+        """Store (unless kv_stored) and attend -> [num_tokens, H, D]; cpu_isa is AttnMetadata's
+        (this form runs the Triton kernels or the dense torch fallback, never the C kernel)."""
         if self.use_triton:
             from tandem.kernels.attention import paged_attention
             from tandem.kernels.kv_store import kv_store

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.config import ArchConfig
+from tandem.kernels import cpu_rows
 from tandem.layers.attention import AttnMetadata
 from tandem.layers.gpu_linear import AddedRow, GemvLinear, NormedRow
 from tandem.layers.norm import RMSNorm, fused_kernels_available
@@ -40,6 +41,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    cpu_isa: str | None = None  # the build of tandem's CPU kernels the CPU attention calls (None: torch ops)
+
     def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -84,7 +87,7 @@ class Attention(nn.Module):
             o = attn.attend(q, k, v, k_cache, v_cache, self.scale, kv_stored=True)
         else:
             q, k = self.rotary(positions, q, k)
-            o = attn.attend(q, k, v, k_cache, v_cache, self.scale)
+            o = attn.attend(q, k, v, k_cache, v_cache, self.scale, cpu_isa=self.cpu_isa)
         o = o.reshape(n, self.num_heads * self.head_dim)
         if add_to is not None:
             return self.o_proj.forward_add_(o, add_to)
@@ -92,6 +95,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    cpu_isa: str | None = None  # the build of tandem's CPU kernels SiLU-and-mul calls (None: torch ops)
+
     def __init__(self, arch: ArchConfig):
         super().__init__()
         # gate and up projections packed into one matmul (rows [gate | up]).
@@ -113,6 +118,8 @@ class MLP(nn.Module):
             from tandem.kernels.fused import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
+        if self.cpu_isa is not None and cpu_rows.rows_of(gate_up) is not None:
+            return self.down_proj(cpu_rows.silu_mul(gate_up, self.cpu_isa))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from tandem.config import ModelConfig
 from tandem.errors import ConfigError
+from tandem.kernels import cpu_build
 from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears
 from tandem.layers.gpu_linear import prepare_gpu_linears
 from tandem.layers.quant import quantize_linears_
@@ -77,8 +78,20 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str) -> Causa
     if device.type == "cuda":
         prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8")
     else:
-        prepare_linears(model, cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype))
+        kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype)
+        prepare_linears(model, kind)
+        if kind in cpu_build.ISAS:
+            use_cpu_kernels(model, kind)
     return model
+
+
+def use_cpu_kernels(model: torch.nn.Module, isa: str) -> None:
+    """Route the CPU path of every module that declares `cpu_isa` (norms, rotary, attention, the
+    MLP's activation) through that build of tandem's C kernels (tandem.kernels.cpu_rows and
+    cpu_attention), beside its GEMM."""
+    for module in model.modules():
+        if hasattr(type(module), "cpu_isa"):
+            module.cpu_isa = isa
 
 
 def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> dict:

@@ -30,24 +30,36 @@ def _our_logits(path, dtype, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_smollm2_logits_match_transformers_gguf(tandem_cache, dtype, tol):
-    """Our forward vs transformers' own loading of the same GGUF file. Tolerance is relative to
-    the logit scale: fp32 1e-4; bf16 3e-2 (both sides round activations to bf16, in different
-    orders, over 30 layers)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_logits_match_transformers_gguf(tandem_cache, dtype):
+    """Our forward vs transformers' own loading of the same GGUF file. fp32: within 1e-4 of the
+    logit scale. bf16: about as close to transformers' fp32 logits as transformers' bf16 logits
+    are (both round activations to bf16, in different orders, over 30 layers; our CPU attention
+    keeps its softmax weights in fp32 where transformers' SDPA rounds them), and within 3e-2 of
+    the scale."""
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = fetch_known_gguf(SMOL, cache_dir=tandem_cache, progress=False)
     conv = resolve_model(SMOL, dtype, cache_dir=tandem_cache, progress=False)
-    ref_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
     ids = AutoTokenizer.from_pretrained(conv)("The capital of France is, of course, a city that").input_ids
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([ids])).logits[0].float()
+
+    def reference(ref_dtype):
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=ref_dtype).eval()
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].float()
+
+    ref = reference(torch.float32)
     ours = _our_logits(conv, dtype, ids)
     scale = ref.abs().max().item()
-    assert (ours - ref).abs().max().item() <= tol * scale
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
+    err = (ours - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-4 * scale
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+        return
+    theirs = (reference(dtype) - ref).abs().max().item()
+    assert err <= 3e-2 * scale and err <= 1.25 * theirs, (err, theirs, scale)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 from tandem import LLM, SamplingParams
 from tandem.models.decoder import KVCache
 from tandem.config import read_arch_config
-from tandem.kernels import cpu_gemm
+from tandem.kernels import cpu_build
 from tandem.layers.quant import quantize_fp8
 from tests.helpers import make_hf_model
 
@@ -73,8 +73,8 @@ def test_bf16_matches_target_only_bit_for_bit(models, k, isa):
     batch and attention runs each decode / verification token alone against exactly its keys, so
     a verified token sees the logits a decoded one would (batched requests, long outputs, partial
     acceptance)."""
-    if cpu_gemm.load_error(isa) is not None:
-        pytest.skip(f"cpu_gemm: {cpu_gemm.load_error(isa)}")
+    if cpu_build.load_error(isa) is not None:
+        pytest.skip(f"CPU kernels: {cpu_build.load_error(isa)}")
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     common = dict(dtype="bfloat16", block_size=8, max_model_len=MAX_LEN, cpu_matmul=isa)
     target = LLM(str(models["target"]), **common)
