@@ -3,8 +3,9 @@
 On a CPU, a decode or verification step's norms, rotary embedding and SiLU-and-mul cost more
 in PyTorch's per-op dispatch than in arithmetic (the 2-core dev machine: ~300 us a norm of a
 few rows, as 9 ops). Each op here is one call into the C library (tandem.kernels.cpu_build) and
-rounds where its reference rounds: rotary and SiLU-and-mul give the reference's bits; RMSNorm
-sums the squares in another order, so a result can differ by one unit in the last place.
+rounds where its reference rounds: rotary gives the reference's bits; RMSNorm (its sum of
+squares in another order) and SiLU-and-mul (a polynomial exp) can differ from it by a unit or
+two in the last place. Each row is computed alone, whatever the rows beside it.
 
 Each wrapper takes bf16 / fp16 tensors laid out as `rows_of` (or `rotary_fits`) accepts. The
 references are the PyTorch paths they replace, which the C code follows: RMSNorm.forward
