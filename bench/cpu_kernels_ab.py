@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         results["runs"].append({"config": name, "torch_tok_s": torch_ops, "c_tok_s": c_kernels,
                                 "ratio": c_kernels / torch_ops, "same_tokens": same,
                                 "rounds": {mode: tok_s[(k, mode)] for mode in ("torch", "C")}})
-        rows.append((name, f"{torch_ops:.2f}", f"{c_kernels:.2f}", f"{c_kernels / torch_ops:.3f}", "yes" if same else "no"))
+        rows.append((name, f"{torch_ops:.2f}", f"{c_kernels:.2f}", f"{c_kernels / torch_ops:.3f}",
+                     "yes" if same else "no"))
     write_json(args.out, results)
     print_table(["engine", "torch ops tok/s", "C kernels tok/s", "ratio", "same tokens"], rows)
     return 0

@@ -70,10 +70,10 @@ static inline __attribute__((always_inline)) void attend_head(
     }
 }
 
-static inline __attribute__((always_inline)) int attend_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *row_token, const int64_t *row_slot_start,
-                        const int64_t *row_len, const int64_t *slots, int64_t rows, int64_t H, int64_t Hkv,
-                        int64_t D, float scale, int num_threads, const int kind)
+static inline __attribute__((always_inline)) int attend_rows(
+    const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *row_token, const int64_t *row_slot_start, const int64_t *row_len, const int64_t *slots,
+    int64_t rows, int64_t H, int64_t Hkv, int64_t D, float scale, int num_threads, const int kind)
 {
     const int64_t rep = H / Hkv;
     int64_t max_len = 0;

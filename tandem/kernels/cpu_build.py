@@ -2,8 +2,9 @@
 
 The library is cpu_gemm.c (small-batch GEMM with 16-bit weights, tandem.kernels.cpu_gemm),
 cpu_rows.c (RMSNorm, rotary, SiLU-and-mul rows, tandem.kernels.cpu_rows) and cpu_attention.c
-(paged attention, tandem.kernels.cpu_attention), compiled together with cpu_common.h. It has two builds (ISAS): "avx2" (AVX2 + FMA + F16C) and "avx512" (AVX-512F,
-twice the lanes in the GEMM). Each is compiled once per source version and compiler into
+(paged attention, tandem.kernels.cpu_attention), compiled together with cpu_common.h. It has
+two builds (ISAS): "avx2" (AVX2 + FMA + F16C) and "avx512" (AVX-512F, twice the lanes in the
+GEMM). Each is compiled once per source version and compiler into
 ``$TANDEM_CACHE/kernels/cpu_kernels-<isa>-<hash>.so`` (written under a temporary name, then
 renamed, so an interrupted build is never loaded) and called through ctypes, which releases the
 GIL. It needs a C compiler (``$CC``, else ``cc``) with OpenMP; `load_error(isa)` says what is
@@ -29,7 +30,8 @@ _SOURCES = [_DIR / "cpu_gemm.c", _DIR / "cpu_rows.c", _DIR / "cpu_attention.c"]
 _HEADERS = [_DIR / "cpu_common.h"]
 # -ffp-contract=off: every multiply and add rounds where the source says (no FMA contraction);
 # -fno-trapping-math lets GCC vectorize the row ops' selects (it changes no result).
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared",
+          "-fPIC"]
 # The builds and their extra flags, widest first: the 16-lane AVX-512 form, the 8-lane AVX2 form.
 ISAS = {"avx512": ["-mavx512f", "-mprefer-vector-width=512", "-DTANDEM_AVX512"], "avx2": []}
 

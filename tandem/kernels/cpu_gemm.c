@@ -1,7 +1,8 @@
 /* Small-batch GEMM with 16-bit weights for x86-64 CPUs: y = x W^T (+ b).
  *
- * x is fp32, bf16 or fp16 [M, K] (widened to fp32 first), W is bf16 or fp16 [N, K] exactly as the checkpoint stores it (no packing,
- * so loading a model costs nothing here), b is fp32 [N] or NULL, y is fp32, bf16 or fp16 [M, N].
+ * x is fp32, bf16 or fp16 [M, K] (widened to fp32 first), W is bf16 or fp16 [N, K] exactly as
+ * the checkpoint stores it (no packing, so loading a model costs nothing here), b is fp32 [N] or
+ * NULL, y is fp32, bf16 or fp16 [M, N].
  * Decoding and verification are bound by reading W: each weight is read from memory once per
  * panel of up to PANEL_M rows and widened to fp32 in registers (bf16: a 16-bit shift; fp16: F16C),
  * so 1 + k rows cost about what one row costs.

@@ -16,8 +16,6 @@
  * (the caller's size, the runtime PyTorch loaded) only when there are enough elements to pay for
  * it (prefill); a decode step's few rows run on the calling thread.
  */
-#include <math.h>
-
 #include "cpu_common.h"
 
 #define PARALLEL_MIN_ELEMS 65536

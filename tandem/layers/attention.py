@@ -105,7 +105,8 @@ def build_attn_metadata(
 
     groups: list[AttnGroup | RowGroup] = []
     by_len: dict[int, list[int]] = {}
-    request_slots = [_kv_slots(table, start + n, block_size) for start, n, table in zip(start_pos, q_lens, block_tables)]
+    request_slots = [_kv_slots(table, start + n, block_size)
+                     for start, n, table in zip(start_pos, q_lens, block_tables)]
     for i, (start, n) in enumerate(zip(start_pos, q_lens)):
         if start == 0 and n > 1:  # prompt with no prefix: plain causal
             token_idx = torch.arange(cu[i], cu[i] + n, dtype=torch.int64)[None]
