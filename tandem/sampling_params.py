@@ -39,7 +39,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # logprobs of each prompt token (after the first) and its top-n
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); text keeps BOS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 

@@ -26,13 +26,16 @@ def _tokenizer_files() -> dict:
     return {"json": tok.to_str()}
 
 
-def save_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer
+def save_tokenizer(path: Path, add_bos: bool = False) -> None:
+    """The test tokenizer; add_bos=True makes it put <s> before every text, as Llama's does."""
+    from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_files()["json"]), bos_token="<s>", eos_token="</s>"
-    )
+    backend = Tokenizer.from_str(_tokenizer_files()["json"])
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
     tok.chat_template = (
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -56,6 +59,7 @@ def make_hf_model(
     rope_scaling: dict | None = None,
     seed: int = 0,
     tokenizer: bool = True,
+    add_bos: bool = False,
     init_std: float = 0.2,
 ) -> Path:
     """Save a random transformers model (fp32 safetensors) and a tokenizer into path."""
@@ -96,7 +100,7 @@ def make_hf_model(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer:
-        save_tokenizer(path)
+        save_tokenizer(path, add_bos=add_bos)
     return path
 
 

@@ -153,6 +153,23 @@ class Engine:
         k = self.cfg.sched.max_model_len if k == -1 else k
         return list(prompt_token_ids)[-k:]
 
+    def truncate_text_prompt(self, text: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """truncate_prompt for a prompt tokenized here from text, with the tokenizer's special tokens:
+        cut from the left the way the tokenizer cuts (as vLLM tokenizes), so the special tokens it
+        puts around the text (a BOS) stay and count towards the limit."""
+        k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        k = self.cfg.sched.max_model_len if k == -1 else k
+        full = list(prompt_token_ids)
+        if k is None or len(full) <= k or self.tokenizer is None:
+            return self.truncate_prompt(full, params)
+        text_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        n = len(text_ids)
+        head = next((i for i in range(len(full) - n + 1) if full[i:i + n] == text_ids), None)
+        num_special = len(full) - n
+        if head is None or not num_special or k <= num_special:
+            return self.truncate_prompt(full, params)  # nothing around the text, or no room: cut as ids
+        return full[:head] + text_ids[n - (k - num_special):] + full[head + n:]
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served; changes nothing."""
         if not isinstance(params, SamplingParams):

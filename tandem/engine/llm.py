@@ -171,6 +171,8 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
                 )
         items = [self._tokenize(p) for p in prompts]
+        items = [(self.engine.truncate_text_prompt(text, ids, p) if isinstance(prompt, str) else ids, text)
+                 for (ids, text), p, prompt in zip(items, params, prompts)]
         for (ids, _), p in zip(items, params):
             self.engine.validate_request(ids, p)  # every request checked before any work starts
         return self._run(items, params, use_tqdm)

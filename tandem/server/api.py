@@ -127,6 +127,7 @@ def _short(value: Any, limit: int = 80) -> str:
 class Prompt:
     token_ids: list[int]
     text: str | None
+    from_text: bool = False  # tokenized here from text, with the tokenizer's special tokens
 
 
 def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
@@ -587,7 +588,7 @@ class OpenAIServer:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer, so 'prompt' must be token ids", param="prompt")
-            return Prompt(self.tokenizer(prompt).input_ids, prompt)
+            return Prompt(self.tokenizer(prompt).input_ids, prompt, from_text=True)
         text = None
         if self.tokenizer is not None and all(0 <= t < self.vocab_size for t in prompt):
             text = self.tokenizer.decode(prompt)  # out-of-vocab ids are refused by the engine
@@ -608,8 +609,10 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
+        engine = self.client.engine
         for p in prompts:  # the context check and the usage count what runs (truncate_prompt_tokens)
-            p.token_ids = self.client.engine.truncate_prompt(p.token_ids, params)
+            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params) if p.from_text
+                           else engine.truncate_prompt(p.token_ids, params))
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
 

@@ -251,6 +251,31 @@ def test_truncate_prompt_tokens(live, reference):
     assert r.json()["usage"]["prompt_tokens"] == 50
 
 
+def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(tmp_path):
+    """A text prompt is cut the way the tokenizer cuts from the left (as vLLM tokenizes): the BOS it
+    adds stays, and counts; token-id prompts are cut as they are."""
+    llm = LLM(str(make_hf_model(tmp_path / "bos", add_bos=True)), **LLM_KWARGS)
+    text = " ".join(PROMPTS)
+    full = llm.get_tokenizer()(text).input_ids
+    bos = full[0]
+    assert bos == llm.get_tokenizer().bos_token_id and len(full) > 20
+    offline = llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=8), use_tqdm=False)[0]
+    assert offline.prompt_token_ids == [bos] + full[-7:]  # LLM.generate cuts a text prompt the same way
+    server = LiveServer(llm)
+    try:
+        def run(prompt):
+            r = server.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                     "temperature": 0, "truncate_prompt_tokens": 8})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens"]
+
+        kept = run([bos] + full[-7:])
+        assert run(text) == kept and kept[1] == 8
+        assert run(full) == run(full[-8:])  # ids: the last 8, whatever they are
+    finally:
+        server.stop()
+
+
 def test_tokenize_detokenize_and_version(live, reference):
     tok = reference.get_tokenizer()
     r = live.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
