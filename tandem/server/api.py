@@ -147,12 +147,19 @@ def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
     )
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token masked out (top-k, bias) reads this, as in vLLM
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def prompt_logprobs(out: RequestOutput, k: int | None) -> PromptLogprobs | None:
     """vLLM's prompt_logprobs field: per prompt token, the token and the top k (None: not asked).
     The engine may hold more (echo with a wider logprobs asks for them)."""
     if k is None or out.prompt_logprobs is None:
         return None
-    return [None if lp is None else {t: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=v.decoded_token)
+    return [None if lp is None else {t: PromptLogprob(logprob=_floor(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
                                      for t, v in lp.items() if t == token or v.rank <= k}
             for token, lp in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
@@ -181,13 +188,13 @@ def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: 
         chosen = lp.get(token)
         text = _token_text(chosen)
         out.tokens.append(text)
-        out.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        out.token_logprobs.append(_floor(chosen.logprob) if chosen is not None else None)
         out.text_offset.append(offset)
         top: dict[str, float] = {}
         for v in _top(lp, k):  # tokens that decode alike share a key: keep the likeliest
-            top.setdefault(_token_text(v), v.logprob)
+            top.setdefault(_token_text(v), _floor(v.logprob))
         if chosen is not None:  # the sampled token is always among them (up to k + 1 entries), as in OpenAI's
-            top.setdefault(text, chosen.logprob)
+            top.setdefault(text, _floor(chosen.logprob))
         out.top_logprobs.append(top)
         offset += len(text)
     return out
@@ -198,9 +205,9 @@ def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -
     for token, lp in zip(token_ids, lps):
         chosen = lp.get(token)
         text = _token_text(chosen)
-        top = [TopLogprob(token=_token_text(v), logprob=v.logprob, bytes=list(_token_text(v).encode()))
+        top = [TopLogprob(token=_token_text(v), logprob=_floor(v.logprob), bytes=list(_token_text(v).encode()))
                for v in _top(lp, k)]
-        content.append(ChatLogprob(token=text, logprob=chosen.logprob if chosen else float("-inf"),
+        content.append(ChatLogprob(token=text, logprob=_floor(chosen.logprob) if chosen else LOGPROB_FLOOR,
                                    bytes=list(text.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
 
@@ -662,6 +669,8 @@ class OpenAIServer:
     async def _finals(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
         """Every request's final output, or None if the client disconnected first."""
         results = asyncio.ensure_future(asyncio.gather(*(s.final() for s in streams)))
+        # A gather cancelled below ends with an error nobody awaits: retrieve it, so it is not logged.
+        results.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -328,6 +328,30 @@ def test_completion_top_logprobs_hold_the_sampled_token(live):
         assert 1 <= len(top) <= 2 and top[token] >= chosen - 1e-5
 
 
+def test_masked_tokens_logprobs_read_the_floor_not_minus_infinity(model_dirs):
+    """processed_logprobs with top_k below the logprobs asked for puts -inf among the alternatives;
+    JSON has no -inf, so they read -9999.0 (as in vLLM), streamed or not, completions or chat."""
+    server = LiveServer(_llm(model_dirs, logprobs_mode="processed_logprobs"))
+    try:
+        kw = dict(model=MODEL, max_tokens=3, top_k=2, seed=1)
+        r = server.post(C, json={**kw, "prompt": PROMPTS[0], "logprobs": 5})
+        assert r.status_code == 200, r.text
+        tops = [v for top in r.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()]
+        assert -9999.0 in tops and min(tops) == -9999.0
+        r = server.post(CH, json={**kw, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                  "top_logprobs": 5})
+        assert r.status_code == 200, r.text
+        assert min(t["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]) \
+            == -9999.0
+        streamed = [c.choices[0].logprobs for c in server.client.completions.create(
+            **{k: v for k, v in kw.items() if k != "top_k"}, prompt=PROMPTS[0], logprobs=5, stream=True,
+            extra_body={"top_k": 2}) if c.choices and c.choices[0].logprobs]
+        values = [v for lp in streamed for top in lp.top_logprobs for v in top.values()]
+        assert values and None not in values and min(values) == -9999.0
+    finally:
+        server.stop()
+
+
 def test_streamed_logprobs_match_the_whole_response(live):
     """Text held back for a stop string does not shift the streamed tokens' text_offset."""
     kw = dict(model=MODEL, prompt=PROMPTS[6], max_tokens=16, temperature=0, logprobs=2, stop=["never-seen-stop"])
