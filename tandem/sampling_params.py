@@ -106,8 +106,8 @@ class SamplingParams:
             raise bad("min_tokens", "it must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise bad("seed", f"it must be an integer in [0, {MAX_SEED}]")
+        if self.seed is not None and (not _is_int(self.seed) or not -MAX_SEED - 1 <= self.seed <= MAX_SEED):
+            raise bad("seed", f"it must be a 64-bit integer, in [{-MAX_SEED - 1}, {MAX_SEED}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "it must be an integer in [0, 20]")
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)

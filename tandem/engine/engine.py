@@ -153,16 +153,19 @@ class Engine:
         k = self.cfg.sched.max_model_len if k == -1 else k
         return list(prompt_token_ids)[-k:]
 
-    def truncate_text_prompt(self, text: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """truncate_prompt for a prompt tokenized here from text, with the tokenizer's special tokens:
+    def truncate_text_prompt(self, text: str, prompt_token_ids: list[int], params: SamplingParams,
+                             tokenizer=None) -> list[int]:
+        """truncate_prompt for a prompt tokenized from text, with the tokenizer's special tokens:
         cut from the left the way the tokenizer cuts (as vLLM tokenizes), so the special tokens it
-        puts around the text (a BOS) stay and count towards the limit."""
+        puts around the text (a BOS) stay and count towards the limit. tokenizer: the one that
+        encoded it (default: the engine's)."""
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
         k = self.cfg.sched.max_model_len if k == -1 else k
         full = list(prompt_token_ids)
-        if k is None or len(full) <= k or self.tokenizer is None:
+        if k is None or len(full) <= k or tokenizer is None:
             return self.truncate_prompt(full, params)
-        text_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        text_ids = tokenizer(text, add_special_tokens=False).input_ids
         n = len(text_ids)
         head = next((i for i in range(len(full) - n + 1) if full[i:i + n] == text_ids), None)
         num_special = len(full) - n
@@ -211,7 +214,8 @@ class Engine:
         prompt_token_ids = list(prompt_token_ids)
         max_room = self.cfg.sched.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or max_room, max_room)
-        base_seed = params.seed if params.seed is not None else self._rng.randrange(MAX_SEED)
+        # A negative seed (vLLM takes any int64) folds into [0, MAX_SEED], like each choice's below.
+        base_seed = params.seed % (MAX_SEED + 1) if params.seed is not None else self._rng.randrange(MAX_SEED)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         state = RequestState(request_id, prompt, prompt_token_ids, params, [], metrics)
         for i in range(params.n):

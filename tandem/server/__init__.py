@@ -51,6 +51,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="sequences allowed to wait for a batch slot before requests get 503 (default 256)")
     server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="run chat templates sent in requests (a template is code; refused by default)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

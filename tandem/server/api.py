@@ -331,7 +331,15 @@ class CompletionRenderer(_Renderer):
         head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
         return _joined(head, completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first)))
 
+    def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
+        usage = super().usage(outputs)
+        if self.prompt_only:  # the one token generated to get here is not shown, nor counted
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        return usage
+
     def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
+        if self.prompt_only:  # the one token generated to get here is not shown
+            text, token_ids, lps, finish, stop = "", [], [] if lps is not None else None, "length", None
         logprobs = None
         if lps is not None:
             logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx])
@@ -357,17 +365,24 @@ class CompletionRenderer(_Renderer):
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + text,
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
-        usage = self.usage(outputs)
-        if self.prompt_only:
-            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage, spec_decode=spec_stats(outputs))
+                                  usage=self.usage(outputs), spec_decode=spec_stats(outputs))
 
 
 class ChatRenderer(_Renderer):
+    def __init__(self, *args, role: str = "assistant", echo_text: str = "", **kwargs):
+        """role: the reply's; echo_text: what its content starts with (chat's echo)."""
+        super().__init__(*args, **kwargs)
+        self.role, self.echo_text = role, echo_text
+
     def preamble(self) -> list[BaseModel]:
-        return [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(len(self.done))]
+        size = len(self.done)
+        chunks = [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
+                  for i in range(size)]
+        if self.echo_text:
+            chunks += [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=self.echo_text))])
+                       for i in range(size)]
+        return chunks
 
     def chunk(self, choices: list, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
@@ -383,7 +398,8 @@ class ChatRenderer(_Renderer):
             logprobs = None
             if seq.logprobs is not None:
                 logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs)
-            choices.append(ChatChoice(index=seq.index, message=ChatResponseMessage(content=seq.text),
+            message = ChatResponseMessage(role=self.role, content=self.echo_text + seq.text)
+            choices.append(ChatChoice(index=seq.index, message=message,
                                       logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(outputs), spec_decode=spec_stats(outputs),
@@ -449,9 +465,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 class OpenAIServer:
     """Route handlers of the OpenAI API over one AsyncEngine."""
 
-    def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
+                 trust_request_chat_template: bool = False):
         engine = client.engine
         self.client = client
+        self.trust_request_chat_template = trust_request_chat_template
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
         self.model_names = model_names
@@ -478,11 +496,9 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="prompt" if body.prompt is not None else "messages")
         if body.prompt is not None:
-            special = body.add_special_tokens is not False
-            ids = self.tokenizer(body.prompt, add_special_tokens=special).input_ids
+            ids = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
         else:
-            prompt = self._chat_prompt(body)  # tokenized without special tokens, as chat is
-            ids = self.tokenizer(prompt.text).input_ids if body.add_special_tokens else prompt.token_ids
+            ids = self._chat_prompt(body).token_ids  # without special tokens unless asked, as chat is
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids).model_dump(mode="json"))
 
@@ -516,13 +532,13 @@ class OpenAIServer:
                            param="best_of")
         echo_logprobs = body.echo and body.logprobs is not None
         # echo with max_tokens 0 scores the prompt (OpenAI's legacy use): one token runs, none is shown
-        prompt_only = body.echo and body.max_tokens == 0 and not body.stream
+        prompt_only = body.echo and body.max_tokens == 0
         if prompt_only:
             body = body.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         params = self._params(body, {}, "prompt")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
             params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
-        prompts = self._completion_prompts(body.prompt)
+        prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
                                       shown_prompt_logprobs=body.prompt_logprobs, decode=decode,
@@ -544,7 +560,12 @@ class OpenAIServer:
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
         prompts = [self._chat_prompt(body)]
-        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage)
+        # The reply's role, and what echo repeats: the last message's content when it has that role (vLLM's).
+        role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+        last = body.messages[-1]
+        echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
+        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage, role=role,
+                                echo_text=echo_text)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field)
 
@@ -583,42 +604,56 @@ class OpenAIServer:
         except RequestError as e:
             raise request_error(e, fields, prompt_param) from None
 
-    def _completion_prompts(self, prompt) -> list[Prompt]:
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "'prompt' is empty: give a string, strings, token ids or lists of token ids",
                            param="prompt")
-        return [self._prompt(p) for p in prompt]
+        return [self._prompt(p, add_special_tokens) for p in prompt]
 
-    def _prompt(self, prompt: str | list[int]) -> Prompt:
+    def _prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer, so 'prompt' must be token ids", param="prompt")
-            return Prompt(self.tokenizer(prompt).input_ids, prompt, from_text=True)
+            return Prompt(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids, prompt,
+                          from_text=True)
         text = None
         if self.tokenizer is not None and all(0 <= t < self.vocab_size for t in prompt):
             text = self.tokenizer.decode(prompt)  # out-of-vocab ids are refused by the engine
         return Prompt(list(prompt), text)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
+        template_kwargs = body.chat_template_kwargs or {}
+        if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
+            for param, value in (("chat_template", body.chat_template),
+                                 ("chat_template_kwargs", template_kwargs.get("chat_template"))):
+                if value is not None:
+                    raise APIError(400, f"'{param}' sets a chat template, and this server does not run templates "
+                                   "sent in requests; leave it out, or start the server with "
+                                   "--trust-request-chat-template", param=param)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(400, "'continue_final_message' continues the last message, so 'add_generation_prompt' "
+                           "must be false; set 'add_generation_prompt': false", param="continue_final_message")
         conversation = [m.template_dict() for m in body.messages]
         # chat_template_kwargs override the request's own fields, as in vLLM; the text is tokenized here.
-        kwargs = {"add_generation_prompt": body.add_generation_prompt, "chat_template": body.chat_template}
-        kwargs.update({k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in ("tokenize", "conversation")})
+        kwargs = {"add_generation_prompt": body.add_generation_prompt, "chat_template": body.chat_template,
+                  "continue_final_message": body.continue_final_message}
+        kwargs.update({k: v for k, v in template_kwargs.items() if k not in ("tokenize", "conversation")})
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template
             raise APIError(400, f"the chat template could not be applied to 'messages': {e}", param="messages")
-        return Prompt(self.tokenizer(text, add_special_tokens=False).input_ids, text)
+        ids = self.tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
+        return Prompt(ids, text, from_text=True)
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
         engine = self.client.engine
         for p in prompts:  # the context check and the usage count what runs (truncate_prompt_tokens)
-            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params) if p.from_text
+            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer) if p.from_text
                            else engine.truncate_prompt(p.token_ids, params))
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
@@ -735,8 +770,10 @@ def build_app(
     tokenizer=None,
     max_queued_requests: int = 256,
     drain_timeout_s: float = 0.0,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
+    trust_request_chat_template: run chat templates that requests send (off: they are refused).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -749,7 +786,7 @@ def build_app(
     k = engine.spec_metrics.k if engine.spec_metrics is not None else 0
     metrics = ServerMetrics(names[0], num_speculative_tokens=k)
     client = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
-    server = OpenAIServer(client, tokenizer, names, metrics)
+    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -819,7 +856,8 @@ def run_server(args: argparse.Namespace) -> int:
         speculative_config=spec, logprobs_mode=args.logprobs_mode,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
-                    drain_timeout_s=args.shutdown_timeout)
+                    drain_timeout_s=args.shutdown_timeout,
+                    trust_request_chat_template=args.trust_request_chat_template)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

@@ -164,6 +164,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # the tokenizer's special tokens (a BOS) around a text prompt
     suffix: str | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None  # read only to refuse structured output
@@ -201,7 +202,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    continue_final_message: bool = False  # leave the last message open: the reply continues it
+    add_special_tokens: bool = False  # on top of the template's own (which usually holds them)
+    echo: bool = False  # the reply starts with the last message's content when it has the reply's role
+    # A Jinja template instead of the tokenizer's: refused unless the server trusts request templates.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
     # Read only to refuse what is not supported (structured output, tool calls), not ignored silently.
     response_format: dict[str, Any] | None = None
@@ -370,6 +375,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -149,6 +149,10 @@ def test_seeded_sampling_is_reproducible_and_matches_offline(live, reference):
     b = live.client.completions.create(**kw)
     ref = offline(reference, PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)[0]
     assert a.choices[0].text == b.choices[0].text == ref.outputs[0].text
+    # a negative seed (vLLM takes any int64) is as reproducible
+    neg = [live.client.completions.create(**{**kw, "seed": -7}).choices[0].text for _ in range(2)]
+    assert neg[0] == neg[1] == offline(reference, PROMPTS[1], max_tokens=12, temperature=0.9, top_p=0.95,
+                                       seed=-7)[0].outputs[0].text
 
 
 def test_n_choices_match_offline(live, reference):
@@ -230,6 +234,14 @@ def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
                                             echo=True)
     assert scored.choices[0].text == PROMPTS[1] and scored.usage.completion_tokens == 0
     assert scored.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    # ... streamed too: the prompt's text and logprobs, finish_reason "length", no completion tokens
+    scored_chunks = list(live.client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=0, temperature=0, logprobs=1, echo=True, stream=True,
+        stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in scored_chunks if c.choices]
+    assert "".join(c.text for c in choices) == PROMPTS[1] and choices[-1].finish_reason == "length"
+    assert [x for c in choices if c.logprobs for x in c.logprobs.token_logprobs] == pytest.approx(want, abs=1e-4)
+    assert scored_chunks[-1].usage.completion_tokens == 0
     # Streamed: the first chunk of the choice carries the prompt's part, then the completion follows.
     chunks = [c.choices[0] for c in live.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True,
@@ -295,14 +307,82 @@ def test_tokenize_detokenize_and_version(live, reference):
 
 def test_chat_template_and_its_kwargs(live, reference):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
-    r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                            "chat_template": template, "chat_template_kwargs": {"suffix": " there"}}).json()
+    hi = [{"role": "user", "content": "hi"}]
+    # A template sent in a request is code run on the server: refused unless the server trusts them (vLLM's rule).
+    for body in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+        for path, extra in ((CH, {"max_tokens": 1}), ("/tokenize", {})):
+            r = live.post(path, json={"model": MODEL, "messages": hi, **extra, **body})
+            assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == next(iter(body))
+    server = live.app.state.server
+    server.trust_request_chat_template = True
+    try:
+        r = live.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1, "chat_template": template,
+                                "chat_template_kwargs": {"suffix": " there"}}).json()
+        broken = live.post(CH, json={"model": MODEL, "messages": hi, "chat_template": "{{ raise_exception('no') }}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages", broken.text
+    finally:
+        server.trust_request_chat_template = False
     want = reference.get_tokenizer()("hi there", add_special_tokens=False).input_ids
     assert r["usage"]["prompt_tokens"] == len(want)
     # kwargs override the request's own fields (vLLM's rule) instead of clashing with them
-    r = live.post(CH, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+    r = live.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1,
                             "chat_template_kwargs": {"add_generation_prompt": False, "tokenize": True}})
     assert r.status_code == 200, r.text
+
+
+def test_chat_continue_final_message_echo_and_special_tokens(live, reference):
+    """vLLM's chat fields: continue_final_message (the reply continues the last message), echo (the
+    reply starts with that message, in the role it continues) and add_special_tokens."""
+    tok = reference.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The quick"}]
+
+    def tokens(**fields):
+        r = live.post("/tokenize", json={"model": MODEL, "messages": messages, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    open_text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                        continue_final_message=True)
+    assert tokens(add_generation_prompt=False, continue_final_message=True) == \
+        tok(open_text, add_special_tokens=False).input_ids
+    assert open_text.endswith("The quick") and tokens(add_generation_prompt=False) != tokens(
+        add_generation_prompt=False, continue_final_message=True)
+    both = live.post(CH, json={"model": MODEL, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    body = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0, add_generation_prompt=False,
+                continue_final_message=True)
+    plain = live.post(CH, json=body).json()
+    echoed = live.post(CH, json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "The quick" + plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["role"] == "assistant"
+    chunks = [c.choices[0].delta for c in live.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True}) if c.choices]
+    assert chunks[0].role == "assistant" and "".join(d.content or "" for d in chunks) == \
+        echoed["choices"][0]["message"]["content"]
+    # echo repeats nothing when the last message is not in the reply's role
+    asked = dict(model=MODEL, messages=messages[:1], max_tokens=2, temperature=0)
+    assert live.post(CH, json={**asked, "echo": True}).json()["choices"][0]["message"] == \
+        live.post(CH, json=asked).json()["choices"][0]["message"]
+    assert tokens(add_generation_prompt=False, add_special_tokens=True) == tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)).input_ids
+
+
+def test_completion_add_special_tokens(tmp_path):
+    """add_special_tokens: false keeps the tokenizer's BOS off a text prompt (one rendered by the client)."""
+    llm = LLM(str(make_hf_model(tmp_path / "bos", add_bos=True)), **LLM_KWARGS)
+    tok = llm.get_tokenizer()
+    server = LiveServer(llm)
+    try:
+        for special in (True, False):
+            r = server.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1,
+                                     "add_special_tokens": special})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(tok(PROMPTS[0], add_special_tokens=special).input_ids)
+        assert len(tok(PROMPTS[0]).input_ids) == len(tok(PROMPTS[0], add_special_tokens=False).input_ids) + 1
+    finally:
+        server.stop()
 
 
 def test_completion_logprobs(live, reference):
@@ -600,7 +680,7 @@ BAD_INPUTS = [
     ("n-zero", C, {"n": 0}, 400, "n"),
     ("logprobs", C, {"logprobs": 21}, 400, "logprobs"),
     ("presence-penalty", C, {"presence_penalty": 3}, 400, "presence_penalty"),
-    ("seed", C, {"seed": -1}, 400, "seed"),
+    ("seed", C, {"seed": 2**63}, 400, "seed"),
     ("logit-bias-key", C, {"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
     ("logit-bias-value", C, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("empty-stop", C, {"stop": [""]}, 400, "stop"),
@@ -631,7 +711,8 @@ BAD_INPUTS = [
     ("chat-prompt-logprobs-stream", CH, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("json-mode", C, {"response_format": {"type": "json_object"}}, 400, "response_format"),
     ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
-    ("chat-template-error", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "messages"),
+    ("chat-template-untrusted", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
+    ("continue-and-generation-prompt", CH, {"continue_final_message": True}, 400, "continue_final_message"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
     ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
 ]

@@ -307,7 +307,7 @@ BAD_PARAMS = [
     (dict(min_p=1.5), "min_p"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens"),
     (dict(min_tokens=-1), "min_tokens"),
-    (dict(seed=-1), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),
     (dict(seed=2**63), "seed"),
     (dict(seed=True), "seed"),
     (dict(logprobs=21), "logprobs"),
