@@ -74,12 +74,13 @@ class BlockManager:
         return len(req.block_ids) * bs
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register req's blocks that became full of computed tokens since the last call."""
+        """Register req's blocks that became full of computed tokens since the last call (a stop
+        inside an accepted run leaves computed positions past the kept tokens: those are not)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         tokens = None
-        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
+        for i in range(len(req.block_hashes), min(req.num_computed_tokens, req.num_tokens) // bs):
             tokens = tokens or req.all_token_ids
             parent = req.block_hashes[-1] if req.block_hashes else None
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))

@@ -160,7 +160,8 @@ class Scheduler:
             self.blocks.free(req)
             req.num_computed_tokens = 0
             return None
-        req.num_cached_tokens = max(req.num_cached_tokens, num_cached) if req.num_preemptions else num_cached
+        if not req.num_preemptions:  # the prompt's hit when first admitted (vLLM's); a re-admission's is its own work
+            req.num_cached_tokens = num_cached
         req.slot = item.slot = self.free_slots.pop()
         item.block_ids = list(req.block_ids)
         req.status = Status.RUNNING
@@ -244,16 +245,16 @@ class Scheduler:
             if item.num_counted_drafts:
                 self._count_acceptance(req, item.num_counted_drafts, min(num_accepted, item.num_counted_drafts))
             req.num_pending_drafts = num_proposed
-            emitted = []
+            emitted, reason = [], None
             for token in tokens:
                 req.output_token_ids.append(token)
                 emitted.append(token)
                 reason = self._check_stop(req, token)
                 if reason is not None:
-                    self.finish(req, *reason)
                     break
-            if not req.is_finished:
-                self.blocks.cache_full_blocks(req)
+            self.blocks.cache_full_blocks(req)  # before a finish frees them: a final step's blocks are reusable too
+            if reason is not None:
+                self.finish(req, *reason)
             if emitted:
                 events.append((req, emitted))
         return events

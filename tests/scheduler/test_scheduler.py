@@ -513,6 +513,7 @@ def test_preemption_with_prefix_cache_reuses_computed_blocks():
         assert start % 2 == 0 and start < n  # whole cached blocks, >= 1 token recomputed
     for r in (a, b):
         assert r.output_token_ids == expected_output(r, 14)
+        assert r.num_cached_tokens == 0  # the first admission's hit: a re-admission's own blocks do not count
     h.check_no_leaks()
 
 

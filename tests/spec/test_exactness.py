@@ -175,6 +175,27 @@ def test_prefix_cache_hits(models):
     assert all(o.metrics.num_cached_tokens >= 40 - 8 for o in rest)
 
 
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_a_final_steps_blocks_are_cached_with_valid_draft_kv(models, method):
+    """The blocks a request fills in its last step (a verification of up to 1 + k tokens) enter the
+    prefix cache too, so a follow-up turn (prompt + output + more) hits every block whose KV was
+    computed, whatever k; the target's and the draft's KV in them are both right: the follow-up's
+    tokens and acceptance equal a run without the cache."""
+    prompt = _prompts([10], seed=2)[0]["prompt_token_ids"]
+    llm = _llm(models, "near", 4, method=method)
+    uncached = _llm(models, "near", 4, method=method, enable_prefix_caching=False)
+    for max_tokens in (15, 25, 26):
+        llm.engine.scheduler.blocks.reset_prefix_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        follow = [{"prompt_token_ids": prompt + out + [7, 8, 9]}]
+        hit = llm.generate(follow, PARAMS, use_tqdm=False)[0]
+        assert hit.metrics.num_cached_tokens == (len(prompt) + max_tokens - 1) // 8 * 8
+        fresh = uncached.generate(follow, PARAMS, use_tqdm=False)[0]
+        assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+        assert hit.metrics.num_accepted_tokens == fresh.metrics.num_accepted_tokens
+
+
 def test_allowed_token_ids_with_speculation(models, baseline):
     """Rows limited to allowed_token_ids, batched with rows that are not: the limited rows emit only
     those ids, speculative output equals target-only, and the other rows are untouched."""
