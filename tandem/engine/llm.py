@@ -1,6 +1,7 @@
 """LLM: the offline entry point, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -24,9 +25,11 @@ from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
-from tandem.models.source import eos_token_ids, load_tokenizer, resolve_model_dir
+from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict
 
@@ -57,6 +60,7 @@ class LLM:
         cpu_matmul: str = "auto",
         async_scheduling: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
+        generation_config: str = "auto",
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -90,6 +94,7 @@ class LLM:
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
+        self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir))
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
@@ -144,6 +149,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params runs: the model's generation_config.json sampling
+        defaults (see generation_config), else SamplingParams()'s."""
+        return SamplingParams(**self.generation_defaults)
+
     # ---------------------------------------------------------------- generate
     def generate(
         self,
@@ -161,7 +171,7 @@ class LLM:
             )
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -273,3 +283,17 @@ def _parse_spec(spec, target_max_len: int):
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _checked_defaults(defaults: dict) -> dict:
+    """generation_config's sampling defaults, refused at load if SamplingParams would refuse them
+    (else every request would fail, blaming itself)."""
+    if defaults:
+        try:
+            SamplingParams(**defaults)
+        except RequestError as e:
+            raise ConfigError(f"the model's generation_config.json sets an invalid sampling default ({e}); fix the "
+                              "file, or pass generation_config='vllm' to ignore it") from None
+        logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
+                    "to use the engine's own): %s", defaults)
+    return defaults

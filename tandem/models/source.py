@@ -73,3 +73,32 @@ def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
+
+
+# generation_config.json keys that set sampling defaults (vLLM's list) -> SamplingParams fields.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config: str, model_dir: Path) -> dict:
+    """The sampling defaults the model's creator recommends, as SamplingParams fields: what
+    generation_config.json sets among GENERATION_DEFAULT_KEYS ("auto": the model directory's file;
+    a directory: its file; "vllm": none, the engine's own defaults)."""
+    if not isinstance(generation_config, str) or not generation_config:
+        raise ConfigError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a directory")
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not folder.is_dir():
+        raise ConfigError(f"generation_config={generation_config!r} is not a directory; pass the directory that "
+                          "holds generation_config.json, or 'auto' / 'vllm'")
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"generation_config: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"generation_config: {path} must hold a JSON object")
+    return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}

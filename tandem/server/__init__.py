@@ -36,6 +36,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int_in(0), default=0)
     model.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
+    model.add_argument("--generation-config", default="auto", type=non_empty("pass 'auto', 'vllm' or a directory"),
+                       help="sampling defaults for fields a request leaves out: 'auto' (the model's "
+                            "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int_in(1), default=None)
     engine.add_argument("--max-num-seqs", type=int_in(1), default=64, help="sequences per batch (default 64)")

@@ -466,10 +466,11 @@ class OpenAIServer:
     """Route handlers of the OpenAI API over one AsyncEngine."""
 
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, generation_defaults: dict | None = None):
         engine = client.engine
         self.client = client
         self.trust_request_chat_template = trust_request_chat_template
+        self.generation_defaults = dict(generation_defaults or {})  # for the sampling fields a request leaves out
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
         self.model_names = model_names
@@ -600,7 +601,7 @@ class OpenAIServer:
             raise APIError(400, f"'allowed_token_ids' holds {bad[0]}, not a token id in [0, {self.vocab_size})",
                            param="allowed_token_ids")
         try:
-            return body.to_sampling_params()
+            return body.to_sampling_params(self.generation_defaults)
         except RequestError as e:
             raise request_error(e, fields, prompt_param) from None
 
@@ -786,7 +787,8 @@ def build_app(
     k = engine.spec_metrics.k if engine.spec_metrics is not None else 0
     metrics = ServerMetrics(names[0], num_speculative_tokens=k)
     client = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
-    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template)
+    defaults = getattr(llm_or_engine, "generation_defaults", None)  # an LLM's (an Engine has none)
+    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -853,7 +855,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
-        speculative_config=spec, logprobs_mode=args.logprobs_mode,
+        speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

@@ -99,10 +99,11 @@ class _SamplingRequest(_Request):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM's extra sampling fields
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # vLLM's extra sampling fields (None here and in temperature / top_p: the model's generation
+    # config default, else the engine's)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -126,14 +127,24 @@ class _SamplingRequest(_Request):
         empty count as unset; 0 does not)."""
         return next((name for name in UNSUPPORTED_FIELDS if not _unset(getattr(self, name))), None)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None) -> SamplingParams:
+        """defaults: the server's sampling defaults (the model's generation config) for the fields a
+        request leaves unset; its max_tokens caps the request's, as in vLLM."""
+        defaults = defaults or {}
+
+        def pick(name: str, engine_default):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, engine_default)
+
+        if "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
@@ -169,8 +180,8 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     response_format: dict[str, Any] | None = None  # read only to refuse structured output
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(_Request):
@@ -217,9 +228,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 # ---------------------------------------------------------------- responses

@@ -288,6 +288,34 @@ def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(tmp_path):
         server.stop()
 
 
+def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(model_dirs, tmp_path):
+    """vLLM's --generation-config auto: the model's recommended sampling settings are the defaults
+    of the fields a request leaves out (here top_k 1: greedy at any temperature); a request's own
+    value wins; max_new_tokens caps max_tokens."""
+    import json
+
+    src, _ = model_dirs
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    config = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.7, "top_k": 1,
+                                                          "max_new_tokens": 6}))
+    server = LiveServer(LLM(str(d), **LLM_KWARGS))
+    try:
+        def text(**fields):
+            r = server.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "ignore_eos": True, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+
+        greedy = text(temperature=0)
+        assert greedy[1] == 6  # max_tokens 16 (the default) capped by max_new_tokens
+        assert [text(seed=s) for s in (1, 2, 3)] == [greedy] * 3
+        assert text(max_tokens=3)[1] == 3
+        assert any(text(seed=s, top_k=0, temperature=1.0) != greedy for s in (1, 2, 3))
+    finally:
+        server.stop()
+
+
 def test_tokenize_detokenize_and_version(live, reference):
     tok = reference.get_tokenizer()
     r = live.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()

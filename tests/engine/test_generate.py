@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.errors import RequestError
+from tandem.errors import ConfigError, RequestError
 from tests.helpers import hf_model, make_hf_model
 
 
@@ -262,3 +262,40 @@ def test_request_output_fields(llm):
     assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generation_tokens == 5
     assert m.first_token_time >= m.arrival_time and m.finished_time >= m.first_token_time
     assert m.acceptance_rate is None and m.mean_acceptance_length is None
+
+
+def _with_generation_config(src, dst, **fields):
+    """A copy of the model directory src whose generation_config.json also sets fields."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = dst / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return dst
+
+
+def test_generation_config_sets_the_sampling_defaults(model, tmp_path):
+    """As vLLM (generation_config="auto"): a call without sampling_params samples with the sampling
+    defaults of the model's generation_config.json; "vllm" ignores them; a bad one fails at load."""
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [250, 8]}]
+    # top_k 1 makes the defaults greedy whatever the temperature: the output must equal temperature 0's
+    d = _with_generation_config(model, tmp_path / "m", temperature=0.7, top_k=1, top_p=0.9, max_new_tokens=5,
+                                repetition_penalty=1.0, do_sample=True)
+    llm = LLM(str(d), dtype="float32", max_model_len=128, block_size=8)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.7, 1, 0.9, 5)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    sampled = llm.generate(prompts, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in greedy]
+    assert all(len(o.outputs[0].token_ids) <= 5 for o in sampled)
+    plain = LLM(str(d), dtype="float32", max_model_len=128, block_size=8, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    assert LLM(str(model), dtype="float32", max_model_len=128, block_size=8,
+               generation_config=str(d)).get_default_sampling_params().top_k == 1
+    bad = _with_generation_config(model, tmp_path / "bad", temperature=-1.0)
+    with pytest.raises(ConfigError, match="generation_config"):
+        LLM(str(bad), dtype="float32", max_model_len=128, block_size=8)
+    LLM(str(bad), dtype="float32", max_model_len=128, block_size=8, generation_config="vllm")  # ignored: loads
+    with pytest.raises(ConfigError, match="generation_config"):
+        LLM(str(model), dtype="float32", max_model_len=128, block_size=8, generation_config=str(tmp_path / "none"))
