@@ -13,6 +13,7 @@ import copy
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -471,6 +472,9 @@ class OpenAIServer:
         self.client = client
         self.trust_request_chat_template = trust_request_chat_template
         self.generation_defaults = dict(generation_defaults or {})  # for the sampling fields a request leaves out
+        # Templating and tokenizing run on one worker thread: a long prompt does not stall the event
+        # loop, and the handlers' tokenizer is used by one thread at a time.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
         self.model_names = model_names
@@ -478,6 +482,13 @@ class OpenAIServer:
         self.max_model_len = engine.cfg.sched.max_model_len
         self.vocab_size = engine.vocab_size
         self.root = engine.cfg.model.path
+
+    async def _off_loop(self, fn, *args):
+        """fn(*args) on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False)
 
     # ---------------------------------------------------------------- simple routes
     async def health(self, request: Request) -> Response:
@@ -497,9 +508,9 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="prompt" if body.prompt is not None else "messages")
         if body.prompt is not None:
-            ids = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
+            ids = (await self._off_loop(self._prompt, body.prompt, body.add_special_tokens is not False)).token_ids
         else:
-            ids = self._chat_prompt(body).token_ids  # without special tokens unless asked, as chat is
+            ids = (await self._off_loop(self._chat_prompt, body)).token_ids  # no special tokens unless asked
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids).model_dump(mode="json"))
 
@@ -539,7 +550,7 @@ class OpenAIServer:
         params = self._params(body, {}, "prompt")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
             params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
-        prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
+        prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
                                       shown_prompt_logprobs=body.prompt_logprobs, decode=decode,
@@ -560,7 +571,7 @@ class OpenAIServer:
                            param=param)
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
-        prompts = [self._chat_prompt(body)]
+        prompts = [await self._off_loop(self._chat_prompt, body)]
         # The reply's role, and what echo repeats: the last message's content when it has that role (vLLM's).
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         last = body.messages[-1]
@@ -652,10 +663,7 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
-        engine = self.client.engine
-        for p in prompts:  # the context check and the usage count what runs (truncate_prompt_tokens)
-            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer) if p.from_text
-                           else engine.truncate_prompt(p.token_ids, params))
+        await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param)
 
@@ -687,6 +695,13 @@ class OpenAIServer:
                                f"{num + params.max_tokens} were requested ({num} in '{prompt_param}', "
                                f"{params.max_tokens} in '{max_tokens_param}'); shorten the prompt or lower "
                                f"'{max_tokens_param}'", param=max_tokens_param, code="context_length_exceeded")
+
+    def _truncate(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        """Cut each prompt to what runs (truncate_prompt_tokens): the context check and the usage count it."""
+        engine = self.client.engine
+        for p in prompts:
+            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer) if p.from_text
+                           else engine.truncate_prompt(p.token_ids, params))
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str) -> list[RequestStream]:
@@ -797,6 +812,7 @@ def build_app(
             yield
         finally:
             await client.shutdown(drain_timeout_s)
+            server.close()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
     app.state.engine_client = client

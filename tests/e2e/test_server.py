@@ -349,6 +349,20 @@ def test_chat_template_and_its_kwargs(live, reference):
                                 "chat_template_kwargs": {"suffix": " there"}}).json()
         broken = live.post(CH, json={"model": MODEL, "messages": hi, "chat_template": "{{ raise_exception('no') }}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages", broken.text
+        # A slow template renders off the event loop: the server keeps answering meanwhile.
+        slow = "{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}hi"
+        result = {}
+        worker = threading.Thread(target=lambda: result.setdefault("r", live.post(
+            CH, json={"model": MODEL, "messages": hi, "max_tokens": 1, "chat_template": slow})))
+        worker.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+        health_s = time.monotonic() - t0
+        still_rendering = worker.is_alive()
+        worker.join(120)
+        assert result["r"].status_code == 200, result["r"].text
+        assert not still_rendering or health_s < 1.0, health_s
     finally:
         server.trust_request_chat_template = False
     want = reference.get_tokenizer()("hi there", add_special_tokens=False).input_ids
