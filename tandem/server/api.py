@@ -13,8 +13,8 @@ import copy
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -160,7 +160,8 @@ def prompt_logprobs(out: RequestOutput, k: int | None) -> PromptLogprobs | None:
     The engine may hold more (echo with a wider logprobs asks for them)."""
     if k is None or out.prompt_logprobs is None:
         return None
-    return [None if lp is None else {t: PromptLogprob(logprob=_floor(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
+    return [None if lp is None else {t: PromptLogprob(logprob=_floor(v.logprob), rank=v.rank,
+                                                      decoded_token=v.decoded_token)
                                      for t, v in lp.items() if t == token or v.rank <= k}
             for token, lp in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
