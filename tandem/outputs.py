@@ -77,3 +77,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n (None for the first)
     prompt_logprobs: SampleLogprobs | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's RequestOutput field)."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else None

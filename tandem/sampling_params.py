@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from tandem.errors import RequestError
 
+logger = logging.getLogger(__name__)
+
 MAX_SEED = 2**63 - 1
+MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it (vLLM's rule): logits / T overflow
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters, named as in vLLM.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 disables top-p.
+    temperature 0 means greedy (one in (0, 0.01) is raised to 0.01, as in vLLM). top_k 0 or -1
+    disables top-k; top_p 1 disables top-p. seed -1 means no seed, as None.
     """
 
     n: int = 1
@@ -44,6 +49,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -79,6 +86,10 @@ class SamplingParams:
                 )
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, where logits / temperature overflow; using %s",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> RequestError:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,9 @@ class LLM:
         async_scheduling: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
         generation_config: str = "auto",
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+        tokenizer_mode: str = "auto",
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -86,8 +90,20 @@ class LLM:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
+        if seed is None:  # vLLM's "unseeded": a fresh seed per engine
+            seed = random.randrange(MAX_SEED)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-            raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}]")
+            raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}], or None for a random one")
+        # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,
+        # and tandem runs none: its architectures are its own).
+        if tensor_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported: tandem runs on one "
+                              "device; leave it out or set 1")
+        if tokenizer_mode != "auto":
+            raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
+                              "model's Hugging Face tokenizer)")
+        if not isinstance(trust_remote_code, bool):
+            raise ConfigError(f"trust_remote_code={trust_remote_code!r} must be True or False")
         check_dtype_name(dtype)  # before a model is fetched or converted for it
 
         dev = resolve_device(device)
@@ -180,9 +196,10 @@ class LLM:
                 raise RequestError(
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
                 )
-        items = [self._tokenize(p) for p in prompts]
-        items = [(self.engine.truncate_text_prompt(text, ids, p) if isinstance(prompt, str) else ids, text)
-                 for (ids, text), p, prompt in zip(items, params, prompts)]
+        items = []
+        for prompt, p in zip(prompts, params):
+            ids, text, from_text = self._tokenize(prompt)
+            items.append((self.engine.truncate_text_prompt(text, ids, p) if from_text else ids, text))
         for (ids, _), p in zip(items, params):
             self.engine.validate_request(ids, p)  # every request checked before any work starts
         return self._run(items, params, use_tqdm)
@@ -194,8 +211,14 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate. As vLLM's:
+        OpenAI-style content parts of type "text" are joined by newlines; continue_final_message
+        leaves the last message open (with add_generation_prompt=False); tools go to the template;
+        chat_template_kwargs are extra template variables and override the arguments above."""
         if self.tokenizer is None:
             raise RequestError("chat() needs a tokenizer, and this model directory has none")
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
@@ -206,29 +229,39 @@ class LLM:
         ):
             raise RequestError("chat() takes a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
                                "list of conversations")
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("chat(): continue_final_message continues the last message, so add_generation_prompt "
+                               "must be False; pass add_generation_prompt=False")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise RequestError("chat(): chat_template_kwargs must be a dict of template variables")
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, tools=tools)
+        kwargs.update({k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tokenize", "conversation")})
         prompts = []
         for conv in conversations:
             try:
-                text = self.tokenizer.apply_chat_template(
-                    conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-                )
+                text = self.tokenizer.apply_chat_template([_text_message(m) for m in conv], tokenize=False, **kwargs)
             except ValueError as e:
                 raise RequestError(f"chat template could not be applied: {e}") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("string prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
-            return self.tokenizer(prompt).input_ids, prompt
+    def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None, bool]:
+        """(token ids, text, whether the ids were tokenized here from the text)."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise RequestError("prompt_token_ids must be a list of integers")
-            return [_as_int(t) for t in ids], prompt.get("prompt")
-        raise RequestError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+            return [_as_int(t) for t in ids], prompt.get("prompt"), False
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("string prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
+            return self.tokenizer(prompt).input_ids, prompt, True
+        raise RequestError("a prompt must be a string, a {'prompt': str} dict or a {'prompt_token_ids': [...]} "
+                           f"dict, got {type(prompt).__name__}")
 
     def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
@@ -297,3 +330,15 @@ def _checked_defaults(defaults: dict) -> dict:
         logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
                     "to use the engine's own): %s", defaults)
     return defaults
+
+
+def _text_message(message: dict) -> dict:
+    """A chat message whose OpenAI-style content parts are joined into its text (vLLM joins text
+    parts with newlines); other part types are refused."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+               for part in content):
+        raise RequestError("chat(): only text content parts ({'type': 'text', 'text': ...}) are supported")
+    return {**message, "content": "\n".join(part["text"] for part in content)}

@@ -54,6 +54,14 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise ConfigError(f"speculative_config must be a dict or SpeculativeConfig, got {type(spec).__name__}")
         spec = dict(spec)
+        if "method" in spec and spec["method"] is None:  # vLLM's "detect": a separate draft model here
+            del spec["method"]
+        if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
+            _one_of("method", spec["method"], METHODS)
+        tp = spec.pop("draft_tensor_parallel_size", 1)
+        if tp is not None and tp != 1:
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} is not supported: tandem runs "
+                              "on one device; leave it out or set 1")
         if "num_speculative_tokens" not in spec:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):

@@ -174,6 +174,50 @@ def test_chat_applies_template(llm):
     assert out.prompt_token_ids == expect
 
 
+def test_chat_takes_vllms_arguments(llm):
+    """Content parts, continue_final_message, tools and chat_template_kwargs, as vLLM's LLM.chat."""
+    p = SamplingParams(temperature=0, max_tokens=2)
+    plain = llm.chat([{"role": "user", "content": "hello\nthere"}], p, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}],
+                     p, use_tqdm=False)[0]
+    assert parts.prompt == plain.prompt and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The quick"}]
+    cont = llm.chat(msgs, p, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("assistant: The quick")
+    template = "{{ tools | length }}:{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
+    out = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=template, tools=[{"type": "function"}] * 2,
+                   chat_template_kwargs={"suffix": "!"})[0]
+    assert out.prompt == "2:hi!"
+    with pytest.raises(RequestError, match="add_generation_prompt"):
+        llm.chat(msgs, p, continue_final_message=True)
+    with pytest.raises(RequestError, match="text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p)
+
+
+def test_vllm_prompt_and_seed_forms(llm, model):
+    text = "The quick brown fox"
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    as_str, as_dict = llm.generate([text, {"prompt": text}], greedy, use_tqdm=False)
+    assert as_dict.prompt == text and as_dict.prompt_token_ids == as_str.prompt_token_ids
+    assert as_dict.outputs[0].token_ids == as_str.outputs[0].token_ids
+    assert as_str.num_cached_tokens == as_str.metrics.num_cached_tokens  # vLLM's RequestOutput field
+    # seed -1 is vLLM's "no seed": two runs sample independently (as None), not one fixed stream
+    assert SamplingParams(seed=-1).seed is None
+    sampled = [llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(seed=-1, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert sampled[0] != sampled[1]
+    # a positive temperature below 0.01 is raised to 0.01 (logits / 1e-38 would overflow)
+    tiny = SamplingParams(temperature=1e-38, seed=3, max_tokens=6, min_p=0.1)
+    assert tiny.temperature == 0.01
+    outs = llm.generate([text] * 2, [tiny, tiny.clone(temperature=0.01)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert LLM(str(model), dtype="float32", max_model_len=64, block_size=8, seed=None, tensor_parallel_size=1,
+               trust_remote_code=True, tokenizer_mode="auto").config.model.seed >= 0
+    for kw in (dict(tensor_parallel_size=2), dict(tokenizer_mode="slow")):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            LLM(str(model), dtype="float32", max_model_len=64, block_size=8, **kw)
+
+
 def test_min_tokens_and_eos(llm):
     eos = llm.engine.eos_token_ids[0]
     p = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0})

@@ -45,6 +45,7 @@ def cfg(**kw):
         (dict(model=123), "speculative_config.model"),
         (dict(quantization="int4"), "quantization"),
         (dict(bogus=1), "unknown keys"),
+        (dict(draft_tensor_parallel_size=2), "draft_tensor_parallel_size"),
     ],
 )
 def test_bad_config(kw, field):
@@ -60,6 +61,15 @@ def test_missing_required_keys():
         SpeculativeConfig.from_user({"num_speculative_tokens": 2}, 128)
     with pytest.raises(ConfigError, match="dict or SpeculativeConfig"):
         SpeculativeConfig.from_user("draft", 128)
+
+
+def test_vllm_keys_that_ask_for_nothing_more():
+    """vLLM's method=None ("detect") and draft_tensor_parallel_size=1 are this draft model on one
+    device; another method is refused by name before the draft model it does not need."""
+    assert cfg(method=None).method == "draft_model"
+    assert cfg(method="draft_model", draft_tensor_parallel_size=1).k == 3
+    with pytest.raises(ConfigError, match="method='ngram'"):
+        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3}, 128)
 
 
 def test_synthetic_length_becomes_rates():
