@@ -24,9 +24,9 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
-        self.requests_finished = Counter(
-            "tandem_requests_finished", "Finished sequences by finish reason", m + ["finished_reason"], registry=r
-        )
+        # Names follow vLLM's metrics with the tandem_ prefix (tandem_request_success, ..._num_drafts).
+        self.requests_finished = Counter("tandem_request_success", "Finished sequences by finish reason",
+                                         m + ["finished_reason"], registry=r)
         self.request_errors = Counter("tandem_request_errors", "Requests answered with an error, by HTTP status",
                                       m + ["status"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests", m, registry=r)
@@ -42,7 +42,7 @@ class ServerMetrics:
         self.kv_usage = Gauge("tandem_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", m, registry=r)
         self.kv_free = Gauge("tandem_kv_cache_free_blocks", "KV blocks free or evictable", m, registry=r)
         self.kv_total = Gauge("tandem_kv_cache_total_blocks", "KV blocks in the pool", m, registry=r)
-        self.draft_rounds = Counter("tandem_spec_decode_num_draft_rounds", "Verified draft rounds", m, registry=r)
+        self.draft_rounds = Counter("tandem_spec_decode_num_drafts", "Verified draft rounds", m, registry=r)
         self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                        m, registry=r)

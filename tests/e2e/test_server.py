@@ -607,7 +607,7 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-ABORTS = ("tandem_requests_finished_total", (("finished_reason", "abort"),))
+ABORTS = ("tandem_request_success_total", (("finished_reason", "abort"),))
 
 
 def _wait_until_aborted_and_freed(live: LiveServer, aborts_before: float) -> None:
@@ -798,13 +798,13 @@ def test_metrics_parse_and_move(live):
     def delta(name: str, labels: tuple = ()) -> float:
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
-    assert delta("tandem_requests_finished_total", (("finished_reason", "length"),)) == 1
+    assert delta("tandem_request_success_total", (("finished_reason", "length"),)) == 1
     assert delta("tandem_generation_tokens_total") == 10
     assert delta("tandem_prompt_tokens_total") > 0
     assert delta("tandem_time_to_first_token_seconds_count") == 1
     assert delta("tandem_inter_token_latency_seconds_count") > 0
     assert delta("tandem_e2e_request_latency_seconds_count") == 1
-    assert delta("tandem_spec_decode_num_draft_rounds_total") > 0
+    assert delta("tandem_spec_decode_num_drafts_total") > 0
     assert delta("tandem_spec_decode_num_draft_tokens_total") > 0
     accepted = delta("tandem_spec_decode_num_accepted_tokens_total")
     per_pos = [after[("tandem_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
