@@ -28,7 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-_DTYPES = {
+DTYPE_NAMES = {
     "float32": torch.float32,
     "float": torch.float32,
     "fp32": torch.float32,
@@ -120,56 +120,79 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
 
-def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
+# Supported rope_scaling types -> the keys each needs (numbers, read by tandem/layers/rotary.py).
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> ArchConfig:
     """Parse config.json into an ArchConfig, refusing architectures we do not implement and
-    missing or malformed fields (named, with the file)."""
+    missing or malformed fields (named, with the file). field: the setting that named the model,
+    which the errors name."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"model: {model_dir} has no config.json; pass a Hugging Face model directory") from None
+        raise ConfigError(f"{field}: {model_dir} has no config.json; pass a Hugging Face model directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"model: {path} is not valid JSON ({e})") from None
+        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"model: {path} holds a {type(raw).__name__}, not a JSON object of settings")
+        raise ConfigError(f"{field}: {path} holds a {type(raw).__name__}, not a JSON object of settings")
     archs = raw.get("architectures") or []
     archs = [archs] if isinstance(archs, str) else archs
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
     if arch is None:
         raise ConfigError(
-            f"model: architecture {archs or '(none given)'} in {path} is not supported; "
+            f"{field}: architecture {archs or '(none given)'} in {path} is not supported; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if raw.get("mlp_bias"):
-        raise ConfigError(f"model: mlp_bias=True in {path} is not supported")
+        raise ConfigError(f"{field}: mlp_bias=True in {path} is not supported")
 
     def count(key: str, default=None) -> int:
         """A positive integer setting (required when default is None)."""
         value = raw.get(key)
         if value is None:
             if default is None:
-                raise ConfigError(f"model: {path} lacks {key!r}, which the model's shape needs")
+                raise ConfigError(f"{field}: {path} lacks {key!r}, which the model's shape needs")
             return default
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"model: {key}={value!r} in {path} must be a positive integer")
+            raise ConfigError(f"{field}: {key}={value!r} in {path} must be a positive integer")
         return value
 
     num_heads = count("num_attention_heads")
     hidden = count("hidden_size")
     head_dim = count("head_dim", hidden // num_heads) if raw.get("head_dim") else hidden // num_heads
     if head_dim < 1:
-        raise ConfigError(f"model: hidden_size={hidden} over num_attention_heads={num_heads} in {path} leaves no head_dim")
+        raise ConfigError(f"{field}: hidden_size={hidden} over num_attention_heads={num_heads} in {path} leaves no "
+                          "head_dim")
     num_kv_heads = count("num_key_value_heads", num_heads)
     if num_heads % num_kv_heads:
-        raise ConfigError(f"model: num_attention_heads={num_heads} in {path} is not a multiple of "
+        raise ConfigError(f"{field}: num_attention_heads={num_heads} in {path} is not a multiple of "
                           f"num_key_value_heads={num_kv_heads}")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise ConfigError(f"model: rope_scaling={rope!r} in {path} must be an object")
+        raise ConfigError(f"{field}: rope_scaling={rope!r} in {path} must be an object")
     rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ConfigError(f"model: rope_scaling type {rope_type!r} is not supported (default, llama3, linear)")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    for key in ROPE_TYPES[rope_type]:
+        if not _positive_number(rope.get(key)):
+            raise ConfigError(f"{field}: rope_scaling of type {rope_type!r} in {path} needs a positive number "
+                              f"{key!r}, got {rope.get(key)!r}")
+    if not _positive_number(rope_theta):
+        raise ConfigError(f"{field}: rope_theta={rope_theta!r} in {path} must be a positive number")
+    rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
+    if not _positive_number(rms_norm_eps):
+        raise ConfigError(f"{field}: rms_norm_eps={rms_norm_eps!r} in {path} must be a positive number")
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{field}: tie_word_embeddings={tie!r} in {path} must be true or false")
     scaling = None if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -186,11 +209,11 @@ def read_arch_config(model_dir: str | os.PathLike) -> ArchConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=float(rms_norm_eps),
         rope_theta=float(rope_theta),
         rope_scaling=scaling,
         max_position_embeddings=count("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tie,
         qkv_bias=qkv_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         bos_token_id=raw.get("bos_token_id"),
@@ -232,7 +255,7 @@ def check_dtype_name(dtype: str | torch.dtype, field_name: str = "dtype") -> Non
     if isinstance(dtype, torch.dtype):
         ok = dtype in (torch.float32, torch.bfloat16, torch.float16)
     else:
-        ok = dtype == "auto" or dtype in _DTYPES
+        ok = dtype == "auto" or dtype in DTYPE_NAMES
     if not ok:
         raise ConfigError(f"{field_name}={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
 
@@ -244,11 +267,11 @@ def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.devi
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
-        resolved = _DTYPES.get(str(arch.torch_dtype).replace("torch.", ""), torch.float32)
+        resolved = DTYPE_NAMES.get(str(arch.torch_dtype).replace("torch.", ""), torch.float32)
         if resolved == torch.float16 and device.type == "cpu":
             resolved = torch.bfloat16
     else:
-        resolved = _DTYPES[dtype]
+        resolved = DTYPE_NAMES[dtype]
     if resolved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"{field_name}='bfloat16' is not supported by this GPU; use {field_name}='float16'")
     return resolved

@@ -152,6 +152,10 @@ class LLM:
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)
+        if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
+            where = f"tokenizer={tokenizer!r}" if tokenizer is not None else f"the tokenizer in {model_dir}"
+            raise ConfigError(f"{where} has {len(self.tokenizer)} tokens but the model's embedding table only "
+                              f"{arch.vocab_size} rows; pass the model's own tokenizer")
         target = load_model(cfg.model, dev)
         factory = None
         if spec is not None:

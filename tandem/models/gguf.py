@@ -399,8 +399,8 @@ def build_config(info: GGUFInfo, dtype: torch.dtype = torch.float32) -> dict:
         orig = a("rope.scaling.original_context_length")
         if orig:
             rs["original_max_position_embeddings"] = int(orig)
-        if rtype not in ("linear", "yarn"):
-            raise ModelFormatError(f"{info.path.name}: RoPE scaling type {rtype!r} is not supported (linear, yarn)")
+        if rtype != "linear":  # the rope types tandem runs (tandem.config.ROPE_TYPES) that GGUF describes
+            raise ModelFormatError(f"{info.path.name}: RoPE scaling type {rtype!r} is not supported (linear)")
         cfg["rope_scaling"] = rs
     if info.arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names

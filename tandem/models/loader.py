@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
+import pathlib
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -53,10 +55,10 @@ def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dty
     what = f"{field}={cfg.path!r} in {str(cfg.dtype).removeprefix('torch.')}"
     fix = f"use a smaller {field}, or a smaller {dtype_field}"
     with OutOfMemoryGuard(device, f"loading the weights of {what}", fix):
-        return _build(cfg, device, what, fix)  # nothing of it referenced here: an error releases it all
+        return _build(cfg, device, what, fix, field)  # nothing of it referenced here: an error releases it all
 
 
-def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str) -> CausalLM:
+def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: str) -> CausalLM:
     cls = model_class(cfg.arch)
     with torch.device("meta"):
         model = cls(cfg.arch, cfg.max_model_len, rope_device=device)
@@ -65,7 +67,7 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str) -> Causa
     if cfg.load_format == "dummy":
         tensors = _dummy_tensors(params, cfg, device)
     else:
-        tensors = _read_safetensors(params, cfg, device)
+        tensors = _read_safetensors(params, cfg, device, field)
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
@@ -94,36 +96,56 @@ def use_cpu_kernels(model: torch.nn.Module, isa: str) -> None:
             module.cpu_isa = isa
 
 
-def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device) -> dict:
-    files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+def _weight_files(cfg: ModelConfig, field: str) -> list[str]:
+    """The safetensors files to read: those model.safetensors.index.json names when it exists (a
+    folder may hold other copies, e.g. Mistral's consolidated.safetensors), else every one."""
+    index = os.path.join(cfg.path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+    try:
+        weight_map = json.loads(pathlib.Path(index).read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{field}: {index} is not a valid safetensors index ({type(e).__name__}: {e}); "
+                          "re-download it") from None
+    missing = [n for n in names if not os.path.exists(os.path.join(cfg.path, n))]
+    if missing:
+        raise ConfigError(f"{field}: {cfg.path} lacks the weight files {missing[:3]} that its "
+                          "model.safetensors.index.json names; re-download them")
+    return [os.path.join(cfg.path, n) for n in names]
+
+
+def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, field: str = "model") -> dict:
+    files = _weight_files(cfg, field)
     if not files:
         pickled = glob.glob(os.path.join(cfg.path, "*.bin")) + glob.glob(os.path.join(cfg.path, "*.pt"))
         fix = ("convert them to safetensors (transformers: save_pretrained(..., safe_serialization=True))"
                if pickled else "load_format='dummy' gives random weights of the same shapes")
-        raise ConfigError(f"model: no *.safetensors files in {cfg.path}"
+        raise ConfigError(f"{field}: no *.safetensors files in {cfg.path}"
                           + (f" (only pickled weights: {os.path.basename(pickled[0])})" if pickled else "")
                           + f"; {fix}")
     loaded: dict[str, torch.Tensor] = {}
     shards_seen: dict[str, set[int]] = {}
     for path in files:
         try:
-            _read_file(path, params, cfg, device, loaded, shards_seen)
+            _read_file(path, params, cfg, device, loaded, shards_seen, field)
         except SafetensorError as e:
-            raise ConfigError(f"model: {path} is not a valid safetensors file ({e}); re-download or re-convert it") \
-                from None
+            raise ConfigError(f"{field}: {path} is not a valid safetensors file ({e}); re-download or re-convert "
+                              "it") from None
     for target, seen in shards_seen.items():
         kind = target.split(".")[-2]
         if len(seen) != len(_shard_rows(kind, cfg.arch)):
-            raise ConfigError(f"model: {cfg.path} lacks some of the projections packed into {target!r}")
+            raise ConfigError(f"{field}: {cfg.path} lacks some of the projections packed into {target!r}")
     missing = sorted(set(params) - set(loaded))
     if missing:
-        raise ConfigError(f"model: {cfg.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ConfigError(f"{field}: {cfg.path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return loaded
 
 
 def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, loaded: dict,
-               shards_seen: dict[str, set[int]]) -> None:
-    """One safetensors file's tensors into loaded (packed projections: their rows, in shards_seen)."""
+               shards_seen: dict[str, set[int]], field: str = "model") -> None:
+    """One safetensors file's tensors into loaded (packed projections: their rows, in shards_seen).
+    A tensor met twice (in two files) is refused: which copy is right cannot be told."""
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
             if name.endswith(_IGNORED_SUFFIXES):
@@ -133,8 +155,13 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
                 target, kind, shard = packed
                 rows = _shard_rows(kind, cfg.arch)
                 tensor = f.get_tensor(name)
-                if tensor.shape[0] != rows[shard]:
-                    raise ConfigError(f"model: tensor {name!r} has {tensor.shape[0]} rows, the config implies {rows[shard]}")
+                want = (rows[shard],) + tuple(params[target].shape[1:])
+                if tuple(tensor.shape) != want:
+                    raise ConfigError(f"{field}: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, the "
+                                      f"config implies {want}")
+                if shard in shards_seen.get(target, ()):
+                    raise ConfigError(f"{field}: tensor {name!r} appears twice (again in {path}); remove the stray "
+                                      "weight file")
                 if target not in loaded:
                     loaded[target] = torch.empty(params[target].shape, dtype=cfg.dtype, device=device)
                 start = sum(rows[:shard])
@@ -144,12 +171,15 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
             if name not in params:
                 if name == "lm_head.weight" and cfg.arch.tie_word_embeddings:
                     continue
-                raise ConfigError(f"model: unexpected tensor {name!r} in {path}")
+                raise ConfigError(f"{field}: unexpected tensor {name!r} in {path}")
+            if name in loaded:
+                raise ConfigError(f"{field}: tensor {name!r} appears twice (again in {path}); remove the stray "
+                                  "weight file")
             param = params[name]
             tensor = f.get_tensor(name)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ConfigError(
-                    f"model: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, "
+                    f"{field}: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, "
                     f"the config implies {tuple(param.shape)}"
                 )
             loaded[name] = tensor.to(device=device, dtype=cfg.dtype)

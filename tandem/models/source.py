@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.config import DTYPE_NAMES
 from tandem.errors import ConfigError
 
 
@@ -22,9 +23,8 @@ def resolve_model_dir(model: str, dtype, load_format: str, field: str = "model")
     if path.is_dir() and (path / "config.json").exists():
         return path
     if resolve_model is not None:
-        want = dtype if isinstance(dtype, torch.dtype) else {"float32": torch.float32, "float16": torch.float16}.get(
-            dtype, torch.bfloat16
-        )
+        # the dtype a GGUF file or known name is converted to ("auto": bfloat16); aliases as their names
+        want = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(dtype, torch.bfloat16)
         try:
             return Path(resolve_model(str(model), want))
         except ConfigError as e:
@@ -44,6 +44,9 @@ def load_tokenizer(path, field: str | None = None):
     path = Path(path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     where = f"{field}={str(path)!r}" if field else f"the tokenizer in {path}"
+    looks_local = path.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") > 1
+    if field and not path.exists() and looks_local:  # not a hub id ("name" or "namespace/name") either
+        raise ConfigError(f"{where} does not exist; pass the directory that holds tokenizer.json")
     if field and path.exists() and not path.is_dir():
         raise ConfigError(f"{where} is not a directory; pass the directory that holds tokenizer.json")
     if path.is_dir() and not any((path / n).exists() for n in names):

@@ -30,8 +30,8 @@ class SpeculatorFactory:
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
                                       spec.draft_load_format, "speculative_config.model")
-        arch = read_arch_config(draft_dir)
-        check_device_support(arch, device, "speculative_config model")
+        arch = read_arch_config(draft_dir, "speculative_config.model")
+        check_device_support(arch, device, "speculative_config.model")
         dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device,
                                                                         "speculative_config.dtype")
         max_len = spec.max_model_len or target.max_model_len
@@ -54,7 +54,7 @@ class SpeculatorFactory:
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization)
-        self.model = load_model(self.draft_cfg, device, "speculative_config model", "speculative_config dtype")
+        self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype")
         if spec.synthetic:
             logger.warning(
                 "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "

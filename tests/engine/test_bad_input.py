@@ -1,6 +1,7 @@
 """User mistakes raise a clear ConfigError / RequestError naming the field, before any work
 starts, and an invalid request never disturbs the others."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -121,7 +122,14 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"num_attention_heads": 0}, "num_attention_heads"),
     (lambda c: c | {"num_key_value_heads": 3}, "num_key_value_heads"),
     (lambda c: c | {"rope_scaling": "linear"}, "rope_scaling"),
-], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str"])
+    (lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}}, "low_freq_factor"),
+    (lambda c: c | {"rope_scaling": {"type": "linear"}}, "'factor'"),
+    (lambda c: c | {"rope_theta": None}, "rope_theta"),
+    (lambda c: c | {"rms_norm_eps": None}, "rms_norm_eps"),
+    (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
+        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
     d = _copy_with_config(model_dir, tmp_path / "m", change)
     with pytest.raises(ConfigError, match=match) as e:
@@ -149,6 +157,83 @@ def test_broken_weight_files(model_dir, tmp_path):
         LLM(str(pickled), dtype="float32", max_model_len=MAX_LEN)
 
 
+def test_weight_files_are_the_ones_the_index_names(model_dir, tmp_path, reference):
+    """A sharded checkpoint reads the files model.safetensors.index.json names, whatever else the
+    folder holds (a stale copy, Mistral's consolidated.safetensors); a tensor met twice, a shard the
+    index names but lacks, or a broken index is an error, never a silent pick."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(weights)
+    half = {n: weights[n] for n in names[: len(names) // 2]}
+    rest = {n: weights[n] for n in names[len(names) // 2:]}
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model_dir, sharded)
+    save_file(half, str(sharded / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(rest, str(sharded / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {},
+             "weight_map": {n: f"model-0000{1 if n in half else 2}-of-00002.safetensors" for n in names}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({n: torch.zeros_like(w) for n, w in weights.items()}, str(sharded / "model.safetensors"))  # stale
+    prompts, outputs = reference
+    got = LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == outputs
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="lacks the weight files .*model-00002-of-00002"):
+        LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a valid safetensors index"):
+        LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
+    (sharded / "model.safetensors.index.json").unlink()  # no index: every file, and the stale copy clashes
+    with pytest.raises(ConfigError, match="appears twice"):
+        LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("name,shape", [("model.layers.0.self_attn.q_proj.weight", (64, 32)),
+                                        ("model.layers.0.self_attn.k_proj.weight", (32, 1)),
+                                        ("model.layers.0.mlp.up_proj.weight", (128,))])
+def test_packed_projection_of_the_wrong_shape(model_dir, tmp_path, name, shape):
+    """q/k/v and gate/up load into one packed weight: each must have the whole shape the config
+    implies, not only its rows (a (32, 1) k_proj used to broadcast silently)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    weights = load_file(str(d / "model.safetensors"))
+    weights[name] = torch.zeros(shape)
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=re.escape(f"{name}' has shape {tuple(shape)}") + ".*the config implies"):
+        LLM(str(d), dtype="float32", max_model_len=MAX_LEN)
+
+
+def test_draft_errors_name_the_draft(model_dir, tmp_path):
+    draft = _copy_with_config(model_dir, tmp_path / "d", lambda c: c | {"architectures": ["GemmaForCausalLM"]})
+    with pytest.raises(ConfigError, match=r"^speculative_config.model: architecture \['GemmaForCausalLM'\]"):
+        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path):
+    """A tokenizer with ids the embedding table lacks fails at load, not at every string prompt."""
+    d = make_hf_model(tmp_path / "m", vocab_size=256)
+    with pytest.raises(ConfigError, match="tokens but the model's embedding table only 256 rows"):
+        LLM(str(d), dtype="float32", max_model_len=MAX_LEN)
+
+
+def test_a_dtype_alias_converts_to_that_dtype(monkeypatch, tmp_path):
+    """A GGUF file or known name is converted to the dtype asked for, by any of its names."""
+    import tandem.models.hub as hub
+    from tandem.models.source import resolve_model_dir
+
+    asked = []
+    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype: asked.append(dtype) or tmp_path)
+    for name in ("float", "fp32", "half", "fp16", "bf16", "auto", torch.float16):
+        resolve_model_dir(str(tmp_path / "x.gguf"), name, "auto")
+    assert asked == [torch.float32, torch.float32, torch.float16, torch.float16, torch.bfloat16, torch.bfloat16,
+                     torch.float16]
+
+
 def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(model_dir, d)
@@ -163,8 +248,10 @@ def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
 
 
 def test_tokenizer_argument_must_hold_a_tokenizer(model_dir, tmp_path, no_loading):
-    with pytest.raises(ConfigError, match="tokenizer=.*could not be loaded"):  # nor fetched (a hub id)
+    with pytest.raises(ConfigError, match="tokenizer=.*does not exist"):
         LLM(str(model_dir), tokenizer=str(tmp_path / "missing"), dtype="float32", max_model_len=MAX_LEN)
+    with pytest.raises(ConfigError, match="tokenizer=.*could not be loaded"):  # nor fetched (a hub id)
+        LLM(str(model_dir), tokenizer="no-such-org/no-such-tokenizer", dtype="float32", max_model_len=MAX_LEN)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="tokenizer=.*not a directory"):
         LLM(str(model_dir), tokenizer=str(tmp_path / "file"), dtype="float32", max_model_len=MAX_LEN)
@@ -258,9 +345,9 @@ def test_head_dims_the_cuda_kernels_do_not_take_are_refused(model_dir, head_dim,
     if ok:
         check_device_support(arch, torch.device("cuda"))
     else:
-        with pytest.raises(ConfigError, match=rf"^speculative_config model: head_dim={head_dim} is not supported on "
+        with pytest.raises(ConfigError, match=rf"^speculative_config.model: head_dim={head_dim} is not supported on "
                                               r"CUDA \(.*\); run it with device='cpu'$"):
-            check_device_support(arch, torch.device("cuda"), "speculative_config model")
+            check_device_support(arch, torch.device("cuda"), "speculative_config.model")
 
 
 @pytest.mark.parametrize("kwargs,field", [(dict(gpu_memory_utilization=True), "gpu_memory_utilization"),

@@ -339,8 +339,8 @@ def test_out_of_memory_names_the_setting(models, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^model='.*giant' in bfloat16: the weights need 3\d\d\.\d GiB, the GPU "
                                           r"has .* free of .*; use a smaller model, or a smaller dtype$"):
         LLM(giant, **dummy)
-    with pytest.raises(ConfigError, match=r"^speculative_config model='.*giant' in bfloat16: the weights need .*; use "
-                                          r"a smaller speculative_config model, or a smaller speculative_config dtype$"):
+    with pytest.raises(ConfigError, match=r"^speculative_config.model='.*giant' in bfloat16: the weights need .*; use "
+                                          r"a smaller speculative_config.model, or a smaller speculative_config.dtype$"):
         LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=512, kv_cache_memory_bytes=64 << 20,
             speculative_config=dict(model=giant, num_speculative_tokens=2, draft_load_format="dummy"))
     assert _allocated() - before < 64 << 20

@@ -138,6 +138,24 @@ def test_unsupported_architecture(tmp_path):
     assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
+def test_unsupported_rope_scaling_is_refused_before_converting(tmp_path, monkeypatch):
+    import gguf
+
+    add_dims = gguf.GGUFWriter.add_rope_dimension_count
+
+    def with_yarn(self, n):
+        add_dims(self, n)
+        self.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        self.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_yarn)
+    src = tmp_path / "yarn.gguf"
+    G.write_tiny_gguf(src)
+    with pytest.raises(ModelFormatError, match=r"RoPE scaling type 'yarn' is not supported"):
+        resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    assert _cache_entries(tmp_path / "cache" / "converted") == []
+
+
 def test_unsupported_tensor_type(tmp_path):
     src = tmp_path / "int.gguf"
     G.write_tiny_gguf(src, extra_tensors={"blk.0.attn_q.bias": np.arange(64, dtype=np.int8)})
