@@ -179,8 +179,9 @@ def _generate(args) -> int:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         same = "yes" if a == b else f"no, from token {first}"
         if a != b and params.temperature == 0 and llm.config.model.dtype != torch.float32:
-            same += (" (greedy: in bf16/fp16 the 1 + k row verification rounds differently from a 1-row"
-                     " decode, so near-ties can flip; float32 gives identical tokens)")
+            same += (" (greedy: in bf16/fp16 the 1 + k row verification can round differently from a 1-row"
+                     " decode (on a GPU, or with cpu_matmul='torch'/'fbgemm'), so near-ties can flip; float32"
+                     " gives identical tokens)")
         print(
             f"[target alone: {bn} tokens in {base_s:.2f} s: {bn / base_s:.2f} tok/s; speedup "
             f"{(n / elapsed) / (bn / base_s):.2f}x; identical output: {same}]",

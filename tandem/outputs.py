@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one token under the processed distribution, its rank and text."""
+    """Log-probability of one token (under the distribution logprobs_mode names: the model's raw
+    one by default), its rank and text."""
 
     logprob: float
     rank: int

@@ -74,7 +74,8 @@ class StepPlan:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """Logprobs of one sampled token: the chosen one and the top-n of the processed distribution."""
+    """Logprobs of one sampled token: the chosen one and the top-n (of the distribution
+    logprobs_mode names)."""
 
     token_id: int
     logprob: float
