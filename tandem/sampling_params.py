@@ -47,6 +47,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); text keeps BOS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (text "", logprobs without decoded tokens), as vLLM
 
     def __post_init__(self) -> None:
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
@@ -145,6 +146,10 @@ class SamplingParams:
             raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise bad("logit_bias", "biases must be in [-100, 100]")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "it must be True or False")
+        if not self.detokenize and self.stop:
+            raise bad("detokenize", "stop strings need the text: set detokenize=True, or use stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -389,10 +389,12 @@ class Engine:
         for j, token in enumerate(emitted):
             seq.token_ids.append(token)
             if seq.logprobs is not None and logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(logprobs[j]))
+                seq.logprobs.append(self._logprob_dict(logprobs[j], req.params.detokenize))
                 seq.cumulative_logprob += logprobs[j].logprob
             if ended_by_token and j == len(emitted) - 1:
                 break
+            if not req.params.detokenize:  # token ids only: no text, so no stop string either
+                continue
             # As EOS, a stop string cannot end in the text of the first min_tokens tokens.
             stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) > req.params.min_tokens)
             if stop is not None:
@@ -414,10 +416,11 @@ class Engine:
         """Prompt tokens first, first + 1, ...'s logprobs; a recomputation after preemption adds nothing."""
         for j, lp in enumerate(lps):
             if first + j == len(seq.prompt_logprobs):
-                seq.prompt_logprobs.append(self._logprob_dict(lp))
+                seq.prompt_logprobs.append(self._logprob_dict(lp, seq.req.params.detokenize))
 
-    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+    def _logprob_dict(self, lp: TokenLogprobs, detokenize: bool = True) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None and detokenize \
+            else (lambda t: None)
         out = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
         if lp.token_id not in out:
             out[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))

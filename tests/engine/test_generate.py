@@ -218,6 +218,20 @@ def test_vllm_prompt_and_seed_forms(llm, model):
             LLM(str(model), dtype="float32", max_model_len=64, block_size=8, **kw)
 
 
+def test_detokenize_false_gives_token_ids_only(llm):
+    """vLLM's detokenize=False: the same tokens, no text, logprobs without decoded tokens; stop
+    strings, which need the text, are refused."""
+    p = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    text, ids_only = llm.generate(["The quick brown fox"] * 2, [p, p.clone(detokenize=False)], use_tqdm=False)
+    assert ids_only.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids_only.outputs[0].text == ""
+    assert all(v.decoded_token is None for lp in ids_only.outputs[0].logprobs for v in lp.values())
+    assert [{t: v.logprob for t, v in lp.items()} for lp in ids_only.outputs[0].logprobs] == \
+        [{t: v.logprob for t, v in lp.items()} for lp in text.outputs[0].logprobs]
+    with pytest.raises(RequestError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
 def test_min_tokens_and_eos(llm):
     eos = llm.engine.eos_token_ids[0]
     p = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0})
