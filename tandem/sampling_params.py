@@ -100,6 +100,8 @@ class SamplingParams:
             raise bad("n", "it must be an integer >= 1")
         if not _is_num(self.temperature) or self.temperature < 0:
             raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if self.temperature == 0 and self.n > 1:  # vLLM's rule: n copies of one greedy output
+            raise bad("n", "greedy sampling (temperature 0) gives one output: set n=1, or a temperature > 0")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "it must be in (0, 1]; use 1 to disable")
         if not _is_int(self.top_k) or self.top_k < -1:

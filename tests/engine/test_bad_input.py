@@ -408,6 +408,7 @@ BAD_PARAMS = [
     (dict(n=0), "n"),
     (dict(n=True), "n"),
     (dict(n=2.0), "n"),
+    (dict(n=2, temperature=0), "n"),
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
