@@ -84,6 +84,7 @@ class ModelConfig:
     # Which distribution returned logprobs describe: "raw_logprobs" (the model's, as vLLM returns by
     # default) or "processed_logprobs" (after penalties, bias, temperature and truncation: the one sampled).
     logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask (-1: no cap), as vLLM
 
 
 @dataclass(frozen=True)

@@ -122,15 +122,14 @@ class SamplingParams:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
         if self.seed is not None and (not _is_int(self.seed) or not -MAX_SEED - 1 <= self.seed <= MAX_SEED):
             raise bad("seed", f"it must be a 64-bit integer, in [{-MAX_SEED - 1}, {MAX_SEED}]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "it must be an integer in [0, 20]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
+            raise bad("logprobs", "it must be an integer >= 0, or -1 for the whole vocabulary")
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens == 0
                                                         or self.truncate_prompt_tokens < -1):
             raise bad("truncate_prompt_tokens", "it must be an integer >= 1, or -1 for max_model_len")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "it must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < -1):
+            raise bad("prompt_logprobs", "it must be an integer >= 0, or -1 for the whole vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

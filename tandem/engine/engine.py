@@ -173,10 +173,28 @@ class Engine:
             return self.truncate_prompt(full, params)  # nothing around the text, or no room: cut as ids
         return full[:head] + text_ids[n - (k - num_special):] + full[head + n:]
 
+    def resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """params with logprobs / prompt_logprobs of -1 as the whole vocabulary; RequestError past
+        max_logprobs (as vLLM's)."""
+        cap = self.cfg.model.max_logprobs
+        changes = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is None:
+                continue
+            n = self.vocab_size if n == -1 else n
+            if cap != -1 and n > cap:
+                raise RequestError(f"SamplingParams.{name}={getattr(params, name)} is invalid: this engine returns at "
+                                   f"most max_logprobs={cap} per token; ask for fewer, or raise max_logprobs")
+            if n != getattr(params, name):
+                changes[name] = n
+        return params.clone(**changes) if changes else params
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         if not prompt_token_ids:
             raise RequestError("prompt is empty: give at least one token")
@@ -207,6 +225,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         if params.bad_words:
             params = params.clone(bad_words=None,

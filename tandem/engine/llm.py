@@ -61,6 +61,7 @@ class LLM:
         cpu_matmul: str = "auto",
         async_scheduling: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
+        max_logprobs: int = 20,
         generation_config: str = "auto",
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
@@ -86,6 +87,8 @@ class LLM:
                               "prefill-mixed and ragged steps eagerly)")
         if cpu_matmul not in CPU_MATMULS:
             raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
+        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+            raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         if load_format not in ("auto", "dummy"):
@@ -132,7 +135,7 @@ class LLM:
             )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
-                              logprobs_mode=logprobs_mode),
+                              logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -36,6 +36,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int_in(0), default=0)
     model.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
+    model.add_argument("--max-logprobs", type=int_in(-1), default=20,
+                       help="the most logprobs a request may ask per token (default 20; -1: no cap)")
     model.add_argument("--generation-config", default="auto", type=non_empty("pass 'auto', 'vllm' or a directory"),
                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
                             "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")

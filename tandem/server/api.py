@@ -550,11 +550,11 @@ class OpenAIServer:
             body = body.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         params = self._params(body, {}, "prompt")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
-            params = params.clone(prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
+            params = params.clone(prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
-                                      shown_prompt_logprobs=body.prompt_logprobs, decode=decode,
+                                      shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
 
@@ -613,7 +613,7 @@ class OpenAIServer:
             raise APIError(400, f"'allowed_token_ids' holds {bad[0]}, not a token id in [0, {self.vocab_size})",
                            param="allowed_token_ids")
         try:
-            return body.to_sampling_params(self.generation_defaults)
+            return self.client.engine.resolve_logprobs(body.to_sampling_params(self.generation_defaults))
         except RequestError as e:
             raise request_error(e, fields, prompt_param) from None
 
@@ -696,6 +696,11 @@ class OpenAIServer:
                                f"{num + params.max_tokens} were requested ({num} in '{prompt_param}', "
                                f"{params.max_tokens} in '{max_tokens_param}'); shorten the prompt or lower "
                                f"'{max_tokens_param}'", param=max_tokens_param, code="context_length_exceeded")
+
+    def _shown_prompt_logprobs(self, body: CompletionRequest) -> int | None:
+        """The top-n of the prompt_logprobs field shown (-1: the whole vocabulary)."""
+        n = body.prompt_logprobs
+        return self.vocab_size if n == -1 else n
 
     def _truncate(self, prompts: list[Prompt], params: SamplingParams) -> None:
         """Cut each prompt to what runs (truncate_prompt_tokens): the context check and the usage count it."""
@@ -873,6 +878,7 @@ def run_server(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
+        max_logprobs=args.max_logprobs,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

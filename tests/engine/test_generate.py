@@ -232,6 +232,26 @@ def test_detokenize_false_gives_token_ids_only(llm):
         SamplingParams(detokenize=False, stop=["x"])
 
 
+def test_max_logprobs_caps_what_a_request_asks(llm, model):
+    """vLLM's max_logprobs (20 by default): more is refused by name; -1 asks for the whole
+    vocabulary, which an engine with max_logprobs=-1 (no cap) returns."""
+    prompt = {"prompt_token_ids": [5, 17, 99]}
+    with pytest.raises(RequestError, match=r"SamplingParams.logprobs=21 .*max_logprobs=20"):
+        llm.generate(prompt, SamplingParams(max_tokens=2, logprobs=21))
+    with pytest.raises(RequestError, match=r"SamplingParams.prompt_logprobs=-1 .*max_logprobs=20"):
+        llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=-1))
+    wide = LLM(str(model), dtype="float32", max_model_len=64, block_size=8, max_logprobs=-1)
+    vocab = wide.engine.vocab_size
+    out = wide.generate(prompt, SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                        use_tqdm=False)[0]
+    assert [len(lp) for lp in out.outputs[0].logprobs] == [vocab, vocab]
+    assert all(len(lp) == vocab for lp in out.prompt_logprobs[1:])
+    probs = torch.tensor([v.logprob for v in out.outputs[0].logprobs[0].values()]).exp().sum()
+    assert probs.item() == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        LLM(str(model), dtype="float32", max_model_len=64, block_size=8, max_logprobs=-2)
+
+
 def test_min_tokens_and_eos(llm):
     eos = llm.engine.eos_token_ids[0]
     p = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0})
