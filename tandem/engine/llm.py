@@ -335,7 +335,7 @@ def _checked_defaults(defaults: dict) -> dict:
             raise ConfigError(f"the model's generation_config.json sets an invalid sampling default ({e}); fix the "
                               "file, or pass generation_config='vllm' to ignore it") from None
         logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
-                    "to use the engine's own): %s", defaults)
+                       "to use the engine's own): %s", defaults)
     return defaults
 
 
