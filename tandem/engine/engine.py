@@ -356,7 +356,9 @@ class Engine:
 
     def _step_error(self, e: Exception, plans: list[StepPlan], ended: list[str] | None, fatal: bool) -> StepError:
         num_tokens = max((p.num_tokens for p in plans), default=0)
-        what = f"an engine step ({len(ended or [])} requests, {num_tokens} tokens)"
+        # ended None: it failed before a step ran (while planning), and the caller ends every request
+        what = (f"an engine step ({len(ended)} requests, {num_tokens} tokens)" if ended is not None
+                else "planning an engine step (every request in flight)")
         if isinstance(e, torch.OutOfMemoryError):
             memory = release_failed_step(e, self.cfg.device)
             return StepError(

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -711,6 +712,12 @@ class OpenAIServer:
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str) -> list[RequestStream]:
+        capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
+        if len(prompts) * params.n > capacity:  # a 503 would say "retry later", and no retry could fit
+            param = "n" if params.n > 1 else prompt_param
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} asks for {len(prompts) * params.n} "
+                           f"sequences at once, more than this server ever holds (max_num_seqs + max_queued_requests"
+                           f" = {capacity}); send fewer prompts or a smaller 'n'", param=param)
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
@@ -822,6 +829,7 @@ def build_app(
 
     app = FastAPI(title="tandem", lifespan=lifespan)
     app.state.engine_client = client
+    app.state.drain = lambda: client.shutdown(drain_timeout_s)  # DrainingServer runs it first
     app.state.metrics = metrics
     app.state.server = server
 
@@ -861,8 +869,6 @@ def run_server(args: argparse.Namespace) -> int:
     from tandem.server import DEFAULT_K, check_serve_args
 
     check_serve_args(args)  # before the model loads, so a flag mistake fails fast
-    import uvicorn
-
     from tandem.engine.llm import LLM
 
     spec = None
@@ -883,6 +889,25 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,
                     trust_request_chat_template=args.trust_request_chat_template)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
+    DrainingServer(config, app).run()
     return 0
+
+
+GRACE_AFTER_DRAIN_S = 5.0  # what the aborted requests' answers get to finish sending
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn Server for build_app's app whose shutdown first drains the engine (requests in
+    flight get drain_timeout_s to finish, the rest end with a 503 / an in-band error and [DONE],
+    new ones get 503 meanwhile) and only then closes connections; plain uvicorn would cancel the
+    handlers first, cutting their answers (a bare 500, a stream without [DONE])."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self._drain = app.state.drain
+
+    async def shutdown(self, sockets=None) -> None:
+        await self._drain()
+        await super().shutdown(sockets)

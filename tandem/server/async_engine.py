@@ -162,7 +162,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        """Refuse new requests, wait up to drain_timeout_s for those in flight, abort the rest, stop."""
+        """Refuse new requests, wait up to drain_timeout_s for those in flight, abort the rest, stop.
+        A second call (the app's lifespan after the server's own shutdown) finds nothing to do."""
+        if not self.is_running:
+            self._accepting = False
+            return
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
         while self.num_in_flight and time.monotonic() < deadline:

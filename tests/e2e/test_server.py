@@ -23,7 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
-from tandem.server.api import build_app  # noqa: E402
+from tandem.server.api import DrainingServer, build_app  # noqa: E402
 from tests.helpers import make_hf_model  # noqa: E402
 
 MODEL = "tiny-spec"
@@ -71,7 +71,7 @@ class LiveServer:
             self.port = s.getsockname()[1]
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                 timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, self.app)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -832,15 +832,30 @@ def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
         refused = next(r for r in responses if r.status_code == 503).json()["error"]
         assert refused["code"] == "queue_full" and "max_queued_requests=1" in refused["message"]
         assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        # more sequences than the server ever holds (1 slot + 1 queued) is a 400, not "retry later"
+        for extra, param in (({"n": 3, "temperature": 1.0}, "n"), ({"prompt": PROMPTS[:3]}, "prompt")):
+            r = server.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
-        # shut down with a stream in flight: the request ends (drained or aborted) and the loop stops
+        # Shut down with a stream running and a request queued behind it (drain_timeout_s 0): the
+        # engine is stopped before uvicorn closes connections, so the stream ends with an in-band
+        # shutting_down error and [DONE], the queued request gets a 503, and none is cut.
+        queued = {}
+        engine, step = server.llm.engine, server.llm.engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]  # slow steps: the stream outlives the shutdown call
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                          json={**body, "max_tokens": 100, "stream": True}) as r:
+                          json={**body, "max_tokens": 110, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
+            waiter = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+                server.url + "/v1/completions", json=body, timeout=60)))
+            waiter.start()
+            time.sleep(0.3)
             server.server.should_exit = True
-            rest = list(lines)
-        assert [line for line in rest if line][-1] == "data: [DONE]"
+            rest = [line for line in lines if line]
+        waiter.join(60)
+        assert rest[-1] == "data: [DONE]" and "shutting_down" in rest[-2], rest[-2:]
+        assert queued["r"].status_code == 503 and queued["r"].json()["error"]["code"] == "shutting_down"
         server.thread.join(60)
         assert not server.thread.is_alive()
         assert not server.app.state.engine_client.is_running
