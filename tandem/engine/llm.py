@@ -22,6 +22,7 @@ from tandem.config import (
     resolve_dtype,
     resolve_max_model_len,
 )
+from tandem.chat import template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
@@ -241,13 +242,16 @@ class LLM:
                                "must be False; pass add_generation_prompt=False")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise RequestError("chat(): chat_template_kwargs must be a dict of template variables")
-        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                      continue_final_message=continue_final_message, tools=tools)
-        kwargs.update({k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tokenize", "conversation")})
+        kwargs = template_kwargs(chat_template, add_generation_prompt, continue_final_message, tools,
+                                 chat_template_kwargs)
         prompts = []
         for conv in conversations:
             try:
-                text = self.tokenizer.apply_chat_template([_text_message(m) for m in conv], tokenize=False, **kwargs)
+                messages = [text_message(m) for m in conv]
+            except RequestError as e:
+                raise RequestError(f"chat(): {e}") from None
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except ValueError as e:
                 raise RequestError(f"chat template could not be applied: {e}") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
@@ -337,15 +341,3 @@ def _checked_defaults(defaults: dict) -> dict:
         logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
                        "to use the engine's own): %s", defaults)
     return defaults
-
-
-def _text_message(message: dict) -> dict:
-    """A chat message whose OpenAI-style content parts are joined into its text (vLLM joins text
-    parts with newlines); other part types are refused."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-               for part in content):
-        raise RequestError("chat(): only text content parts ({'type': 'text', 'text': ...}) are supported")
-    return {**message, "content": "\n".join(part["text"] for part in content)}

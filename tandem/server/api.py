@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.chat import template_kwargs
 from tandem.errors import RequestError
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -640,10 +641,10 @@ class OpenAIServer:
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
-        template_kwargs = body.chat_template_kwargs or {}
+        chat_kwargs = body.chat_template_kwargs or {}
         if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
             for param, value in (("chat_template", body.chat_template),
-                                 ("chat_template_kwargs", template_kwargs.get("chat_template"))):
+                                 ("chat_template_kwargs", chat_kwargs.get("chat_template"))):
                 if value is not None:
                     raise APIError(400, f"'{param}' sets a chat template, and this server does not run templates "
                                    "sent in requests; leave it out, or start the server with "
@@ -652,10 +653,8 @@ class OpenAIServer:
             raise APIError(400, "'continue_final_message' continues the last message, so 'add_generation_prompt' "
                            "must be false; set 'add_generation_prompt': false", param="continue_final_message")
         conversation = [m.template_dict() for m in body.messages]
-        # chat_template_kwargs override the request's own fields, as in vLLM; the text is tokenized here.
-        kwargs = {"add_generation_prompt": body.add_generation_prompt, "chat_template": body.chat_template,
-                  "continue_final_message": body.continue_final_message}
-        kwargs.update({k: v for k, v in template_kwargs.items() if k not in ("tokenize", "conversation")})
+        kwargs = template_kwargs(body.chat_template, body.add_generation_prompt, body.continue_final_message,
+                                 extra=chat_kwargs)  # the text is tokenized here
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tandem.chat import text_message
 from tandem.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per request: more would take the whole batch
@@ -198,10 +199,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "\n".join(part.text for part in self.content)  # as vLLM joins text parts
-        return out
+        return text_message(self.model_dump(exclude_none=True))  # text parts joined, as vLLM joins them
 
 
 class ChatCompletionRequest(_SamplingRequest):
