@@ -438,7 +438,8 @@ def serving(root, target, draft, batches, args, results) -> None:
     """Continuous batching as a server meets it: 4 x max_num_seqs requests of args.prompt_len
     tokens, output lengths drawn from 64..256 (seeded), all submitted at once; requests finish
     at different steps and waiting ones are prefilled into their slots. Target-only against
-    k = 4 at synthetic uniform acceptance 0.8 on the same requests. Reports output tokens/s over
+    k = 4 at synthetic uniform acceptance --serving-rate (0.8) on the same requests, and with
+    --serving-k-schedule also k = 4 with drafts by batch size. Reports output tokens/s over
     the whole run (warm: the second run of the same requests; cold: the first, whose eager
     steps compile kernels for the shapes they meet), and where the steps' time went by kind
     (StepLog): CUDA graph replays, eager ragged verifications, eager steps with prefill chunks,
@@ -448,8 +449,15 @@ def serving(root, target, draft, batches, args, results) -> None:
     tname, tshape = target
     dname, dshape = draft
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
-    k, rate = 4, 0.8
+    k, rate = 4, args.serving_rate
     rates = [rate ** (i + 1) for i in range(k)]  # unconditional, as speculative_config takes them
+    synthetic = dict(model=ddir, num_speculative_tokens=k, draft_load_format="dummy",
+                     rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
+    engines = [("target-only", None), (f"k={k} uniform-{rate}", synthetic)]
+    if args.serving_k_schedule:
+        ranges = [[int(v) for v in r.replace(":", "-").split("-")] for r in args.serving_k_schedule.split(",")]
+        engines.append((f"k={k} uniform-{rate} by batch size {args.serving_k_schedule}",
+                        dict(synthetic, num_speculative_tokens_per_batch_size=ranges)))
     for b in batches:
         g = torch.Generator().manual_seed(b)
         n = 4 * b
@@ -457,10 +465,8 @@ def serving(root, target, draft, batches, args, results) -> None:
                    for _ in range(n)]
         lengths = torch.randint(64, 257, (n,), generator=g).tolist()
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
-        for name, spec in (("target-only", None),
-                           (f"k={k} uniform-{rate}", dict(model=ddir, num_speculative_tokens=k, draft_load_format="dummy",
-                                                         rejection_sample_method="synthetic",
-                                                         synthetic_acceptance_rates=rates))):
+        first = len(results["serving"])
+        for name, spec in engines:
             t0 = time.perf_counter()
             llm = make_llm(tdir, spec, b, args.max_model_len)
             start_s, start_variants = time.perf_counter() - t0, sum(triton_variants().values())
@@ -496,8 +502,9 @@ def serving(root, target, draft, batches, args, results) -> None:
                   f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "
                   f"{start_variants} at start, {r['variants_after']} after", flush=True)
             free(llm)
-        base, spec_r = results["serving"][-2], results["serving"][-1]
-        spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
+        base = results["serving"][first]
+        for spec_r in results["serving"][first + 1 :]:
+            spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
 
 
 def hf_peer(target_shape, draft_shape, args, results) -> None:
@@ -555,6 +562,9 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="target,synthetic,eps,hf",
                    help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
+    p.add_argument("--serving-rate", type=float, default=0.8, help="the serving section's uniform acceptance")
+    p.add_argument("--serving-k-schedule", default="", metavar="A-B:K,...",
+                   help="also serve with num_speculative_tokens_per_batch_size, e.g. 1-16:4,17-48:2,49-512:0")
     p.add_argument("--serving-profile", default="", metavar="KINDS",
                    help="the serving section: cProfile the launches of these step kinds (e.g. mixed) in a third run")
     p.add_argument("--ab-gemv", action="store_true",

@@ -40,6 +40,12 @@ class ScheduledReq:
     sample: bool  # the chunk reaches the last known token, so a token is sampled
     num_output_tokens: int  # output tokens before this step (min_tokens, penalties)
     num_next_drafts: int = 0  # drafts to propose after this step (0: no drafting)
+    # Dynamic speculation: tokens at positions draft_backfill_start.. (before start_pos) whose KV the
+    # draft skipped, fed to it before this step's tokens; draft_skip: the draft does not see this
+    # step's tokens (drafting is off, or the backfill stops short of start_pos).
+    draft_backfill: list[int] = field(default_factory=list)
+    draft_backfill_start: int = 0
+    draft_skip: bool = False
     # Of num_drafts, those that can still become output (None: all). The rest lie past max_tokens:
     # verified only so the batch stays uniform, and left out of the acceptance metrics.
     num_useful_drafts: int | None = None

@@ -47,7 +47,8 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
-    tokens_per_req = [1] + ([1 + k] if k else [])  # decode, and verification of k drafts
+    counts = [d for d in cfg.spec.draft_counts if d > 0] if cfg.spec is not None else []
+    tokens_per_req = [1] + [1 + d for d in counts]  # decode, and verification of each number of drafts
     max_pieces = cfg.extra.get("max_cudagraph_tokens", 0)
     sched = cfg.sched
     runner.capture_graphs(tokens_per_req, sched.max_num_seqs, max_blocks, stream, pool,

@@ -73,14 +73,16 @@ class BlockManager:
             req.block_hashes.append(parent)
         return len(req.block_ids) * bs
 
-    def cache_full_blocks(self, req: Request) -> None:
+    def cache_full_blocks(self, req: Request, limit: int | None = None) -> None:
         """Register req's blocks that became full of computed tokens since the last call (a stop
-        inside an accepted run leaves computed positions past the kept tokens: those are not)."""
+        inside an accepted run leaves computed positions past the kept tokens: those are not),
+        and, with a limit, only those below position `limit`."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         tokens = None
-        for i in range(len(req.block_hashes), min(req.num_computed_tokens, req.num_tokens) // bs):
+        end = min(req.num_computed_tokens, req.num_tokens, req.num_tokens if limit is None else limit)
+        for i in range(len(req.block_hashes), end // bs):
             tokens = tokens or req.all_token_ids
             parent = req.block_hashes[-1] if req.block_hashes else None
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))

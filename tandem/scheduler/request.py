@@ -33,6 +33,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_pending_drafts: int = 0  # drafts in the runner's slot, proposed by the last step
+    # The first position whose KV the draft skipped (steps without drafting); None: none skipped.
+    draft_start: int | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     # Acceptance counters (speculative decoding).

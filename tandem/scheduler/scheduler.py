@@ -7,12 +7,18 @@ max_num_batched_tokens. When blocks run out, the most recently admitted request 
 its blocks are freed and it recomputes later from its tokens, so its output does not change
 (with a draft model, a sampled request's draws after that point come from other noise streams,
 because its pending drafts are dropped: still the target's distribution, not the same tokens).
+
+With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
+speculative_config.num_speculative_tokens_per_batch_size). Decode steps that draft nothing skip
+the draft model altogether; when drafting resumes, the tokens it skipped are fed to it first
+(`draft_backfill`, out of the same token budget), and until then the prefix cache registers no
+block past them (a cached block holds valid KV of both models).
 Plain Python: no torch, no device.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tandem.plan import PENDING_TOKEN, NewReq, ScheduledReq, StepPlan, StepResult
 from tandem.scheduler.blocks import BlockManager
@@ -25,10 +31,13 @@ if TYPE_CHECKING:
 class Scheduler:
     """Decides what runs each step and applies each step's result to request state."""
 
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0):
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0,
+                 k_for_batch: Callable[[int], int] | None = None):
+        """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         self.cfg = sched
         self.k = num_speculative_tokens
+        self.k_for_batch = k_for_batch
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -71,6 +80,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         scheduled: dict[int, ScheduledReq] = {}
         new_reqs: list[NewReq] = []
+        k_next = self._num_next_drafts()
 
         # Running requests: decodes first, then unfinished prefills, each in admission order.
         order = [r for r in self.running if not r.is_prefilling] + [r for r in self.running if r.is_prefilling]
@@ -79,17 +89,17 @@ class Scheduler:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            item = self._schedule_running(req, budget, scheduled)
+            item = self._schedule_running(req, budget, scheduled, k_next)
             if item is not None:
                 scheduled[req.req_id] = item
-                budget -= item.num_new_tokens
+                budget -= item.num_new_tokens + len(item.draft_backfill)
 
         # Waiting requests, in arrival order, while budget, slots and blocks last. No preemption
         # happened this step, or the freed room is left to the running requests.
         preempted = any(r.status == Status.WAITING for r in order)
         while self.waiting and budget > 0 and self.free_slots and not preempted:
             req = self.waiting[0]
-            item = self._admit(req, budget)
+            item = self._admit(req, budget, k_next)
             if item is None:
                 break
             self.waiting.popleft()
@@ -100,6 +110,13 @@ class Scheduler:
         reqs = [scheduled[r.req_id] for r in self.running if r.req_id in scheduled]
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=freed)
+
+    def _num_next_drafts(self) -> int:
+        """The drafts this step proposes: by the batch size, the requests running or waiting (at
+        most max_num_seqs)."""
+        if not self.k or self.k_for_batch is None:
+            return self.k
+        return self.k_for_batch(min(len(self.running) + len(self.waiting), self.cfg.max_num_seqs))
 
     def schedule_ahead(self, prev: StepPlan) -> StepPlan | None:
         """The next step, planned while `prev` still runs (before its result is known), for the
@@ -140,9 +157,9 @@ class Scheduler:
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
 
-    def _schedule_running(self, req: Request, budget: int, scheduled: dict) -> ScheduledReq | None:
+    def _schedule_running(self, req: Request, budget: int, scheduled: dict, k_next: int) -> ScheduledReq | None:
         while True:
-            item = self._make_item(req, budget)
+            item = self._make_item(req, budget, k_next)
             if self.blocks.allocate(req, self._blocks_span(req, item)):
                 item.block_ids = list(req.block_ids)
                 return item
@@ -151,11 +168,11 @@ class Scheduler:
             if victim is req:
                 return None
 
-    def _admit(self, req: Request, budget: int) -> tuple[NewReq, ScheduledReq] | None:
+    def _admit(self, req: Request, budget: int, k_next: int) -> tuple[NewReq, ScheduledReq] | None:
         # Prompt logprobs need the logits of every prompt position: no cached prefix skips them.
         num_cached = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
         req.num_computed_tokens = num_cached
-        item = self._make_item(req, budget)
+        item = self._make_item(req, budget, k_next)
         if not self.blocks.allocate(req, self._blocks_span(req, item)):
             self.blocks.free(req)
             req.num_computed_tokens = 0
@@ -176,7 +193,7 @@ class Scheduler:
         )
         return new, item
 
-    def _make_item(self, req: Request, budget: int) -> ScheduledReq:
+    def _make_item(self, req: Request, budget: int, k_next: int) -> ScheduledReq:
         start = req.num_computed_tokens
         remaining = req.num_tokens - start
         num_drafts = 0
@@ -190,6 +207,15 @@ class Scheduler:
         room_out = max(0, req.max_tokens - len(req.output_token_ids) - 1)  # drafts that can become output
         chunk = min(remaining, budget)
         sample = start + chunk == req.num_tokens
+        num_next = k_next if sample else 0
+        backfill, skip = [], False
+        if req.draft_start is not None:  # the draft skipped draft_start .. start - 1: feed it first
+            lag = start - req.draft_start
+            n = max(0, min(lag, budget - chunk - num_drafts)) if num_next else 0
+            backfill = [req.token_id(p) for p in range(req.draft_start, req.draft_start + n)]
+            skip = n < lag  # the draft is still behind after this step: it drafts nothing
+        elif self.k and num_next == 0 and remaining == 1:
+            skip = True  # a decode step without drafting: the draft model does not run
         targets = None
         num_prompt = len(req.prompt_token_ids)
         if req.params.prompt_logprobs is not None and start + 1 < num_prompt:
@@ -203,9 +229,12 @@ class Scheduler:
             block_ids=[],  # filled once the blocks are allocated
             sample=sample,
             num_output_tokens=len(req.output_token_ids),
-            num_next_drafts=self.k if sample else 0,
+            num_next_drafts=0 if skip else num_next,
             num_useful_drafts=min(num_drafts, room_out),
             prompt_logprob_targets=targets,
+            draft_backfill=backfill,
+            draft_backfill_start=req.draft_start or 0,
+            draft_skip=skip,
         )
 
     def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
@@ -220,6 +249,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_pending_drafts = 0
+        req.draft_start = None  # recomputed from the start, by both models
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -245,6 +275,12 @@ class Scheduler:
             if item.num_counted_drafts:
                 self._count_acceptance(req, item.num_counted_drafts, min(num_accepted, item.num_counted_drafts))
             req.num_pending_drafts = num_proposed
+            if not item.draft_skip:
+                req.draft_start = None
+            elif item.draft_backfill:
+                req.draft_start = item.draft_backfill_start + len(item.draft_backfill)
+            elif req.draft_start is None:
+                req.draft_start = item.start_pos
             emitted, reason = [], None
             for token in tokens:
                 req.output_token_ids.append(token)
@@ -252,7 +288,8 @@ class Scheduler:
                 reason = self._check_stop(req, token)
                 if reason is not None:
                     break
-            self.blocks.cache_full_blocks(req)  # before a finish frees them: a final step's blocks are reusable too
+            # Before a finish frees them: a final step's blocks are reusable too; none the draft skipped.
+            self.blocks.cache_full_blocks(req, req.draft_start)
             if reason is not None:
                 self.finish(req, *reason)
             if emitted:

@@ -38,6 +38,10 @@ class SpeculativeConfig:
     draft_load_format: str = "auto"
     seed: int = 0
     quantization: str | None = None  # "fp8": the draft's linears in weight-only e4m3 (tandem/layers/quant.py)
+    # Dynamic speculation (vLLM's key): ranges [start, end, K] of batch sizes (requests running or
+    # waiting, at most max_num_seqs) that draft K <= k tokens instead of k; K = 0 turns the draft
+    # off (it catches up on the skipped tokens when drafting resumes). Other sizes draft k.
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def k(self) -> int:
@@ -46,6 +50,18 @@ class SpeculativeConfig:
     @property
     def synthetic(self) -> bool:
         return self.rejection_sample_method == "synthetic"
+
+    def k_for_batch(self, num_reqs: int) -> int:
+        """The drafts per request at a batch of num_reqs (num_speculative_tokens_per_batch_size)."""
+        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= num_reqs <= end:
+                return k
+        return self.k
+
+    @property
+    def draft_counts(self) -> tuple[int, ...]:
+        """Every number of drafts a step may propose (k and the schedule's), ascending."""
+        return tuple(sorted({self.k, *(k for _, _, k in self.num_speculative_tokens_per_batch_size or ())}))
 
     @classmethod
     def from_user(cls, spec: Any, target_max_model_len: int) -> "SpeculativeConfig":
@@ -75,6 +91,9 @@ class SpeculativeConfig:
             if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
                 raise ConfigError("speculative_config.synthetic_acceptance_rates must be a list of floats")
             spec["synthetic_acceptance_rates"] = tuple(rates)
+        ranges = spec.get("num_speculative_tokens_per_batch_size")
+        if ranges is not None:
+            spec["num_speculative_tokens_per_batch_size"] = _batch_ranges(ranges)
         cfg = cls(**spec)
         cfg._validate(target_max_model_len)
         if cfg.synthetic_acceptance_length is not None:
@@ -117,6 +136,7 @@ class SpeculativeConfig:
                     f"speculative_config.synthetic_acceptance_rates={list(rates)} must be non-increasing "
                     "(they are unconditional: P(first i+1 drafts accepted))"
                 )
+        self._validate_batch_ranges()
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
@@ -134,6 +154,20 @@ class SpeculativeConfig:
                     f"{target_max_model_len}; use at most {target_max_model_len}"
                 )
 
+    def _validate_batch_ranges(self) -> None:
+        name = "speculative_config.num_speculative_tokens_per_batch_size"
+        ranges = sorted(self.num_speculative_tokens_per_batch_size or ())
+        for start, end, k in ranges:
+            if not 1 <= start <= end:
+                raise ConfigError(f"{name}: the range [{start}, {end}, {k}] needs 1 <= start <= end (batch sizes)")
+            if not 0 <= k <= self.k:
+                raise ConfigError(f"{name}: the range [{start}, {end}, {k}] drafts {k} tokens; use 0 .. "
+                                  f"num_speculative_tokens={self.k} (0 turns drafting off)")
+        for (s0, e0, _), (s1, e1, _) in zip(ranges, ranges[1:]):
+            if s1 <= e0:
+                raise ConfigError(f"{name}: the ranges [{s0}, {e0}] and [{s1}, {e1}] overlap; give each batch "
+                                  "size at most one range")
+
     def conditional_rates(self) -> list[float]:
         """c_i = a_i / a_{i-1} (a_{-1} = 1; 0 after a zero): P(accept draft i | drafts < i accepted)."""
         out, prev = [], 1.0
@@ -141,6 +175,21 @@ class SpeculativeConfig:
             out.append(a / prev if prev > 0 else 0.0)
             prev = a
         return out
+
+
+def _batch_ranges(ranges) -> tuple[tuple[int, int, int], ...]:
+    """[[start, end, K], ...] (lists or tuples of three integers) -> a tuple of int triples."""
+    name = "speculative_config.num_speculative_tokens_per_batch_size"
+    if isinstance(ranges, (str, bytes, dict)) or not hasattr(ranges, "__iter__"):
+        raise ConfigError(f"{name} must be a list of [start_batch_size, end_batch_size, num_drafts] ranges")
+    out = []
+    for r in ranges:
+        if isinstance(r, (str, bytes, dict)) or not hasattr(r, "__iter__") or len(r := tuple(r)) != 3 \
+                or any(not isinstance(v, int) or isinstance(v, bool) for v in r):
+            raise ConfigError(f"{name}: {r!r} is not a [start_batch_size, end_batch_size, num_drafts] "
+                              "triple of integers")
+        out.append(r)
+    return tuple(out)
 
 
 def length_to_rates(length: float, k: int) -> tuple[float, ...]:

@@ -8,8 +8,14 @@ uniform verification step with greedy drafting, both are one CUDA graph replay).
 (and, for probabilistic drafting, the draft logits) go to per-slot buffers; the next step
 reads them on the device. Positions that depend on acceptance are computed on the device, so
 proposing never waits for the host.
+
+A step proposes the number of drafts its plan says (num_next_drafts: k, or fewer under
+dynamic speculation). Requests whose step skips the draft (draft_skip) are left out of it; the
+tokens it skipped come back as a backfill in front of a later step's tokens.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +51,7 @@ class DraftSpeculator:
         attn_backend: AttnBackend,
     ):
         self.k = spec.k
+        self.draft_counts = [d for d in spec.draft_counts if d > 0]  # the numbers of drafts a step may propose
         self.model = model
         self.device = device
         self.block_size = cache.block_size
@@ -74,19 +81,21 @@ class DraftSpeculator:
         )
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
-        self.graphs: DraftGraphs | None = None
+        self.graphs: dict[int, DraftGraphs] = {}  # number of drafts -> that round's graphs
         self.piecewise: PiecewiseGraphs | None = None  # catch-ups beside prefills, cut at the attention
 
     def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None,
                        piecewise_tokens: int = 0) -> None:
-        """Capture the catch-up forward and the greedy draft loop (CUDA only) on stream, into the
-        graph memory pool `pool`, and the piecewise forward of other catch-ups of up to
-        piecewise_tokens tokens (0: none)."""
-        self.graphs = DraftGraphs(
-            self.model, self.kv, self.drafts, k=self.k, vocab_size=self.draft_vocab, max_num_reqs=max_num_reqs,
-            max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend, device=self.device,
-        )
-        self.graphs.capture(stream, pool)
+        """Capture the catch-up forward and the greedy draft loop (CUDA only) for each number of
+        drafts on stream, into the graph memory pool `pool`, and the piecewise forward of other
+        catch-ups of up to piecewise_tokens tokens (0: none)."""
+        for d in self.draft_counts:
+            self.graphs[d] = DraftGraphs(
+                self.model, self.kv, self.drafts, k=d, vocab_size=self.draft_vocab, max_num_reqs=max_num_reqs,
+                max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend,
+                device=self.device,
+            )
+            self.graphs[d].capture(stream, pool)
         if piecewise_tokens > 0 and self.attn_backend.use_triton:
             self.piecewise = PiecewiseGraphs(self.model, self.kv, max_tokens=piecewise_tokens, device=self.device)
             self.piecewise.capture(stream, pool)
@@ -147,49 +156,57 @@ class DraftSpeculator:
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
-        """Catch the draft up on this step's tokens, then draft k tokens for every sampling request."""
-        starts, lens, tables, src, extra_rows = _catchup_layout(plan, batch.input_ids.shape[0])
+        """Catch the draft up on this step's tokens (and any it skipped before), then draft
+        num_next_drafts tokens for every sampling request that does not skip the draft."""
+        k = max((plan.reqs[i].num_next_drafts for i in batch.sampling), default=0)
+        drafting = [n for n, i in enumerate(batch.sampling) if plan.reqs[i].num_next_drafts]  # into batch.sampling
+        layout = _catchup_layout(plan, batch.input_ids.shape[0], extra=k > 0)
+        if not layout.lens:
+            return  # every request skips the draft
         dev = self.device
-        sampling = [plan.reqs[i] for i in batch.sampling]
-        positions_host = [p for st, n in zip(starts, lens) for p in range(st, st + n)]
-        max_kv = max((r.start_pos + r.num_new_tokens + self.k for r in sampling), default=0)
+        sampling = [plan.reqs[batch.sampling[n]] for n in drafting]
+        positions_host = [p for st, n in zip(layout.starts, layout.lens) for p in range(st, st + n)]
+        max_kv = max((r.start_pos + r.num_new_tokens + k for r in sampling), default=0)
         max_blocks = -(-max_kv // self.block_size)
         table_host = [b for r in sampling for b in (r.block_ids + [0] * max_blocks)[:max_blocks]]
-        src_t, positions, row_base, extra_t, slots, table = self.attn_backend.upload(
-            src, positions_host, batch.cu_num_rows[:-1], extra_rows, [r.slot for r in sampling], table_host
+        row_base_host = [batch.cu_num_rows[n] for n in drafting]
+        some = len(drafting) < len(batch.sampling)
+        src_t, positions, row_base, extra_t, slots, table, backfill, picked = self.attn_backend.upload(
+            layout.src, positions_host, row_base_host, layout.extra_rows, [r.slot for r in sampling], table_host,
+            layout.backfill, drafting if some else [],
         )
-        ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1)])[src_t]
+        ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1), backfill])[src_t]
         if self.clamp_ids:
             ids = ids.clamp_(max=self.draft_vocab - 1)
-        meta = self.attn_backend.prefill(starts, lens, tables, rowwise=False)  # draft: batched is fine
+        meta = self.attn_backend.prefill(layout.starts, layout.lens, layout.tables, rowwise=False)  # draft: batched is fine
         if not sampling:
             self._forward(ids, positions, meta)
             return
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
-        num_accepted = num_emitted - 1  # [num_sampling]
-        new_tokens = row_tokens[row_base + num_accepted]  # [num_sampling]
+        num_accepted = (num_emitted[picked] if some else num_emitted) - 1  # [num_drafting]
+        new_tokens = row_tokens[row_base + num_accepted]  # [num_drafting]
         if self.clamp_ids:
             new_tokens = new_tokens.clamp(max=self.draft_vocab - 1)
         new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
-        graph_catchup = self._catchup_graph_fits(plan, batch)
+        catchup = self._catchup_graph(plan, batch)
         table = table.view(len(sampling), max_blocks)
-        if graph_catchup and self._greedy(sampling):  # the whole round in one replay
-            self.graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
-                                  meta.seq_lens, new_rows, slots, table)
+        graphs = self.graphs.get(k)
+        if catchup is graphs and graphs is not None and self._greedy(sampling):  # the whole round in one replay
+            graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
+                             meta.seq_lens, new_rows, slots, table)
             return
-        if graph_catchup:
-            logits = self.graphs.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
-                                                meta.block_tables, meta.seq_lens)[new_rows]
+        if catchup is not None:
+            logits = catchup.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
+                                            meta.block_tables, meta.seq_lens)[new_rows]
         else:
             logits = self.model.compute_logits(self._forward(ids, positions, meta)[new_rows])
-        pos = positions[new_rows]  # [num_sampling] position of the emitted token
+        pos = positions[new_rows]  # [num_drafting] position of the emitted token
         self._draft_step(0, logits, slots, pos + 1, sampling)
-        if self.graphs is not None and self.graphs.loops and self._greedy(sampling) \
-                and self.graphs.bucket(len(sampling)) is not None:
-            self.graphs.run_loop(slots, pos, table)
+        if graphs is not None and graphs.loops and self._greedy(sampling) and graphs.bucket(len(sampling)) is not None:
+            graphs.run_loop(slots, pos, table)
             return
-        for step in range(1, self.k):
+        for step in range(1, k):
             pos = pos + 1  # position of drafts[:, step - 1]
             safe = pos.clamp(max=self.max_model_len - 1)
             meta = self.attn_backend.decode(safe, table, max_kv)
@@ -199,12 +216,17 @@ class DraftSpeculator:
     def _greedy(self, sampling) -> bool:
         return not self.probabilistic or all(self.state.params[r.slot].temperature == 0 for r in sampling)
 
-    def _catchup_graph_fits(self, plan: StepPlan, batch: Batch) -> bool:
-        if self.graphs is None or self.graphs.catchup.bucket(len(plan.reqs)) is None:
-            return False
-        return len(batch.sampling) == len(plan.reqs) and all(
-            len(r.input_token_ids) == 1 and r.num_drafts == self.k for r in plan.reqs
-        )
+    def _catchup_graph(self, plan: StepPlan, batch: Batch) -> DraftGraphs | None:
+        """The graphs whose catch-up forward fits this step (every request verified the same
+        number of drafts, all sample and none skips or backfills the draft), else None."""
+        graphs = self.graphs.get(plan.reqs[0].num_drafts)
+        if graphs is None or graphs.catchup.bucket(len(plan.reqs)) is None or len(batch.sampling) != len(plan.reqs):
+            return None
+        d = graphs.k
+        if all(len(r.input_token_ids) == 1 and r.num_drafts == d and not r.draft_skip and not r.draft_backfill
+               for r in plan.reqs):
+            return graphs
+        return None
 
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
         """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
@@ -227,21 +249,42 @@ class DraftSpeculator:
         self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
 
 
-def _catchup_layout(plan: StepPlan, num_target_tokens: int):
-    """The draft's catch-up batch: each request's target tokens, plus (for sampling requests)
-    one slot for the token the target emits. -> (starts, lens, block tables, src rows into the
-    target's ids (num_target_tokens = a zero placeholder), draft row of each extra slot's base)."""
-    starts, lens, tables, src, extra_rows = [], [], [], [], []
+@dataclass(slots=True)
+class CatchupLayout:
+    """The draft's catch-up batch: per request that runs the draft, the tokens it skipped
+    earlier (backfill), the step's target tokens and, when drafting, one slot for the token the
+    target emits."""
+
+    starts: list[int]  # per entry: the position of its first token
+    lens: list[int]  # per entry: its tokens
+    tables: list[list[int]]  # per entry: the block table
+    src: list[int]  # per token: its row in [target ids, a zero placeholder, backfill ids]
+    extra_rows: list[int]  # per drafting request: the row of its emitted token's slot, before acceptance
+    backfill: list[int]  # the backfill token ids, in order
+
+
+def _catchup_layout(plan: StepPlan, num_target_tokens: int, extra: bool) -> CatchupLayout:
+    """extra: add the emitted token's slot for each sampling request that drafts."""
+    out = CatchupLayout([], [], [], [], [], [])
     offset = target_offset = 0
     for r in plan.reqs:
         q = r.num_new_tokens
-        src.extend(range(target_offset, target_offset + q))
-        starts.append(r.start_pos)
-        tables.append(r.block_ids)
-        if r.sample:
-            src.append(num_target_tokens)
-            extra_rows.append(offset + len(r.input_token_ids))
-        lens.append(q + 1 if r.sample else q)
-        offset += lens[-1]
+        bf = r.draft_backfill
+        if bf or not r.draft_skip:
+            at = num_target_tokens + 1 + len(out.backfill)
+            out.src.extend(range(at, at + len(bf)))
+            out.backfill.extend(bf)
+            n = len(bf)
+            if not r.draft_skip:
+                out.src.extend(range(target_offset, target_offset + q))
+                n += q
+                if extra and r.sample:
+                    out.src.append(num_target_tokens)
+                    out.extra_rows.append(offset + len(bf) + len(r.input_token_ids))
+                    n += 1
+            out.starts.append(r.draft_backfill_start if bf else r.start_pos)
+            out.lens.append(n)
+            out.tables.append(r.block_ids)
+            offset += n
         target_offset += q
-    return starts, lens, tables, src, extra_rows
+    return out

@@ -2,6 +2,7 @@
 async scheduling equals synchronous; a steady step waits for the device once; dependent launches
 equal plain ones; running out of memory at start-up or in a step names the setting and releases
 the memory."""
+import collections
 import gc
 import json
 
@@ -68,6 +69,29 @@ def test_draft_round_graph_drafts_as_the_eager_path(models, dtype, monkeypatch):
     a, b = llm.engine.spec_metrics, llm_eager.engine.spec_metrics
     assert a.acceptance_rate > 0.9
     assert abs(a.num_accepted_tokens - b.num_accepted_tokens) <= 0.02 * b.num_draft_tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dynamic_speculation_on_gpu(models, dtype, monkeypatch):
+    """Drafts by batch size (4 / 1 / none / 2 as the batch shrinks from 6 to 1): the graphs of
+    each number of drafts replay, the output is the target's, graphs equal eager, and the draft
+    (the target itself) accepts nearly everything after the steps it skipped."""
+    from tandem.spec.draft_graphs import DraftGraphs
+
+    target, _ = models
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 24, 36, 48, 60, 72)]
+    spec = dict(model=str(target), num_speculative_tokens=4,
+                num_speculative_tokens_per_batch_size=[[1, 1, 4], [2, 2, 1], [3, 4, 0], [5, 8, 2]])
+    rounds = collections.Counter()
+    run_round = DraftGraphs.run_round
+    monkeypatch.setattr(DraftGraphs, "run_round", lambda self, *a: rounds.update([self.k]) or run_round(self, *a))
+    base, _ = _run(target, dtype, params=params)
+    graphed, llm = _run(target, dtype, spec, params=params)
+    eager, _ = _run(target, dtype, spec, enforce_eager=True, params=params)
+    assert graphed == eager == base
+    assert set(rounds) == {1, 2, 4}
+    assert sorted(llm.engine.runner.graphs) == [1, 2, 3, 5]
+    assert llm.engine.spec_metrics.acceptance_rate > 0.9
 
 
 @pytest.mark.parametrize("spec_on", [False, True])

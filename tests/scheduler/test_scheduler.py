@@ -57,15 +57,18 @@ def default_token(req: Request, index: int) -> int:
 class Harness:
     """A scheduler plus a fake runner that checks the scheduler's contract every step."""
 
-    def __init__(self, sched=None, cache=None, k=0, token_fn=default_token, accept_fn=None, propose_fn=None):
+    def __init__(self, sched=None, cache=None, k=0, token_fn=default_token, accept_fn=None, propose_fn=None,
+                 k_for_batch=None):
         self.sched_cfg = sched or SchedCfg(num_lookahead_tokens=k)
         self.cache_cfg = cache or CacheCfg()
         self.k = k
-        self.s = Scheduler(self.sched_cfg, self.cache_cfg, num_speculative_tokens=k)
+        self.k_for_batch = k_for_batch
+        self.s = Scheduler(self.sched_cfg, self.cache_cfg, num_speculative_tokens=k, k_for_batch=k_for_batch)
         self.token_fn = token_fn
         self.accept_fn = accept_fn or (lambda req, item: item.num_drafts)
         self.propose_fn = propose_fn or (lambda req, item: item.num_next_drafts)
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token whose KV is there
+        self.draft_kv: dict[tuple[int, int], int] = {}  # the same, in the draft model's cache
         self.slot_table: dict[int, int] = {}  # slot -> req_id, as the runner sees it
         self.reqs: dict[int, Request] = {}
         self.plans: list[StepPlan] = []
@@ -170,6 +173,8 @@ class Harness:
             for j, tok in enumerate(inputs + drafts):
                 pos = item.start_pos + j
                 self.kv[(table[pos // bs], pos % bs)] = tok
+            if self.k:
+                self.execute_draft(req, item, inputs + drafts)
             if not item.sample:
                 sampled.append([])
                 proposed.append(0)
@@ -180,11 +185,34 @@ class Harness:
             proposed.append(self.propose_fn(req, item))
         return StepResult(sampled_token_ids=sampled, logprobs=[None] * len(sampled), num_drafts_proposed=proposed)
 
+    def execute_draft(self, req: Request, item, fed: list[int]) -> None:
+        """The draft's side: it reads only its own KV of this request's tokens (a prefix hit's
+        blocks included), takes the tokens it skipped before this step's, and writes them."""
+        bs = self.cache_cfg.block_size
+        table = item.block_ids
+        if item.draft_skip and not item.draft_backfill:
+            return
+        start = item.draft_backfill_start if item.draft_backfill else item.start_pos
+        for pos in range(start):
+            got = self.draft_kv.get((table[pos // bs], pos % bs))
+            assert got == req.token_id(pos), f"req {req.req_id}: the draft reads stale KV at position {pos}"
+        if not item.draft_skip:
+            assert start + len(item.draft_backfill) == item.start_pos, "the backfill must reach the step's tokens"
+            fed = item.draft_backfill + fed
+        else:
+            fed = item.draft_backfill
+        for j, tok in enumerate(fed):
+            pos = start + j
+            if j < len(item.draft_backfill):
+                assert tok == req.token_id(pos), "a backfill token is not the request's"
+            self.draft_kv[(table[pos // bs], pos % bs)] = tok
+
     # ------------------------------------------------------------ invariants
     def check_plan(self, plan: StepPlan) -> None:
         cfg, bs, s = self.sched_cfg, self.cache_cfg.block_size, self.s
-        # Token budget and batch size.
-        assert plan.num_tokens <= cfg.max_num_batched_tokens
+        # Token budget (the draft's backfill counts) and batch size.
+        num_backfill = sum(len(r.draft_backfill) for r in plan.reqs)
+        assert plan.num_tokens + num_backfill <= cfg.max_num_batched_tokens
         assert sum(r.num_new_tokens for r in plan.reqs) == plan.num_tokens
         assert len(plan.reqs) <= cfg.max_num_seqs
         assert len(s.running) <= cfg.max_num_seqs
@@ -203,6 +231,7 @@ class Harness:
         assert len({r.req_id for r in plan.reqs}) == len(plan.reqs)
         # Each item: consistent with its request, and its blocks cover what it may write.
         writers = {}
+        next_counts = set()
         for item in plan.reqs:
             req = self.reqs[item.req_id]
             assert req.status == Status.RUNNING and req in s.running
@@ -213,7 +242,13 @@ class Harness:
             assert item.input_token_ids == req.all_token_ids[item.start_pos : item.start_pos + n]
             assert item.sample == (item.start_pos + n == req.num_tokens)
             assert item.num_output_tokens == len(req.output_token_ids)
-            assert item.num_next_drafts == (self.k if item.sample else 0)
+            if self.k_for_batch is None:
+                assert item.num_next_drafts == (self.k if item.sample else 0)
+                assert not item.draft_skip and not item.draft_backfill
+            else:
+                assert 0 <= item.num_next_drafts <= self.k and (item.sample or not item.num_next_drafts)
+                assert not (item.draft_skip and item.num_next_drafts), "a step that skips the draft drafts nothing"
+                next_counts.add(item.num_next_drafts or None)
             if item.num_drafts:
                 assert n == 1 and item.sample and item.num_drafts <= self.k
                 assert item.num_drafts <= req.num_pending_drafts
@@ -229,8 +264,9 @@ class Harness:
                 assert s.blocks.block_keys[b] is None, f"req {req.req_id} writes cached block {b}"
                 assert b not in writers, f"block {b} written by two requests"
                 writers[b] = req.req_id
+        assert len(next_counts - {None}) <= 1, "every drafting request of a step drafts the same number"
         # Running requests that were left out only because the budget ran out.
-        if plan.num_tokens < cfg.max_num_batched_tokens:
+        if plan.num_tokens + num_backfill < cfg.max_num_batched_tokens:
             scheduled = {r.req_id for r in plan.reqs}
             assert all(r.req_id in scheduled for r in s.running), "a running request was skipped with budget left"
 
@@ -861,6 +897,108 @@ def test_speculative_under_random_load_with_preemption():
         assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
         assert r.num_accepted_tokens == sum(r.accepted_per_position)
         assert r.num_accepted_tokens <= r.num_draft_tokens
+    h.check_no_leaks()
+
+
+# ---------------------------------------------------------------- dynamic speculation
+
+
+def by_size(table: dict[int, int], default: int):
+    """k_for_batch from {batch size: drafts}."""
+    return lambda n: table.get(n, default)
+
+
+def test_drafts_follow_the_batch_size_and_the_draft_catches_up():
+    """3 requests draft nothing, 2 draft 1, 1 drafts 4: decode steps without drafting skip the
+    draft; the first step that drafts again feeds it every token it skipped (the harness checks
+    that the draft then reads only its own KV of the request's tokens)."""
+    h = spec_harness(k=4, k_for_batch=by_size({2: 1, 1: 4}, 0))
+    a, b, c = (h.add(prompt(5, base=10 * i), max_tokens=m) for i, m in enumerate((6, 12, 40)))
+    plan, _, _ = h.step()  # three prefills: the draft runs over every prompt, drafts none
+    assert all(not i.draft_skip and i.num_next_drafts == 0 for i in plan.reqs)
+    for _ in bounded(lambda: not a.is_finished):
+        plan, _, _ = h.step()
+        assert all(i.draft_skip and i.num_next_drafts == 0 and i.num_drafts == 0 for i in plan.reqs)
+    assert c.draft_start == 5 and c.num_computed_tokens > 5
+    plan, _, _ = h.step()  # two left: drafting resumes with the skipped tokens first
+    item = next(i for i in plan.reqs if i.req_id == c.req_id)
+    assert item.draft_backfill_start == 5 and item.draft_backfill == c.all_token_ids[5 : item.start_pos]
+    assert not item.draft_skip and item.num_next_drafts == 1 and c.draft_start is None
+    for _ in bounded(lambda: not b.is_finished):
+        plan, _, _ = h.step()
+    plan, _, _ = h.step()
+    assert plan.reqs[0].num_drafts == 1 and plan.reqs[0].num_next_drafts == 4
+    h.run()
+    assert c.num_draft_rounds > 0 and max(len(c.accepted_per_position), 0) == 4
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
+def test_the_backfill_comes_out_of_the_token_budget():
+    """A backfill longer than the budget leaves takes several steps, in which the request drafts
+    nothing; it drafts again once the draft has caught up."""
+    h = spec_harness(k=2, sched=SchedCfg(max_num_batched_tokens=8, num_lookahead_tokens=2),
+                     k_for_batch=by_size({1: 2}, 0))
+    short = h.add(prompt(3), max_tokens=30)
+    long = h.add(prompt(3, base=50), max_tokens=60)
+    for _ in bounded(lambda: not short.is_finished):
+        h.step()
+    lag = long.num_computed_tokens - long.draft_start
+    assert lag > 8
+    fed = []
+    for _ in bounded(lambda: long.draft_start is not None):
+        plan, _, _ = h.step()
+        item = plan.reqs[0]
+        assert item.num_new_tokens + len(item.draft_backfill) <= 8
+        assert (item.num_next_drafts == 0) == item.draft_skip
+        fed += item.draft_backfill
+    assert len(fed) >= lag and fed == long.all_token_ids[3 : 3 + len(fed)]
+    plan, _, _ = h.step()
+    assert plan.reqs[0].num_drafts == 2 and not plan.reqs[0].draft_backfill
+    h.run()
+    assert long.output_token_ids == expected_output(long, 60)
+    h.check_no_leaks()
+
+
+def test_the_prefix_cache_takes_no_block_the_draft_skipped():
+    """A cached block must hold valid KV of both models: blocks past draft_start are registered
+    only once the draft has caught up on them."""
+    h = spec_harness(k=2, cache=CacheCfg(block_size=4, num_blocks=64), k_for_batch=by_size({1: 2}, 0))
+    a = h.add(prompt(6), max_tokens=14)
+    b = h.add(prompt(6, base=30), max_tokens=30)
+    for _ in bounded(lambda: not a.is_finished):
+        h.step()
+        assert len(b.block_hashes) * 4 <= (b.draft_start if b.draft_start is not None else b.num_computed_tokens)
+    assert len(b.block_hashes) == 1 < b.num_computed_tokens // 4
+    h.step()  # drafting again: the draft catches up, the blocks are registered
+    assert b.draft_start is None and len(b.block_hashes) == b.num_computed_tokens // 4
+    c = h.add(b.all_token_ids[:17], max_tokens=4)  # reuses b's blocks: the draft reads their KV (checked)
+    h.run()
+    assert c.num_cached_tokens == 16
+    h.check_no_leaks()
+
+
+def test_dynamic_speculation_under_random_load_with_preemption():
+    rng = random.Random(5)
+    h = spec_harness(
+        k=3,
+        sched=SchedCfg(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64, num_lookahead_tokens=3),
+        cache=CacheCfg(block_size=4, num_blocks=28),
+        accept_fn=lambda req, item: rng.randint(0, item.num_drafts),
+        k_for_batch=by_size({1: 3, 2: 2, 3: 0}, 1),
+    )
+    shared = prompt(12, base=7)
+    reqs = []
+    for i in range(24):
+        p = shared + prompt(rng.randint(0, 10), base=i) if i % 3 == 0 else prompt(rng.randint(1, 40), base=rng.randint(2, 40))
+        reqs.append(h.add(p, max_tokens=rng.randint(1, 24)))
+    h.run()
+    assert h.s.num_preemptions > 0
+    assert any(p.draft_backfill for plan in h.plans for p in plan.reqs)
+    assert any(p.draft_skip and not p.draft_backfill for plan in h.plans for p in plan.reqs)
+    for r in reqs:
+        assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
     h.check_no_leaks()
 
 

@@ -46,6 +46,14 @@ def cfg(**kw):
         (dict(quantization="int4"), "quantization"),
         (dict(bogus=1), "unknown keys"),
         (dict(draft_tensor_parallel_size=2), "draft_tensor_parallel_size"),
+        (dict(num_speculative_tokens_per_batch_size=[[1, 8, 4]]), "num_speculative_tokens=3"),
+        (dict(num_speculative_tokens_per_batch_size=[[1, 8, -1]]), "num_speculative_tokens=3"),
+        (dict(num_speculative_tokens_per_batch_size=[[0, 8, 1]]), "1 <= start <= end"),
+        (dict(num_speculative_tokens_per_batch_size=[[9, 8, 1]]), "1 <= start <= end"),
+        (dict(num_speculative_tokens_per_batch_size=[[1, 8, 2], [8, 16, 0]]), "overlap"),
+        (dict(num_speculative_tokens_per_batch_size=[[1, 8]]), "triple of integers"),
+        (dict(num_speculative_tokens_per_batch_size=[[1, 8, 1.5]]), "triple of integers"),
+        (dict(num_speculative_tokens_per_batch_size="1-8:2"), "num_speculative_tokens_per_batch_size must be a list"),
     ],
 )
 def test_bad_config(kw, field):
@@ -70,6 +78,15 @@ def test_vllm_keys_that_ask_for_nothing_more():
     assert cfg(method="draft_model", draft_tensor_parallel_size=1).k == 3
     with pytest.raises(ConfigError, match="method='ngram'"):
         SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3}, 128)
+
+
+def test_drafts_per_batch_size():
+    c = cfg(num_speculative_tokens_per_batch_size=[(9, 64, 0), [2, 8, 1]])
+    assert c.num_speculative_tokens_per_batch_size == ((9, 64, 0), (2, 8, 1))
+    assert [c.k_for_batch(n) for n in (1, 2, 8, 9, 64, 65)] == [3, 1, 1, 0, 0, 3]
+    assert c.draft_counts == (0, 1, 3)
+    assert cfg().draft_counts == (3,) and cfg().k_for_batch(100) == 3
+    assert SpeculativeConfig.from_user(c, 128) == c
 
 
 def test_synthetic_length_becomes_rates():

@@ -37,10 +37,10 @@ PROMPTS = _prompts([4, 19, 64, 7, 33, 120])
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def _llm(models, draft=None, k=4, method="greedy", **kw):
+def _llm(models, draft=None, k=4, method="greedy", spec_extra=None, **kw):
     spec = None
     if draft is not None:
-        spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method)
+        spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method, **(spec_extra or {}))
     kw.setdefault("max_model_len", MAX_LEN)
     return LLM(str(models["target"]), dtype="float32", block_size=8, speculative_config=spec, **kw)
 
@@ -280,3 +280,69 @@ def test_greedy_and_sampled_requests_mix(models, baseline):
     params = [PARAMS if i % 2 == 0 else sampled for i in range(len(PROMPTS))]
     outs = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
     assert [t for i, t in enumerate(outs) if i % 2 == 0] == [t for i, t in enumerate(baseline) if i % 2 == 0]
+
+
+# ---------------------------------------------------------------- dynamic speculation
+# Outputs of different lengths, so the batch shrinks from 6 requests to 1 and the number of drafts
+# steps through every range: 2, then none, then 1, then 4.
+VARIED = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 20, 30, 45, 60, 80)]
+SCHEDULE = [[1, 1, 4], [2, 2, 1], [3, 4, 0], [5, 6, 2]]
+
+
+@pytest.fixture(scope="module")
+def varied_baseline(models):
+    return _tokens(_llm(models).generate(PROMPTS, VARIED, use_tqdm=False))
+
+
+def _dynamic(models, draft, method="greedy", **kw):
+    return _llm(models, draft, 4, method, spec_extra=dict(num_speculative_tokens_per_batch_size=SCHEDULE), **kw)
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_dynamic_speculation_matches_target(models, varied_baseline, method):
+    llm = _dynamic(models, "near", method)
+    outs = llm.generate(PROMPTS, VARIED, use_tqdm=False)
+    assert _tokens(outs) == varied_baseline
+    assert 0.05 < llm.engine.spec_metrics.acceptance_rate < 0.98
+    # The requests that outlive the others drafted 4 at a time at the end; none drafted 3.
+    counts = {len(o.metrics.accepted_per_position) for o in outs}
+    assert max(counts) == 4 and all(o.metrics.num_draft_tokens > 0 for o in outs)
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_the_draft_catches_up_on_the_tokens_it_skipped(models, varied_baseline, budget, monkeypatch):
+    """The target as its own draft accepts every draft only if the draft's KV is whole: the steps
+    that skipped the draft are fed to it before it drafts again (with a budget of 16 tokens, over
+    several steps). Without that feed, the same run accepts far less."""
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    llm = _dynamic(models, "target", **kw)
+    assert _tokens(llm.generate(PROMPTS, VARIED, use_tqdm=False)) == varied_baseline
+    assert llm.engine.spec_metrics.acceptance_rate == 1.0
+    if budget is not None:
+        return
+    from tandem.scheduler.scheduler import Scheduler
+
+    make_item = Scheduler._make_item
+
+    def no_backfill(self, req, budget, k_next):
+        item = make_item(self, req, budget, k_next)
+        if not item.draft_skip:
+            item.draft_backfill = []
+        return item
+
+    monkeypatch.setattr(Scheduler, "_make_item", no_backfill)
+    broken = _dynamic(models, "target")
+    assert _tokens(broken.generate(PROMPTS, VARIED, use_tqdm=False)) == varied_baseline
+    assert broken.engine.spec_metrics.acceptance_rate < 0.9
+
+
+def test_drafting_off_skips_the_draft_in_decode_steps(models, baseline, monkeypatch):
+    """num_drafts 0 at every batch size: the draft model runs over the prompts only."""
+    llm = _llm(models, "near", 4, spec_extra=dict(num_speculative_tokens_per_batch_size=[[1, 64, 0]]))
+    spec = llm.engine.runner.speculator
+    fed = []
+    forward = spec._forward
+    monkeypatch.setattr(spec, "_forward", lambda ids, *a: fed.append(ids.shape[0]) or forward(ids, *a))
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == baseline
+    assert llm.engine.spec_metrics.num_draft_rounds == 0
+    assert sum(fed) == sum(len(p["prompt_token_ids"]) for p in PROMPTS)
