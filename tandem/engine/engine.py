@@ -126,7 +126,7 @@ class Engine:
         dynamic = cfg.spec is not None and cfg.spec.num_speculative_tokens_per_batch_size
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k,
                                    k_for_batch=cfg.spec.k_for_batch if dynamic else None)
-        self.async_scheduling = cfg.sched.async_scheduling and self.runner.speculator is None
+        self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected

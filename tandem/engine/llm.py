@@ -121,13 +121,18 @@ class LLM:
         k = spec.num_speculative_tokens if spec is not None else 0
         if async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
-        if async_scheduling and spec is not None:
+        # Steps that draft nothing are planned ahead as without a draft; the others overlap the
+        # host's work with the device's drafting instead.
+        undrafted = spec is None or 0 in spec.draft_counts
+        if async_scheduling and not undrafted:
             raise ConfigError(
-                "async_scheduling=True is not supported with speculative_config: with a draft model the host "
-                "already applies each step while the device drafts; leave async_scheduling unset"
+                "async_scheduling=True is not supported with speculative_config unless "
+                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes (it plans only "
+                "steps without drafts ahead): with a draft model the host already applies each step while "
+                "the device drafts; leave async_scheduling unset"
             )
-        if async_scheduling is None:  # auto: on a GPU without a draft (on a CPU nothing overlaps)
-            async_scheduling = dev.type == "cuda" and spec is None
+        if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
+            async_scheduling = dev.type == "cuda" and undrafted
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs * (1 + k))
         if max_num_batched_tokens < 1 + k:

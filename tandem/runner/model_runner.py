@@ -72,8 +72,8 @@ class ModelRunner:
 
     def enable_pending_inputs(self) -> None:
         """Keep each slot's sampled token on the device so a plan made before the host knows
-        it (Scheduler.schedule_ahead) can feed it. Target-only: drafts bring their own."""
-        assert self.speculator is None, "steps are planned ahead only without a draft model"
+        it (Scheduler.schedule_ahead) can feed it. Only steps without drafts are planned ahead,
+        so only those steps' tokens (one row per request) are kept."""
         self.last_tokens = torch.zeros(self._max_num_seqs, dtype=torch.int64, device=self.device)
 
     def capture_graphs(self, tokens_per_req: list[int], max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream,
@@ -116,10 +116,10 @@ class ModelRunner:
             processed = process_logits(logits, self.state, batch.rows)
             row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
             num_emitted = torch.ones(len(batch.sampling), dtype=torch.int64, device=self.device)
-            if self.last_tokens is not None:
-                self.last_tokens[batch.rows.slot_ids] = row_tokens  # one row per sampling request
         else:
             processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
+        if self.last_tokens is not None and len(batch.rows.slots) == len(batch.sampling):
+            self.last_tokens[batch.rows.slot_ids] = row_tokens  # one row per sampling request: no drafts
         self._record_outputs(batch, row_tokens, num_emitted)
         launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result

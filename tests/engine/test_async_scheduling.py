@@ -92,6 +92,28 @@ def test_abort_while_a_step_is_in_flight(model):
     assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
 
 
+def test_steps_without_drafts_are_planned_ahead_with_a_draft(model):
+    """With drafting turned off at some batch sizes, those steps are planned ahead as without a
+    draft; the output is the synchronous target-only output, the drafting steps around them too."""
+    spec = {"model": str(model), "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[3, 6, 0]]}
+    llm = LLM(str(model), dtype="float32", max_model_len=96, block_size=8, max_num_seqs=6, async_scheduling=True,
+              speculative_config=spec)
+    assert llm.engine.async_scheduling
+    prompts = [{"prompt_token_ids": [5 + i] * (3 + 4 * i)} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 8 * i, ignore_eos=True) for i in range(5)]
+    ahead = []
+    sched = llm.engine.scheduler
+    plan_ahead = sched.schedule_ahead
+    sched.schedule_ahead = lambda prev: ahead.append(plan_ahead(prev)) or ahead[-1]
+    expected = [o.outputs[0].token_ids for o in _llm(model, False).generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    planned = [p for p in ahead if p is not None]
+    assert len(planned) >= 10 and all(r.draft_skip for p in planned for r in p.reqs)
+    m = llm.engine.spec_metrics
+    assert m.num_draft_rounds > 0 and m.acceptance_rate == 1.0  # the target as its own draft, after the skips
+    assert llm.engine._inflight is None and sched.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+
+
 def test_async_scheduling_with_a_draft_is_refused(model):
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(str(model), dtype="float32", max_model_len=96, async_scheduling=True,

@@ -74,8 +74,10 @@ def test_draft_round_graph_drafts_as_the_eager_path(models, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dynamic_speculation_on_gpu(models, dtype, monkeypatch):
     """Drafts by batch size (4 / 1 / none / 2 as the batch shrinks from 6 to 1): the graphs of
-    each number of drafts replay, the output is the target's, graphs equal eager, and the draft
-    (the target itself) accepts nearly everything after the steps it skipped."""
+    each number of drafts replay, the steps without drafts are planned ahead (async scheduling),
+    the output is the target's, graphs equal eager, and the draft (the target itself) accepts
+    nearly everything after the steps it skipped."""
+    from tandem.scheduler.scheduler import Scheduler
     from tandem.spec.draft_graphs import DraftGraphs
 
     target, _ = models
@@ -85,8 +87,13 @@ def test_dynamic_speculation_on_gpu(models, dtype, monkeypatch):
     rounds = collections.Counter()
     run_round = DraftGraphs.run_round
     monkeypatch.setattr(DraftGraphs, "run_round", lambda self, *a: rounds.update([self.k]) or run_round(self, *a))
+    ahead = []
+    schedule_ahead = Scheduler.schedule_ahead
+    monkeypatch.setattr(Scheduler, "schedule_ahead", lambda self, prev: ahead.append(schedule_ahead(self, prev)) or ahead[-1])
     base, _ = _run(target, dtype, params=params)
+    ahead.clear()
     graphed, llm = _run(target, dtype, spec, params=params)
+    assert llm.engine.async_scheduling and sum(p is not None for p in ahead) >= 10
     eager, _ = _run(target, dtype, spec, enforce_eager=True, params=params)
     assert graphed == eager == base
     assert set(rounds) == {1, 2, 4}

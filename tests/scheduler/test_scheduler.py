@@ -979,6 +979,23 @@ def test_the_prefix_cache_takes_no_block_the_draft_skipped():
     h.check_no_leaks()
 
 
+def test_steps_without_drafts_are_planned_ahead():
+    """Planning ahead with a draft model: only where the batch size turns drafting off, and the
+    draft skips those steps; the outputs are the synchronous loop's."""
+    def run(overlap: bool):
+        h = spec_harness(k=2, cache=CacheCfg(block_size=4, num_blocks=64), k_for_batch=by_size({1: 2}, 0))
+        a = h.add(prompt(5), max_tokens=12)
+        b = h.add(prompt(7, base=30), max_tokens=30)
+        num_ahead = h.run_async() if overlap else h.run()
+        h.check_no_leaks()
+        assert b.num_draft_rounds > 0  # alone, b drafts again (after its draft caught up: checked)
+        return [a.output_token_ids, b.output_token_ids], num_ahead
+
+    expected, _ = run(False)
+    got, num_ahead = run(True)
+    assert got == expected and num_ahead >= 5
+
+
 def test_dynamic_speculation_under_random_load_with_preemption():
     rng = random.Random(5)
     h = spec_harness(
