@@ -881,18 +881,33 @@ def test_min_tokens_inside_accepted_run():
     h.check_no_leaks()
 
 
-def test_speculative_under_random_load_with_preemption():
-    rng = random.Random(3)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_speculative_under_random_load_with_preemption(dynamic):
+    """With dynamic, drafts by batch size (none at 3 requests) and prompts that share a prefix:
+    the harness checks every step's draft KV reads too."""
+    rng = random.Random(5 if dynamic else 3)
     h = spec_harness(
         k=3,
-        sched=SchedCfg(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_lookahead_tokens=3),
-        cache=CacheCfg(block_size=4, num_blocks=24),
+        sched=SchedCfg(max_num_seqs=4, max_num_batched_tokens=12 if dynamic else 16, max_model_len=64,
+                       num_lookahead_tokens=3),
+        cache=CacheCfg(block_size=4, num_blocks=28 if dynamic else 24),
         accept_fn=lambda req, item: rng.randint(0, item.num_drafts),
+        k_for_batch=by_size({1: 3, 2: 2, 3: 0}, 1) if dynamic else None,
     )
-    reqs = [h.add(prompt(rng.randint(1, 40), base=rng.randint(2, 40)), max_tokens=rng.randint(1, 24)) for _ in range(20)]
+    shared = prompt(12, base=7)
+    reqs = []
+    for i in range(24 if dynamic else 20):
+        if dynamic and i % 3 == 0:
+            p = shared + prompt(rng.randint(0, 10), base=i)
+        else:
+            p = prompt(rng.randint(1, 40), base=rng.randint(2, 40))
+        reqs.append(h.add(p, max_tokens=rng.randint(1, 24)))
     h.run()
     assert h.s.num_preemptions > 0
     assert any(r.num_draft_rounds for r in reqs)
+    if dynamic:
+        assert any(p.draft_backfill for plan in h.plans for p in plan.reqs)
+        assert any(p.draft_skip and not p.draft_backfill for plan in h.plans for p in plan.reqs)
     for r in reqs:
         assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
         assert r.num_accepted_tokens == sum(r.accepted_per_position)
@@ -994,29 +1009,6 @@ def test_steps_without_drafts_are_planned_ahead():
     expected, _ = run(False)
     got, num_ahead = run(True)
     assert got == expected and num_ahead >= 5
-
-
-def test_dynamic_speculation_under_random_load_with_preemption():
-    rng = random.Random(5)
-    h = spec_harness(
-        k=3,
-        sched=SchedCfg(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64, num_lookahead_tokens=3),
-        cache=CacheCfg(block_size=4, num_blocks=28),
-        accept_fn=lambda req, item: rng.randint(0, item.num_drafts),
-        k_for_batch=by_size({1: 3, 2: 2, 3: 0}, 1),
-    )
-    shared = prompt(12, base=7)
-    reqs = []
-    for i in range(24):
-        p = shared + prompt(rng.randint(0, 10), base=i) if i % 3 == 0 else prompt(rng.randint(1, 40), base=rng.randint(2, 40))
-        reqs.append(h.add(p, max_tokens=rng.randint(1, 24)))
-    h.run()
-    assert h.s.num_preemptions > 0
-    assert any(p.draft_backfill for plan in h.plans for p in plan.reqs)
-    assert any(p.draft_skip and not p.draft_backfill for plan in h.plans for p in plan.reqs)
-    for r in reqs:
-        assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
-    h.check_no_leaks()
 
 
 # ---------------------------------------------------------------- slots
