@@ -83,13 +83,16 @@ class Scheduler:
         k_next = self._num_next_drafts()
 
         # Running requests: decodes first, then unfinished prefills, each in admission order.
-        order = [r for r in self.running if not r.is_prefilling] + [r for r in self.running if r.is_prefilling]
-        for req in order:
+        decodes = [r for r in self.running if not r.is_prefilling]
+        order = decodes + [r for r in self.running if r.is_prefilling]
+        for i, req in enumerate(order):
             if budget <= 0:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            item = self._schedule_running(req, budget, scheduled, k_next)
+            # A draft's backfill leaves room for the decodes after it (1 + k_next tokens each).
+            reserve = max(0, len(decodes) - i - 1) * (1 + k_next)
+            item = self._schedule_running(req, budget, scheduled, k_next, reserve)
             if item is not None:
                 scheduled[req.req_id] = item
                 budget -= item.num_new_tokens + len(item.draft_backfill)
@@ -161,9 +164,10 @@ class Scheduler:
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
 
-    def _schedule_running(self, req: Request, budget: int, scheduled: dict, k_next: int) -> ScheduledReq | None:
+    def _schedule_running(self, req: Request, budget: int, scheduled: dict, k_next: int,
+                          reserve: int) -> ScheduledReq | None:
         while True:
-            item = self._make_item(req, budget, k_next)
+            item = self._make_item(req, budget, k_next, reserve)
             if self.blocks.allocate(req, self._blocks_span(req, item)):
                 item.block_ids = list(req.block_ids)
                 return item
@@ -197,7 +201,8 @@ class Scheduler:
         )
         return new, item
 
-    def _make_item(self, req: Request, budget: int, k_next: int) -> ScheduledReq:
+    def _make_item(self, req: Request, budget: int, k_next: int, reserve: int = 0) -> ScheduledReq:
+        """reserve: budget a draft backfill leaves to the requests scheduled after this one."""
         start = req.num_computed_tokens
         remaining = req.num_tokens - start
         num_drafts = 0
@@ -215,7 +220,7 @@ class Scheduler:
         backfill, skip = [], False
         if req.draft_start is not None:  # the draft skipped draft_start .. start - 1: feed it first
             lag = start - req.draft_start
-            n = max(0, min(lag, budget - chunk - num_drafts)) if num_next else 0
+            n = max(0, min(lag, budget - reserve - chunk - num_drafts)) if num_next else 0
             backfill = [req.token_id(p) for p in range(req.draft_start, req.draft_start + n)]
             skip = n < lag  # the draft is still behind after this step: it drafts nothing
         elif self.k and num_next == 0 and remaining == 1:

@@ -976,6 +976,25 @@ def test_the_backfill_comes_out_of_the_token_budget():
     h.check_no_leaks()
 
 
+def test_backfills_leave_room_for_every_decode():
+    """When drafting resumes for many lagging requests at once, their backfills share what the
+    decodes leave of the budget: every request still decodes in that step."""
+    h = spec_harness(k=2, sched=SchedCfg(max_num_seqs=8, max_num_batched_tokens=40, num_lookahead_tokens=2),
+                     cache=CacheCfg(block_size=4, num_blocks=128), k_for_batch=by_size({6: 2}, 0))
+    first = h.add(prompt(3), max_tokens=12)
+    rest = [h.add(prompt(3, base=10 * i), max_tokens=40) for i in range(1, 7)]
+    for _ in bounded(lambda: not first.is_finished):
+        h.step()
+    assert sum(r.num_computed_tokens - r.draft_start for r in rest) > 40  # more backfill than budget
+    plan, _, _ = h.step()
+    assert {i.req_id for i in plan.reqs} == {r.req_id for r in rest}
+    assert any(i.draft_skip for i in plan.reqs) and any(i.num_next_drafts == 2 for i in plan.reqs)
+    h.run()
+    for r in [first] + rest:
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
 def test_the_prefix_cache_takes_no_block_the_draft_skipped():
     """A cached block must hold valid KV of both models: blocks past draft_start are registered
     only once the draft has caught up on them."""
