@@ -123,9 +123,8 @@ class Engine:
                 self.capture_graphs()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
             logger.info("captured CUDA graphs in %.1f s: %.2f GiB", time.monotonic() - t0, self.graph_memory_bytes / 2**30)
-        dynamic = cfg.spec is not None and cfg.spec.num_speculative_tokens_per_batch_size
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k,
-                                   k_for_batch=cfg.spec.k_for_batch if dynamic else None)
+                                   k_for_batch=cfg.spec.k_for_batch if cfg.spec is not None else None)
         self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()

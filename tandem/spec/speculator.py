@@ -163,7 +163,6 @@ class DraftSpeculator:
         layout = _catchup_layout(plan, batch.input_ids.shape[0], extra=k > 0)
         if not layout.lens:
             return  # every request skips the draft
-        dev = self.device
         sampling = [plan.reqs[batch.sampling[n]] for n in drafting]
         positions_host = [p for st, n in zip(layout.starts, layout.lens) for p in range(st, st + n)]
         max_kv = max((r.start_pos + r.num_new_tokens + k for r in sampling), default=0)
