@@ -439,8 +439,8 @@ def serving(root, target, draft, batches, args, results) -> None:
     tokens, output lengths drawn from 64..256 (seeded), all submitted at once; requests finish
     at different steps and waiting ones are prefilled into their slots. Target-only against
     k = 4 at synthetic uniform acceptance --serving-rate (0.8) on the same requests, and with
-    --serving-k-schedule also k = 4 with drafts by batch size. Reports output tokens/s over
-    the whole run (warm: the second run of the same requests; cold: the first, whose eager
+    each --serving-k-schedule also k = 4 with drafts by batch size (or "auto"). Reports output tokens/s over
+    the whole run (warm: the median of --serving-repeats later runs of the same requests; cold: the first, whose eager
     steps compile kernels for the shapes they meet), and where the steps' time went by kind
     (StepLog): CUDA graph replays, eager ragged verifications, eager steps with prefill chunks,
     and the Triton variants compiled during serving."""
@@ -454,9 +454,10 @@ def serving(root, target, draft, batches, args, results) -> None:
     synthetic = dict(model=ddir, num_speculative_tokens=k, draft_load_format="dummy",
                      rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
     engines = [("target-only", None), (f"k={k} uniform-{rate}", synthetic)]
-    if args.serving_k_schedule:
-        ranges = [[int(v) for v in r.replace(":", "-").split("-")] for r in args.serving_k_schedule.split(",")]
-        engines.append((f"k={k} uniform-{rate} by batch size {args.serving_k_schedule}",
+    for schedule in args.serving_k_schedule:
+        ranges = "auto" if schedule == "auto" else \
+            [[int(v) for v in r.replace(":", "-").split("-")] for r in schedule.split(",")]
+        engines.append((f"k={k} uniform-{rate} by batch size {schedule}",
                         dict(synthetic, num_speculative_tokens_per_batch_size=ranges)))
     for b in batches:
         g = torch.Generator().manual_seed(b)
@@ -474,7 +475,7 @@ def serving(root, target, draft, batches, args, results) -> None:
             llm.generate(prompts[:b], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * b,
                          use_tqdm=False)  # warm-up: compiles the eager paths' kernels
             walls, kinds = [], []
-            for _ in range(2):  # cold (the eager steps' new shapes compile kernels), then warm
+            for _ in range(1 + args.serving_repeats):  # cold (the eager steps' new shapes compile kernels), then warm
                 log.clear()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -491,12 +492,16 @@ def serving(root, target, draft, batches, args, results) -> None:
                 log.profile = None
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             assert tokens == sum(lengths)
-            wall = walls[1]
-            r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0],
+            wall = statistics.median(walls[1:])  # the step kinds below are the first warm run's
+            r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0], warm_seconds=walls[1:],
                      tok_s=tokens / wall, cold_tok_s=tokens / walls[0], start_s=start_s,
                      variants_at_start=start_variants, variants_after=sum(triton_variants().values()),
                      steps=sum(v["steps"] for v in kinds[1].values()),
                      graph_steps=kinds[1].get("graph", {}).get("steps", 0), cold_kinds=kinds[0], warm_kinds=kinds[1])
+            if llm.engine.adaptive is not None:  # "auto": what it measured and chose (over all three runs)
+                r.update(steps_by_drafts=llm.engine.adaptive.num_steps_by_k,
+                         estimated_survival=llm.engine.adaptive.estimator.survival(),
+                         step_costs=llm.engine.adaptive.costs.table())
             results["serving"].append(r)
             print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
                   f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "
@@ -563,8 +568,11 @@ def main(argv=None) -> int:
                    help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
     p.add_argument("--serving-rate", type=float, default=0.8, help="the serving section's uniform acceptance")
-    p.add_argument("--serving-k-schedule", default="", metavar="A-B:K,...",
-                   help="also serve with num_speculative_tokens_per_batch_size, e.g. 1-16:4,17-48:2,49-512:0")
+    p.add_argument("--serving-k-schedule", action="append", default=[], metavar="A-B:K,...|auto",
+                   help="also serve with num_speculative_tokens_per_batch_size, e.g. 1-16:4,17-48:2,49-512:0, "
+                        "or auto (repeatable: one more engine each)")
+    p.add_argument("--serving-repeats", type=int, default=1,
+                   help="the serving section's warm runs per engine (their median wall time is reported)")
     p.add_argument("--serving-profile", default="", metavar="KINDS",
                    help="the serving section: cProfile the launches of these step kinds (e.g. mixed) in a third run")
     p.add_argument("--ab-gemv", action="store_true",
@@ -658,6 +666,11 @@ def main(argv=None) -> int:
                 for r in results["serving"] for run in ("cold", "warm") for kind, v in r[f"{run}_kinds"].items()]
         print_table(["serving", "max_num_seqs", "run", "step kind", "steps", "device s", "median ms", "host ms",
                      "median tokens", "Triton compiles"], rows)
+        rows = [(r["engine"], r["max_num_seqs"], " ".join(f"{K}:{n}" for K, n in enumerate(r["steps_by_drafts"])),
+                 " ".join(f"{v:.2f}" for v in r["estimated_survival"]), r["step_costs"])
+                for r in results["serving"] if "steps_by_drafts" in r]
+        if rows:
+            print_table(["adaptive", "max_num_seqs", "steps by K", "estimated S_j", "step ms by size: K=0..k"], rows)
     if results["hf"]:
         ours = next((r["tok_s"] for r in results["target_only"] if r["model"] == target[0] and r["batch"] == 1), None)
         ratio = lambda t: f"{ours / t:.1f}x" if ours else "-"  # noqa: E731

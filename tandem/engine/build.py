@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from tandem.config import CacheConfig, EngineConfig
-from tandem.plan import NewReq, ScheduledReq, StepPlan
+from tandem.plan import NewReq, ScheduledReq, StepPlan, StepResult
 from tandem.runner.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
 
@@ -94,16 +94,22 @@ def rehearse(cfg: EngineConfig, model, speculator_factory, capture_stream: torch
     prompt_len = max(1, min(sched.max_num_batched_tokens // n, sched.max_model_len - 1 - d))
     blocks = [b % scratch.num_blocks for b in range(-(-(prompt_len + d + 1) // bs))]  # the values do not matter
     params = worst_case_params()
-
-    def step(tokens: list[int], num_drafts: list[int]) -> None:
-        m = len(num_drafts)
-        new = [NewReq(i, i, tokens, len(tokens), params, seed=i) for i in range(m)]
-        reqs = [ScheduledReq(i, i, 0, tokens, num_drafts[i], blocks, True, 0, num_next_drafts=d) for i in range(m)]
-        runner.execute(StepPlan(new, reqs, freed_slots=list(range(m))))
-
-    step([1] * prompt_len, [0] * n)  # prefill
+    dummy_step(runner, [1] * prompt_len, [0] * n, d, blocks, params)  # prefill
     n_verify = min(n, max(1, sched.max_num_batched_tokens // (1 + d)))  # as many as the token budget lets verify
-    step([1], [d] * n_verify)  # uniform verification: the graphs
+    dummy_step(runner, [1], [d] * n_verify, d, blocks, params)  # uniform verification: the graphs
     if d >= 1:
-        step([1], [d] * (n_verify - 1) + [d - 1])  # ragged: the pieces, or eager above them
+        dummy_step(runner, [1], [d] * (n_verify - 1) + [d - 1], d, blocks, params)  # ragged: the pieces, or eager
     return runner
+
+
+def dummy_step(runner: ModelRunner, tokens: list[int], num_drafts: list[int], num_next: int, blocks: list[int],
+               params: SamplingParams, start_pos: int = 0, admit: bool = True) -> StepResult:
+    """Run one step of len(num_drafts) requests in slots 0.., each feeding `tokens` at start_pos plus
+    num_drafts[i] of its pending drafts, and proposing num_next (0: the draft skips the step), over
+    one shared block table. admit: (re)admit the requests first (their slots' sampling state)."""
+    m = len(num_drafts)
+    new = [NewReq(i, i, tokens, len(tokens), params, seed=i) for i in range(m)] if admit else []
+    skip = runner.speculator is not None and not num_next and len(tokens) == 1
+    reqs = [ScheduledReq(i, i, start_pos, tokens, num_drafts[i], blocks, True, 0, num_next_drafts=num_next,
+                         draft_skip=skip) for i in range(m)]
+    return runner.execute(StepPlan(new, reqs, freed_slots=list(range(m)) if admit else []))

@@ -123,8 +123,14 @@ class Engine:
                 self.capture_graphs()
                 self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(cfg.device)[0]
             logger.info("captured CUDA graphs in %.1f s: %.2f GiB", time.monotonic() - t0, self.graph_memory_bytes / 2**30)
-        self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k,
-                                   k_for_batch=cfg.spec.k_for_batch if cfg.spec is not None else None)
+        k_for_batch = cfg.spec.k_for_batch if cfg.spec is not None else None
+        self.adaptive = None  # the per-step choice of drafts under num_speculative_tokens_per_batch_size="auto"
+        if cfg.spec is not None and cfg.spec.adaptive:
+            from tandem.spec.adaptive import AdaptiveDrafts
+            from tandem.spec.step_costs import profile_step_costs
+
+            k_for_batch = self.adaptive = AdaptiveDrafts(k, profile_step_costs(self.runner, self.cfg))
+        self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch)
         self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
@@ -318,9 +324,13 @@ class Engine:
             self._emit(plan, result, events, start, touched)
             if self.spec_metrics is not None:
                 self.spec_metrics.observe(plan, result)
+                if self.adaptive is not None:
+                    self.adaptive.observe(plan, result)
                 if start - self._last_log >= self.log_interval_s:
                     self._last_log = start
                     logger.info(self.spec_metrics.log_line())
+                    if self.adaptive is not None:
+                        logger.info(self.adaptive.log_line())
             if self._inflight is not None and not self.scheduler.has_unfinished:
                 # Everything stopped at this step: the step launched ahead has no one left to serve.
                 self.runner.collect(self._inflight[1])

@@ -127,7 +127,7 @@ class LLM:
         if async_scheduling and not undrafted:
             raise ConfigError(
                 "async_scheduling=True is not supported with speculative_config unless "
-                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes (it plans only "
+                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" (it plans only "
                 "steps without drafts ahead): with a draft model the host already applies each step while "
                 "the device drafts; leave async_scheduling unset"
             )

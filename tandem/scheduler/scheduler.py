@@ -9,7 +9,8 @@ its blocks are freed and it recomputes later from its tokens, so its output does
 because its pending drafts are dropped: still the target's distribution, not the same tokens).
 
 With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
-speculative_config.num_speculative_tokens_per_batch_size). Decode steps that draft nothing skip
+speculative_config.num_speculative_tokens_per_batch_size; under "auto", tandem.spec.adaptive
+also weighs the measured acceptance and step costs). Decode steps that draft nothing skip
 the draft model altogether; when drafting resumes, the tokens it skipped are fed to it first
 (`draft_backfill`, out of the same token budget), and until then the prefix cache registers no
 block past them (a cached block holds valid KV of both models).

@@ -41,7 +41,8 @@ class SpeculativeConfig:
     # Dynamic speculation (vLLM's key): ranges [start, end, K] of batch sizes (requests running or
     # waiting, at most max_num_seqs) that draft K <= k tokens instead of k; K = 0 turns the draft
     # off (it catches up on the skipped tokens when drafting resumes). Other sizes draft k.
-    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    # "auto": every step picks K in 0..k from the measured acceptance and step costs (spec/adaptive.py).
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | str | None = None
 
     @property
     def k(self) -> int:
@@ -51,17 +52,28 @@ class SpeculativeConfig:
     def synthetic(self) -> bool:
         return self.rejection_sample_method == "synthetic"
 
+    @property
+    def adaptive(self) -> bool:
+        """num_speculative_tokens_per_batch_size="auto": the engine picks each step's drafts."""
+        return self.num_speculative_tokens_per_batch_size == "auto"
+
+    def _ranges(self) -> tuple[tuple[int, int, int], ...]:
+        return () if self.adaptive else self.num_speculative_tokens_per_batch_size or ()
+
     def k_for_batch(self, num_reqs: int) -> int:
-        """The drafts per request at a batch of num_reqs (num_speculative_tokens_per_batch_size)."""
-        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+        """The drafts per request at a batch of num_reqs (num_speculative_tokens_per_batch_size;
+        k when adaptive, whose choice is the engine's: tandem.spec.adaptive)."""
+        for start, end, k in self._ranges():
             if start <= num_reqs <= end:
                 return k
         return self.k
 
     @property
     def draft_counts(self) -> tuple[int, ...]:
-        """Every number of drafts a step may propose (k and the schedule's), ascending."""
-        return tuple(sorted({self.k, *(k for _, _, k in self.num_speculative_tokens_per_batch_size or ())}))
+        """Every number of drafts a step may propose (k and the schedule's; 0..k when adaptive), ascending."""
+        if self.adaptive:
+            return tuple(range(self.k + 1))
+        return tuple(sorted({self.k, *(k for _, _, k in self._ranges())}))
 
     @classmethod
     def from_user(cls, spec: Any, target_max_model_len: int) -> "SpeculativeConfig":
@@ -92,7 +104,7 @@ class SpeculativeConfig:
                 raise ConfigError("speculative_config.synthetic_acceptance_rates must be a list of floats")
             spec["synthetic_acceptance_rates"] = tuple(rates)
         ranges = spec.get("num_speculative_tokens_per_batch_size")
-        if ranges is not None:
+        if ranges is not None and ranges != "auto":
             spec["num_speculative_tokens_per_batch_size"] = _batch_ranges(ranges)
         cfg = cls(**spec)
         cfg._validate(target_max_model_len)
@@ -156,7 +168,7 @@ class SpeculativeConfig:
 
     def _validate_batch_ranges(self) -> None:
         name = "speculative_config.num_speculative_tokens_per_batch_size"
-        ranges = sorted(self.num_speculative_tokens_per_batch_size or ())
+        ranges = sorted(self._ranges())
         for start, end, k in ranges:
             if not 1 <= start <= end:
                 raise ConfigError(f"{name}: the range [{start}, {end}, {k}] needs 1 <= start <= end (batch sizes)")
@@ -181,7 +193,8 @@ def _batch_ranges(ranges) -> tuple[tuple[int, int, int], ...]:
     """[[start, end, K], ...] (lists or tuples of three integers) -> a tuple of int triples."""
     name = "speculative_config.num_speculative_tokens_per_batch_size"
     if isinstance(ranges, (str, bytes, dict)) or not hasattr(ranges, "__iter__"):
-        raise ConfigError(f"{name} must be a list of [start_batch_size, end_batch_size, num_drafts] ranges")
+        raise ConfigError(f"{name}={ranges!r}: use a list of [start_batch_size, end_batch_size, num_drafts] "
+                          "ranges, or \"auto\" (each step's drafts chosen from the measured acceptance and step costs)")
     out = []
     for r in ranges:
         if isinstance(r, (str, bytes, dict)) or not hasattr(r, "__iter__") or len(r := tuple(r)) != 3 \

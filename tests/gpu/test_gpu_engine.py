@@ -101,6 +101,28 @@ def test_dynamic_speculation_on_gpu(models, dtype, monkeypatch):
     assert llm.engine.spec_metrics.acceptance_rate > 0.9
 
 
+@pytest.mark.parametrize("own_draft", [True, False])
+def test_adaptive_speculation_on_gpu(models, own_draft):
+    """num_speculative_tokens_per_batch_size="auto" on the graphs: the start-up profile times every
+    graph size and number of drafts, the output is the target's, and the choice follows the
+    draft: the target as its own draft keeps drafting, an unrelated one is mostly switched off
+    (those steps planned ahead: async scheduling is on)."""
+    target, draft = models
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 24, 36, 48, 60, 72)]
+    spec = dict(model=str(target if own_draft else draft), num_speculative_tokens=4,
+                num_speculative_tokens_per_batch_size="auto")
+    base, _ = _run(target, "bfloat16", params=params)
+    out, llm = _run(target, "bfloat16", spec, params=params)
+    assert out == base and llm.engine.async_scheduling
+    costs, by_k = llm.engine.adaptive.costs, llm.engine.adaptive.num_steps_by_k
+    assert costs.sizes == (1, 2, 4, 8) and all(0 < t < float("inf") for row in costs.ms for t in row)
+    assert sorted(llm.engine.runner.graphs) == [1, 2, 3, 4, 5]
+    if own_draft:
+        assert llm.engine.spec_metrics.acceptance_rate > 0.9 and by_k[0] < sum(by_k) / 2
+    else:
+        assert by_k[0] > sum(by_k) / 2
+
+
 @pytest.mark.parametrize("spec_on", [False, True])
 def test_graph_path_equals_eager_path(models, spec_on):
     target, draft = models

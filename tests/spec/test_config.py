@@ -53,7 +53,8 @@ def cfg(**kw):
         (dict(num_speculative_tokens_per_batch_size=[[1, 8, 2], [8, 16, 0]]), "overlap"),
         (dict(num_speculative_tokens_per_batch_size=[[1, 8]]), "triple of integers"),
         (dict(num_speculative_tokens_per_batch_size=[[1, 8, 1.5]]), "triple of integers"),
-        (dict(num_speculative_tokens_per_batch_size="1-8:2"), "num_speculative_tokens_per_batch_size must be a list"),
+        (dict(num_speculative_tokens_per_batch_size="1-8:2"), "or \"auto\""),
+        (dict(num_speculative_tokens_per_batch_size="Auto"), "or \"auto\""),
     ],
 )
 def test_bad_config(kw, field):
@@ -86,6 +87,8 @@ def test_drafts_per_batch_size():
     assert [c.k_for_batch(n) for n in (1, 2, 8, 9, 64, 65)] == [3, 1, 1, 0, 0, 3]
     assert c.draft_counts == (0, 1, 3)
     assert cfg().draft_counts == (3,) and cfg().k_for_batch(100) == 3
+    auto = cfg(num_speculative_tokens_per_batch_size="auto")
+    assert auto.adaptive and not c.adaptive and auto.draft_counts == (0, 1, 2, 3) and auto.k_for_batch(9) == 3
     assert SpeculativeConfig.from_user(c, 128) == c
 
 

@@ -8,6 +8,8 @@ from tandem.models.decoder import KVCache
 from tandem.config import read_arch_config
 from tandem.kernels import cpu_build
 from tandem.layers.quant import quantize_fp8
+from tandem.spec import step_costs
+from tandem.spec.adaptive import StepCosts
 from tests.helpers import make_hf_model
 
 MAX_LEN = 256
@@ -346,3 +348,40 @@ def test_drafting_off_skips_the_draft_in_decode_steps(models, baseline, monkeypa
     assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == baseline
     assert llm.engine.spec_metrics.num_draft_rounds == 0
     assert sum(fed) == sum(len(p["prompt_token_ids"]) for p in PROMPTS)
+
+
+# ---------------------------------------------------------------- adaptive speculation
+def _auto(models, draft, method="greedy", **kw):
+    return _llm(models, draft, 4, method, spec_extra=dict(num_speculative_tokens_per_batch_size="auto"), max_num_seqs=8,
+                **kw)
+
+
+@pytest.mark.parametrize("method,async_scheduling", [("greedy", False), ("probabilistic", False), ("greedy", True)])
+def test_adaptive_speculation_matches_target(models, varied_baseline, method, async_scheduling):
+    """"auto" times every batch size and number of drafts at start-up, then chooses each step's
+    (steps without drafts planned ahead under async scheduling)."""
+    llm = _auto(models, "near", method, async_scheduling=async_scheduling)
+    costs = llm.engine.adaptive.costs
+    assert costs.sizes == (1, 2, 4, 8) and all(0 < t < float("inf") for row in costs.ms for t in row)
+    assert _tokens(llm.generate(PROMPTS, VARIED, use_tqdm=False)) == varied_baseline
+    assert llm.engine.spec_metrics.num_draft_rounds > 0
+
+
+# A GPU-like table: a step costs its weights' reads; drafts add little.
+GPU_LIKE = StepCosts((1, 8), ((4.0, 4.6, 5.0, 5.4, 5.8), (4.2, 4.9, 5.4, 5.9, 6.4)))
+
+
+def test_adaptive_speculation_follows_the_draft(models, varied_baseline, monkeypatch):
+    """The target as its own draft keeps every draft (and its KV whole across the switches); an
+    unrelated draft is switched off after the first rounds, probing now and then."""
+    monkeypatch.setattr(step_costs, "profile_step_costs", lambda runner, cfg: GPU_LIKE)
+    good = _auto(models, "target")
+    assert _tokens(good.generate(PROMPTS, VARIED, use_tqdm=False)) == varied_baseline
+    assert good.engine.spec_metrics.acceptance_rate == 1.0
+    by_k = good.engine.adaptive.num_steps_by_k
+    assert by_k[4] == sum(by_k)
+    bad = _auto(models, "other")
+    assert _tokens(bad.generate(PROMPTS, VARIED, use_tqdm=False)) == varied_baseline
+    by_k = bad.engine.adaptive.num_steps_by_k
+    assert bad.engine.spec_metrics.acceptance_rate < 0.1
+    assert by_k[0] >= 0.8 * sum(by_k) and by_k[1] > 0  # off, with probes of one draft

@@ -1,0 +1,80 @@
+"""Measure what a decode step costs at each batch size and number of drafts (adaptive speculation).
+
+Runs at start-up on the engine's runner, before any request: dummy requests fill slots 0..,
+prefill a short context once, then steps of n requests each verifying K drafts and proposing K
+more (K = 0: a plain decode step, the draft skipped) are timed end to end through
+`ModelRunner.execute` (the CUDA graphs where they apply, the sampler, the draft round and the
+result's copy to the host), warm-up first, median of the rest. The requests share one block
+table, so the profile needs no more KV blocks than one request does; what it writes there is
+overwritten by the first requests that get those blocks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+
+from tandem.config import EngineConfig
+from tandem.engine.build import dummy_step
+from tandem.runner.graphs import CAPTURE_SIZES
+from tandem.runner.model_runner import ModelRunner
+from tandem.sampling_params import SamplingParams
+from tandem.spec.adaptive import StepCosts
+
+logger = logging.getLogger("tandem")
+
+MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when the token budget is small)
+
+
+EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger ones use its costs
+
+
+def _uses_graphs(cfg: EngineConfig) -> bool:
+    return cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+
+
+def profile_sizes(cfg: EngineConfig) -> list[int]:
+    """The batch sizes to time: the CUDA graphs' sizes up to max_num_seqs (a batch pads to one), or
+    on the eager path powers of two up to EAGER_MAX_SIZE (a CPU step of a real model at hundreds
+    of requests takes seconds; past the last size, its costs stand in)."""
+    top = cfg.sched.max_num_seqs
+    if _uses_graphs(cfg):
+        return [s for s in CAPTURE_SIZES if s < top] + [top]
+    top = min(top, EAGER_MAX_SIZE)
+    return [2**i for i in range(top.bit_length()) if 2**i < top] + [top]
+
+
+def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
+    """-> the median ms of a step at every size of profile_sizes(cfg) and every K in 0..k (on the
+    graphs 2 warm-up steps then 5 timed; eagerly 1 then 3)."""
+    sched, k = cfg.sched, cfg.spec.num_speculative_tokens
+    warmups, reps = (2, 5) if _uses_graphs(cfg) else (1, 3)
+    sizes = profile_sizes(cfg)
+    n_max = sizes[-1]
+    context = max(1, min(MAX_CONTEXT, sched.max_num_batched_tokens // n_max, sched.max_model_len - 2 * k - 3))
+    span = context + 2 * k + 2  # the context, k drafts verified, one emitted token and k more drafts
+    blocks = list(range(min(-(-span // cfg.cache.block_size), cfg.cache.num_blocks)))
+    params = SamplingParams()
+    t0 = time.monotonic()
+    dummy_step(runner, [1] * context, [0] * n_max, k, blocks, params)  # slots 0..n_max - 1, prefilled
+    rows = []
+    for n in sizes:
+        row = []
+        for K in range(k + 1):
+            if n * (1 + K) > sched.max_num_batched_tokens:
+                row.append(math.inf)  # the scheduler cannot give every request K drafts
+                continue
+            times = []
+            for i in range(warmups + reps):
+                start = time.perf_counter()
+                dummy_step(runner, [1], [K] * n, K, blocks, params, start_pos=context, admit=False)
+                times.append((time.perf_counter() - start) * 1e3)
+            row.append(statistics.median(times[warmups:]))
+        rows.append(row)
+    for slot in range(n_max):
+        runner.state.remove(slot)
+    costs = StepCosts.from_measured(sizes, rows)
+    logger.info("adaptive speculation: step ms by batch size (K = 0..%d drafts), measured in %.1f s: %s",
+                k, time.monotonic() - t0, costs.table())
+    return costs
