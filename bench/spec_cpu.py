@@ -2,6 +2,7 @@
 
     python bench/spec_cpu.py                          # eps pair from SmolLM2-135M (real weights)
     python bench/spec_cpu.py --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct
+    python bench/spec_cpu.py ... --auto                # also each step's drafts chosen in 0..max(--ks)
 
 The default pair is built from one real checkpoint so acceptance is controlled: the draft is
 SmolLM2-135M's first 4 layers (with its embeddings, final norm and head) and the target is the
@@ -32,13 +33,17 @@ PROMPTS = [
 ]
 
 
-def build(args, k: int | None):
+def build(args, k: int | str | None):
+    """k: drafts per step; None: the target alone; "auto": up to the largest of --ks, chosen each step."""
     from tandem import LLM
 
     spec = None
     if k is not None:
         draft = args.draft or args.target
         spec = dict(model=draft, num_speculative_tokens=k)
+        if k == "auto":
+            spec.update(num_speculative_tokens=max(int(v) for v in args.ks.split(",")),
+                        num_speculative_tokens_per_batch_size="auto")
     llm = LLM(args.target, dtype=args.dtype, max_model_len=1024, max_num_seqs=4, speculative_config=spec)
     if args.draft is None and k is not None:
         eps_pair(llm, args.eps, args.draft_layers)
@@ -91,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--auto", action="store_true",
+                   help="also num_speculative_tokens_per_batch_size=\"auto\" with k = the largest of --ks")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench/results/spec_cpu.json")
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"env": environment(), "config": vars(args), "runs": []}
-    configs = [None] + [int(k) for k in args.ks.split(",")]
+    configs = [None] + [int(k) for k in args.ks.split(",")] + (["auto"] if args.auto else [])
     rows = []
     base = None
     for k in configs:
@@ -113,6 +120,11 @@ def main(argv=None) -> int:
             base = r
         r["speedup"] = med / base["tok_s"]
         r["identical_to_target"] = r["token_ids"] == base["token_ids"]
+        if llm.engine.adaptive is not None:  # over the warm-up and every timed run
+            r.update(steps_by_drafts=llm.engine.adaptive.num_steps_by_k,
+                     estimated_survival=llm.engine.adaptive.estimator.survival(),
+                     step_costs=llm.engine.adaptive.costs.table())
+            print(llm.engine.adaptive.log_line(), flush=True)
         results["runs"].append({key: v for key, v in r.items() if key != "token_ids"})
         rows.append(("target only" if k is None else k, f"{med:.2f}", f"{r['speedup']:.2f}",
                      "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}",

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"drafts per step (default {DEFAULT_K})")
     gen.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
                      help="how the draft picks its tokens (default greedy)")
+    gen.add_argument("--adaptive", action="store_const", const=True, default=None,
+                     help="each step drafts 0..k tokens, chosen from the measured acceptance and step costs "
+                          "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto")
@@ -120,7 +123,7 @@ def _draft_model(args) -> str | None:
     from tandem.errors import ConfigError
 
     draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
-                  ("--draft-sample-method", args.draft_sample_method)]
+                  ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive)]
     if args.no_draft:
         for flag, value in [("--draft", args.draft)] + draft_only:
             if value is not None:
@@ -159,6 +162,8 @@ def _generate(args) -> int:
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format)
+        if args.adaptive:
+            spec["num_speculative_tokens_per_batch_size"] = "auto"
     t0 = time.perf_counter()
     llm = LLM(model, speculative_config=spec, **common)
     load_s = time.perf_counter() - t0
@@ -169,7 +174,7 @@ def _generate(args) -> int:
     if not args.quiet:
         line = f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.2f} tok/s; load {load_s:.1f} s"
         if m.num_draft_rounds:
-            line += f"; k={k}, acceptance rate {m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}"
+            line += f"; k={'0..' if args.adaptive else ''}{k}, acceptance rate {m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}"
         print("\n" + line + "]", file=sys.stderr)
     if args.compare:
         base = llm if spec is None else LLM(model, **common)

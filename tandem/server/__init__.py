@@ -26,6 +26,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"drafts per step with --draft (default {DEFAULT_K})")
     model.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
                        help="how the draft picks its tokens, with --draft (default greedy)")
+    model.add_argument("--adaptive", action="store_const", const=True, default=None,
+                       help="with --draft, each step drafts 0..k tokens, chosen from the measured acceptance and "
+                            "step costs (num_speculative_tokens_per_batch_size='auto'; timed at start-up)")
     model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
                        help="tokenizer path (default: the model's)")
     model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),
@@ -69,6 +72,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     if args.draft is None:
         for flag, value in (("--num-speculative-tokens (-k)", args.num_speculative_tokens),
-                            ("--draft-sample-method", args.draft_sample_method)):
+                            ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")

@@ -876,6 +876,8 @@ def run_server(args: argparse.Namespace) -> int:
         method = args.draft_sample_method or "greedy"
         spec = dict(model=args.draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format)
+        if args.adaptive:
+            spec["num_speculative_tokens_per_batch_size"] = "auto"
     llm = LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

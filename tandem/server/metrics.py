@@ -48,6 +48,14 @@ class ServerMetrics:
                                        m, registry=r)
         self.accepted_per_pos = Counter("tandem_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by draft position", m + ["position"], registry=r)
+        # Adaptive speculation (num_speculative_tokens_per_batch_size="auto"): what it chose, what it believes.
+        self.steps_by_num_drafts = Counter("tandem_spec_decode_steps_by_num_drafts",
+                                           "Engine steps by the drafts per request they proposed (adaptive)",
+                                           m + ["num_drafts"], registry=r)
+        self.estimated_acceptance = Gauge("tandem_spec_decode_estimated_acceptance",
+                                          "Estimated P(the first position + 1 drafts are accepted) (adaptive)",
+                                          m + ["position"], registry=r)
+        self._steps_seen = [0] * (num_speculative_tokens + 1)
         for reason in FINISH_REASONS:
             self.requests_finished.labels(model_name, reason)
         for pos in range(num_speculative_tokens):
@@ -93,6 +101,13 @@ class ServerMetrics:
             self.accepted_per_pos.labels(name, str(pos)).inc(now - before)
         self._spec_seen = (spec.num_draft_rounds, spec.num_draft_tokens, spec.num_accepted_tokens,
                            list(spec.accepted_per_position))
+        adaptive = engine.adaptive
+        if adaptive is not None:
+            for k, (now, before) in enumerate(zip(adaptive.num_steps_by_k, self._steps_seen)):
+                self.steps_by_num_drafts.labels(name, str(k)).inc(now - before)
+            self._steps_seen = list(adaptive.num_steps_by_k)
+            for pos, value in enumerate(adaptive.estimator.survival()):
+                self.estimated_acceptance.labels(name, str(pos)).set(value)
 
     # ---------------------------------------------------------------- called by the HTTP layer
     def on_error(self, status: int) -> None:

@@ -1,8 +1,9 @@
 """Measure what a decode step costs at each batch size and number of drafts (adaptive speculation).
 
-Runs at start-up on the engine's runner, before any request: dummy requests fill slots 0..,
-prefill a short context once, then steps of n requests each verifying K drafts and proposing K
-more (K = 0: a plain decode step, the draft skipped) are timed end to end through
+Runs at start-up on the engine's runner, before any request: for each batch size n, n dummy
+requests fill slots 0.. and prefill a short context, then steps of n requests each verifying K
+drafts and proposing K more (K = 0: a plain decode step, the draft skipped) are timed end to end
+through
 `ModelRunner.execute` (the CUDA graphs where they apply, the sampler, the draft round and the
 result's copy to the host), warm-up first, median of the rest. The requests share one block
 table, so the profile needs no more KV blocks than one request does; what it writes there is
@@ -25,9 +26,11 @@ from tandem.spec.adaptive import StepCosts
 logger = logging.getLogger("tandem")
 
 MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when the token budget is small)
+EAGER_CONTEXT = 64  # ... on the eager path, whose prefill of it is slow and whose steps it hardly changes
 
 
 EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger ones use its costs
+EAGER_MAX_STEP_MS = 500.0  # ... or the last size whose steps all took less (a real model on a CPU)
 
 
 def _uses_graphs(cfg: EngineConfig) -> bool:
@@ -37,7 +40,7 @@ def _uses_graphs(cfg: EngineConfig) -> bool:
 def profile_sizes(cfg: EngineConfig) -> list[int]:
     """The batch sizes to time: the CUDA graphs' sizes up to max_num_seqs (a batch pads to one), or
     on the eager path powers of two up to EAGER_MAX_SIZE (a CPU step of a real model at hundreds
-    of requests takes seconds; past the last size, its costs stand in)."""
+    of requests takes seconds; past the last size timed, its costs stand in)."""
     top = cfg.sched.max_num_seqs
     if _uses_graphs(cfg):
         return [s for s in CAPTURE_SIZES if s < top] + [top]
@@ -47,19 +50,22 @@ def profile_sizes(cfg: EngineConfig) -> list[int]:
 
 def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     """-> the median ms of a step at every size of profile_sizes(cfg) and every K in 0..k (on the
-    graphs 2 warm-up steps then 5 timed; eagerly 1 then 3)."""
+    graphs 2 warm-up steps then 5 timed; eagerly 1 then 3, and no larger size once a step took
+    EAGER_MAX_STEP_MS: the 1.5B / 0.5B Qwen pair on 2 CPU cores, k = 3, times batch 1 only)."""
     sched, k = cfg.sched, cfg.spec.num_speculative_tokens
-    warmups, reps = (2, 5) if _uses_graphs(cfg) else (1, 3)
-    sizes = profile_sizes(cfg)
+    graphs = _uses_graphs(cfg)
+    warmups, reps = (2, 5) if graphs else (1, 3)
+    sizes = [n for n in profile_sizes(cfg) if n <= sched.max_num_batched_tokens]
     n_max = sizes[-1]
-    context = max(1, min(MAX_CONTEXT, sched.max_num_batched_tokens // n_max, sched.max_model_len - 2 * k - 3))
+    context = max(1, min(MAX_CONTEXT if graphs else EAGER_CONTEXT, sched.max_num_batched_tokens // n_max,
+                         sched.max_model_len - 2 * k - 3))
     span = context + 2 * k + 2  # the context, k drafts verified, one emitted token and k more drafts
     blocks = list(range(min(-(-span // cfg.cache.block_size), cfg.cache.num_blocks)))
     params = SamplingParams()
     t0 = time.monotonic()
-    dummy_step(runner, [1] * context, [0] * n_max, k, blocks, params)  # slots 0..n_max - 1, prefilled
     rows = []
     for n in sizes:
+        dummy_step(runner, [1] * context, [0] * n, k, blocks, params)  # slots 0..n - 1, prefilled
         row = []
         for K in range(k + 1):
             if n * (1 + K) > sched.max_num_batched_tokens:
@@ -72,9 +78,11 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
                 times.append((time.perf_counter() - start) * 1e3)
             row.append(statistics.median(times[warmups:]))
         rows.append(row)
+        if not graphs and max((t for t in row if not math.isinf(t)), default=0.0) > EAGER_MAX_STEP_MS:
+            break
     for slot in range(n_max):
         runner.state.remove(slot)
-    costs = StepCosts.from_measured(sizes, rows)
+    costs = StepCosts.from_measured(sizes[: len(rows)], rows)
     logger.info("adaptive speculation: step ms by batch size (K = 0..%d drafts), measured in %.1f s: %s",
                 k, time.monotonic() - t0, costs.table())
     return costs

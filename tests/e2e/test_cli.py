@@ -10,15 +10,18 @@ from tandem.cli import main
 from tests.helpers import make_hf_model
 
 
-def test_generate_compare_fp32(tmp_path, capsys):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_generate_compare_fp32(tmp_path, capsys, adaptive):
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
     rc = main(["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3",
+               *(["--adaptive"] if adaptive else []),
                "--dtype", "float32", "--max-tokens", "12", "--ignore-eos", "--compare", "The quick brown fox"])
     assert rc == 0
     out, err = capsys.readouterr()
     assert out.strip()  # the streamed completion
-    assert "12 tokens in" in err and "k=3, acceptance rate" in err and "mean acceptance length" in err
+    k = "0..3" if adaptive else "3"
+    assert "12 tokens in" in err and f"k={k}, acceptance rate" in err and "mean acceptance length" in err
     assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
@@ -64,6 +67,8 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     # a --model of one's own runs without a draft unless --draft names one: -k would be ignored
     (["-k", "2"], "--num-speculative-tokens (-k) needs a draft model"),
     (["--draft-sample-method", "greedy"], "--draft-sample-method needs a draft model"),
+    (["--adaptive", "--no-draft"], "--adaptive conflicts with --no-draft"),
+    (["--adaptive"], "--adaptive needs a draft model"),
 ])
 def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
     rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
@@ -113,6 +118,7 @@ def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
 @pytest.mark.parametrize("extra, flag", [
     (["-k", "2"], "--num-speculative-tokens (-k)"),
     (["--draft-sample-method", "probabilistic"], "--draft-sample-method"),
+    (["--adaptive"], "--adaptive"),
 ])
 def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])

@@ -816,6 +816,32 @@ def test_metrics_parse_and_move(live):
         assert (gauge, ()) in after
 
 
+def test_metrics_of_adaptive_speculation(model_dirs):
+    """num_speculative_tokens_per_batch_size="auto": the steps by drafts proposed and the estimated
+    acceptance by position."""
+    target, draft = model_dirs
+    llm = LLM(str(target), speculative_config=dict(model=str(draft), num_speculative_tokens=K,
+                                                   num_speculative_tokens_per_batch_size="auto"),
+              **{**LLM_KWARGS, "max_num_seqs": 4})
+    server = LiveServer(llm)
+    name = "tandem_spec_decode_steps_by_num_drafts_total"
+    try:
+        server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        deadline = time.monotonic() + 10  # the loop copies the figures just after it answers
+        while True:
+            after = server.metrics()
+            steps = [after.get((name, (("num_drafts", str(k)),)), 0) for k in range(K + 1)]
+            if steps == llm.engine.adaptive.num_steps_by_k or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    assert steps == llm.engine.adaptive.num_steps_by_k and sum(steps) > 0
+    estimated = [after[("tandem_spec_decode_estimated_acceptance", (("position", str(j)),))] for j in range(K)]
+    assert estimated == pytest.approx(llm.engine.adaptive.estimator.survival())
+    assert estimated == sorted(estimated, reverse=True) and estimated[0] < 1
+
+
 # ---------------------------------------------------------------- overload and shutdown
 def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
     server = LiveServer(_llm(model_dirs, max_num_seqs=1), max_queued_requests=1)

@@ -385,3 +385,19 @@ def test_adaptive_speculation_follows_the_draft(models, varied_baseline, monkeyp
     by_k = bad.engine.adaptive.num_steps_by_k
     assert bad.engine.spec_metrics.acceptance_rate < 0.1
     assert by_k[0] >= 0.8 * sum(by_k) and by_k[1] > 0  # off, with probes of one draft
+
+
+def test_the_step_profile_keeps_to_the_budget_and_the_time_cap(models, baseline, monkeypatch):
+    """No profiled step exceeds max_num_batched_tokens (inf: the scheduler could not give every
+    request K drafts), and the eager profile stops at the first size whose steps took over
+    EAGER_MAX_STEP_MS."""
+    small = _auto(models, "near", max_num_batched_tokens=6)
+    costs = small.engine.adaptive.costs
+    assert costs.sizes == (1, 2, 4)
+    inf = float("inf")
+    assert [[t == inf for t in row] for row in costs.ms] == [[False] * 5, [False] * 3 + [True] * 2,
+                                                              [False] + [True] * 4]
+    monkeypatch.setattr(step_costs, "EAGER_MAX_STEP_MS", 0.0)
+    capped = _auto(models, "near")
+    assert capped.engine.adaptive.costs.sizes == (1,)
+    assert _tokens(capped.generate(PROMPTS, PARAMS, use_tqdm=False)) == baseline
