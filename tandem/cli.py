@@ -174,7 +174,9 @@ def _generate(args) -> int:
     if not args.quiet:
         line = f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.2f} tok/s; load {load_s:.1f} s"
         if m.num_draft_rounds:
-            line += f"; k={'0..' if args.adaptive else ''}{k}, acceptance rate {m.acceptance_rate:.2f}, mean acceptance length {m.mean_acceptance_length:.2f}"
+            drafts = f"0..{k}" if args.adaptive else k
+            line += (f"; k={drafts}, acceptance rate {m.acceptance_rate:.2f}, "
+                     f"mean acceptance length {m.mean_acceptance_length:.2f}")
         print("\n" + line + "]", file=sys.stderr)
     if args.compare:
         base = llm if spec is None else LLM(model, **common)

@@ -127,8 +127,8 @@ class LLM:
         if async_scheduling and not undrafted:
             raise ConfigError(
                 "async_scheduling=True is not supported with speculative_config unless "
-                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" (it plans only "
-                "steps without drafts ahead): with a draft model the host already applies each step while "
+                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" "
+                "(it plans only steps without drafts ahead): with a draft model the host already applies each step while "
                 "the device drafts; leave async_scheduling unset"
             )
         if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
