@@ -881,18 +881,23 @@ def test_min_tokens_inside_accepted_run():
     h.check_no_leaks()
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_speculative_under_random_load_with_preemption(dynamic):
-    """With dynamic, drafts by batch size (none at 3 requests) and prompts that share a prefix:
-    the harness checks every step's draft KV reads too."""
+@pytest.mark.parametrize("mode", ["fixed", "by size", "per step"])
+def test_speculative_under_random_load_with_preemption(mode):
+    """Dynamic modes draw drafts by batch size (none at 3 requests) or anew every step (0..3, as
+    adaptive speculation may), with prompts that share a prefix: the harness checks every step's
+    draft KV reads too."""
+    dynamic = mode != "fixed"
     rng = random.Random(5 if dynamic else 3)
+    per_step = random.Random(9)
+    k_for_batch = {"fixed": None, "by size": by_size({1: 3, 2: 2, 3: 0}, 1),
+                   "per step": lambda n: per_step.choice([0, 0, 1, 2, 3])}[mode]
     h = spec_harness(
         k=3,
         sched=SchedCfg(max_num_seqs=4, max_num_batched_tokens=12 if dynamic else 16, max_model_len=64,
                        num_lookahead_tokens=3),
         cache=CacheCfg(block_size=4, num_blocks=28 if dynamic else 24),
         accept_fn=lambda req, item: rng.randint(0, item.num_drafts),
-        k_for_batch=by_size({1: 3, 2: 2, 3: 0}, 1) if dynamic else None,
+        k_for_batch=k_for_batch,
     )
     shared = prompt(12, base=7)
     reqs = []
