@@ -1,9 +1,9 @@
 """Measure what a decode step costs at each batch size and number of drafts (adaptive speculation).
 
-Runs at start-up on the engine's runner, before any request: for each batch size n, n dummy
-requests fill slots 0.. and prefill a short context, then steps of n requests each verifying K
-drafts and proposing K more (K = 0: a plain decode step, the draft skipped) are timed end to end
-through
+Runs at start-up on the engine's runner, before any request: one dummy request prefills a short
+context; for each batch size n, n dummy requests over its block table fill slots 0.., then steps
+of n requests each verifying K drafts and proposing K more (K = 0: a plain decode step, the
+draft skipped) are timed end to end through
 `ModelRunner.execute` (the CUDA graphs where they apply, the sampler, the draft round and the
 result's copy to the host), warm-up first, median of the rest. The requests share one block
 table, so the profile needs no more KV blocks than one request does; what it writes there is
@@ -25,7 +25,7 @@ from tandem.spec.adaptive import StepCosts
 
 logger = logging.getLogger("tandem")
 
-MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when the token budget is small)
+MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when max_model_len is small)
 EAGER_CONTEXT = 64  # ... on the eager path, whose prefill of it is slow and whose steps it hardly changes
 
 
@@ -57,15 +57,19 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     warmups, reps = (2, 5) if graphs else (1, 3)
     sizes = [n for n in profile_sizes(cfg) if n <= sched.max_num_batched_tokens]
     n_max = sizes[-1]
-    context = max(1, min(MAX_CONTEXT if graphs else EAGER_CONTEXT, sched.max_num_batched_tokens // n_max,
-                         sched.max_model_len - 2 * k - 3))
+    context = max(1, min(MAX_CONTEXT if graphs else EAGER_CONTEXT, sched.max_model_len - 2 * k - 3))
     span = context + 2 * k + 2  # the context, k drafts verified, one emitted token and k more drafts
     blocks = list(range(min(-(-span // cfg.cache.block_size), cfg.cache.num_blocks)))
     params = SamplingParams()
     t0 = time.monotonic()
+    # One request prefills the context, in chunks of the token budget; every request shares its
+    # block table, so each attends to that context (of both models).
+    for start in range(0, context, sched.max_num_batched_tokens):
+        chunk = min(sched.max_num_batched_tokens, context - start)
+        dummy_step(runner, [1] * chunk, [0], k, blocks, params, start_pos=start)
     rows = []
     for n in sizes:
-        dummy_step(runner, [1] * context, [0] * n, k, blocks, params)  # slots 0..n - 1, prefilled
+        dummy_step(runner, [1], [0] * n, k, blocks, params, start_pos=context)  # slots 0..n - 1, drafts pending
         row = []
         for K in range(k + 1):
             if n * (1 + K) > sched.max_num_batched_tokens:
