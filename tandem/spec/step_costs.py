@@ -3,9 +3,9 @@
 Runs at start-up on the engine's runner, before any request: one dummy request prefills a short
 context; for each batch size n, n dummy requests over its block table fill slots 0.., then steps
 of n requests each verifying K drafts and proposing K more (K = 0: a plain decode step, the
-draft skipped) are timed end to end through
-`ModelRunner.execute` (the CUDA graphs where they apply, the sampler, the draft round and the
-result's copy to the host), warm-up first, median of the rest. The requests share one block
+draft skipped) are timed end to end through `ModelRunner.execute` (the CUDA graphs where they
+apply, the sampler, the draft round and the result's copy to the host), warm-up first, median
+of the rest. The requests share one block
 table, so the profile needs no more KV blocks than one request does; what it writes there is
 overwritten by the first requests that get those blocks.
 """
@@ -27,8 +27,6 @@ logger = logging.getLogger("tandem")
 
 MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when max_model_len is small)
 EAGER_CONTEXT = 64  # ... on the eager path, whose prefill of it is slow and whose steps it hardly changes
-
-
 EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger ones use its costs
 EAGER_MAX_STEP_MS = 500.0  # ... or the last size whose steps all took less (a real model on a CPU)
 
@@ -76,10 +74,10 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
                 row.append(math.inf)  # the scheduler cannot give every request K drafts
                 continue
             times = []
-            for i in range(warmups + reps):
-                start = time.perf_counter()
+            for _ in range(warmups + reps):
+                t = time.perf_counter()
                 dummy_step(runner, [1], [K] * n, K, blocks, params, start_pos=context, admit=False)
-                times.append((time.perf_counter() - start) * 1e3)
+                times.append((time.perf_counter() - t) * 1e3)
             row.append(statistics.median(times[warmups:]))
         rows.append(row)
         if not graphs and max((t for t in row if not math.isinf(t)), default=0.0) > EAGER_MAX_STEP_MS:
