@@ -493,15 +493,14 @@ def serving(root, target, draft, batches, args, results) -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             assert tokens == sum(lengths)
             wall = statistics.median(walls[1:])  # the step kinds below are the first warm run's
-            r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0], warm_seconds=walls[1:],
+            r = dict(engine=name, max_num_seqs=b, requests=n, output_tokens=tokens, seconds=wall, cold_seconds=walls[0],
+                     warm_seconds=walls[1:],
                      tok_s=tokens / wall, cold_tok_s=tokens / walls[0], start_s=start_s,
                      variants_at_start=start_variants, variants_after=sum(triton_variants().values()),
                      steps=sum(v["steps"] for v in kinds[1].values()),
                      graph_steps=kinds[1].get("graph", {}).get("steps", 0), cold_kinds=kinds[0], warm_kinds=kinds[1])
-            if llm.engine.adaptive is not None:  # "auto": what it measured and chose (over all three runs)
-                r.update(steps_by_drafts=llm.engine.adaptive.num_steps_by_k,
-                         estimated_survival=llm.engine.adaptive.estimator.survival(),
-                         step_costs=llm.engine.adaptive.costs.table())
+            if llm.engine.adaptive is not None:  # "auto": what it measured and chose (over every run)
+                r.update(llm.engine.adaptive.summary())
             results["serving"].append(r)
             print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
                   f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "

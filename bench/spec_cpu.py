@@ -121,9 +121,7 @@ def main(argv=None) -> int:
         r["speedup"] = med / base["tok_s"]
         r["identical_to_target"] = r["token_ids"] == base["token_ids"]
         if llm.engine.adaptive is not None:  # over the warm-up and every timed run
-            r.update(steps_by_drafts=llm.engine.adaptive.num_steps_by_k,
-                     estimated_survival=llm.engine.adaptive.estimator.survival(),
-                     step_costs=llm.engine.adaptive.costs.table())
+            r.update(llm.engine.adaptive.summary())
             print(llm.engine.adaptive.log_line(), flush=True)
         results["runs"].append({key: v for key, v in r.items() if key != "token_ids"})
         rows.append(("target only" if k is None else k, f"{med:.2f}", f"{r['speedup']:.2f}",

@@ -148,6 +148,11 @@ class AdaptiveDrafts:
         proposed = max((item.num_next_drafts for item in plan.reqs), default=0)
         self.num_steps_by_k[proposed] += 1
 
+    def summary(self) -> dict:
+        """What it chose and believes, as plain data (the benchmarks' JSON)."""
+        return dict(steps_by_drafts=list(self.num_steps_by_k), estimated_survival=self.estimator.survival(),
+                    step_costs=self.costs.table())
+
     def log_line(self) -> str:
         s = ", ".join(f"{v:.2f}" for v in self.estimator.survival())
         steps = ", ".join(f"{K}: {n}" for K, n in enumerate(self.num_steps_by_k) if n)
