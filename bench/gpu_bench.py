@@ -91,11 +91,12 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / statistics.median(times)
 
 
-def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int):
+def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None):
     from tandem import LLM
 
     return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False)
+               kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False,
+               watermark_config=watermark_config)
 
 
 def free(*objs) -> None:
@@ -105,12 +106,12 @@ def free(*objs) -> None:
     torch.cuda.empty_cache()
 
 
-def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8) -> dict:
+def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8, temperature: float = 0.0) -> dict:
     """Decode-phase step time: add `batch` requests, prefill them, then time `steps` steps."""
     from tandem import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps * 10 + 64, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=warmup + steps * 10 + 64, ignore_eos=True, seed=0)
     g = torch.Generator().manual_seed(batch)
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(batch)]
     for rid in ids:
@@ -324,13 +325,14 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
         free(llm, sp)
 
 
-def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
-    """Draft = the target's first 4 layers (+ its embeddings, norm, head); in the target, layers
-    >= 4 have o_proj and down_proj scaled by eps."""
+def eps_engine(root, shape, base_name, args, max_num_seqs=1, **llm_kw):
+    """The eps pair's engine: draft = the target's first 4 layers (+ its embeddings, norm,
+    head), copied in; returns it with the target's layers >= 4 o_proj / down_proj weights, which
+    set_eps scales."""
     tdir = write_config(root, base_name, shape)
     ddir = write_config(root, base_name + "-first4", dict(shape, num_hidden_layers=4))
-    spec = dict(model=ddir, num_speculative_tokens=4, draft_load_format="dummy")
-    llm = make_llm(tdir, spec, 1, args.max_model_len)
+    spec = dict(model=ddir, num_speculative_tokens=4, draft_load_format="dummy", **llm_kw.pop("spec_extra", {}))
+    llm = make_llm(tdir, spec, max_num_seqs, args.max_model_len, **llm_kw)
     target = llm.engine.runner.model
     draft = llm.engine.runner.speculator.model
     with torch.no_grad():
@@ -338,12 +340,24 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
             p.copy_(target.get_parameter(name))
         originals = {i: (layer.self_attn.o_proj.weight.clone(), layer.mlp.down_proj.weight.clone())
                      for i, layer in enumerate(target.model.layers) if i >= 4}
+    return llm, originals
+
+
+def set_eps(llm, originals, eps: float) -> None:
+    """In the target, layers >= 4 have o_proj and down_proj scaled by eps (0: the draft exactly)."""
+    target = llm.engine.runner.model
+    with torch.no_grad():
+        for i, (o, d) in originals.items():
+            layer = target.model.layers[i]
+            layer.self_attn.o_proj.weight.copy_(o * eps)
+            layer.mlp.down_proj.weight.copy_(d * eps)
+
+
+def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
+    """Greedy k = 4 on the eps pair at batch 1, for each eps."""
+    llm, originals = eps_engine(root, shape, base_name, args)
     for eps in epss:
-        with torch.no_grad():
-            for i, (o, d) in originals.items():
-                layer = target.model.layers[i]
-                layer.self_attn.o_proj.weight.copy_(o * eps)
-                layer.mlp.down_proj.weight.copy_(d * eps)
+        set_eps(llm, originals, eps)
         m0 = llm.engine.spec_metrics
         before = (m0.num_draft_rounds, m0.num_accepted_tokens)
         r = measure_steps(llm, 1, args.prompt_len, args.steps)
@@ -354,7 +368,41 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
         results["eps_pair"].append(r)
         print(f"[eps] eps={eps}: {r['tok_s']:.1f} tok/s, AL {r['mean_acceptance_length']:.2f}, x{r['speedup']:.2f}",
               flush=True)
-    free(llm, target, draft)
+    free(llm, originals)
+
+
+def watermark(root, shape, base_name, batches, args, results) -> None:
+    """What the watermark costs: sampling at temperature 1, target-only and k = 4 on the eps pair
+    (probabilistic drafts without the watermark; with it, the keyed draws and exact-match
+    verification), each with and without watermark_config, side by side. Speedups are over
+    target-only without the watermark at the same batch."""
+    key = {"key": 20261201}
+    tdir = write_config(root, base_name, shape)
+    configs = [("target-only", None, None), ("target-only + watermark", None, key)]
+    configs += [(f"k=4 eps={eps}" + (" + watermark" if wm else ""), eps, wm)
+                for eps in args.watermark_eps for wm in (None, key)]
+    base = {}
+    for name, eps, wm in configs:
+        if eps is None:
+            llm, originals = make_llm(tdir, None, max(batches), args.max_model_len, watermark_config=wm), None
+        else:
+            llm, originals = eps_engine(root, shape, base_name, args, max(batches), watermark_config=wm,
+                                        spec_extra=dict(draft_sample_method="probabilistic"))
+            set_eps(llm, originals, eps)
+        for b in batches:
+            m0 = llm.engine.spec_metrics
+            before = (m0.num_draft_rounds, m0.num_accepted_tokens) if m0 is not None else (0, 0)
+            r = measure_steps(llm, b, args.prompt_len, args.steps, temperature=1.0)
+            if m0 is not None:
+                rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
+                r["mean_acceptance_length"] = 1 + acc / max(rounds, 1)
+            if name == "target-only":
+                base[b] = r["tok_s"]
+            r.update(config=name, batch=b, speedup=r["tok_s"] / base[b])
+            results["watermark"].append(r)
+            print(f"[watermark] {name} b={b}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step, "
+                  f"x{r['speedup']:.2f}", flush=True)
+        free(llm, originals)
 
 
 def triton_variants() -> dict[str, int]:
@@ -583,11 +631,14 @@ def main(argv=None) -> int:
     p.add_argument("--draft-quantization", default="none",
                    help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
+    p.add_argument("--watermark-eps", type=lambda t: [float(x) for x in t.split(",")], default=[0.0, 0.02],
+                   help="the watermark section's eps values (k = 4 on the eps pair at temperature 1)")
     p.add_argument("--pairs", default="llama,qwen",
                    help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
-    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": []}
+    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": [],
+               "watermark": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -630,6 +681,9 @@ def main(argv=None) -> int:
         if "eps" in sections:
             eps_pair(root, target[1], target[0], base, [0.1, 0.05, 0.02, 0.0], args, results)
         write_json(args.out, results)
+        if "watermark" in sections:
+            watermark(root, target[1], target[0], batches, args, results)
+            write_json(args.out, results)
         if "hf" in sections:
             hf_peer(target[1], draft[1], args, results)
         if "serving" in sections:
@@ -651,6 +705,11 @@ def main(argv=None) -> int:
             for r in results["eps_pair"]]
     if rows:
         print_table(["eps", "tok/s", "accept len", "speedup"], rows)
+    rows = [(r["config"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tok_s']:.0f}",
+             f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-", f"{r['speedup']:.2f}")
+            for r in results["watermark"]]
+    if rows:
+        print_table(["temperature 1", "batch", "ms/step", "tok/s", "accept len", "vs target-only"], rows)
     rows = [(r["engine"], r["max_num_seqs"], r["requests"], r["output_tokens"], f"{r['seconds']:.2f}",
              f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}" if "speedup" in r else "-", f"{r['cold_tok_s']:.0f}",
              f"{r['graph_steps']} / {r['steps']}") for r in results["serving"]]

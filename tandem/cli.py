@@ -59,6 +59,28 @@ def non_empty(fix: str):
     return parse
 
 
+def watermark_config(text: str) -> dict:
+    """--watermark-config: a JSON object such as '{"key": 42}', checked field by field while parsing."""
+    import json
+
+    from tandem.errors import ConfigError
+    from tandem.sampling.watermark import parse_watermark_config
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"key\": 42}}'") from None
+    try:
+        parse_watermark_config(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+WATERMARK_HELP = ("draw sampled tokens with a secret key, as JSON: '{\"key\": 42, \"context_width\": 4}' "
+                  "(vLLM's --watermark-config; `tandem detect` tests text for it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM inference with draft-model speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive", action="store_const", const=True, default=None,
                      help="each step drafts 0..k tokens, chosen from the measured acceptance and step costs "
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
+    gen.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto")
@@ -99,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.server import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    det = sub.add_parser("detect", help="test text for the watermark of a key (--watermark-config)")
+    det.add_argument("text", help="the text to test ('-': read it from stdin)")
+    det.add_argument("--watermark-config", type=watermark_config, required=True, help="the generating engine's")
+    det.add_argument("--model", default=DEFAULT_TARGET, type=non_empty("pass a model path or name"),
+                     help=f"the model whose tokenizer encodes the text (default: {DEFAULT_TARGET})")
+    det.add_argument("--p-value-threshold", type=float_in(0, 1, lo_open=True), default=0.01,
+                     help="call the text watermarked below this p-value (default 0.01)")
     return parser
 
 
@@ -112,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.server.api import run_server
 
             return run_server(args)
+        if args.command == "detect":
+            return _detect(args)
         return _generate(args)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -157,7 +189,7 @@ def _generate(args) -> int:
         ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, max_num_seqs=8)
+                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config)
     spec = None
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
@@ -194,6 +226,24 @@ def _generate(args) -> int:
             f"{(n / elapsed) / (bn / base_s):.2f}x; identical output: {same}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _detect(args) -> int:
+    """`tandem detect`: encode the text with the model's tokenizer and test it for the key's watermark."""
+    from tandem.detect import detect_watermark
+    from tandem.errors import ConfigError
+    from tandem.models.source import load_tokenizer, resolve_model_dir
+
+    text = sys.stdin.read() if args.text == "-" else args.text
+    tok = load_tokenizer(resolve_model_dir(args.model, "auto", "auto"))
+    if tok is None:
+        raise ConfigError(f"--model {args.model} has no tokenizer to encode the text with; pass one that has")
+    ids = tok(text, add_special_tokens=False).input_ids
+    found = detect_watermark(ids, args.watermark_config, p_value_threshold=args.p_value_threshold)
+    verdict = "yes" if found.watermarked else "no"
+    print(f"watermarked: {verdict} (p-value {found.p_value:.3g} over {found.num_tokens} scored tokens of "
+          f"{len(ids)}; score {found.score:.1f}, expected {found.num_tokens} without the watermark)")
     return 0
 
 

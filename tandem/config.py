@@ -118,6 +118,7 @@ class EngineConfig:
     sched: SchedulerConfig
     device: torch.device
     spec: Any = None  # tandem.spec.config.SpeculativeConfig, or None to run without a draft
+    watermark: Any = None  # tandem.sampling.watermark.WatermarkConfig, or None: no keyed draws
     extra: dict = field(default_factory=dict)
 
 

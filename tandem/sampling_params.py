@@ -48,6 +48,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (text "", logprobs without decoded tokens), as vLLM
+    # With an engine watermark_config: None or True draws sampled tokens with the key, False opts out (vLLM).
+    watermarking: bool | None = None
 
     def __post_init__(self) -> None:
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
@@ -149,6 +151,8 @@ class SamplingParams:
             raise bad("logit_bias", "biases must be in [-100, 100]")
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "it must be True or False")
+        if not (self.watermarking is None or isinstance(self.watermarking, bool)):
+            raise bad("watermarking", "it must be True, False or None (the engine's watermark_config decides)")
         if not self.detokenize and self.stop:
             raise bad("detokenize", "stop strings need the text: set detokenize=True, or use stop_token_ids")
 

@@ -29,7 +29,7 @@ def worst_case_params() -> SamplingParams:
 
 def build_runner(cfg: EngineConfig, cache: CacheConfig, model, speculator_factory) -> ModelRunner:
     """The runner over a KV pool of cache.num_blocks, with the speculator when there is a draft."""
-    runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model)
+    runner = ModelRunner(cfg.model, cache, cfg.sched, cfg.device, model, cfg.watermark)
     if speculator_factory is not None:
         runner.speculator = speculator_factory.build(cache, cfg.sched, runner)
     return runner

@@ -138,6 +138,7 @@ class Engine:
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
         self._rng = random.Random(cfg.model.seed)
+        self._warned_watermark = False  # a request asked for a watermark this engine lacks (logged once)
         self._requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, SeqState] = {}
         self._next_id = 0
@@ -234,6 +235,10 @@ class Engine:
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
+        if params.watermarking and self.cfg.watermark is None and not self._warned_watermark:
+            logger.warning("a request asks for watermarking=True but the engine has no watermark_config; it and "
+                           "later ones run without a watermark (start the engine with watermark_config={'key': ...})")
+            self._warned_watermark = True
         if params.bad_words:
             params = params.clone(bad_words=None,
                                   bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))

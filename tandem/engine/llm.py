@@ -29,6 +29,7 @@ from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
+from tandem.sampling.watermark import parse_watermark_config
 from tandem.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
         tokenizer_mode: str = "auto",
+        watermark_config: Any = None,
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -118,6 +120,11 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
+        watermark = parse_watermark_config(watermark_config)
+        if watermark is not None and spec is not None and spec.synthetic:
+            raise ConfigError("watermark_config cannot be combined with speculative_config's rejection_sample_method="
+                              "'synthetic': synthetic acceptance does not keep the target's output, so the keyed draws "
+                              "would not survive it; use 'standard' or leave watermark_config out")
         k = spec.num_speculative_tokens if spec is not None else 0
         if async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
@@ -158,6 +165,7 @@ class LLM:
             ),
             device=dev,
             spec=spec,
+            watermark=watermark,
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)

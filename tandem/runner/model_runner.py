@@ -25,6 +25,7 @@ from tandem.runner.inputs import Batch, build_batch
 from tandem.sampling.processors import CHUNK_ROWS
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
+from tandem.sampling.watermark import WatermarkConfig
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class ModelRunner:
         sched: SchedulerConfig,
         device: torch.device,
         model: CausalLM,
+        watermark: WatermarkConfig | None = None,
     ):
         self.model = model
         self.device = device
@@ -61,7 +63,8 @@ class ModelRunner:
         self.vocab_size = model_cfg.arch.vocab_size
         self.logprobs_mode = model_cfg.logprobs_mode
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
-                                   use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload)
+                                   use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload,
+                                   watermark=watermark)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
         self.piecewise: PiecewiseGraphs | None = None  # the other steps' forward, cut at the attention
@@ -165,16 +168,32 @@ class ModelRunner:
         return None
 
     def _record_outputs(self, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
-        """Penalty counts and bad-word windows follow the emitted tokens on the device (no host round trip)."""
-        if not (self.state.output_counts or self.state.recent):
-            return
+        """Penalty counts, bad-word windows and watermark contexts follow the emitted tokens on the
+        device (no host round trip)."""
         rows = batch.rows
         cu = batch.cu_num_rows
+        if self.state.watermark is not None:
+            self._record_watermark(batch, row_tokens, num_emitted)
+        if not (self.state.output_counts or self.state.recent):
+            return
         row_req_host = [n for n in range(len(batch.sampling)) for _ in range(cu[n + 1] - cu[n])]
         row_req, start = self.attn_backend.upload(row_req_host, cu[:-1])
         emitted = (torch.arange(len(rows), device=self.device) - start[row_req]) < num_emitted[row_req]
         tokens = torch.where(emitted, row_tokens, -1)
         self.state.record_outputs(rows.slots, tokens[:, None])
+
+    def _record_watermark(self, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
+        """Slide the watermarked requests' context windows over the tokens they emitted."""
+        wm, cu = self.state.watermark, batch.cu_num_rows
+        marked = [n for n in range(len(batch.sampling)) if wm.on[batch.rows.slots[cu[n]]]]
+        if not marked:
+            return
+        width = max(cu[n + 1] - cu[n] for n in marked)
+        pad = cu[-1]  # the row of the -1 appended below
+        index = [cu[n] + j if j < cu[n + 1] - cu[n] else pad for n in marked for j in range(width)]
+        index_t, marked_t, slot_t = self.attn_backend.upload(index, marked, [batch.rows.slots[cu[n]] for n in marked])
+        tokens = torch.cat([row_tokens, row_tokens.new_full((1,), -1)])[index_t].view(len(marked), width)
+        wm.record(slot_t, tokens, num_emitted[marked_t])
 
     def _raw_for_logprobs(self, logits: Tensor, batch: Batch) -> Tensor | None:
         """The raw logits [num_rows, V] fp32 that logprobs are taken from under logprobs_mode

@@ -7,6 +7,7 @@ from torch import Tensor
 from tandem.sampling.gumbel import TARGET_SALT, gumbel_argmax
 from tandem.sampling.processors import CHUNK_ROWS, SampleRows, apply_logits_processors, apply_temperature_and_masks
 from tandem.sampling.state import SamplingState
+from tandem.sampling.watermark import WATERMARK_SALT
 
 
 def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Tensor:
@@ -36,21 +37,34 @@ def greedy_tokens(logits: Tensor, use_triton: bool) -> Tensor:
 
 
 def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int = TARGET_SALT) -> Tensor:
-    """processed [n, V] fp32 -> tokens [n] int64: argmax for greedy rows, seeded Gumbel-max otherwise."""
+    """processed [n, V] fp32 -> tokens [n] int64: argmax for greedy rows, seeded Gumbel-max otherwise
+    (keyed by the watermark and the row's context instead for watermarked rows)."""
     tokens = greedy_tokens(processed, state.use_triton)
-    sampled = [i for i, s in enumerate(rows.slots) if state.params[s].temperature > 0]
+    wm = state.watermark
+    sampled, marked = [], []
+    for i, s in enumerate(rows.slots):
+        if state.params[s].temperature > 0:
+            (marked if wm is not None and wm.on[s] else sampled).append(i)
     if sampled:
         (idx,) = state.upload(sampled)
-        seeds = state.seeds[rows.slot_ids[idx]]
-        if state.use_triton:
-            from tandem.kernels.gumbel import gumbel_sample
-
-            ones = torch.ones(idx.shape[0], dtype=torch.float32, device=processed.device)
-            out = torch.empty(idx.shape[0], dtype=torch.int64, device=processed.device)
-            tokens[idx] = gumbel_sample(processed[idx], ones, seeds, rows.positions[idx], salt, out)
-        else:
-            tokens[idx] = gumbel_argmax(processed[idx], seeds, rows.positions[idx], salt)
+        tokens[idx] = draw(processed[idx], state.seeds[rows.slot_ids[idx]], rows.positions[idx], salt, state.use_triton)
+    if marked:
+        (idx,) = state.upload(marked)
+        seeds, hashes = wm.keys(rows.slot_ids[idx])
+        tokens[idx] = draw(processed[idx], seeds, hashes, WATERMARK_SALT, state.use_triton)
     return tokens
+
+
+def draw(processed: Tensor, seeds: Tensor, positions: Tensor, salt: int, use_triton: bool) -> Tensor:
+    """processed [n, V] fp32 (temperature applied) -> the Gumbel-max draws [n] int64 keyed by
+    (seeds [n], positions [n], salt): the Triton kernel on CUDA, the torch reference elsewhere."""
+    if use_triton:
+        from tandem.kernels.gumbel import gumbel_sample
+
+        ones = torch.ones(processed.shape[0], dtype=torch.float32, device=processed.device)
+        out = torch.empty(processed.shape[0], dtype=torch.int64, device=processed.device)
+        return gumbel_sample(processed, ones, seeds, positions, salt, out)
+    return gumbel_argmax(processed, seeds, positions, salt)
 
 
 def compute_logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from tandem.plan import NewReq
 from tandem.runner.upload import Uploader
+from tandem.sampling.watermark import WatermarkConfig, WatermarkState
 from tandem.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
     def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 use_triton: bool = False, upload: Uploader | None = None):
+                 use_triton: bool = False, upload: Uploader | None = None, watermark: WatermarkConfig | None = None):
         self.vocab_size = vocab_size
         self.device = device
         # Host index lists reach the device through the runner's pinned uploader: a plain
@@ -58,6 +59,8 @@ class SamplingState:
         self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
+        # The keyed draw's context windows (None: the engine does not watermark).
+        self.watermark = WatermarkState(watermark, s, device, self.upload) if watermark is not None else None
 
     def add(self, req: NewReq) -> None:
         self.add_all([req])
@@ -83,6 +86,8 @@ class SamplingState:
             getattr(self, name).index_copy_(0, slot_t, row)
         for req in reqs:
             self._add_extras(req)
+        if self.watermark is not None:
+            self.watermark.add_all(reqs)
 
     def _add_extras(self, req: NewReq) -> None:
         """The optional per-slot tensors: allowed ids, bad words, logit bias, min_tokens' stop ids,
@@ -130,6 +135,8 @@ class SamplingState:
 
     def remove(self, slot: int) -> None:
         self.params[slot] = None
+        if self.watermark is not None:
+            self.watermark.remove(slot)
         for d in (self.allowed_ids, self.bad_words, self.recent, self.logit_bias, self.min_tokens_ids,
                   self.output_counts, self.prompt_mask):
             d.pop(slot, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli import float_in, int_in, non_empty
+from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, watermark_config
 
 DEFAULT_K = 4
 
@@ -41,6 +41,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
     model.add_argument("--max-logprobs", type=int_in(-1), default=20,
                        help="the most logprobs a request may ask per token (default 20; -1: no cap)")
+    model.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
     model.add_argument("--generation-config", default="auto", type=non_empty("pass 'auto', 'vllm' or a directory"),
                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
                             "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")

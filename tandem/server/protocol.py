@@ -113,6 +113,7 @@ class _SamplingRequest(_Request):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    watermarking: bool | None = None  # False opts out of the server's --watermark-config (vLLM's field)
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
     use_beam_search: Any = None
     logits_processors: Any = None
@@ -162,6 +163,7 @@ class _SamplingRequest(_Request):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            watermarking=self.watermarking,
         )
 
     @property

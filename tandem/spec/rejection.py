@@ -97,6 +97,34 @@ def rejection_sample(
     return row_tokens, num_accepted + 1
 
 
+def force_target_tokens(
+    row_tokens: Tensor,
+    num_emitted: Tensor,
+    forced: Tensor,
+    row_draft: Tensor,
+    row_req: Tensor,
+    row_index: Tensor,
+    num_reqs: int,
+) -> tuple[Tensor, Tensor]:
+    """Verify by exact match the requests whose target draw is a function of the prefix (the
+    watermark's keyed draw): a draft is accepted iff it equals the target's draw at its row,
+    and the first mismatch (at the latest the bonus row) emits the target's draw, so the output
+    is exactly what the target alone would emit.
+
+    forced [num_rows] int64: the target's draw at each row of such a request, -1 elsewhere (a
+    request's rows are all forced or none). row_tokens / num_emitted are rejection_sample's
+    results, returned with the forced requests' entries replaced.
+    """
+    is_forced = forced >= 0
+    mismatch = is_forced & (row_draft != forced)  # a bonus row's draft is -1: always a mismatch
+    big = torch.full((num_reqs,), 1 << 30, dtype=torch.int64, device=forced.device)
+    first = big.scatter_reduce(0, row_req, torch.where(mismatch, row_index, 1 << 30), "amin")  # [num_reqs]
+    req_forced = torch.zeros(num_reqs, dtype=torch.int64, device=forced.device).scatter_reduce(
+        0, row_req, is_forced.long(), "amax").bool()  # (no boolean indexing: it would wait for the device)
+    row_tokens = torch.where(is_forced, torch.where(row_index < first[row_req], row_draft, forced), row_tokens)
+    return row_tokens, torch.where(req_forced, first + 1, num_emitted)
+
+
 def rejection_sample_ref(p: Tensor, q: Tensor, draft: Tensor, u: Tensor, gumbel: Tensor) -> tuple[int, int]:
     """Plain single-request reference for tests. p [k+1, V] target probs, q [k, V] draft probs,
     draft [k] tokens, u [k] uniforms, gumbel [k+1, V] noise. -> (num_accepted, final token)."""

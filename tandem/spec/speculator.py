@@ -29,11 +29,12 @@ from tandem.runner.inputs import Batch, row_prior_drafts
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
 from tandem.sampling.processors import apply_top_k_top_p
-from tandem.sampling.sampler import greedy_tokens, process_logits
+from tandem.sampling.sampler import draw, greedy_tokens, process_logits
 from tandem.sampling.state import SamplingState
+from tandem.sampling.watermark import WATERMARK_SALT
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
-from tandem.spec.rejection import rejection_sample
+from tandem.spec.rejection import force_target_tokens, rejection_sample
 
 
 class DraftSpeculator:
@@ -117,7 +118,9 @@ class DraftSpeculator:
     def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState):
         """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs])."""
         rows = batch.rows
-        if state.output_counts or state.recent:  # penalties and bad words see earlier drafts
+        wm = state.watermark
+        marked = [r for r, s in enumerate(rows.slots) if wm is not None and wm.on[s]]  # keyed rows: exact match
+        if state.output_counts or state.recent or marked:  # penalties, bad words and the watermark see earlier drafts
             rows.prior_drafts = row_prior_drafts(batch, self.drafts)
         processed = process_logits(logits, state, rows)
         row_req, row_index, row_is_bonus = [], [], []
@@ -126,10 +129,12 @@ class DraftSpeculator:
             row_req += [n] * (d + 1)
             row_index += list(range(d + 1))
             row_is_bonus += [False] * d + [True]
-        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0]
+        keyed = set(marked)
+        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0 and r not in keyed]
         # One pinned, non-blocking upload: torch.tensor(list, device=cuda) would wait for the
         # verification forward queued just before (a hidden sync that idles the GPU).
-        row_req_t, row_index_t, bonus_t, sampled_t = self.attn_backend.upload(row_req, row_index, row_is_bonus, sampled)
+        row_req_t, row_index_t, bonus_t, sampled_t, marked_t = self.attn_backend.upload(
+            row_req, row_index, row_is_bonus, sampled, marked)
         is_bonus = bonus_t.bool()
         col = row_index_t.clamp(max=self.k - 1)
         row_draft = torch.where(is_bonus, -1, self.drafts[rows.slot_ids, col])
@@ -151,6 +156,12 @@ class DraftSpeculator:
             len(batch.sampling),
             self.synthetic_rates,
         )
+        if marked:  # the target's keyed draw at each row, after the drafts before it
+            seeds, hashes = wm.keys(rows.slot_ids[marked_t], rows.prior_drafts[marked_t], row_index_t[marked_t])
+            forced = torch.full_like(row_draft, -1)
+            forced[marked_t] = draw(processed[marked_t], seeds, hashes, WATERMARK_SALT, state.use_triton)
+            row_tokens, num_emitted = force_target_tokens(row_tokens, num_emitted, forced, row_draft, row_req_t,
+                                                          row_index_t, len(batch.sampling))
         return processed, row_tokens, num_emitted
 
     # ---------------------------------------------------------------- propose
@@ -213,7 +224,12 @@ class DraftSpeculator:
             self._draft_step(step, self.model.compute_logits(hidden), slots, pos + 1, sampling)
 
     def _greedy(self, sampling) -> bool:
-        return not self.probabilistic or all(self.state.params[r.slot].temperature == 0 for r in sampling)
+        """Whether every draft of the round is an argmax (the captured draft loop's case)."""
+        params = [self.state.params[r.slot] for r in sampling]
+        wm = self.state.watermark
+        if wm is not None and any(wm.on[r.slot] for r in sampling):
+            return False
+        return not self.probabilistic or all(p.temperature == 0 for p in params)
 
     def _catchup_graph(self, plan: StepPlan, batch: Batch) -> DraftGraphs | None:
         """The graphs whose catch-up forward fits this step (every request verified the same
@@ -229,7 +245,9 @@ class DraftSpeculator:
 
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
         """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
-        position of the token being drafted (the noise key)."""
+        position of the token being drafted (the noise key). Watermarked requests draw with the
+        target's keyed noise on the draft's distribution, whatever draft_sample_method says: the
+        shared noise is what makes a draft equal the target's keyed draw."""
         logits = logits[:, : self.draft_vocab]  # [n, draft_vocab]
         if self._greedy(sampling):
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
@@ -242,10 +260,21 @@ class DraftSpeculator:
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             scaled = apply_top_k_top_p(scaled, self.state.top_k[slots], self.state.top_p[slots])
-        tokens = gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT)
+        if self.probabilistic:
+            tokens = gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT)
+        else:
+            tokens = logits.argmax(dim=-1)
+        wm = self.state.watermark
+        marked = [n for n, r in enumerate(sampling) if wm is not None and wm.on[r.slot]]
+        if marked:
+            (idx,) = self.attn_backend.upload(marked)
+            drafted = torch.full_like(idx, step)
+            seeds, hashes = wm.keys(slots[idx], self.drafts[slots[idx]], drafted)
+            tokens[idx] = gumbel_argmax(scaled[idx], seeds, hashes, WATERMARK_SALT)
         tokens = torch.where(temp == 0, logits.argmax(dim=-1), tokens)
         self.drafts[slots, step] = tokens
-        self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
+        if self.draft_logits is not None:
+            self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
 
 
 @dataclass(slots=True)

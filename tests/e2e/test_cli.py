@@ -25,6 +25,34 @@ def test_generate_compare_fp32(tmp_path, capsys, adaptive):
     assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
+def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
+    """`generate --watermark-config` draws with the key (the draft does not change the tokens);
+    `detect` scores the text as re-encoded by the model's tokenizer. (A random model's byte
+    tokens do not survive decoding and re-encoding, so the verdict on real text is tested with the
+    real models: tests/models/test_real_models.py.)"""
+    from tandem import LLM
+    from tandem.detect import detect_watermark
+
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    key = '{"key": 31337}'
+    common = ["--model", str(tmp_path / "t"), "--dtype", "float32", "--max-tokens", "64", "--ignore-eos",
+              "--temperature", "1.0", "--watermark-config", key, "--quiet", "Once upon a time"]
+    assert main(["generate", *common, "--draft", str(tmp_path / "d"), "-k", "3"]) == 0
+    spec_text = capsys.readouterr().out
+    assert main(["generate", *common, "--no-draft"]) == 0
+    text = capsys.readouterr().out
+    assert text == spec_text and text.strip()
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(text))
+    assert main(["detect", "--model", str(tmp_path / "t"), "--watermark-config", key, "-"]) == 0
+    out = capsys.readouterr().out
+    ids = LLM(str(tmp_path / "t"), dtype="float32").get_tokenizer()(text, add_special_tokens=False).input_ids
+    found = detect_watermark(ids, json.loads(key))
+    verdict = "yes" if found.watermarked else "no"
+    assert out.startswith(f"watermarked: {verdict} (p-value {found.p_value:.3g} over {found.num_tokens} scored "
+                          f"tokens of {len(ids)}")
+
+
 def test_generate_bad_model_is_one_clear_error(tmp_path, capsys):
     rc = main(["generate", "--model", str(tmp_path / "missing"), "--no-draft", "hello"])
     assert rc == 2
@@ -55,6 +83,8 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
     (["-k", "0"], "--num-speculative-tokens"),
     (["-k", "-2"], "--num-speculative-tokens"),
     (["--max-model-len", "0"], "--max-model-len"),
+    (["--watermark-config", "{\"key\": -1}"], "--watermark-config"),
+    (["--watermark-config", "key=1"], "--watermark-config"),
 ])
 def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "generate", argv, flag, ["hello"])
@@ -101,6 +131,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["--max-model-len", "0"], "--max-model-len"),
+    (["--watermark-config", "{\"key\": 1, \"context_width\": 99}"], "--watermark-config"),
     (["--block-size", "0"], "--block-size"),
     (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),

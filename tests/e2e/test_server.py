@@ -842,6 +842,31 @@ def test_metrics_of_adaptive_speculation(model_dirs):
     assert estimated == sorted(estimated, reverse=True) and estimated[0] < 1
 
 
+def test_watermarked_serving_and_the_opt_out(model_dirs):
+    """A --watermark-config server draws sampled tokens with the key (the offline engine's tokens,
+    found by the detector); a request's `watermarking: false` opts out."""
+    from tandem.detect import detect_watermark
+
+    key = {"key": 5150}
+    llm = _llm(model_dirs, watermark_config=key)
+    server = LiveServer(llm)
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=1.0, seed=3)
+    try:
+        keyed = server.post("/v1/completions", json=body).json()
+        opted_out = server.post("/v1/completions", json={**body, "watermarking": False}).json()
+        bad = server.post("/v1/completions", json={**body, "watermarking": "sometimes"})
+    finally:
+        server.stop()
+    want = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=1.0, seed=3), use_tqdm=False)[0]
+    assert keyed["choices"][0]["text"] == want.outputs[0].text
+    prompt_ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    assert detect_watermark(want.outputs[0].token_ids, key, prompt_token_ids=prompt_ids).p_value < 1e-4
+    plain = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=1.0, seed=3, watermarking=False),
+                         use_tqdm=False)[0]
+    assert opted_out["choices"][0]["text"] == plain.outputs[0].text != want.outputs[0].text
+    assert bad.status_code == 400 and "watermarking" in bad.text
+
+
 # ---------------------------------------------------------------- overload and shutdown
 def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
     server = LiveServer(_llm(model_dirs, max_num_seqs=1), max_queued_requests=1)

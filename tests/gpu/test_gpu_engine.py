@@ -30,10 +30,11 @@ def _prompts():
     return [{"prompt_token_ids": torch.randint(2, 300, (n,), generator=g).tolist()} for n in (3, 17, 64, 200, 9, 33)]
 
 
-def _run(target, dtype, spec=None, enforce_eager=False, device="cuda", params=None, async_scheduling=None):
+def _run(target, dtype, spec=None, enforce_eager=False, device="cuda", params=None, async_scheduling=None,
+         watermark_config=None):
     llm = LLM(str(target), dtype=dtype, device=device, max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, watermark_config=watermark_config)
     params = params or SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)], llm
 
@@ -131,6 +132,46 @@ def test_graph_path_equals_eager_path(models, spec_on):
     graphed, llm = _run(target, "float32", spec)
     assert llm.engine.runner.graphs, "graphs were not captured"
     assert graphed == eager
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_watermarked_speculation_on_gpu(models, dtype):
+    """The keyed draws (the Triton sampler with the watermark's keys) survive speculation on the
+    GPU: speculative output equals target-only output, graphs or not; the target as its own draft
+    agrees with itself (fp32: every draft)."""
+    from tandem.detect import detect_watermark
+
+    target, draft = models
+    key = {"key": 4242}
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=48, ignore_eos=True, seed=1)
+    base, _ = _run(target, dtype, params=params, watermark_config=key)
+    eager, _ = _run(target, dtype, params=params, watermark_config=key, enforce_eager=True)
+    assert eager == base
+    for spec_model, k in ((draft, 3), (target, 4)):
+        spec = dict(model=str(spec_model), num_speculative_tokens=k)
+        out, llm = _run(target, dtype, spec, params=params, watermark_config=key)
+        assert out == base
+        if spec_model == target:
+            assert llm.engine.spec_metrics.acceptance_rate > (0.999 if dtype == "float32" else 0.9)
+    prompts = _prompts()
+    found = [detect_watermark(o, key, prompt_token_ids=p["prompt_token_ids"]) for o, p in zip(base, prompts)]
+    assert all(f.p_value < 1e-4 for f in found), found
+
+
+def test_keyed_draw_kernel_equals_the_reference():
+    """sampler.draw on CUDA (Triton) and the torch reference draw the same tokens for watermark keys."""
+    from tandem.sampling.gumbel import gumbel_argmax
+    from tandem.sampling.sampler import draw
+    from tandem.sampling.watermark import WATERMARK_SALT, row_keys
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 151_936, device="cuda", generator=g) * 3
+    logits[:, 1000:2000] = float("-inf")
+    contexts = torch.randint(0, 151_936, (64, 4), device="cuda", generator=g)
+    seeds, hashes = row_keys(123456789, contexts)
+    fast = draw(logits, seeds, hashes, WATERMARK_SALT, use_triton=True)
+    ref = gumbel_argmax(logits, seeds, hashes, WATERMARK_SALT)
+    assert torch.equal(fast, ref)
 
 
 def test_gpu_matches_cpu_fp32(models):
@@ -287,17 +328,19 @@ def test_async_scheduling_equals_synchronous(models, dtype):
 @pytest.mark.parametrize("spec_on", [False, True])
 def test_steady_step_waits_for_the_device_once(models, spec_on):
     """In steady decoding nothing but the step's own result copy waits for the device: any
-    hidden synchronisation (.item(), a pageable copy, torch.tensor(list, device=cuda)) raises."""
+    hidden synchronisation (.item(), a pageable copy, torch.tensor(list, device=cuda)) raises.
+    One request is watermarked (its keyed draws and context windows stay on the device)."""
     target, draft = models
     spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
     llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
-              speculative_config=spec, kv_cache_memory_bytes=64 << 20)
+              speculative_config=spec, kv_cache_memory_bytes=64 << 20, watermark_config={"key": 1})
     engine = llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     limited = greedy.clone(allowed_token_ids=list(range(2, 250)), bad_words_token_ids=[[5], [7, 8], [9, 10, 11]],
                            repetition_penalty=1.2)
+    keyed = greedy.clone(temperature=0.8, top_p=0.95)
     for i, p in enumerate(_prompts()[:4]):
-        engine.add_request(str(i), p["prompt_token_ids"], limited if i == 3 else greedy)
+        engine.add_request(str(i), p["prompt_token_ids"], limited if i == 3 else keyed if i == 2 else greedy)
     for _ in range(4):  # prefills, first decodes
         engine.step()
     torch.cuda.set_sync_debug_mode("error")

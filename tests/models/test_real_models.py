@@ -83,3 +83,29 @@ def test_qwen_pair_speculative_equals_target(tandem_cache):
     print(m.log_line())
     assert m.acceptance_rate > 0.6
     assert all(o.metrics.acceptance_rate > 0.4 for o in outs)
+
+
+@pytest.mark.slow
+def test_qwen_watermark_survives_speculation_and_is_detected_in_text(tandem_cache, capsys):
+    """The real pair at temperature 1: speculative watermarked output equals target-only
+    watermarked output, and `tandem detect` finds the key in the decoded text (re-encoded by the
+    tokenizer), not another key."""
+    from tandem.cli import main
+
+    key = {"key": 8675309}
+    prompts = ["Write a short story about a lighthouse keeper.", "Explain why the sky is blue, for a child."]
+    params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=0)
+    base = LLM(TARGET, dtype="bfloat16", max_model_len=256, max_num_seqs=4, watermark_config=key)
+    expect = base.generate(prompts, params, use_tqdm=False)
+    del base
+    llm = LLM(TARGET, dtype="bfloat16", max_model_len=256, max_num_seqs=4, watermark_config=key,
+              speculative_config=dict(model=DRAFT, num_speculative_tokens=3))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expect]
+    print(llm.engine.spec_metrics.log_line())
+    text = "".join(o.outputs[0].text for o in outs)
+    capsys.readouterr()
+    assert main(["detect", "--model", TARGET, "--watermark-config", '{"key": 8675309}', text]) == 0
+    assert capsys.readouterr().out.startswith("watermarked: yes")
+    assert main(["detect", "--model", TARGET, "--watermark-config", '{"key": 8675310}', text]) == 0
+    assert capsys.readouterr().out.startswith("watermarked: no")

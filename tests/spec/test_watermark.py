@@ -1,0 +1,162 @@
+"""Watermarked sampling survives speculation: the output equals target-only watermarked output,
+token for token, and carries the key's watermark."""
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, SamplingParams
+from tandem.detect import detect_watermark
+from tandem.errors import ConfigError
+from tandem.spec import step_costs
+from tests.helpers import make_hf_model
+
+MAX_LEN = 256
+KEY = {"key": 20261201}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wm")
+    target = make_hf_model(root / "target", "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    other = make_hf_model(root / "other", "qwen2", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
+    near = root / "near"  # the target with noisy weights: partial acceptance
+    make_hf_model(near, "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    weights = load_file(str(near / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
+    save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": target, "near": near, "other": other}
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(2, 320, (n,), generator=g).tolist()} for n in lengths]
+
+
+PROMPTS = _prompts([4, 19, 64, 7, 33, 120])
+# Sampled requests of every kind: plain, truncated, opted out, greedy (which a watermark leaves alone).
+PARAMS = [
+    SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1),
+    SamplingParams(temperature=0.8, top_k=20, max_tokens=40, ignore_eos=True, seed=2),
+    SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=4, watermarking=False),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=1.2, min_p=0.02, repetition_penalty=1.1, max_tokens=40, ignore_eos=True, seed=6),
+]
+KEYED = [0, 1, 2, 5]  # the requests drawn with the key
+COMPARABLE = KEYED + [4]  # those a draft cannot change (the opted-out one follows the residual draws)
+
+
+def _llm(models, draft=None, k=4, method="greedy", watermark=KEY, spec_extra=None, **kw):
+    spec = None
+    if draft is not None:
+        spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method, **(spec_extra or {}))
+    kw.setdefault("max_model_len", MAX_LEN)
+    return LLM(str(models["target"]), dtype="float32", block_size=8, watermark_config=watermark,
+               speculative_config=spec, **kw)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    return _tokens(_llm(models).generate(PROMPTS, PARAMS, use_tqdm=False))
+
+
+def test_target_only_watermark_is_keyed_not_seeded(models, baseline):
+    """The keyed draw depends on the prefix and the key only: other seeds give the same tokens,
+    another key or no watermark other tokens; the opted-out and greedy requests are unchanged."""
+    reseeded = [p.clone(seed=(p.seed or 0) + 100) for p in PARAMS]
+    again = _tokens(_llm(models).generate(PROMPTS, reseeded, use_tqdm=False))
+    assert [again[i] for i in KEYED] == [baseline[i] for i in KEYED]
+    plain = _tokens(_llm(models, watermark=None).generate(PROMPTS, PARAMS, use_tqdm=False))
+    other_key = _tokens(_llm(models, watermark={"key": 7}).generate(PROMPTS, PARAMS, use_tqdm=False))
+    for i in KEYED:
+        assert plain[i] != baseline[i] and other_key[i] != baseline[i]
+    assert plain[3] == baseline[3] and plain[4] == baseline[4]
+
+
+def test_generated_text_carries_the_watermark(models, baseline):
+    """The detector finds the key in every keyed output (40 tokens of a high-entropy model), and
+    not in the outputs drawn without it."""
+    plain = _tokens(_llm(models, watermark=None).generate(PROMPTS, PARAMS, use_tqdm=False))
+    for i in KEYED:
+        prompt = PROMPTS[i]["prompt_token_ids"]
+        found = detect_watermark(baseline[i], KEY, prompt_token_ids=prompt)
+        assert found.watermarked and found.p_value < 1e-6, (i, found)
+        assert not detect_watermark(plain[i], KEY, prompt_token_ids=prompt).watermarked
+    assert not detect_watermark(baseline[3], KEY, prompt_token_ids=PROMPTS[3]["prompt_token_ids"]).watermarked
+
+
+@pytest.mark.parametrize("draft,k,method", [
+    ("near", 4, "greedy"), ("near", 4, "probabilistic"), ("near", 1, "greedy"), ("other", 2, "probabilistic"),
+    ("target", 3, "greedy"),
+])
+def test_speculative_watermarked_output_equals_target_only(models, baseline, draft, k, method):
+    llm = _llm(models, draft, k, method)
+    out = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert [out[i] for i in COMPARABLE] == [baseline[i] for i in COMPARABLE]
+    m = llm.engine.spec_metrics
+    assert m.num_draft_rounds > 0
+    if draft == "target":  # the draft's keyed draw on the same distribution is the target's
+        alone = _llm(models, draft, k, method)
+        same = [0, 1, 2]  # temperature, top-k, top-p: what a draft applies too (not min_p or penalties)
+        keyed = alone.generate([PROMPTS[i] for i in same], [PARAMS[i] for i in same], use_tqdm=False)
+        assert alone.engine.spec_metrics.acceptance_rate == 1.0
+        assert _tokens(keyed) == [baseline[i] for i in same]
+    elif draft == "near":
+        assert 0.05 < m.acceptance_rate < 0.98  # both the match and the mismatch branch
+
+
+def test_adaptive_and_async_watermarked_speculation(models, baseline, monkeypatch):
+    """Under "auto" (steps without drafts planned ahead by async scheduling), the windows follow
+    every kind of step."""
+    llm = _llm(models, "near", 4, spec_extra=dict(num_speculative_tokens_per_batch_size="auto"), max_num_seqs=8,
+               async_scheduling=True)
+    out = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert [out[i] for i in COMPARABLE] == [baseline[i] for i in COMPARABLE]
+    alone = _tokens(_llm(models, async_scheduling=True).generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert [alone[i] for i in COMPARABLE] == [baseline[i] for i in COMPARABLE]
+
+
+@pytest.mark.parametrize("draft", [None, "near"])
+def test_preemption_keeps_the_watermarked_output(models, draft):
+    """A preempted request recomputes its prefix and rebuilds its window from it."""
+    prompt = [5, 9, 3]
+    params = SamplingParams(temperature=0.9, max_tokens=40, ignore_eos=True)
+    alone = _tokens(_llm(models, draft, max_model_len=64).generate([{"prompt_token_ids": prompt}], params,
+                                                                    use_tqdm=False))[0]
+    g = torch.Generator().manual_seed(0)
+    others = [{"prompt_token_ids": torch.randint(2, 320, (20,), generator=g).tolist()} for _ in range(4)]
+    plist = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True) for _ in range(4)] + [params]
+    out = _llm(models, draft, max_model_len=64, num_gpu_blocks_override=14).generate(
+        others + [{"prompt_token_ids": prompt}], plist, use_tqdm=False)[-1]
+    assert out.metrics.num_preemptions > 0
+    assert out.outputs[0].token_ids == alone
+
+
+def test_bad_combinations_and_requests(models, caplog):
+    with pytest.raises(ConfigError, match="synthetic"):
+        _llm(models, "near", 2, spec_extra=dict(rejection_sample_method="synthetic", synthetic_acceptance_length=2.0))
+    with pytest.raises(ConfigError, match="watermark_config.context_width"):
+        _llm(models, watermark={"key": 1, "context_width": 0})
+    plain = _llm(models, watermark=None)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        for _ in range(2):
+            plain.generate(PROMPTS[:1], SamplingParams(max_tokens=4, watermarking=True), use_tqdm=False)
+    assert sum("watermark_config" in r.message for r in caplog.records) == 1  # once per engine
+
+
+def test_step_profile_with_a_watermark(models, baseline, monkeypatch):
+    """The start-up profile of "auto" runs its dummy requests through a watermarking engine."""
+    calls = []
+    real = step_costs.profile_step_costs
+    monkeypatch.setattr(step_costs, "profile_step_costs", lambda runner, cfg: calls.append(1) or real(runner, cfg))
+    llm = _llm(models, "target", 2, spec_extra=dict(num_speculative_tokens_per_batch_size="auto"), max_num_seqs=4)
+    assert calls
+    out = _tokens(llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False))
+    assert out == baseline[:2]
