@@ -60,7 +60,8 @@ class SamplingState:
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
-        self.watermark = WatermarkState(watermark, s, device, self.upload) if watermark is not None else None
+        self.watermark = (WatermarkState(watermark, s, device, self.upload, use_triton)
+                          if watermark is not None else None)
 
     def add(self, req: NewReq) -> None:
         self.add_all([req])

@@ -33,8 +33,8 @@ from tandem.sampling_params import MAX_SEED, SamplingParams
 
 WATERMARK_SALT = 4  # disjoint from the salts of tandem.sampling.gumbel
 MAX_CONTEXT_WIDTH = 64
-_HASH_START = 0x6A09E667
-_TOKEN_MUL = 0xCC9E2D51
+HASH_START = 0x6A09E667  # the context hash's state before its first token
+TOKEN_MUL = 0xCC9E2D51  # token ids are multiplied by this (mod 2**32) before each mixing round
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ def watermarked(params: SamplingParams) -> bool:
 
 def context_hash(contexts: Tensor) -> Tensor:
     """contexts [n, w] int64 token ids (-1 before the sequence's start) -> [n] int64 in [0, 2**32)."""
-    h = torch.full(contexts.shape[:1], _HASH_START, dtype=torch.int64, device=contexts.device)
+    h = torch.full(contexts.shape[:1], HASH_START, dtype=torch.int64, device=contexts.device)
     for j in range(contexts.shape[1]):
-        h = _fmix32(h ^ _mul32(contexts[:, j] & _M32, _TOKEN_MUL))
+        h = _fmix32(h ^ _mul32(contexts[:, j] & _M32, TOKEN_MUL))
     return h
 
 
@@ -112,11 +112,13 @@ def last_window(head: Tensor, tail: Tensor, num_tail: Tensor, width: int) -> Ten
 class WatermarkState:
     """Per-slot context windows on the device, and which slots draw with the key (host mirror)."""
 
-    def __init__(self, cfg: WatermarkConfig, max_num_seqs: int, device: torch.device, upload: Uploader):
+    def __init__(self, cfg: WatermarkConfig, max_num_seqs: int, device: torch.device, upload: Uploader,
+                 use_triton: bool = False):
         self.cfg = cfg
         self.key = cfg.key
         self.width = cfg.context_width
         self.upload = upload
+        self.use_triton = use_triton  # the context hashes in one Triton launch (CUDA), else the torch reference
         self.windows = torch.full((max_num_seqs, self.width), -1, dtype=torch.int64, device=device)  # [slots, w]
         self.on = [False] * max_num_seqs
 
@@ -142,10 +144,17 @@ class WatermarkState:
         tokens [n, m] int64 (a request's first num_emitted [n] entries are its new tokens)."""
         self.windows[slot_ids] = last_window(self.windows[slot_ids], tokens, num_emitted, self.width)
 
-    def keys(self, slot_ids: Tensor, tail: Tensor | None = None, num_tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The noise keys (seeds, positions) of rows drawn right after their slot's window and
-        the first num_tail [n] tokens of tail [n, m] (drafts before the row; None: none)."""
+    def keys(self, slot_ids: Tensor, drafts: Tensor | None = None, num_drafts: Tensor | None = None
+             ) -> tuple[Tensor, Tensor]:
+        """The noise keys (seeds, positions) of rows drawn right after their slot's window and the
+        slot's first num_drafts [n] drafts (drafts: the speculator's per-slot buffer [slots, k];
+        None: no drafts before the rows)."""
+        if self.use_triton:
+            from tandem.kernels.watermark import context_hashes
+
+            hashes = context_hashes(self.windows, slot_ids, drafts, num_drafts)
+            return torch.full_like(hashes, self.key), hashes
         contexts = self.windows[slot_ids]  # [n, w]
-        if tail is not None:
-            contexts = last_window(contexts, tail, num_tail, self.width)
+        if drafts is not None:
+            contexts = last_window(contexts, drafts[slot_ids], num_drafts, self.width)
         return row_keys(self.key, contexts)

@@ -120,7 +120,7 @@ class DraftSpeculator:
         rows = batch.rows
         wm = state.watermark
         marked = [r for r, s in enumerate(rows.slots) if wm is not None and wm.on[s]]  # keyed rows: exact match
-        if state.output_counts or state.recent or marked:  # penalties, bad words and the watermark see earlier drafts
+        if state.output_counts or state.recent:  # penalties and bad words see earlier drafts
             rows.prior_drafts = row_prior_drafts(batch, self.drafts)
         processed = process_logits(logits, state, rows)
         row_req, row_index, row_is_bonus = [], [], []
@@ -157,7 +157,7 @@ class DraftSpeculator:
             self.synthetic_rates,
         )
         if marked:  # the target's keyed draw at each row, after the drafts before it
-            seeds, hashes = wm.keys(rows.slot_ids[marked_t], rows.prior_drafts[marked_t], row_index_t[marked_t])
+            seeds, hashes = wm.keys(rows.slot_ids[marked_t], self.drafts, row_index_t[marked_t])
             forced = torch.full_like(row_draft, -1)
             forced[marked_t] = draw(processed[marked_t], seeds, hashes, WATERMARK_SALT, state.use_triton)
             row_tokens, num_emitted = force_target_tokens(row_tokens, num_emitted, forced, row_draft, row_req_t,
@@ -269,7 +269,7 @@ class DraftSpeculator:
         if marked:
             (idx,) = self.attn_backend.upload(marked)
             drafted = torch.full_like(idx, step)
-            seeds, hashes = wm.keys(slots[idx], self.drafts[slots[idx]], drafted)
+            seeds, hashes = wm.keys(slots[idx], self.drafts, drafted)
             tokens[idx] = gumbel_argmax(scaled[idx], seeds, hashes, WATERMARK_SALT)
         tokens = torch.where(temp == 0, logits.argmax(dim=-1), tokens)
         self.drafts[slots, step] = tokens
