@@ -260,20 +260,18 @@ class DraftSpeculator:
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             scaled = apply_top_k_top_p(scaled, self.state.top_k[slots], self.state.top_p[slots])
-        if self.probabilistic:
-            tokens = gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT)
-        else:
-            tokens = logits.argmax(dim=-1)
         wm = self.state.watermark
         marked = [n for n, r in enumerate(sampling) if wm is not None and wm.on[r.slot]]
-        if marked:
+        tokens = logits.argmax(dim=-1)  # greedy drafts, and every request at temperature 0
+        unmarked = len(marked) < len(sampling)
+        if self.probabilistic and unmarked:
+            tokens = torch.where(temp > 0, gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT), tokens)
+        if marked:  # (temperature > 0 by definition)
             (idx,) = self.attn_backend.upload(marked)
-            drafted = torch.full_like(idx, step)
-            seeds, hashes = wm.keys(slots[idx], self.drafts, drafted)
-            tokens[idx] = gumbel_argmax(scaled[idx], seeds, hashes, WATERMARK_SALT)
-        tokens = torch.where(temp == 0, logits.argmax(dim=-1), tokens)
+            seeds, hashes = wm.keys(slots[idx], self.drafts, torch.full_like(idx, step))
+            tokens[idx] = draw(scaled[idx], seeds, hashes, WATERMARK_SALT, self.attn_backend.use_triton)
         self.drafts[slots, step] = tokens
-        if self.draft_logits is not None:
+        if self.draft_logits is not None and unmarked:  # (keyed rows verify by exact match: no q)
             self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
 
 
