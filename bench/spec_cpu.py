@@ -3,12 +3,13 @@
     python bench/spec_cpu.py                          # eps pair from SmolLM2-135M (real weights)
     python bench/spec_cpu.py --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct
     python bench/spec_cpu.py ... --auto                # also each step's drafts chosen in 0..max(--ks)
+    python bench/spec_cpu.py ... --temperature 1 --watermark-key 42   # sampled, with the keyed draws
 
 The default pair is built from one real checkpoint so acceptance is controlled: the draft is
 SmolLM2-135M's first 4 layers (with its embeddings, final norm and head) and the target is the
 full model with the output projections (o_proj, down_proj) of layers 4 and up scaled by eps,
-so the two agree more often as eps shrinks. Greedy, batch 1, the same prompts for every
-configuration; one warm-up, then the median of --repeats timed runs.
+so the two agree more often as eps shrinks. Greedy (or --temperature, seeded), batch 1, the same
+prompts for every configuration; one warm-up, then the median of --repeats timed runs.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def build(args, k: int | str | None):
         if k == "auto":
             spec.update(num_speculative_tokens=max(int(v) for v in args.ks.split(",")),
                         num_speculative_tokens_per_batch_size="auto")
-    llm = LLM(args.target, dtype=args.dtype, max_model_len=1024, max_num_seqs=4, speculative_config=spec)
+    watermark = {"key": args.watermark_key} if args.watermark_key is not None else None
+    llm = LLM(args.target, dtype=args.dtype, max_model_len=1024, max_num_seqs=4, speculative_config=spec,
+              watermark_config=watermark)
     if args.draft is None and k is not None:
         eps_pair(llm, args.eps, args.draft_layers)
     elif args.draft is None:
@@ -70,10 +73,10 @@ def eps_pair(llm, eps: float, first: int) -> None:
     spec.kv.k, spec.kv.v = spec.kv.k[:first], spec.kv.v[:first]
 
 
-def run(llm, prompts, tokens):
+def run(llm, prompts, tokens, temperature=0.0):
     from tandem import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
     outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     dt = time.perf_counter() - t0
@@ -99,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--auto", action="store_true",
                    help="also num_speculative_tokens_per_batch_size=\"auto\" with k = the largest of --ks")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy; sampled output equals target-only only with the watermark)")
+    p.add_argument("--watermark-key", type=int, default=None, help="watermark_config={'key': K} for every engine")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench/results/spec_cpu.json")
     args = p.parse_args(argv)
@@ -112,8 +118,8 @@ def main(argv=None) -> int:
         llm = build(args, k)
         tok = llm.get_tokenizer()
         prompts = [{"prompt_token_ids": tok(t).input_ids} for t in PROMPTS] if tok else PROMPTS
-        run(llm, prompts[:1], 8)  # warm-up
-        reps = [run(llm, prompts, args.tokens) for _ in range(args.repeats)]
+        run(llm, prompts[:1], 8, args.temperature)  # warm-up
+        reps = [run(llm, prompts, args.tokens, args.temperature) for _ in range(args.repeats)]
         med = statistics.median(r["tok_s"] for r in reps)
         r = dict(reps[0], tok_s=med, tok_s_runs=[x["tok_s"] for x in reps], k=k)
         if k is None:

@@ -27,7 +27,7 @@ from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
 from tandem.runner.piecewise import PiecewiseGraphs, forward
-from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
+from tandem.sampling.gumbel import DRAFT_SALT
 from tandem.sampling.processors import apply_top_k_top_p
 from tandem.sampling.sampler import draw, greedy_tokens, process_logits
 from tandem.sampling.state import SamplingState
@@ -265,7 +265,8 @@ class DraftSpeculator:
         tokens = logits.argmax(dim=-1)  # greedy drafts, and every request at temperature 0
         unmarked = len(marked) < len(sampling)
         if self.probabilistic and unmarked:
-            tokens = torch.where(temp > 0, gumbel_argmax(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT), tokens)
+            drawn = draw(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT, self.attn_backend.use_triton)
+            tokens = torch.where(temp > 0, drawn, tokens)
         if marked:  # (temperature > 0 by definition)
             (idx,) = self.attn_backend.upload(marked)
             seeds, hashes = wm.keys(slots[idx], self.drafts, torch.full_like(idx, step))
