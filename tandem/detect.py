@@ -5,8 +5,11 @@ Each scored token x_t, after its context c_t (the context_width tokens before it
 Exp(1) and their sum over n tokens is Gamma(n, 1); the p-value is that sum's upper tail. A
 watermarked token was the argmax of l_v / T + g_v, which favours large u, so the sum grows with
 every token the model had a real choice about (low-entropy, near-forced tokens add little).
-A repeated (context, token) pair repeats its u, so only its first occurrence is scored: the
-terms stay independent and the p-value exact. Needs only the token ids and the key.
+A context the generation had drawn after before (deduplicate_contexts "single_turn" or "all",
+within its last deduplicate_contexts_max_history contexts) was drawn without the key, so it is
+not scored, exactly as the generation decided; under "none" a repeated (context, token) pair,
+whose u repeats, is scored once. The scored terms stay independent and the p-value exact. Needs
+only the token ids and the key (and the generating engine's other watermark settings).
 """
 from __future__ import annotations
 
@@ -15,14 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from tandem.errors import RequestError
-from tandem.sampling.watermark import WatermarkConfig, keyed_uniform, parse_watermark_config
+from tandem.sampling.watermark import WatermarkConfig, keyed_uniform, parse_watermark_config, sequence_contexts
 
 DEFAULT_P_VALUE_THRESHOLD = 0.01  # vLLM's detector default
 
 
 @dataclass(frozen=True)
 class WatermarkDetection:
-    num_tokens: int  # tokens scored (first occurrences of a (context, token) pair with a known context)
+    num_tokens: int  # tokens scored (those drawn with the key, as far as their contexts are known)
     score: float  # sum of -log(1 - u) over them
     p_value: float  # P(score >= this | the text was not drawn with the key); 1.0 when nothing was scored
     watermarked: bool  # p_value < the threshold
@@ -48,23 +51,36 @@ def detect_watermark(
     if not 0 < p_value_threshold < 1:
         raise RequestError(f"p_value_threshold={p_value_threshold!r} must be in (0, 1)")
     w = cfg.context_width
-    if prompt_token_ids is None:
-        seq = list(token_ids)  # the first w tokens' contexts reach into an unknown prompt: not scored
-    else:
-        seq = ([-1] * w + list(prompt_token_ids))[-w:] + list(token_ids)  # -1: before the start, as generated
-    if len(seq) <= w:
+    contexts = [tuple(c) for c in sequence_contexts(list(prompt_token_ids or []) + list(token_ids), w).tolist()]
+    num_prompt = len(prompt_token_ids or [])
+    drawn_after: dict[tuple, int] = {}  # context -> its latest entry in the generation's history
+    entries = 0
+    if cfg.deduplicate_contexts == "all":
+        for c in contexts[:num_prompt]:
+            drawn_after[c] = entries
+            entries += 1
+    history = cfg.deduplicate_contexts_max_history
+    scored_pairs: set[tuple] = set()
+    keep_ctx, keep_tok = [], []
+    for i, token in enumerate(token_ids):
+        c = contexts[num_prompt + i]
+        known = prompt_token_ids is not None or i >= w  # else the context reaches into an unknown prompt
+        if cfg.deduplicate_contexts == "none":
+            fresh = (c, token) not in scored_pairs
+            scored_pairs.add((c, token))
+        else:
+            last = drawn_after.get(c)
+            fresh = last is None or (history is not None and last < entries - history)
+            drawn_after[c] = entries
+            entries += 1
+        if known and fresh:
+            keep_ctx.append(c)
+            keep_tok.append(token)
+    n = len(keep_tok)
+    if n == 0:
         return WatermarkDetection(0, 0.0, 1.0, False)
-    t = torch.tensor(seq, dtype=torch.int64)
-    contexts = t.unfold(0, w, 1)[: len(seq) - w]  # [m, w]: contexts[i] precedes seq[i + w]
-    targets = t[w:]
-    pairs = torch.cat([contexts, targets[:, None]], dim=1)  # [m, w + 1]
-    _, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-    first_seen = torch.full((int(inverse.max()) + 1,), len(pairs), dtype=torch.int64)
-    first_seen.scatter_reduce_(0, inverse, torch.arange(len(pairs)), "amin")
-    keep = first_seen[inverse] == torch.arange(len(pairs))  # [m] the pair's first occurrence
-    u = keyed_uniform(cfg.key, contexts[keep], targets[keep]).double()
+    u = keyed_uniform(cfg.key, torch.tensor(keep_ctx, dtype=torch.int64), torch.tensor(keep_tok)).double()
     score = float(-torch.log1p(-u).sum())
-    n = int(keep.sum())
     p_value = float(torch.special.gammaincc(torch.tensor(float(n), dtype=torch.float64),
                                             torch.tensor(score, dtype=torch.float64)))
     return WatermarkDetection(num_tokens=n, score=score, p_value=p_value, watermarked=p_value < p_value_threshold)

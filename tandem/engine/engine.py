@@ -138,7 +138,7 @@ class Engine:
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
         self._rng = random.Random(cfg.model.seed)
-        self._warned_watermark = False  # a request asked for a watermark this engine lacks (logged once)
+        self._warned: set[str] = set()  # the once-per-engine warnings given
         self._requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, SeqState] = {}
         self._next_id = 0
@@ -224,6 +224,19 @@ class Engine:
                 f"generate; shorten the prompt or raise max_model_len"
             )
 
+    def _check_watermark(self, params: SamplingParams) -> None:
+        """Say once (as vLLM) when a request's watermarking cannot be applied; it runs without."""
+        if params.watermarking is False or "watermark" in self._warned:
+            return
+        if self.cfg.watermark is None and params.watermarking:
+            logger.warning("a request asks for watermarking=True but the engine has no watermark_config; it and "
+                           "later ones run without a watermark (start the engine with watermark_config={'key': ...})")
+            self._warned.add("watermark")
+        elif self.cfg.watermark is not None and params.temperature == 0:
+            logger.warning("watermarking is on, but greedy decoding (temperature 0) cannot be watermarked: this "
+                           "request and later greedy ones run as ordinary greedy decoding")
+            self._warned.add("watermark")
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> None:
@@ -235,10 +248,7 @@ class Engine:
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
-        if params.watermarking and self.cfg.watermark is None and not self._warned_watermark:
-            logger.warning("a request asks for watermarking=True but the engine has no watermark_config; it and "
-                           "later ones run without a watermark (start the engine with watermark_config={'key': ...})")
-            self._warned_watermark = True
+        self._check_watermark(params)
         if params.bad_words:
             params = params.clone(bad_words=None,
                                   bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))

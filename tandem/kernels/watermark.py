@@ -22,48 +22,53 @@ _TOKEN_MUL = tl.constexpr(ref.TOKEN_MUL)
 @triton.jit
 def _context_hash_kernel(
     windows_ptr,  # [num_slots, W] int64: each slot's last W tokens
-    drafts_ptr,  # [num_slots(+1), drafts_stride] int64: each slot's drafts (unread without HAS_DRAFTS)
-    slot_ptr,  # [n] int64
-    num_drafts_ptr,  # [n] int64: drafts of the slot that precede the row
+    slot_ptr,  # [n] int64: the row's window
+    tail_ptr,  # [R, tail_stride] int64: tokens after the windows (unread without HAS_TAIL)
+    tail_row_ptr,  # [n] int64: the row's tail row
+    num_tail_ptr,  # [n] int64: tail tokens that precede the row
     out_ptr,  # [n] int64: the hash, in [0, 2**32)
     n,
-    drafts_stride,
+    tail_stride,
     W: tl.constexpr,
-    HAS_DRAFTS: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n
     slot = tl.load(slot_ptr + rows, mask=ok, other=0)
-    if HAS_DRAFTS:
-        nd = tl.load(num_drafts_ptr + rows, mask=ok, other=0)
+    if HAS_TAIL:
+        nt = tl.load(num_tail_ptr + rows, mask=ok, other=0)
+        tail_row = tl.load(tail_row_ptr + rows, mask=ok, other=0)
     else:
-        nd = tl.zeros((BLOCK,), dtype=tl.int64)
+        nt = tl.zeros((BLOCK,), dtype=tl.int64)
+        tail_row = nt
     h = tl.full((BLOCK,), _HASH_START, tl.uint32)
     for j in tl.static_range(W):
-        at = nd + j  # index into window ++ drafts; the context is [nd, nd + W)
+        at = nt + j  # index into window ++ tail; the context is [nt, nt + W)
         in_window = at < W
         token = tl.load(windows_ptr + slot * W + at, mask=ok & in_window, other=0)
-        if HAS_DRAFTS:
-            drafted = tl.load(drafts_ptr + slot * drafts_stride + (at - W), mask=ok & ~in_window, other=0)
-            token = tl.where(in_window, token, drafted)
+        if HAS_TAIL:
+            after = tl.load(tail_ptr + tail_row * tail_stride + (at - W), mask=ok & ~in_window, other=0)
+            token = tl.where(in_window, token, after)
         h = _fmix32(h ^ (token.to(tl.uint32) * _TOKEN_MUL))
     tl.store(out_ptr + rows, h.to(tl.int64), mask=ok)
 
 
-def context_hashes(windows: Tensor, slot_ids: Tensor, drafts: Tensor | None, num_drafts: Tensor | None) -> Tensor:
-    """The hash of window[slot] ++ drafts[slot, :num_drafts], last W tokens, per row -> [n] int64
-    (tandem.sampling.watermark.context_hash of last_window(...))."""
+def context_hashes(windows: Tensor, slot_ids: Tensor, tail: Tensor | None, tail_rows: Tensor | None,
+                   num_tail: Tensor | None) -> Tensor:
+    """The hash of the last W tokens of windows[slot] ++ tail[tail_row, :num_tail], per row -> [n]
+    int64 (tandem.sampling.watermark.context_hash of last_window(...))."""
     n, width = slot_ids.shape[0], windows.shape[1]
     assert windows.dtype == slot_ids.dtype == torch.int64 and windows.is_contiguous()
     out = torch.empty(n, dtype=torch.int64, device=windows.device)
     if n == 0:
         return out
-    has = drafts is not None
+    has = tail is not None
     if has:
-        assert drafts.dtype == num_drafts.dtype == torch.int64 and drafts.stride(1) == 1
+        assert tail.dtype == tail_rows.dtype == num_tail.dtype == torch.int64 and tail.stride(1) == 1
+        assert tail_rows.shape == num_tail.shape == (n,)
     _context_hash_kernel[(triton.cdiv(n, _BLOCK),)](
-        windows, drafts if has else windows, slot_ids, num_drafts if has else slot_ids, out, n,
-        drafts.stride(0) if has else 0, W=width, HAS_DRAFTS=has, BLOCK=_BLOCK,
+        windows, slot_ids, tail if has else windows, tail_rows if has else slot_ids, num_tail if has else slot_ids,
+        out, n, tail.stride(0) if has else 0, W=width, HAS_TAIL=has, BLOCK=_BLOCK,
     )
     return out

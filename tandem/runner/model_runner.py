@@ -64,7 +64,7 @@ class ModelRunner:
         self.logprobs_mode = model_cfg.logprobs_mode
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,
                                    use_triton=self.attn_backend.use_triton, upload=self.attn_backend.upload,
-                                   watermark=watermark)
+                                   watermark=watermark, max_model_len=sched.max_model_len)
         self.speculator = None  # set by the engine when a draft model is configured
         self.graphs: dict[int, GraphRunner] = {}  # tokens per request -> captured forward
         self.piecewise: PiecewiseGraphs | None = None  # the other steps' forward, cut at the attention

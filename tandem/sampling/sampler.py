@@ -50,8 +50,21 @@ def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int 
         tokens[idx] = draw(processed[idx], state.seeds[rows.slot_ids[idx]], rows.positions[idx], salt, state.use_triton)
     if marked:
         (idx,) = state.upload(marked)
-        seeds, hashes = wm.keys(rows.slot_ids[idx])
-        tokens[idx] = draw(processed[idx], seeds, hashes, WATERMARK_SALT, state.use_triton)
+        slot_ids = rows.slot_ids[idx]
+        hashes = wm.hashes(slot_ids)
+        tokens[idx] = keyed_draw(processed[idx], wm.key, hashes, wm.seen(slot_ids, hashes), state.seeds[slot_ids],
+                                 rows.positions[idx], state.use_triton)
+    return tokens
+
+
+def keyed_draw(processed: Tensor, key: int, hashes: Tensor, seen: Tensor | None, seeds: Tensor, positions: Tensor,
+               use_triton: bool) -> Tensor:
+    """Watermarked rows' draws [n]: keyed by (key, the context hash [n]), except where seen [n]
+    (a context the request drew after before; None: none) the seeded draw a row without the
+    watermark would make, keyed by (seeds [n], positions [n])."""
+    tokens = draw(processed, torch.full_like(hashes, key), hashes, WATERMARK_SALT, use_triton)
+    if seen is not None:
+        tokens = torch.where(seen, draw(processed, seeds, positions, TARGET_SALT, use_triton), tokens)
     return tokens
 
 

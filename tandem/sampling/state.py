@@ -32,7 +32,8 @@ class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
     def __init__(self, max_num_seqs: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 use_triton: bool = False, upload: Uploader | None = None, watermark: WatermarkConfig | None = None):
+                 use_triton: bool = False, upload: Uploader | None = None, watermark: WatermarkConfig | None = None,
+                 max_model_len: int = 2048):
         self.vocab_size = vocab_size
         self.device = device
         # Host index lists reach the device through the runner's pinned uploader: a plain
@@ -60,7 +61,7 @@ class SamplingState:
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
-        self.watermark = (WatermarkState(watermark, s, device, self.upload, use_triton)
+        self.watermark = (WatermarkState(watermark, s, max_model_len, device, self.upload, use_triton)
                           if watermark is not None else None)
 
     def add(self, req: NewReq) -> None:

@@ -163,13 +163,14 @@ def test_keyed_draw_kernel_equals_the_reference():
     """sampler.draw on CUDA (Triton) and the torch reference draw the same tokens for watermark keys."""
     from tandem.sampling.gumbel import gumbel_argmax
     from tandem.sampling.sampler import draw
-    from tandem.sampling.watermark import WATERMARK_SALT, row_keys
+    from tandem.sampling.watermark import WATERMARK_SALT, context_hash
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 151_936, device="cuda", generator=g) * 3
     logits[:, 1000:2000] = float("-inf")
     contexts = torch.randint(0, 151_936, (64, 4), device="cuda", generator=g)
-    seeds, hashes = row_keys(123456789, contexts)
+    hashes = context_hash(contexts)
+    seeds = torch.full_like(hashes, 123456789)
     fast = draw(logits, seeds, hashes, WATERMARK_SALT, use_triton=True)
     ref = gumbel_argmax(logits, seeds, hashes, WATERMARK_SALT)
     assert torch.equal(fast, ref)

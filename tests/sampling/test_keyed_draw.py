@@ -8,21 +8,30 @@ from tandem.detect import detect_watermark
 from tandem.errors import ConfigError, RequestError
 from tandem.sampling.gumbel import gumbel_argmax
 from tandem.sampling.watermark import (
-    WATERMARK_SALT, WatermarkConfig, context_hash, keyed_uniform, last_window, parse_watermark_config, row_keys,
+    WATERMARK_SALT, WatermarkConfig, context_hash, keyed_uniform, last_window, parse_watermark_config,
 )
 from tandem.sampling_params import SamplingParams
 from tests.stats import ALPHA, chisq_pvalue
 
 
+def row_keys(key, contexts):
+    """The (seeds, positions) pair a keyed draw passes to gumbel_argmax with WATERMARK_SALT."""
+    hashes = context_hash(contexts)
+    return torch.full_like(hashes, key), hashes
+
+
 def test_config_parsing_and_errors():
     assert parse_watermark_config(None) is None
     cfg = parse_watermark_config({"key": 42})
-    assert cfg == WatermarkConfig(key=42, context_width=4, algorithm="gumbel")
+    assert cfg == WatermarkConfig(key=42, context_width=4, algorithm="gumbel", deduplicate_contexts="single_turn",
+                                  deduplicate_contexts_max_history=8192)  # vLLM's defaults
     assert parse_watermark_config(cfg) == cfg
     assert "42" not in repr(cfg)  # the secret stays out of logs
     for bad, field in [({}, "key is required"), ({"key": -1}, "key"), ({"key": 2**63}, "key"), ({"key": True}, "key"),
                        ({"key": 1, "context_width": 0}, "context_width"), ({"key": 1, "context_width": 65}, "context_width"),
-                       ({"key": 1, "algorithm": "kgw"}, "algorithm"), ({"key": 1, "prf": "hmac"}, "prf"), ("42", "dict")]:
+                       ({"key": 1, "algorithm": "kgw"}, "algorithm"), ({"key": 1, "prf": "hmac"}, "prf"), ("42", "dict"),
+                       ({"key": 1, "deduplicate_contexts": "yes"}, "deduplicate_contexts"),
+                       ({"key": 1, "deduplicate_contexts_max_history": 8}, "max_history")]:
         with pytest.raises(ConfigError, match=field):
             parse_watermark_config(bad)
     with pytest.raises(RequestError, match="watermarking"):
@@ -132,3 +141,16 @@ def test_keyed_uniform_is_what_the_draw_maximises():
     tokens = gumbel_argmax(torch.zeros(64, vocab), seeds, hashes, WATERMARK_SALT)
     every = torch.stack([keyed_uniform(77, contexts, torch.full((64,), v)) for v in range(vocab)], dim=1)
     assert torch.equal(every.argmax(dim=1), tokens)
+
+
+def test_detector_replays_each_deduplication_scope():
+    """"none" scores a repeated (context, token) pair once; "single_turn" a repeated context
+    once; "all" also skips contexts that occur in the prompt."""
+    prompt = [7, 8, 9, 1]
+    out = [2, 3, 4, 2, 3, 5, 7, 8, 9, 6]  # (2, 3) repeats with 4 then 5; (7, 8) occurs in the prompt
+    base = {"key": 3, "context_width": 2}
+    scored = {scope: detect_watermark(out, dict(base, deduplicate_contexts=scope), prompt_token_ids=prompt).num_tokens
+              for scope in ("none", "single_turn", "all")}
+    assert scored == {"none": 10, "single_turn": 9, "all": 7}  # "all": (7, 8) and (8, 9) are the prompt's
+    again = out + out
+    assert detect_watermark(again, dict(base, deduplicate_contexts="none"), prompt_token_ids=prompt).num_tokens == 12  # (9, 6), (6, 2) are new

@@ -149,6 +149,13 @@ def test_bad_combinations_and_requests(models, caplog):
         for _ in range(2):
             plain.generate(PROMPTS[:1], SamplingParams(max_tokens=4, watermarking=True), use_tqdm=False)
     assert sum("watermark_config" in r.message for r in caplog.records) == 1  # once per engine
+    caplog.clear()
+    keyed = _llm(models)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        for _ in range(2):
+            keyed.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        keyed.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, watermarking=False), use_tqdm=False)
+    assert sum("greedy decoding" in r.message for r in caplog.records) == 1
 
 
 def test_step_profile_with_a_watermark(models, baseline, monkeypatch):
@@ -160,3 +167,86 @@ def test_step_profile_with_a_watermark(models, baseline, monkeypatch):
     assert calls
     out = _tokens(llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False))
     assert out == baseline[:2]
+
+
+# A six-token vocabulary and a two-token context: contexts repeat within a few steps, so most
+# draws fall back to the seeded one (deduplicate_contexts), and a 64-entry history wraps around.
+NARROW = dict(KEY, context_width=2, deduplicate_contexts_max_history=64)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wm-small")
+    shape = dict(vocab_size=6, num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, init_std=0.5, tokenizer=False)
+    return {"target": make_hf_model(root / "target", "qwen2", **shape),
+            "other": make_hf_model(root / "other", "qwen2", seed=5, **shape)}
+
+
+def _small(small, draft=None, k=4, method="greedy", watermark=NARROW, **kw):
+    return _llm(small, draft, k, method, watermark, **kw)
+
+
+SMALL_PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3], [4, 0, 5, 5, 1], [2])]
+
+
+def _few(seed=None, n=150):
+    return SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=seed)
+
+
+@pytest.mark.parametrize("scope", ["single_turn", "all", "none"])
+def test_repeated_contexts_fall_back_to_the_seeded_draw(small, scope):
+    """With deduplication a repeated context draws with the request's seed (other seeds, other
+    tokens); without it the keyed draw repeats (the seed does not matter). Either way speculation
+    (the draft mirroring the history, rows checked against the drafts before them) changes nothing."""
+    wm = dict(NARROW, deduplicate_contexts=scope)
+    alone = _small(small, watermark=wm)
+    base = _tokens(alone.generate(SMALL_PROMPTS, [_few(seed=s) for s in (1, 2, 3)], use_tqdm=False))
+    reseeded = _tokens(alone.generate(SMALL_PROMPTS, [_few(seed=s + 10) for s in (1, 2, 3)], use_tqdm=False))
+    if scope == "none":
+        assert reseeded == base
+    else:
+        assert all(a != b for a, b in zip(reseeded, base))
+    for draft, method in (("other", "greedy"), ("target", "probabilistic")):
+        spec = _small(small, draft, 4, method, watermark=wm)
+        assert _tokens(spec.generate(SMALL_PROMPTS, [_few(seed=s) for s in (1, 2, 3)], use_tqdm=False)) == base
+        m = spec.engine.spec_metrics
+        if draft == "target":  # the draft mirrors the fallback too
+            assert m.acceptance_rate == 1.0
+        else:
+            assert 0.05 < m.acceptance_rate < 0.95
+
+
+def test_preemption_rebuilds_the_history(small):
+    """A preempted request's history of drawn-after contexts is rebuilt from its tokens."""
+    params = _few(seed=7, n=40)
+    alone = _tokens(_small(small, "other", max_model_len=64).generate(SMALL_PROMPTS[:1], params, use_tqdm=False))[0]
+    g = torch.Generator().manual_seed(0)
+    others = [{"prompt_token_ids": torch.randint(0, 6, (20,), generator=g).tolist()} for _ in range(4)]
+    plist = [_few(n=40) for _ in range(4)] + [params]
+    out = _small(small, "other", max_model_len=64, num_gpu_blocks_override=14).generate(
+        others + SMALL_PROMPTS[:1], plist, use_tqdm=False)[-1]
+    assert out.metrics.num_preemptions > 0
+    assert out.outputs[0].token_ids == alone
+
+
+def test_detector_scores_exactly_the_keyed_draws(small):
+    """The detector replays the engine's deduplication: with the engine's settings it scores the
+    draws made with the key (a context's first occurrence within the last 64), whose u is the
+    largest of the vocabulary's more often than chance."""
+    from tandem.sampling.watermark import keyed_uniform
+
+    prompt = SMALL_PROMPTS[1]["prompt_token_ids"]
+    out = _tokens(_small(small).generate(SMALL_PROMPTS[1:2], _few(seed=1, n=400), use_tqdm=False))[0]
+    found = detect_watermark(out, NARROW, prompt_token_ids=prompt)
+    seq = prompt + out
+    keyed, last = [], {}
+    for e, i in enumerate(range(len(prompt), len(seq))):  # e: the entry of output token i in the history
+        c = tuple(seq[i - 2 : i])
+        if c not in last or last[c] < e - 64:
+            keyed.append(i)
+        last[c] = e
+    assert found.num_tokens == len(keyed) >= 30  # of 36 possible contexts
+    ctx = torch.tensor([seq[i - 2 : i] for i in keyed])
+    u = torch.stack([keyed_uniform(NARROW["key"], ctx, torch.full((len(keyed),), t)) for t in range(6)], dim=1)
+    chosen = torch.tensor([seq[i] for i in keyed])
+    assert (u.argmax(dim=1) == chosen).float().mean() > 0.4  # chance: 1/6
