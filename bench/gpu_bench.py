@@ -376,7 +376,7 @@ def watermark(root, shape, base_name, batches, args, results) -> None:
     (probabilistic drafts without the watermark; with it, the keyed draws and exact-match
     verification), each with and without watermark_config, side by side. Speedups are over
     target-only without the watermark at the same batch."""
-    key = {"key": 20261201}
+    key = json.loads(args.watermark_config)
     tdir = write_config(root, base_name, shape)
     configs = [("target-only", None, None), ("target-only + watermark", None, key)]
     configs += [(f"k=4 eps={eps}" + (" + watermark" if wm else ""), eps, wm)
@@ -634,6 +634,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     p.add_argument("--watermark-eps", type=lambda t: [float(x) for x in t.split(",")], default=[0.02],
                    help="the watermark section's eps values (k = 4 on the eps pair at temperature 1)")
+    p.add_argument("--watermark-config", default='{"key": 20261201}',
+                   help="the watermark section's watermark_config, as JSON")
     p.add_argument("--pairs", default="llama,qwen",
                    help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
     args = p.parse_args(argv)

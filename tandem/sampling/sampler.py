@@ -51,9 +51,9 @@ def sample(processed: Tensor, state: SamplingState, rows: SampleRows, salt: int 
     if marked:
         (idx,) = state.upload(marked)
         slot_ids = rows.slot_ids[idx]
-        hashes = wm.hashes(slot_ids)
-        tokens[idx] = keyed_draw(processed[idx], wm.key, hashes, wm.seen(slot_ids, hashes), state.seeds[slot_ids],
-                                 rows.positions[idx], state.use_triton)
+        hashes, seen = wm.keys(slot_ids)
+        tokens[idx] = keyed_draw(processed[idx], wm.key, hashes, seen, state.seeds[slot_ids], rows.positions[idx],
+                                 state.use_triton)
     return tokens
 
 

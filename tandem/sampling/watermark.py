@@ -204,25 +204,34 @@ class WatermarkState:
             contexts = last_window(contexts, tail[tail_rows], num_tail, self.width)
         return context_hash(contexts)
 
-    def seen(self, slot_ids: Tensor, hashes: Tensor, earlier: Tensor | None = None,
-             num_earlier: Tensor | int = 0) -> Tensor | None:
-        """Which rows' contexts the request has drawn after already, among its last history_len:
-        earlier [n, m] holds the hashes of the rows drawn before these in the same step or draft
-        round (-1 = none; num_earlier [n] of them are real), which push as many of the oldest
-        history entries out of reach -> [n] bool; None without deduplication."""
+    def keys(self, slot_ids: Tensor, tail: Tensor | None = None, tail_rows: Tensor | None = None,
+             num_tail: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """hashes(...) and which of those contexts the request has drawn after already (None
+        without deduplication) -> ([n] int64, [n] bool | None).
+
+        Drawn after: one of the contexts of the rows drawn before these in the same step or
+        draft round (window ++ tail[:i] for i < num_tail: verified drafts, or this round's
+        drafts), or one of the history entries those rows did not push out of reach (the last
+        history_len - num_tail)."""
         if not self.dedup:
-            return None
+            return self.hashes(slot_ids, tail, tail_rows, num_tail), None
+        if self.use_triton:
+            from tandem.kernels.watermark import context_hashes_seen
+
+            return context_hashes_seen(self.windows, slot_ids, tail, tail_rows, num_tail, self.history, self.count,
+                                       self.history_len)
+        hashes = self.hashes(slot_ids, tail, tail_rows, num_tail)
         size = self.history_len
         recent = self.history[slot_ids, :size]  # (not the scratch column) [n, size]
         count = self.count[slot_ids][:, None]  # [n, 1] entries ever appended
+        earlier = torch.zeros_like(count) if num_tail is None else num_tail[:, None]
         col = torch.arange(size, device=hashes.device)
         entry = count - 1 - (count - 1 - col) % size  # the entry each column holds (< 0: none yet)
-        reach = entry >= count + num_earlier - size if isinstance(num_earlier, int) else \
-            entry >= count + num_earlier[:, None] - size
-        seen = ((recent == hashes[:, None]) & reach).any(dim=1)
-        if earlier is not None and earlier.shape[1]:
-            seen |= (earlier == hashes[:, None]).any(dim=1)
-        return seen
+        seen = ((recent == hashes[:, None]) & (entry >= count + earlier - size)).any(dim=1)
+        for i in range(tail.shape[1] if tail is not None else 0):
+            before = self.hashes(slot_ids, tail, tail_rows, torch.full_like(num_tail, i))
+            seen |= (before == hashes) & (i < num_tail)
+        return hashes, seen
 
     def record(self, slot_ids: Tensor, tokens: Tensor, num_emitted: Tensor) -> None:
         """Slide the windows of slot_ids [n] (watermarked slots) over their emitted tokens,

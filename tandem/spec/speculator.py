@@ -79,8 +79,6 @@ class DraftSpeculator:
         self.draft_logits = (
             torch.zeros(s, self.k, self.vocab_size, dtype=torch.float32, device=device) if self.probabilistic else None
         )
-        # [max_num_seqs + 1, k] the context hashes of this round's drafts (watermark deduplication)
-        self.draft_hashes = torch.full_like(self.drafts, -1) if state.watermark is not None else None
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: dict[int, DraftGraphs] = {}  # number of drafts -> that round's graphs
@@ -159,18 +157,10 @@ class DraftSpeculator:
         )
         if marked:  # the target's keyed draw at each row, after the drafts before it
             slot_m = rows.slot_ids[marked_t]
-            hashes = wm.hashes(slot_m, self.drafts, slot_m, row_index_t[marked_t])
-            earlier = None
-            if wm.dedup:  # the contexts of the request's rows before each row count as drawn after
-                j = [row_index[r] for r in marked]
-                width = max(j)
-                at = [[p - j[p] + i if i < j[p] else len(marked) for i in range(width)] for p in range(len(marked))]
-                (at_t,) = self.attn_backend.upload([x for row in at for x in row])
-                earlier = torch.cat([hashes, hashes.new_full((1,), -1)])[at_t].view(len(marked), width)
+            hashes, seen = wm.keys(slot_m, self.drafts, slot_m, row_index_t[marked_t])
             forced = torch.full_like(row_draft, -1)
-            seen = wm.seen(slot_m, hashes, earlier, row_index_t[marked_t])
-            forced[marked_t] = keyed_draw(processed[marked_t], wm.key, hashes, seen,
-                                          state.seeds[slot_m], rows.positions[marked_t], state.use_triton)
+            forced[marked_t] = keyed_draw(processed[marked_t], wm.key, hashes, seen, state.seeds[slot_m],
+                                          rows.positions[marked_t], state.use_triton)
             row_tokens, num_emitted = force_target_tokens(row_tokens, num_emitted, forced, row_draft, row_req_t,
                                                           row_index_t, len(batch.sampling))
         return processed, row_tokens, num_emitted
@@ -281,10 +271,7 @@ class DraftSpeculator:
         if marked:  # (temperature > 0 by definition)
             (idx,) = self.attn_backend.upload(marked)
             slot_m = slots[idx]
-            hashes = wm.hashes(slot_m, self.drafts, slot_m, torch.full_like(idx, step))
-            seen = wm.seen(slot_m, hashes, self.draft_hashes[slot_m, :step] if wm.dedup else None, step)
-            if wm.dedup:
-                self.draft_hashes[slot_m, step] = hashes
+            hashes, seen = wm.keys(slot_m, self.drafts, slot_m, torch.full_like(idx, step))
             tokens[idx] = keyed_draw(scaled[idx], wm.key, hashes, seen, self.state.seeds[slot_m], gen_pos[idx],
                                      self.attn_backend.use_triton)
         self.drafts[slots, step] = tokens
