@@ -41,7 +41,7 @@ def build(args, k: int | str | None):
     spec = None
     if k is not None:
         draft = args.draft or args.target
-        spec = dict(model=draft, num_speculative_tokens=k)
+        spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method)
         if k == "auto":
             spec.update(num_speculative_tokens=max(int(v) for v in args.ks.split(",")),
                         num_speculative_tokens_per_batch_size="auto")
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy; sampled output equals target-only only with the watermark)")
     p.add_argument("--watermark-key", type=int, default=None, help="watermark_config={'key': K} for every engine")
+    p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench/results/spec_cpu.json")
     args = p.parse_args(argv)

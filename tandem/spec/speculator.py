@@ -9,6 +9,9 @@ uniform verification step with greedy drafting, both are one CUDA graph replay).
 reads them on the device. Positions that depend on acceptance are computed on the device, so
 proposing never waits for the host.
 
+Watermarked requests (tandem.sampling.watermark) draft with the target's keyed noise and are
+verified by exact match with the target's keyed draw, so their output is the target's alone.
+
 A step proposes the number of drafts its plan says (num_next_drafts: k, or fewer under
 dynamic speculation). Requests whose step skips the draft (draft_skip) are left out of it; the
 tokens it skipped come back as a backfill in front of a later step's tokens.
@@ -225,12 +228,13 @@ class DraftSpeculator:
             self._draft_step(step, self.model.compute_logits(hidden), slots, pos + 1, sampling)
 
     def _greedy(self, sampling) -> bool:
-        """Whether every draft of the round is an argmax (the captured draft loop's case)."""
-        params = [self.state.params[r.slot] for r in sampling]
+        """Whether every draft of the round is an argmax (the captured draft loop's case): not
+        with a watermarked request (its drafts are keyed draws), nor a sampled one's
+        probabilistic drafts."""
         wm = self.state.watermark
         if wm is not None and any(wm.on[r.slot] for r in sampling):
             return False
-        return not self.probabilistic or all(p.temperature == 0 for p in params)
+        return not self.probabilistic or all(self.state.params[r.slot].temperature == 0 for r in sampling)
 
     def _catchup_graph(self, plan: StepPlan, batch: Batch) -> DraftGraphs | None:
         """The graphs whose catch-up forward fits this step (every request verified the same
