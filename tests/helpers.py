@@ -122,3 +122,19 @@ def assert_greedy_equal_up_to_near_tie(out, ref, gap: float = 0.05, logprob_tol:
             return
         if logprob_tol is not None:
             assert abs(out.logprobs[t][a].logprob - ref.logprobs[t][b].logprob) < logprob_tol, t
+
+
+def make_spec_models(root: Path) -> dict[str, Path]:
+    """The speculation tests' trio: a 3-layer qwen2 target, an unrelated 1-layer draft ("other")
+    and the target with noisy weights ("near": partial acceptance)."""
+    from safetensors.torch import load_file, save_file
+
+    target = make_hf_model(root / "target", "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    other = make_hf_model(root / "other", "qwen2", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
+    near = root / "near"
+    make_hf_model(near, "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
+    weights = load_file(str(near / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
+    save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": target, "other": other, "near": near}

@@ -21,6 +21,23 @@ _TOKEN_MUL = tl.constexpr(ref.TOKEN_MUL)
 
 
 @triton.jit
+def _hash_contexts(windows_ptr, slot, tail_ptr, tail_row, tail_stride, start, live, W: tl.constexpr,
+                   HAS_TAIL: tl.constexpr, SIZE: tl.constexpr):
+    """The hashes [SIZE] uint32 of the W tokens from `start` [SIZE] on in windows[slot] ++
+    tail[tail_row] (slot, tail_row: scalars or [SIZE]); entries where `live` is false are junk."""
+    h = tl.full((SIZE,), _HASH_START, tl.uint32)
+    for j in tl.static_range(W):
+        at = start + j  # index into window ++ tail
+        in_window = at < W
+        token = tl.load(windows_ptr + slot * W + at, mask=live & in_window, other=0)
+        if HAS_TAIL:
+            after = tl.load(tail_ptr + tail_row * tail_stride + (at - W), mask=live & ~in_window, other=0)
+            token = tl.where(in_window, token, after)
+        h = _fmix32(h ^ (token.to(tl.uint32) * _TOKEN_MUL))
+    return h
+
+
+@triton.jit
 def _context_hash_kernel(
     windows_ptr,  # [num_slots, W] int64: each slot's last W tokens
     slot_ptr,  # [n] int64: the row's window
@@ -43,15 +60,7 @@ def _context_hash_kernel(
     else:
         nt = tl.zeros((BLOCK,), dtype=tl.int64)
         tail_row = nt
-    h = tl.full((BLOCK,), _HASH_START, tl.uint32)
-    for j in tl.static_range(W):
-        at = nt + j  # index into window ++ tail; the context is [nt, nt + W)
-        in_window = at < W
-        token = tl.load(windows_ptr + slot * W + at, mask=ok & in_window, other=0)
-        if HAS_TAIL:
-            after = tl.load(tail_ptr + tail_row * tail_stride + (at - W), mask=ok & ~in_window, other=0)
-            token = tl.where(in_window, token, after)
-        h = _fmix32(h ^ (token.to(tl.uint32) * _TOKEN_MUL))
+    h = _hash_contexts(windows_ptr, slot, tail_ptr, tail_row, tail_stride, nt, ok, W, HAS_TAIL, BLOCK)
     tl.store(out_ptr + rows, h.to(tl.int64), mask=ok)
 
 
@@ -106,16 +115,7 @@ def _context_seen_kernel(
         nt = tl.zeros((), dtype=tl.int64)
         tail_row = nt
     i = tl.arange(0, BLOCK_I).to(tl.int64)
-    live = i <= nt
-    h = tl.full((BLOCK_I,), _HASH_START, tl.uint32)
-    for j in tl.static_range(W):
-        at = i + j
-        in_window = at < W
-        token = tl.load(windows_ptr + slot * W + at, mask=live & in_window, other=0)
-        if HAS_TAIL:
-            after = tl.load(tail_ptr + tail_row * tail_stride + (at - W), mask=live & ~in_window, other=0)
-            token = tl.where(in_window, token, after)
-        h = _fmix32(h ^ (token.to(tl.uint32) * _TOKEN_MUL))
+    h = _hash_contexts(windows_ptr, slot, tail_ptr, tail_row, tail_stride, i, i <= nt, W, HAS_TAIL, BLOCK_I)
     h64 = h.to(tl.int64)  # (zero-extended)
     own64 = tl.sum(tl.where(i == nt, h64, 0), axis=0)
     seen = tl.sum(tl.where((i < nt) & (h64 == own64), 1, 0), axis=0) > 0

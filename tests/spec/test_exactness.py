@@ -1,7 +1,6 @@
 """Greedy speculative output equals target-only greedy output, token for token."""
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
 from tandem.models.decoder import KVCache
@@ -10,24 +9,14 @@ from tandem.kernels import cpu_build
 from tandem.layers.quant import quantize_fp8
 from tandem.spec import step_costs
 from tandem.spec.adaptive import StepCosts
-from tests.helpers import make_hf_model
+from tests.helpers import make_hf_model, make_spec_models
 
 MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    target = make_hf_model(root / "target", "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
-    other = make_hf_model(root / "other", "qwen2", num_layers=1, hidden_size=32, num_heads=2,
-                          num_kv_heads=1, seed=7)
-    near = root / "near"  # the target with noisy weights: partial acceptance
-    make_hf_model(near, "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
-    weights = load_file(str(near / "model.safetensors"))
-    g = torch.Generator().manual_seed(11)
-    weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
-    save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
-    return {"target": target, "other": other, "near": near}
+    return make_spec_models(tmp_path_factory.mktemp("spec"))
 
 
 def _prompts(lengths, seed=0):

@@ -4,13 +4,12 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
 from tandem.detect import detect_watermark
 from tandem.errors import ConfigError
 from tandem.spec import step_costs
-from tests.helpers import make_hf_model
+from tests.helpers import make_hf_model, make_spec_models
 
 MAX_LEN = 256
 KEY = {"key": 20261201}
@@ -18,16 +17,7 @@ KEY = {"key": 20261201}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wm")
-    target = make_hf_model(root / "target", "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
-    other = make_hf_model(root / "other", "qwen2", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
-    near = root / "near"  # the target with noisy weights: partial acceptance
-    make_hf_model(near, "qwen2", num_layers=3, hidden_size=64, init_std=0.3)
-    weights = load_file(str(near / "model.safetensors"))
-    g = torch.Generator().manual_seed(11)
-    weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
-    save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
-    return {"target": target, "near": near, "other": other}
+    return make_spec_models(tmp_path_factory.mktemp("wm"))
 
 
 def _prompts(lengths, seed=0):
