@@ -316,12 +316,14 @@ class Scheduler:
             req.accepted_per_position[i] += 1
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | str | None] | None:
+        """The length cap first, then stop tokens: a stop token that is also the last one allowed
+        finishes with "length", as in vLLM."""
         num_out = len(req.output_token_ids)
+        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length", None
         if num_out >= req.params.min_tokens:
             if token in req.params.stop_token_ids:
                 return "stop", token
             if not req.params.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
-        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length", None
         return None
