@@ -18,6 +18,7 @@ if "torch" not in sys.modules:  # OpenMP reads these once, when torch loads its 
 _EXPORTS = {
     "LLM": "tandem.engine.llm",
     "SamplingParams": "tandem.sampling_params",
+    "StructuredOutputsParams": "tandem.sampling_params",
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
     "Logprob": "tandem.outputs",

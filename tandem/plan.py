@@ -6,6 +6,7 @@ Neither side imports the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -64,10 +65,25 @@ class ScheduledReq:
 
 
 @dataclass(slots=True)
+class GrammarMask:
+    """The tokens structured-output requests may emit at each of their rows this step.
+
+    reqs: indices into StepPlan.reqs of sampling requests with a constraint; each has
+    num_drafts + 1 logits rows (the row after each of its drafts, then the bonus row), in order.
+    bitmask: [sum of those rows, ceil(V / 32)] int32 (a numpy array): token t is allowed iff bit
+    t % 32 of word t // 32 is set. A row after a draft the constraint rejects allows everything:
+    that draft is rejected at its own row, so nothing later is emitted."""
+
+    reqs: list[int]
+    bitmask: Any
+
+
+@dataclass(slots=True)
 class StepPlan:
     new_reqs: list[NewReq]
     reqs: list[ScheduledReq]  # batch order
     freed_slots: list[int] = field(default_factory=list)  # released since the previous plan
+    grammar: GrammarMask | None = None  # set by the engine when a structured-output request samples
 
     @property
     def is_empty(self) -> bool:
@@ -103,3 +119,6 @@ class StepResult:
     num_drafts_proposed: list[int]  # drafts now pending in each request's slot
     # per request: the logprobs of ScheduledReq.prompt_logprob_targets (None when it has none)
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # per request: the drafts now pending in its slot, for requests with structured outputs that
+    # proposed some (their next step's grammar masks follow them); None elsewhere
+    draft_token_ids: list[list[int] | None] | None = None

@@ -12,6 +12,73 @@ logger = logging.getLogger(__name__)
 MAX_SEED = 2**63 - 1
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it (vLLM's rule): logits / T overflow
 
+# The kinds of constraint a StructuredOutputsParams holds (exactly one is set).
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, as vLLM's: every token is drawn among those that keep
+    the text a prefix of the language (tandem.engine.grammar). Set exactly one of:
+
+    json: a JSON schema (a dict, or its text); json_object: True for any JSON object; regex: a
+    regular expression (Rust regex syntax); choice: a list of strings, the output one of them;
+    grammar: a context-free grammar in Lark syntax or GBNF (llama.cpp's, with `::=`).
+    disable_any_whitespace: JSON without free whitespace between tokens (compact, and shorter
+    for a model that would pad); disable_additional_properties: objects whose schema leaves
+    additionalProperties unset get only the properties it names.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> RequestError:
+            return RequestError(f"StructuredOutputsParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise RequestError(
+                f"StructuredOutputsParams sets {', '.join(set_kinds) or 'no constraint'}: set exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise bad("json", "give a JSON schema, as a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise bad(name, "give a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise bad("choice", "give a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise bad("json_object", "it must be True (any JSON object) or None")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "it must be True or False")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
+        """From a dict of the fields (a server request's structured_outputs); RequestError for
+        fields it does not have."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise RequestError(f"StructuredOutputsParams has no fields {unknown}: give one of "
+                               f"{', '.join(STRUCTURED_KINDS)}, and disable_any_whitespace or "
+                               "disable_additional_properties")
+        return cls(**fields)
+
+    @property
+    def kind(self) -> str:
+        """The constraint that is set: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
 
 @dataclass
 class SamplingParams:
@@ -50,6 +117,9 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (text "", logprobs without decoded tokens), as vLLM
     # With an engine watermark_config: None or True draws sampled tokens with the key, False opts out (vLLM).
     watermarking: bool | None = None
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's field); a dict
+    # is read as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
@@ -88,6 +158,11 @@ class SamplingParams:
                     f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: give a dict of token id -> bias"
                 )
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError(f"SamplingParams.structured_outputs={self.structured_outputs!r} is invalid: give a "
+                               "StructuredOutputsParams (or a dict of its fields)")
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, where logits / temperature overflow; using %s",

@@ -19,6 +19,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.build import build_runner, capture_graphs, rehearse, scratch_cache
 from tandem.engine.detokenizer import Detokenizer, DetokState
+from tandem.engine.grammar import Grammars
 from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
@@ -137,6 +138,7 @@ class Engine:
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids)  # structured outputs' matchers
         self._rng = random.Random(cfg.model.seed)
         self._warned: set[str] = set()  # the once-per-engine warnings given
         self._requests: dict[str, RequestState] = {}
@@ -217,6 +219,8 @@ class Engine:
         if params.bad_words and self.tokenizer is None:
             raise RequestError("SamplingParams.bad_words needs a tokenizer, and this model has none; give "
                                "bad_words_token_ids instead")
+        if params.structured_outputs is not None:
+            self._check_structured(params)
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(
@@ -249,6 +253,7 @@ class Engine:
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._check_watermark(params)
+        matcher = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         if params.bad_words:
             params = params.clone(bad_words=None,
                                   bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))
@@ -277,8 +282,18 @@ class Engine:
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
             state.seqs.append(seq)
             self._seq_of[req.req_id] = seq
+            if matcher is not None:  # every sequence its own matcher, each a copy of the fresh one
+                self.grammars.add(req.req_id, matcher if i == params.n - 1 else matcher.deep_copy())
             self.scheduler.add(req)
         self._requests[request_id] = state
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """RequestError for a constraint that does not compile, or an engine that cannot keep one."""
+        if self.cfg.spec is not None and self.cfg.spec.synthetic:
+            raise RequestError("SamplingParams.structured_outputs cannot run with rejection_sample_method="
+                               "'synthetic', which accepts drafts whatever they are (a benchmark mode); use "
+                               "the lossless verifier")
+        self.grammars.validate(params.structured_outputs)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds
@@ -299,6 +314,7 @@ class Engine:
         for seq in state.seqs:
             self.scheduler.abort(seq.req.req_id)
             self._seq_of.pop(seq.req.req_id, None)
+            self.grammars.remove(seq.req.req_id)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         state.metrics.finished_time = time.monotonic()
@@ -325,17 +341,21 @@ class Engine:
                 if plan.is_empty:
                     return [self._output(s) for s in touched.values()]
                 running.append(plan)
+                if self.grammars.active:
+                    plan.grammar = self.grammars.bitmask(plan)
                 self._inflight = (plan, self.runner.launch(plan), time.monotonic())
             plan, launched, start = self._inflight
             self._inflight = None
             running = [plan]
-            if self.async_scheduling:
+            if self.async_scheduling and not self.grammars.active:  # a constraint's masks need this step's tokens
                 ahead = self.scheduler.schedule_ahead(plan)
                 if ahead is not None:
                     running.append(ahead)
                     self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
             result = self.runner.collect(launched)
             events = self.scheduler.update(plan, result)
+            if self.grammars.active:
+                self._advance_grammars(plan, result, events)
             self._emit(plan, result, events, start, touched)
             if self.spec_metrics is not None:
                 self.spec_metrics.observe(plan, result)
@@ -369,6 +389,14 @@ class Engine:
                     self.abort_request(request_id)
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
+
+    def _advance_grammars(self, plan: StepPlan, result: StepResult, events) -> None:
+        """Structured outputs: the matchers follow the emitted tokens, and keep the new drafts."""
+        for req, emitted in events:
+            self.grammars.accept(req.req_id, emitted)
+        for item, drafts in zip(plan.reqs, result.draft_token_ids or ()):
+            if drafts is not None and item.req_id in self.grammars.matchers:
+                self.grammars.drafts[item.req_id] = drafts
 
     def _end_requests_of(self, plans: list[StepPlan]) -> list[str]:
         """Abort every request with a sequence in plans; -> their request ids."""
@@ -426,6 +454,7 @@ class Engine:
                 del self._requests[state.request_id]
                 for seq in state.seqs:
                     self._seq_of.pop(seq.req.req_id, None)
+                    self.grammars.remove(seq.req.req_id)
 
     def _push_tokens(self, seq: SeqState, emitted: list[int], logprobs: list[TokenLogprobs] | None) -> None:
         req = seq.req

@@ -22,7 +22,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.runner.inputs import Batch, build_batch
-from tandem.sampling.processors import CHUNK_ROWS
+from tandem.sampling.processors import CHUNK_ROWS, apply_token_bitmask
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
 from tandem.sampling.watermark import WatermarkConfig
@@ -41,6 +41,9 @@ class Launched:
     ready: torch.cuda.Event | None  # recorded after the copy (None on CPU: already there)
     prompt_host: Tensor | None = None  # prompt logprobs rows [num_prompt_rows, 2 + 2 * top], same copy
     prompt_ks: dict[int, int] | None = None  # plan.reqs index -> its prompt top-n
+    # Structured outputs' next drafts: (plan.reqs indices, their drafts [m, k] being copied to the
+    # host after the draft round, the event recorded after that copy)
+    drafts: tuple[list[int], Tensor, torch.cuda.Event | None] | None = None
 
 
 class ModelRunner:
@@ -113,6 +116,8 @@ class ModelRunner:
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
         logits, hidden = self._logits(plan, batch)  # [num_rows, vocab]
+        if plan.grammar is not None:
+            self._apply_grammar(plan, batch, logits)
         prompt = self._prompt_logprobs(plan, batch, hidden)  # before the processors write over logits
         raw = self._raw_for_logprobs(logits, batch)
         if self.speculator is None:
@@ -127,7 +132,35 @@ class ModelRunner:
         launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result
             self.speculator.propose(plan, batch, row_tokens, num_emitted)
+            launched.drafts = self._copy_constrained_drafts(plan, batch)
         return launched
+
+    def _apply_grammar(self, plan: StepPlan, batch: Batch, logits: Tensor) -> None:
+        """Mask the logits rows of structured-output requests with the plan's grammar bitmask."""
+        grammar, cu = plan.grammar, batch.cu_num_rows
+        n_of = {i: n for n, i in enumerate(batch.sampling)}
+        rows = [r for i in grammar.reqs for r in range(cu[n_of[i]], cu[n_of[i] + 1])]
+        if len(rows) != grammar.bitmask.shape[0]:
+            raise RuntimeError(f"the grammar bitmask has {grammar.bitmask.shape[0]} rows for {len(rows)} logits rows")
+        (rows_t,) = self.attn_backend.upload(rows)
+        bitmask = self.attn_backend.upload.words(torch.from_numpy(grammar.bitmask))
+        apply_token_bitmask(logits, rows_t, bitmask)
+
+    def _copy_constrained_drafts(self, plan: StepPlan, batch: Batch):
+        """Start the copy to the host of the drafts just proposed for structured-output requests
+        (their next step's bitmask rows follow the drafts) -> Launched.drafts, or None."""
+        want = [i for i in batch.sampling if plan.reqs[i].num_next_drafts
+                and self.state.params[plan.reqs[i].slot].structured_outputs is not None]
+        if not want:
+            return None
+        (slots,) = self.attn_backend.upload([plan.reqs[i].slot for i in want])
+        drafts = self.speculator.drafts[slots]  # [m, k]
+        if not drafts.is_cuda:
+            return want, drafts, None
+        drafts = drafts.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return want, drafts, ready
 
     def _logits(self, plan: StepPlan, batch: Batch) -> tuple[Tensor, Tensor | None]:
         """-> logits [num_rows, vocab], and the hidden states [num_tokens, hidden] (None from a graph)."""
@@ -259,8 +292,16 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
+        drafts = None
+        if launched.drafts is not None:
+            want, drafts_host, ready = launched.drafts
+            if ready is not None:
+                ready.synchronize()  # SYNC: structured outputs' drafts (their next masks follow them)
+            drafts = [None] * len(plan.reqs)
+            for i, row in zip(want, drafts_host.tolist()):
+                drafts[i] = row[: plan.reqs[i].num_next_drafts]
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
-                          prompt_logprobs=_prompt_results(launched))
+                          prompt_logprobs=_prompt_results(launched), draft_token_ids=drafts)
 
 
 def _prompt_results(launched: Launched) -> list[list[TokenLogprobs] | None] | None:

@@ -36,8 +36,21 @@ class Uploader:
         sizes = [len(x) for x in lists]
         padded = [n + (n & 1) for n in sizes]  # even: 2 x 8 bytes
         host = torch.tensor([v for x in lists for v in (x if len(x) % 2 == 0 else [*x, 0])], dtype=torch.int64)
+        return [t[:n] for t, n in zip(self._send(host).split(padded), sizes)]
+
+    def words(self, host: Tensor) -> Tensor:
+        """A host int32 tensor (a grammar bitmask [m, w]) -> the same on the device, through the
+        same staging as the lists."""
+        flat = host.contiguous().view(-1)
+        n = flat.numel()
+        if n % 4:  # whole 16-byte units
+            flat = torch.cat([flat, flat.new_zeros(4 - n % 4)])
+        return self._send(flat.view(torch.int64)).view(torch.int32)[:n].view(host.shape)
+
+    def _send(self, host: Tensor) -> Tensor:
+        """host [n] int64 -> on the device (pinned staging on CUDA; no wait)."""
         if self.pinned is None:
-            return [t[:n] for t, n in zip(host.to(self.device).split(padded), sizes)]
+            return host.to(self.device)
         n = host.shape[0]
         if self.offset + n <= self.end:
             staged = self.pinned[self.offset : self.offset + n]
@@ -45,4 +58,4 @@ class Uploader:
             self.offset += n
         else:  # larger than what is left this step: a one-off pinned copy
             staged = host.pin_memory()
-        return [t[:n] for t, n in zip(staged.to(self.device, non_blocking=True).split(padded), sizes)]
+        return staged.to(self.device, non_blocking=True)

@@ -35,6 +35,15 @@ class SampleRows:
         return len(self.slots)
 
 
+def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
+    """Structured outputs: -inf, in place in logits [n, V], every token that rows [m] int64 may not
+    emit: bitmask [m, ceil(V / 32)] int32 allows token t iff bit t % 32 of word t // 32 is set."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]]  # [m, V]
+    kept = logits.index_select(0, rows).masked_fill_(allowed == 0, float("-inf"))
+    logits.index_copy_(0, rows, kept)
+
+
 def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
     """Allowed token ids, bad words, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):

@@ -596,9 +596,6 @@ class OpenAIServer:
         model = self._check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise APIError(400, f"'response_format' of type {body.response_format.get('type')!r} (structured output) "
-                           "is not supported; leave it out or use {'type': 'text'}", param="response_format")
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)

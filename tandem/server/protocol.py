@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.chat import text_message
-from tandem.sampling_params import SamplingParams
+from tandem.errors import RequestError
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # choices per request: more would take the whole batch
 
@@ -23,13 +24,12 @@ MAX_N = 128  # choices per request: more would take the whole batch
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "logits_processors": "custom logits processors are not supported",
-    "guided_json": "structured output is not supported",
-    "guided_regex": "structured output is not supported",
-    "guided_choice": "structured output is not supported",
-    "guided_grammar": "structured output is not supported",
-    "structured_outputs": "structured output is not supported",
-    "guided_decoding_backend": "structured output is not supported",
 }
+
+# vLLM's older structured-output fields -> the StructuredOutputsParams field each sets.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# guided_decoding_backend values that name the one backend tandem has (llguidance, vLLM's "guidance").
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 def random_id(prefix: str) -> str:
@@ -114,15 +114,18 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     watermarking: bool | None = None  # False opts out of the server's --watermark-config (vLLM's field)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (StructuredOutputsParams'
+    # fields) or its older guided_* fields; one of them per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
     use_beam_search: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    guided_decoding_backend: Any = None
 
     def unsupported_field(self) -> str | None:
         """The first vLLM field this request sets that tandem does not implement (None, false and
@@ -141,6 +144,7 @@ class _SamplingRequest(_Request):
         if "max_tokens" in defaults:
             max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
+            structured_outputs=self.structured(),
             n=self.n,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
@@ -166,9 +170,48 @@ class _SamplingRequest(_Request):
             watermarking=self.watermarking,
         )
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint; RequestError naming the field for a malformed one, or
+        for two of them."""
+        given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                 if not _unset(getattr(self, name))
+                 and not (name == "response_format" and self.response_format.get("type") == "text")]
+        if self.guided_decoding_backend not in (None, *GUIDED_BACKENDS):
+            raise RequestError(f"SamplingParams.guided_decoding_backend={self.guided_decoding_backend!r} is invalid: "
+                               f"tandem's structured outputs run on llguidance; give one of {list(GUIDED_BACKENDS)} "
+                               "or leave it out")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise RequestError(f"SamplingParams.{given[1]}=... is invalid: the request already constrains its output "
+                               f"with '{given[0]}'; give one of them")
+        name = given[0]
+        try:
+            if name == "structured_outputs":
+                return StructuredOutputsParams.from_dict(self.structured_outputs)
+            if name in GUIDED_FIELDS:
+                return StructuredOutputsParams(**{GUIDED_FIELDS[name]: getattr(self, name)})
+            return _response_format(self.response_format)
+        except RequestError as e:
+            raise RequestError(f"SamplingParams.{name}=... is invalid: {e}") from None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}} -> the constraint."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise RequestError('give {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        return StructuredOutputsParams(json=spec.get("schema", {}))  # no schema: any JSON
+    raise RequestError(f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -181,7 +224,6 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True  # the tokenizer's special tokens (a BOS) around a text prompt
     suffix: str | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None  # read only to refuse structured output
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs, defaults)
@@ -219,8 +261,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # A Jinja template instead of the tokenizer's: refused unless the server trusts request templates.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
-    # Read only to refuse what is not supported (structured output, tool calls), not ignored silently.
-    response_format: dict[str, Any] | None = None
+    # Read only to refuse tool calls, not ignored silently.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

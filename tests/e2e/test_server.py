@@ -742,7 +742,9 @@ BAD_INPUTS = [
     ("chat-too-long", CH, {"messages": [{"role": "user", "content": "fox " * 300}]}, 400, "messages"),
     ("chat-unknown-model", CH, {"model": "nope"}, 404, "model"),
     ("context-length", C, {"prompt": [5] * 100, "max_tokens": 100}, 400, "max_tokens"),
-    ("chat-json-mode", CH, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat-response-format-type", CH, {"response_format": {"type": "xml"}}, 400, "response_format"),
+    ("chat-json-schema-shape", CH, {"response_format": {"type": "json_schema", "json_schema": []}}, 400,
+     "response_format"),
     ("chat-tools", CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat-tool-choice", CH, {"tool_choice": "required"}, 400, "tool_choice"),
     ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
@@ -751,12 +753,16 @@ BAD_INPUTS = [
     ("bad-words-empty", C, {"bad_words": [" "]}, 400, "bad_words"),
     ("prompt-logprobs-range", C, {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("chat-prompt-logprobs-stream", CH, {"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
-    ("json-mode", C, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("two-constraints", C, {"guided_regex": "a+", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("guided-backend", C, {"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}, 400,
+     "guided_decoding_backend"),
+    ("structured-outputs-field", C, {"structured_outputs": {"regexp": "a"}}, 400, "structured_outputs"),
+    ("structured-outputs-choice", C, {"structured_outputs": {"choice": []}}, 400, "structured_outputs"),
     ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("chat-template-untrusted", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
     ("continue-and-generation-prompt", CH, {"continue_final_message": True}, 400, "continue_final_message"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
-    ("chat-guided-choice", CH, {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
+    ("chat-guided-choice-type", CH, {"guided_choice": "yes"}, 400, "guided_choice"),
 ]
 
 
@@ -774,6 +780,43 @@ def test_bad_input_gets_openai_error(live, path, body, status, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert param.split(".")[0] in error["message"], error  # the message names the field too
+
+
+def test_structured_outputs_over_the_api(live, reference):
+    """response_format, vLLM's structured_outputs and its guided_* fields constrain the output as
+    the offline engine's StructuredOutputsParams does; a constraint that does not compile is a 400."""
+    from tandem import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    cases = [
+        ({"guided_regex": r"[0-9]{3}-(yes|no)"}, StructuredOutputsParams(regex=r"[0-9]{3}-(yes|no)")),
+        ({"guided_choice": ["fox", "dog"]}, StructuredOutputsParams(choice=["fox", "dog"])),
+        ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+         StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
+        ({"guided_grammar": 'root ::= "def " [a-z]{1,5} "():"', "guided_decoding_backend": "auto"},
+         StructuredOutputsParams(grammar='root ::= "def " [a-z]{1,5} "():"')),
+    ]
+    for extra, so in cases:
+        r = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                           extra_body=extra)
+        ref = offline(reference, PROMPTS[0], **greedy(max_tokens=40, structured_outputs=so))[0].outputs[0]
+        assert r.choices[0].text == ref.text, extra
+        assert r.choices[0].finish_reason == ref.finish_reason == "stop", (extra, ref)
+    # Chat with OpenAI's response_format, streamed (a schema without room for whitespace, which the
+    # JSON grammar otherwise allows between tokens and a random model pads with).
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["fox", "dog", 7]}}}
+    messages = [{"role": "user", "content": "Answer in JSON"}]
+    chunks = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                 response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert json.loads(text) in ("fox", "dog", 7), text
+    r = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format=fmt)
+    assert r.choices[0].message.content == text
+    r = live.post(C, json={**OK_C, "guided_regex": "[0-9"})
+    assert r.status_code == 400 and "regex does not compile" in r.json()["error"]["message"], r.text
 
 
 def test_server_keeps_serving_after_errors(live):

@@ -159,6 +159,36 @@ def test_watermarked_speculation_on_gpu(models, dtype):
     assert all(f.p_value < 1e-4 for f in found), found
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_structured_outputs_on_gpu(models, dtype):
+    """Constrained requests on the GPU: graphs equal eager, speculative output (greedy and
+    probabilistic drafts, the drafts brought to the host for the masks) equals target-only output,
+    and every output keeps to its constraint."""
+    import re
+
+    from tandem import StructuredOutputsParams
+
+    regex = r"[0-9]{2,4}-(yes|no)"
+    constraints = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(choice=["apple pie", "fox"]),
+                   StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                                      "maximum": 99}},
+                                                 "required": ["n"], "additionalProperties": False},
+                                           disable_any_whitespace=True)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraints[i % 3]) for i in range(6)]
+    base, llm = _run(models[0], dtype, params=params)
+    texts = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in base]
+    for i, text in enumerate(texts):
+        ok = [re.fullmatch(regex, text), text in ("apple pie", "fox"), text.startswith('{"n":')][i % 3]
+        assert ok, (i, text)
+    eager, _ = _run(models[0], dtype, params=params, enforce_eager=True)
+    assert eager == base
+    for spec_model, k, method in ((models[1], 3, "greedy"), (models[0], 4, "greedy"), (models[0], 3, "probabilistic")):
+        spec = dict(model=str(spec_model), num_speculative_tokens=k, draft_sample_method=method)
+        out, llm = _run(models[0], dtype, spec, params=params)
+        assert out == base, (k, method)
+        assert llm.engine.spec_metrics.num_draft_tokens > 0
+
+
 def test_keyed_draw_kernel_equals_the_reference():
     """sampler.draw on CUDA (Triton) and the torch reference draw the same tokens for watermark keys."""
     from tandem.sampling.gumbel import gumbel_argmax

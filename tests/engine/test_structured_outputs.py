@@ -1,0 +1,249 @@
+"""Structured outputs (a JSON schema, a regex, a choice, a grammar): every output keeps to its
+constraint, with or without a draft model, and speculative output equals target-only output."""
+import json
+import re
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.engine.grammar import grammar_text
+from tandem.models.decoder import KVCache
+from tandem.config import read_arch_config
+from tandem.errors import RequestError
+from tests.helpers import make_spec_models
+
+MAX_LEN = 256
+REGEX = r"[0-9]{2,4}-(yes|no)"
+CHOICES = ["apple pie", "banana", "fox"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "tag": {"enum": ["red", "green"]}},
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+LARK = 'start: "def " NAME "(" NAME? "):"\nNAME: /[a-z]{1,6}/'
+GBNF = 'root ::= "Paris" | "France" | "fox" [0-9]'
+
+
+def _constraints():
+    return {
+        "regex": (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+        "choice": (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+        "json": (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), _fits_schema),
+        # (JSON's default free whitespace lets a random model pad without end: compact here)
+        "json-text": (StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True), _fits_schema),
+        "lark": (StructuredOutputsParams(grammar=LARK), lambda t: re.fullmatch(r"def [a-z]{1,6}\(([a-z]{1,6})?\):", t)),
+        "gbnf": (StructuredOutputsParams(grammar=GBNF), lambda t: re.fullmatch(r"Paris|France|fox[0-9]", t)),
+    }
+
+
+def _fits_schema(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"ok", "n", "tag"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
+            and value["tag"] in ("red", "green"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_spec_models(tmp_path_factory.mktemp("so"))
+
+
+def _llm(models, draft=None, k=3, method="greedy", **kw):
+    spec = None
+    if draft is not None:
+        spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method)
+    kw.setdefault("max_model_len", MAX_LEN)
+    return LLM(str(models["target"]), dtype="float32", block_size=8, speculative_config=spec, **kw)
+
+
+def _requests(temperature: float, n: int = 1):
+    names, prompts, params = [], [], []
+    for j, (name, (so, _)) in enumerate(_constraints().items()):
+        names.append(name)
+        prompts.append({"prompt_token_ids": [5 + j, 40, 41 + 2 * j, 7]})
+        params.append(SamplingParams(temperature=temperature, seed=j, n=n, max_tokens=60, structured_outputs=so))
+    return names, prompts, params
+
+
+def _check(names, outs):
+    checks = _constraints()
+    for name, out in zip(names, outs):
+        for seq in out.outputs:
+            assert seq.finish_reason == "stop", (name, seq)  # the constraint ends in EOS, well before max_tokens
+            assert checks[name][1](seq.text), (name, seq.text)
+
+
+def _tokens(outs):
+    return [[s.token_ids for s in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def target_only(models):
+    llm = _llm(models)
+    names, prompts, params = _requests(0.0)
+    greedy = llm.generate(prompts, params, use_tqdm=False)
+    names_s, prompts_s, params_s = _requests(1.0, n=2)
+    sampled = llm.generate(prompts_s, params_s, use_tqdm=False)
+    return names, _tokens(greedy), _tokens(sampled), greedy, sampled
+
+
+def test_outputs_keep_to_their_constraint(target_only):
+    names, _, _, greedy, sampled = target_only
+    _check(names, greedy)
+    _check(names, sampled)
+    # Without the constraint the random model writes something else.
+    assert not re.fullmatch(REGEX, greedy[0].outputs[0].text + "x")
+
+
+@pytest.mark.parametrize("draft,method", [("target", "greedy"), ("near", "greedy"), ("other", "probabilistic"),
+                                          ("target", "probabilistic")])
+def test_speculative_output_equals_target_only(models, target_only, draft, method):
+    """Drafts are verified against the constraint: greedy output is target-only output, token for
+    token, and sampled output keeps to the constraint."""
+    names, greedy_ref, _, _, _ = target_only
+    llm = _llm(models, draft, method=method)
+    names, prompts, params = _requests(0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs) == greedy_ref
+    if draft == "target":  # the draft proposes what the unconstrained target would: accepted where allowed
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    names_s, prompts_s, params_s = _requests(1.0, n=2)
+    _check(names_s, llm.generate(prompts_s, params_s, use_tqdm=False))
+
+
+def test_constrained_beside_unconstrained_requests(models, target_only):
+    """A constrained request does not change its neighbours' output, nor they its."""
+    names, greedy_ref, _, _, _ = target_only
+    free = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 2
+    free_prompts = [{"prompt_token_ids": [9, 10, 11]}, {"prompt_token_ids": [12, 13]}]
+    alone = _llm(models, "near").generate(free_prompts, free, use_tqdm=False)
+    _, prompts, params = _requests(0.0)
+    mixed = _llm(models, "near").generate(free_prompts + prompts, free + params, use_tqdm=False)
+    assert _tokens(mixed[:2]) == _tokens(alone)
+    assert _tokens(mixed[2:]) == greedy_ref
+
+
+def test_async_scheduling_and_preemption_keep_the_constraint(models, target_only):
+    names, greedy_ref, _, _, _ = target_only
+    _, prompts, params = _requests(0.0)
+    outs = _llm(models, async_scheduling=True).generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs) == greedy_ref
+    # A pool of 9 blocks of 8 tokens for 6 requests of up to 4 blocks preempts some mid-output.
+    per_block = sum(KVCache.bytes_per_block(read_arch_config(models[m]), 8, torch.float32) for m in ("target", "near"))
+    llm = _llm(models, "near", max_model_len=72, kv_cache_memory_bytes=per_block * 9)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == greedy_ref
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_bad_constraints_are_refused_and_lose_nothing(models):
+    llm = _llm(models)
+    engine = llm.engine
+    engine.add_request("good", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20,
+                                                         structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    cases = [
+        (StructuredOutputsParams(regex="[0-9"), "regex does not compile"),
+        (StructuredOutputsParams(grammar="start: foo"), "grammar does not compile"),
+        (StructuredOutputsParams(json="{not json"), "json is invalid"),
+        (StructuredOutputsParams(json={"type": "strnig"}), "json does not compile"),
+    ]
+    for so, message in cases:
+        with pytest.raises(RequestError, match=message):
+            engine.add_request("bad", [5, 6], SamplingParams(temperature=0, structured_outputs=so))
+    # LLM.generate checks every request before it adds any.
+    good = SamplingParams(temperature=0, max_tokens=5)
+    with pytest.raises(RequestError, match="regex does not compile"):
+        llm.generate([{"prompt_token_ids": [5, 6]}] * 3,
+                     [good, good, good.clone(structured_outputs=StructuredOutputsParams(regex="(a"))], use_tqdm=False)
+    assert list(engine._requests) == ["good"]
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    assert out.request_id == "good" and re.fullmatch(REGEX, out.outputs[0].text)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({}, "no constraint"),
+    ({"regex": "a", "choice": ["a"]}, "sets regex, choice"),
+    ({"choice": []}, "non-empty list of strings"),
+    ({"choice": ["a", 3]}, "non-empty list of strings"),
+    ({"regex": ""}, "non-empty string"),
+    ({"json": [1, 2]}, "JSON schema"),
+    ({"json_object": "yes"}, "json_object"),
+    ({"regex": "a", "disable_any_whitespace": 1}, "True or False"),
+])
+def test_params_are_checked(fields, message):
+    with pytest.raises(RequestError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_params_from_a_dict():
+    p = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(RequestError, match=r"no fields \['regexp'\]"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    with pytest.raises(RequestError, match="structured_outputs=3 is invalid"):
+        SamplingParams(structured_outputs=3)
+
+
+def test_disable_additional_properties_closes_objects():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
+    closed = json.loads(grammar_text(StructuredOutputsParams(json=schema, disable_additional_properties=True)))
+    opened = json.loads(grammar_text(StructuredOutputsParams(json=schema)))
+    assert "additionalProperties" not in json.dumps(opened)
+    assert json.dumps(closed).count('"additionalProperties": false') == 2
+    assert "additionalProperties" not in json.dumps(schema)  # the caller's schema is left alone
+
+
+def test_synthetic_acceptance_refuses_constraints(models):
+    llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN,
+              speculative_config=dict(model=str(models["near"]), num_speculative_tokens=2,
+                                      rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.5, 0.3]))
+    with pytest.raises(RequestError, match="synthetic"):
+        llm.generate([{"prompt_token_ids": [5, 6]}],
+                     SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")), use_tqdm=False)
+
+
+def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
+    """min_tokens past the end of the language leaves rows with no token to draw (the complete
+    output allows only EOS, which min_tokens holds back): the request runs to its min_tokens
+    without a failure, its neighbours untouched."""
+    llm = _llm(models)
+    params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=16,
+                             structured_outputs=StructuredOutputsParams(choice=["fox"])),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], params, use_tqdm=False)
+    assert outs[0].outputs[0].text.startswith("fox") and len(outs[0].outputs[0].token_ids) >= 12
+    assert re.fullmatch(REGEX, outs[1].outputs[0].text)
+
+
+def test_bitmask_rows_follow_the_drafts(models):
+    """The masks of a verification: row i comes after drafts 1..i; past a draft the constraint
+    rejects, every token is allowed."""
+    from tandem.engine.grammar import Grammars
+    from tandem.plan import ScheduledReq, StepPlan
+
+    llm = _llm(models)
+    tok = llm.engine.tokenizer
+    grammars = Grammars(tok, 320, (1,))
+    grammars.add(0, grammars.compile(StructuredOutputsParams(regex=r"[0-9]{2,4}-(yes|no)")))
+    ids = tok.encode("12x3", add_special_tokens=False)  # '1', '2' valid, 'x' not
+    assert [tok.decode([t]) for t in ids] == ["1", "2", "x", "3"]
+    grammars.drafts[0] = ids
+    plan = StepPlan([], [ScheduledReq(0, 0, 10, [5], 4, [0, 1], True, 3, 4)])
+    mask = grammars.bitmask(plan)
+    bits = torch.from_numpy(mask.bitmask)
+    allowed = [[t for t in range(320) if (int(bits[r, t // 32]) >> (t % 32)) & 1] for r in range(5)]
+    digits = sorted(tok.convert_tokens_to_ids(str(d)) for d in range(10))
+    assert mask.reqs == [0]
+    assert allowed[0] == digits and allowed[1] == digits  # before '1', before '2'
+    assert tok.convert_tokens_to_ids("-") in allowed[2] and ids[2] not in allowed[2]
+    assert allowed[3] == allowed[4] == list(range(320))  # after the rejected 'x'
+    # The matcher was rolled back: the next step's rows start from the same state.
+    grammars.accept(0, ids[:2])
+    grammars.drafts[0] = []
+    plan = StepPlan([], [ScheduledReq(0, 0, 12, [5], 0, [0, 1], True, 5, 0)])
+    bits = torch.from_numpy(grammars.bitmask(plan).bitmask)
+    assert [t for t in range(320) if (int(bits[0, t // 32]) >> (t % 32)) & 1] == allowed[2]
