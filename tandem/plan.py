@@ -119,6 +119,3 @@ class StepResult:
     num_drafts_proposed: list[int]  # drafts now pending in each request's slot
     # per request: the logprobs of ScheduledReq.prompt_logprob_targets (None when it has none)
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
-    # per request: the drafts now pending in its slot, for requests with structured outputs that
-    # proposed some (their next step's grammar masks follow them); None elsewhere
-    draft_token_ids: list[list[int] | None] | None = None

@@ -4,7 +4,9 @@ step() is the three hops: scheduler.schedule -> runner.execute -> scheduler.upda
 emitted tokens are detokenized, stop strings applied and RequestOutputs produced. execute is
 launch + collect; with async scheduling, when the next step does not depend on the current
 one's result (steady decoding), step() plans and launches it before collecting the current one,
-so the host's work for a step overlaps the device's work for the next.
+so the host's work for a step overlaps the device's work for the next. With a structured-output
+request running, only that step's forward is launched ahead: its sampling waits until the
+current step's tokens have advanced the grammars and given its masks.
 """
 from __future__ import annotations
 
@@ -341,22 +343,34 @@ class Engine:
                 if plan.is_empty:
                     return [self._output(s) for s in touched.values()]
                 running.append(plan)
-                if self.grammars.active:
+                if self.grammars.active:  # the masks are made while the device runs the forward
+                    fwd = self.runner.forward(plan)
                     plan.grammar = self.grammars.bitmask(plan)
-                self._inflight = (plan, self.runner.launch(plan), time.monotonic())
+                    self._inflight = (plan, self.runner.launch_sampling(fwd), time.monotonic())
+                else:
+                    self._inflight = (plan, self.runner.launch(plan), time.monotonic())
             plan, launched, start = self._inflight
             self._inflight = None
             running = [plan]
-            if self.async_scheduling and not self.grammars.active:  # a constraint's masks need this step's tokens
+            forwarded = None  # the step ahead, when its sampling waits for this one's result
+            if self.async_scheduling:
                 ahead = self.scheduler.schedule_ahead(plan)
                 if ahead is not None:
                     running.append(ahead)
-                    self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
+                    if self.grammars.active:  # its masks follow this step's tokens: sample it once they are in
+                        forwarded = self.runner.forward(ahead)
+                    else:
+                        self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
             result = self.runner.collect(launched)
             events = self.scheduler.update(plan, result)
-            if self.grammars.active:
-                self._advance_grammars(plan, result, events)
+            for req, emitted in events if self.grammars.active else ():  # the matchers follow the tokens
+                self.grammars.accept(req.req_id, emitted)
             self._emit(plan, result, events, start, touched)
+            for req_id, drafts in self.runner.collect_drafts(launched).items():  # the next masks follow them
+                self.grammars.set_drafts(req_id, drafts)
+            if forwarded is not None:
+                forwarded.plan.grammar = self.grammars.bitmask(forwarded.plan)
+                self._inflight = (forwarded.plan, self.runner.launch_sampling(forwarded), time.monotonic())
             if self.spec_metrics is not None:
                 self.spec_metrics.observe(plan, result)
                 if self.adaptive is not None:
@@ -389,14 +403,6 @@ class Engine:
                     self.abort_request(request_id)
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
-
-    def _advance_grammars(self, plan: StepPlan, result: StepResult, events) -> None:
-        """Structured outputs: the matchers follow the emitted tokens, and keep the new drafts."""
-        for req, emitted in events:
-            self.grammars.accept(req.req_id, emitted)
-        for item, drafts in zip(plan.reqs, result.draft_token_ids or ()):
-            if drafts is not None and item.req_id in self.grammars.matchers:
-                self.grammars.drafts[item.req_id] = drafts
 
     def _end_requests_of(self, plans: list[StepPlan]) -> list[str]:
         """Abort every request with a sequence in plans; -> their request ids."""

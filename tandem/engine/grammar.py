@@ -137,6 +137,11 @@ class Grammars:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
 
+    def set_drafts(self, req_id: int, drafts: list[int]) -> None:
+        """The drafts now pending in a sequence's slot (dropped for a finished one)."""
+        if req_id in self.matchers:
+            self.drafts[req_id] = drafts
+
     def accept(self, req_id: int, tokens: list[int]) -> None:
         """Advance a sequence's matcher over the tokens it emitted."""
         matcher = self.matchers.get(req_id)

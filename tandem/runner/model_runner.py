@@ -1,9 +1,10 @@
 """ModelRunner: executes a StepPlan on the device and answers with a StepResult.
 
 A step is launch() then collect(). launch() reads top to bottom: install new slots, build the
-batch, run the model over every scheduled token, sample (or verify drafts when a speculator is
-present), start the copy of the results to the host, then let the speculator propose the next
-drafts; nothing in it waits for the device. collect() waits for that copy (the step's one
+batch, run the model over every scheduled token (forward()), then launch_sampling(): apply the
+plan's grammar masks, sample (or verify drafts when a speculator is present), start the copy of
+the results to the host, and let the speculator propose the next drafts; nothing in it waits
+for the device. collect() waits for that copy (the step's one
 synchronisation) and reads it. So the host applies a step's result while the device still
 drafts, and the engine may launch the next decode step before collecting this one
 (Scheduler.schedule_ahead).
@@ -26,6 +27,17 @@ from tandem.sampling.processors import CHUNK_ROWS, apply_token_bitmask
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
 from tandem.sampling.watermark import WatermarkConfig
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """A step whose forward is queued but not its sampling (ModelRunner.forward): what
+    ModelRunner.sample needs to finish it."""
+
+    plan: StepPlan
+    batch: Batch
+    logits: Tensor  # [num_rows, vocab]
+    prompt: Tensor | None  # prompt logprobs rows, or None
 
 
 @dataclass(slots=True)
@@ -100,9 +112,15 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         return self.collect(self.launch(plan))
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Launched:
         """Queue a step's device work; never waits for the device."""
+        return self.launch_sampling(self.forward(plan))
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> Forwarded:
+        """Queue a step's forward (slots installed, the batch built, the logits computed); its
+        sampling waits for launch_sampling(). The engine splits a step planned ahead this way when its
+        grammar masks need the result of the step before it."""
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
         for slot in plan.freed_slots:
             self.state.remove(slot)
@@ -116,9 +134,15 @@ class ModelRunner:
         if batch.draft_dst is not None:
             batch.input_ids[batch.draft_dst] = self.speculator.pending_drafts(batch.draft_src)
         logits, hidden = self._logits(plan, batch)  # [num_rows, vocab]
-        if plan.grammar is not None:
+        return Forwarded(plan, batch, logits, self._prompt_logprobs(plan, batch, hidden))
+
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: Forwarded) -> Launched:
+        """Queue a forwarded step's sampling (or verification), the copy of its results to the
+        host, and the next drafts; never waits for the device."""
+        plan, batch, logits, prompt = fwd.plan, fwd.batch, fwd.logits, fwd.prompt
+        if plan.grammar is not None:  # before everything, as vLLM: logprobs see the constraint too
             self._apply_grammar(plan, batch, logits)
-        prompt = self._prompt_logprobs(plan, batch, hidden)  # before the processors write over logits
         raw = self._raw_for_logprobs(logits, batch)
         if self.speculator is None:
             processed = process_logits(logits, self.state, batch.rows)
@@ -292,16 +316,20 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
-        drafts = None
-        if launched.drafts is not None:
-            want, drafts_host, ready = launched.drafts
-            if ready is not None:
-                ready.synchronize()  # SYNC: structured outputs' drafts (their next masks follow them)
-            drafts = [None] * len(plan.reqs)
-            for i, row in zip(want, drafts_host.tolist()):
-                drafts[i] = row[: plan.reqs[i].num_next_drafts]
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
-                          prompt_logprobs=_prompt_results(launched), draft_token_ids=drafts)
+                          prompt_logprobs=_prompt_results(launched))
+
+    def collect_drafts(self, launched: Launched) -> dict[int, list[int]]:
+        """The drafts a collected step proposed for its structured-output requests (their next
+        masks follow them): req_id -> drafts. Waits for the draft round, so the engine calls it
+        after applying the step's result, which the host does while the draft runs."""
+        if launched.drafts is None:
+            return {}
+        want, drafts_host, ready = launched.drafts
+        if ready is not None:
+            ready.synchronize()  # SYNC: the second wait of a step with a constrained request drafting
+        reqs = launched.plan.reqs
+        return {reqs[i].req_id: row[: reqs[i].num_next_drafts] for i, row in zip(want, drafts_host.tolist())}
 
 
 def _prompt_results(launched: Launched) -> list[list[TokenLogprobs] | None] | None:

@@ -128,8 +128,16 @@ def test_constrained_beside_unconstrained_requests(models, target_only):
 def test_async_scheduling_and_preemption_keep_the_constraint(models, target_only):
     names, greedy_ref, _, _, _ = target_only
     _, prompts, params = _requests(0.0)
-    outs = _llm(models, async_scheduling=True).generate(prompts, params, use_tqdm=False)
+    llm = _llm(models, async_scheduling=True)
+    runner, calls = llm.engine.runner, {"forward": 0, "launch": 0}
+    for name in calls:  # steps planned ahead run their forward first, their sampling once the masks are in
+        def counted(*a, _real=getattr(runner, name), _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        setattr(runner, name, counted)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(outs) == greedy_ref
+    assert calls["forward"] - calls["launch"] > 10, calls
     # A pool of 9 blocks of 8 tokens for 6 requests of up to 4 blocks preempts some mid-output.
     per_block = sum(KVCache.bytes_per_block(read_arch_config(models[m]), 8, torch.float32) for m in ("target", "near"))
     llm = _llm(models, "near", max_model_len=72, kv_cache_memory_bytes=per_block * 9)
