@@ -77,6 +77,28 @@ def watermark_config(text: str) -> dict:
     return value
 
 
+def structured_outputs(text: str):
+    """--structured-outputs: StructuredOutputsParams' fields as a JSON object, such as
+    '{"regex": "[0-9]+"}', checked while parsing (the grammar compiles when the request is added)."""
+    import json
+
+    from tandem.errors import RequestError
+    from tandem.sampling_params import StructuredOutputsParams
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"regex\": \"[0-9]+\"}}'") \
+            from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of StructuredOutputsParams' fields, such as "
+                                         "'{\"json\": {\"type\": \"object\"}}'")
+    try:
+        return StructuredOutputsParams.from_dict(value)
+    except RequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 WATERMARK_HELP = ("draw sampled tokens with a secret key, as JSON: '{\"key\": 42, \"context_width\": 4}' "
                   "(vLLM's --watermark-config; `tandem detect` tests text for it)")
 
@@ -100,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="each step drafts 0..k tokens, chosen from the measured acceptance and step costs "
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
     gen.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
+    gen.add_argument("--structured-outputs", type=structured_outputs, default=None,
+                     help="constrain the output, as JSON of StructuredOutputsParams' fields: "
+                          "'{\"json\": SCHEMA}', '{\"regex\": ...}', '{\"choice\": [...]}' or '{\"grammar\": ...}'")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto")
@@ -187,6 +212,7 @@ def _generate(args) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
         ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        structured_outputs=args.structured_outputs,
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config)

@@ -53,6 +53,21 @@ def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
                           f"tokens of {len(ids)}")
 
 
+def test_generate_with_structured_outputs(tmp_path, capsys):
+    """`generate --structured-outputs` constrains the completion, with or without the draft."""
+    import re
+
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    common = ["--model", str(tmp_path / "t"), "--dtype", "float32", "--max-tokens", "32", "--quiet",
+              "--structured-outputs", '{"regex": "(yes|no), [0-9]{3}"}', "Answer:"]
+    assert main(["generate", *common, "--no-draft"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert re.fullmatch("(yes|no), [0-9]{3}", text), text
+    assert main(["generate", *common, "--draft", str(tmp_path / "d"), "-k", "3"]) == 0
+    assert capsys.readouterr().out.strip() == text
+
+
 def test_generate_bad_model_is_one_clear_error(tmp_path, capsys):
     rc = main(["generate", "--model", str(tmp_path / "missing"), "--no-draft", "hello"])
     assert rc == 2
@@ -85,6 +100,9 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
     (["--max-model-len", "0"], "--max-model-len"),
     (["--watermark-config", "{\"key\": -1}"], "--watermark-config"),
     (["--watermark-config", "key=1"], "--watermark-config"),
+    (["--structured-outputs", "[1]"], "--structured-outputs"),
+    (["--structured-outputs", '{"regexp": "a"}'], "--structured-outputs"),
+    (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "--structured-outputs"),
 ])
 def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "generate", argv, flag, ["hello"])
