@@ -109,3 +109,32 @@ def test_qwen_watermark_survives_speculation_and_is_detected_in_text(tandem_cach
     assert capsys.readouterr().out.startswith("watermarked: yes")
     assert main(["detect", "--model", TARGET, "--watermark-config", '{"key": 8675310}', text]) == 0
     assert capsys.readouterr().out.startswith("watermarked: no")
+
+
+@pytest.mark.slow
+def test_qwen_structured_output_fits_its_schema_through_speculation(tandem_cache):
+    """The real pair asked for JSON with a schema: constrained, the output parses and has the
+    schema's fields (free, the model fences it in ``` and picks its own names); speculative output
+    equals target-only output and most drafts are still accepted."""
+    import json
+
+    from tandem import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "num_args": {"type": "integer"},
+                                               "returns": {"type": "string"}},
+              "required": ["name", "num_args", "returns"], "additionalProperties": False}
+    messages = [[{"role": "user", "content": "Describe the Python function `def add(a, b): return a + b` as a "
+                                             "JSON object with its name, the number of arguments and what it returns."}]]
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+    base = LLM(TARGET, dtype="bfloat16", max_model_len=256, max_num_seqs=2)
+    expect = base.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    free = base.chat(messages, params.clone(structured_outputs=None), use_tqdm=False)[0].outputs[0]
+    del base
+    value = json.loads(expect.text)
+    assert set(value) == {"name", "num_args", "returns"} and value["num_args"] == 2, expect.text
+    assert expect.finish_reason == "stop" and "```" in free.text and "```" not in expect.text
+    llm = LLM(TARGET, dtype="bfloat16", max_model_len=256, max_num_seqs=2,
+              speculative_config=dict(model=DRAFT, num_speculative_tokens=4))
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expect.token_ids
+    assert out.metrics.acceptance_rate > 0.5, out.metrics
