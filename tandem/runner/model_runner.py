@@ -32,7 +32,7 @@ from tandem.sampling.watermark import WatermarkConfig
 @dataclass(slots=True)
 class Forwarded:
     """A step whose forward is queued but not its sampling (ModelRunner.forward): what
-    ModelRunner.sample needs to finish it."""
+    ModelRunner.launch_sampling needs to finish it."""
 
     plan: StepPlan
     batch: Batch
@@ -119,8 +119,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> Forwarded:
         """Queue a step's forward (slots installed, the batch built, the logits computed); its
-        sampling waits for launch_sampling(). The engine splits a step planned ahead this way when its
-        grammar masks need the result of the step before it."""
+        sampling waits for launch_sampling(). The engine splits a step this way when it has
+        grammar masks to make: they are made while the forward runs, and for a step planned ahead
+        once the step before it has been collected."""
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
         for slot in plan.freed_slots:
             self.state.remove(slot)

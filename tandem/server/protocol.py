@@ -175,7 +175,7 @@ class _SamplingRequest(_Request):
         for two of them."""
         given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
                  if not _unset(getattr(self, name))
-                 and not (name == "response_format" and self.response_format.get("type") == "text")]
+                 and not (name == "response_format" and self.response_format.get("type", "text") == "text")]
         if self.guided_decoding_backend not in (None, *GUIDED_BACKENDS):
             raise RequestError(f"SamplingParams.guided_decoding_backend={self.guided_decoding_backend!r} is invalid: "
                                f"tandem's structured outputs run on llguidance; give one of {list(GUIDED_BACKENDS)} "
