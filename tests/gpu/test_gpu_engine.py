@@ -385,6 +385,37 @@ def test_steady_step_waits_for_the_device_once(models, spec_on):
 
 
 @pytest.mark.parametrize("spec_on", [False, True])
+def test_constrained_steps_wait_only_for_their_results(models, spec_on, monkeypatch):
+    """A structured-output request beside a free one: its masks reach the logits without a hidden
+    synchronisation; a step waits once for its result, and with a draft once more for the drafts
+    of the constrained request (its next masks follow them)."""
+    from tandem import StructuredOutputsParams
+
+    target, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
+              speculative_config=spec, kv_cache_memory_bytes=64 << 20)
+    engine = llm.engine
+    free = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    digits = free.clone(structured_outputs=StructuredOutputsParams(regex="[0-9]{80}"))
+    for i, p in enumerate(_prompts()[:2]):
+        engine.add_request(str(i), p["prompt_token_ids"], digits if i == 0 else free)
+    for _ in range(4):  # prefills, first decodes
+        engine.step()
+    waits = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real(self))[1])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert engine.has_unfinished_requests()
+    assert len(waits) == 8 * (2 if spec_on else 1), len(waits)
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
 def test_dependent_launches_equal_plain_launches(models, spec_on, monkeypatch):
     """Kernels launched with programmatic dependent launch (each may start before the one before
     it has finished, tandem/kernels/pdl.py) give what plain launches give, in graphs and eagerly:
