@@ -373,15 +373,23 @@ def test_steady_step_waits_for_the_device_once(models, spec_on):
     keyed = greedy.clone(temperature=0.8, top_p=0.95)
     for i, p in enumerate(_prompts()[:4]):
         engine.add_request(str(i), p["prompt_token_ids"], limited if i == 3 else keyed if i == 2 else greedy)
-    for _ in range(4):  # prefills, first decodes
+    _steady_steps(engine)
+    assert engine.has_unfinished_requests()
+
+
+def _steady_steps(engine, before=None) -> None:
+    """Four steps (prefills, first decodes), then before() and eight steps in which any hidden
+    synchronisation raises."""
+    for _ in range(4):
         engine.step()
+    if before is not None:
+        before()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(8):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("spec_on", [False, True])
@@ -400,17 +408,10 @@ def test_constrained_steps_wait_only_for_their_results(models, spec_on, monkeypa
     digits = free.clone(structured_outputs=StructuredOutputsParams(regex="[0-9]{80}"))
     for i, p in enumerate(_prompts()[:2]):
         engine.add_request(str(i), p["prompt_token_ids"], digits if i == 0 else free)
-    for _ in range(4):  # prefills, first decodes
-        engine.step()
     waits = []
     real = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real(self))[1])
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(8):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    _steady_steps(engine, lambda: monkeypatch.setattr(torch.cuda.Event, "synchronize",
+                                                      lambda self: (waits.append(1), real(self))[1]))
     assert engine.has_unfinished_requests()
     assert len(waits) == 8 * (2 if spec_on else 1), len(waits)
 
