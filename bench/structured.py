@@ -6,7 +6,8 @@
 
 Each task is a chat request with a JSON schema. For each k in --ks (0: target-only) the same
 greedy requests run one at a time, free and then constrained by their schema (stopping at EOS or
---tokens). Reported per configuration: tokens/s (prefill included), decode tokens/s and ms per
+--tokens); with a draft, constrained a second time with the drafts proposed free of the grammar
+(vLLM's way; grammar-aware drafting switched off on the engine, for this A/B only). Reported per configuration: tokens/s (prefill included), decode tokens/s and ms per
 decode step (a decode step, or a draft round and its verification; from the first token to the
 last), the draft acceptance rate and mean acceptance length, the share of
 outputs that parse as JSON and fit the schema (free outputs: the JSON inside a ``` fence when
@@ -134,12 +135,15 @@ def main(argv=None) -> int:
             prompts = [(tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                     add_generation_prompt=True), add_special_tokens=False).input_ids, s)
                        for q, s in TASKS[: args.tasks]]
-        for constrained in (False, True):
-            mode = "constrained" if constrained else "free"
-            rows = run(llm, prompts, args.tokens, constrained, args.compact)
+        modes = ["free", "constrained"] + (["constrained, free drafts"] if k else [])
+        for mode in modes:
+            if mode == "constrained, free drafts":  # as vLLM: drafts proposed without the grammar (A/B only)
+                llm.engine.grammar_drafting = None
+            rows = run(llm, prompts, args.tokens, mode != "free", args.compact)
             if not k:
                 ref[mode] = rows
-            row = summarize(f"{'target-only' if not k else f'k={k}'}, {mode}", rows, ref.get(mode) if k else None)
+            ref_rows = ref.get("free" if mode == "free" else "constrained") if k else None
+            row = summarize(f"{'target-only' if not k else f'k={k}'}, {mode}", rows, ref_rows)
             texts[row["config"]] = row.pop("texts")
             results.append(row)
         del llm

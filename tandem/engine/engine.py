@@ -6,7 +6,8 @@ launch + collect; with async scheduling, when the next step does not depend on t
 one's result (steady decoding), step() plans and launches it before collecting the current one,
 so the host's work for a step overlaps the device's work for the next. With a structured-output
 request running, only that step's forward is launched ahead: its sampling waits until the
-current step's tokens have advanced the grammars and given its masks.
+current step's tokens have advanced the grammars and given its masks; its drafts follow its
+grammar too (grammar_drafting: masked in the round, or a free round's misfits drawn again).
 """
 from __future__ import annotations
 
@@ -141,6 +142,15 @@ class Engine:
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
         self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids)  # structured outputs' matchers
+        # Grammar-aware drafting: structured-output requests draft under their grammar. "round": each
+        # draft step is masked before it is drawn (a wait a step: on a CPU, where a host round trip
+        # is free and a draft step is not); "repair": the round runs free (on a GPU, as one graph),
+        # and only drafts that leave the grammar are drawn again under it; "auto" (on a GPU): repair,
+        # but mask the rounds of a request whose free rounds often leave its grammar
+        # (Grammars.prefers_masking). The drafts are the same every way. None: drafts free of the
+        # grammar, as vLLM's (for A/B measurements of greedy drafts only: the ratio test of sampled
+        # drafts takes them to be grammar-aware).
+        self.grammar_drafting = "auto" if cfg.device.type == "cuda" else "round"
         self._rng = random.Random(cfg.model.seed)
         self._warned: set[str] = set()  # the once-per-engine warnings given
         self._requests: dict[str, RequestState] = {}
@@ -346,7 +356,8 @@ class Engine:
                 if self.grammars.active:  # the masks are made while the device runs the forward
                     fwd = self.runner.forward(plan)
                     plan.grammar = self.grammars.bitmask(plan)
-                    self._inflight = (plan, self.runner.launch_sampling(fwd), time.monotonic())
+                    launched = self.runner.launch_sampling(fwd, self._draft_masks(plan))
+                    self._inflight = (plan, launched, time.monotonic())
                 else:
                     self._inflight = (plan, self.runner.launch(plan), time.monotonic())
             plan, launched, start = self._inflight
@@ -366,11 +377,20 @@ class Engine:
             for req, emitted in events if self.grammars.active else ():  # the matchers follow the tokens
                 self.grammars.accept(req.req_id, emitted)
             self._emit(plan, result, events, start, touched)
-            for req_id, drafts in self.runner.collect_drafts(launched).items():  # the next masks follow them
-                self.grammars.set_drafts(req_id, drafts)
+            drafts = self.runner.collect_drafts(launched)
+            if drafts and launched.masked_drafts:
+                self.grammars.masked_rounds(drafts)
+            elif drafts and self.grammar_drafting in ("repair", "auto"):
+                misfits = self.grammars.misfits(drafts)
+                if misfits:
+                    drafts.update(self.runner.repair_drafts(launched, result, misfits, drafts, self.grammars))
+            for req_id, tokens in drafts.items():  # the next masks follow them
+                self.grammars.set_drafts(req_id, tokens)
             if forwarded is not None:
-                forwarded.plan.grammar = self.grammars.bitmask(forwarded.plan)
-                self._inflight = (forwarded.plan, self.runner.launch_sampling(forwarded), time.monotonic())
+                ahead = forwarded.plan
+                ahead.grammar = self.grammars.bitmask(ahead)
+                self._inflight = (ahead, self.runner.launch_sampling(forwarded, self._draft_masks(ahead)),
+                                  time.monotonic())
             if self.spec_metrics is not None:
                 self.spec_metrics.observe(plan, result)
                 if self.adaptive is not None:
@@ -403,6 +423,13 @@ class Engine:
                     self.abort_request(request_id)
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return [self._output(s) for s in touched.values()]
+
+    def _draft_masks(self, plan: StepPlan):
+        """The grammars a step's drafting round masks its drafts with, or None (a free round)."""
+        way = self.grammar_drafting
+        if way == "round" or (way == "auto" and self.grammars.prefers_masking(plan)):
+            return self.grammars.draft_masks(plan)
+        return None
 
     def _end_requests_of(self, plans: list[StepPlan]) -> list[str]:
         """Abort every request with a sequence in plans; -> their request ids."""

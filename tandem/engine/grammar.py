@@ -9,6 +9,12 @@ target verifies every draft against the constraint. The first draft the constrai
 masked out of its own row, which rejects it whatever the verifier; the rows after it allow every
 token (nothing from them is emitted). The runner applies the rows to the logits before any other
 processor, as vLLM does, so logprobs see the constraint too.
+
+The drafts are proposed under the constraint as well (DraftMasks): while the draft model runs a
+round, each matcher is advanced over the tokens the step emitted and then over each draft, and
+the draft's next row is masked with the language after them, so the draft proposes only tokens
+the target may emit. Everything the round consumed is rolled back after it; the engine then
+advances the matchers over what the step emitted (Grammars.accept).
 """
 from __future__ import annotations
 
@@ -24,6 +30,15 @@ from tandem.plan import GrammarMask, StepPlan
 from tandem.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("tandem")
+
+# "auto" grammar-aware drafting (Engine.grammar_drafting): a request whose free rounds leave its
+# grammar in ROUND_ABOVE of them or more (a moving average of weight MISFIT_WEIGHT) has its rounds
+# masked step by step; each masked round fades the average by MISFIT_FADE until a free round
+# measures again. On the H200 (Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1, k = 4), masking a round
+# cost 0.57 ms (6.26 against 5.69 ms a round) and redrawing a round from its first draft 2.7 ms.
+ROUND_ABOVE = 0.25
+MISFIT_WEIGHT = 0.25
+MISFIT_FADE = 0.95
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -77,6 +92,8 @@ class Grammars:
         self.num_words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.matchers: dict[int, Any] = {}  # req_id -> llguidance.LLMatcher
         self.drafts: dict[int, list[int]] = {}  # req_id -> the drafts pending in its slot
+        # req_id -> how often its free drafting rounds leave the grammar (a moving average, "auto")
+        self.misfit_rate: dict[int, float] = {}
         self._valid: dict[str, None] = {}  # grammars that compiled, oldest first
         self._ll_tokenizer = None  # built on first use (about a second for a 150k vocabulary)
         self._executor = None
@@ -136,6 +153,7 @@ class Grammars:
     def remove(self, req_id: int) -> None:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
+        self.misfit_rate.pop(req_id, None)
 
     def set_drafts(self, req_id: int, drafts: list[int]) -> None:
         """The drafts now pending in a sequence's slot (dropped for a finished one)."""
@@ -153,6 +171,59 @@ class Grammars:
             logger.error("request %d emitted tokens its structured output does not allow (%s); it continues "
                          "unconstrained", req_id, matcher.get_error())
             self.remove(req_id)
+
+    def draft_masks(self, plan: StepPlan) -> DraftMasks | None:
+        """The masks of the step's drafting round for its constrained requests that draft (None:
+        it has none)."""
+        reqs = [i for i, r in enumerate(plan.reqs)
+                if r.sample and r.num_next_drafts and r.req_id in self.matchers]
+        if not reqs:
+            return None
+        return DraftMasks(reqs, [self.matchers[plan.reqs[i].req_id] for i in reqs], self.num_words, self._executor)
+
+    def misfits(self, drafts: dict[int, list[int]]) -> dict[int, int]:
+        """The constrained sequences among drafts (req_id -> the drafts of a free round) whose
+        drafts leave the language -> req_id -> the index of the first that does (drafts after an
+        EOS the language accepts do not count: nothing after it is emitted). Each sequence's
+        misfit rate follows."""
+        out = {}
+        for req_id, tokens in drafts.items():
+            matcher = self.matchers.get(req_id)
+            if matcher is None or not tokens:
+                continue
+            if matcher.is_stopped():  # complete: only EOS follows (which does not consume)
+                if tokens[0] not in self.eos_token_ids:
+                    out[req_id] = 0
+            else:
+                n = matcher.validate_tokens(tokens)
+                if n < len(tokens) and not (n > 0 and tokens[n - 1] in self.eos_token_ids):
+                    out[req_id] = n
+            rate = self.misfit_rate.get(req_id, 0.0)
+            self.misfit_rate[req_id] = (1 - MISFIT_WEIGHT) * rate + MISFIT_WEIGHT * (req_id in out)
+        return out
+
+    def masked_rounds(self, req_ids) -> None:
+        """Sequences whose drafts were masked in the round: their drafts could not miss, so their
+        misfit rates fade, and a later round runs free and measures again."""
+        for req_id in req_ids:
+            if req_id in self.misfit_rate:
+                self.misfit_rate[req_id] *= MISFIT_FADE
+
+    def prefers_masking(self, plan: StepPlan) -> bool:
+        """"auto" grammar-aware drafting: mask this step's drafting round step by step (a wait a
+        draft step) rather than run it free and draw its misfits again, because a constrained
+        request that drafts leaves the grammar in at least ROUND_ABOVE of its free rounds."""
+        return any(self.misfit_rate.get(r.req_id, 0.0) >= ROUND_ABOVE for r in plan.reqs
+                   if r.sample and r.num_next_drafts and r.req_id in self.matchers)
+
+    def repair_masks(self, req_ids: list[int], drafts: list[list[int]]) -> DraftMasks:
+        """Masks for redrafting sequences req_ids from the end of the drafts that fit (drafts[j],
+        per sequence): each matcher advanced over them."""
+        masks = DraftMasks(list(range(len(req_ids))), [self.matchers[r] for r in req_ids], self.num_words,
+                           self._executor)
+        for j, tokens in enumerate(drafts):
+            masks.advance(j, tokens)
+        return masks
 
     def bitmask(self, plan: StepPlan) -> GrammarMask | None:
         """The step's bitmask rows for its sampling constrained requests (None: it has none)."""
@@ -181,3 +252,49 @@ class Grammars:
         if drafted:  # the matcher advanced over each draft in turn, then rolled back
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return GrammarMask(reqs, bitmask.numpy())
+
+
+class DraftMasks:
+    """Grammar-aware drafting: the bitmask rows of the drafts of some constrained requests.
+
+    Each request j has its matcher; advance(j, tokens) moves it over tokens (the ones its request
+    emitted this step, the drafts that fit), rows(js) gives the bitmask rows of the next drafts of
+    requests js, and finish() rolls back everything consumed (the engine advances the matchers
+    over what is emitted: Grammars.accept). A request whose token does not consume (its output is
+    complete, so only EOS follows, and EOS does not consume; a token drawn from a row the
+    constraint and another mask left empty) gets rows that allow everything from then on:
+    nothing drafted after that token can be emitted."""
+
+    def __init__(self, reqs: list[int], matchers: list, num_words: int, executor):
+        self.reqs = reqs  # whose requests: indices into StepPlan.reqs
+        self._matchers = matchers
+        self._num_words = num_words
+        self._executor = executor
+        self._consumed = [0] * len(reqs)  # tokens each matcher consumed, to roll back
+        self._open = [False] * len(reqs)  # its rows allow everything from now on
+
+    def advance(self, j: int, tokens: list[int]) -> None:
+        if self._open[j] or not tokens:
+            return
+        n = self._matchers[j].try_consume_tokens(tokens)
+        self._consumed[j] += n
+        if n < len(tokens):
+            self._open[j] = True
+
+    def rows(self, js: list[int] | None = None) -> torch.Tensor:
+        """The next drafts' rows of requests js (None: all) -> [len(js), words] int32 (host)."""
+        import llguidance.torch
+
+        js = range(len(self.reqs)) if js is None else js
+        bitmask = torch.full((len(js), self._num_words), -1, dtype=torch.int32)  # -1: everything
+        closed = [(self._matchers[j], row) for row, j in enumerate(js) if not self._open[j]]
+        if closed:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, closed, bitmask)
+        return bitmask
+
+    def finish(self) -> None:
+        """Roll every matcher back to where it was found."""
+        for j, matcher in enumerate(self._matchers):
+            if self._consumed[j]:
+                matcher.rollback(self._consumed[j])
+                self._consumed[j] = 0

@@ -12,6 +12,7 @@ drafts, and the engine may launch the next decode step before collecting this on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from tandem.sampling.processors import CHUNK_ROWS, apply_token_bitmask
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
 from tandem.sampling.watermark import WatermarkConfig
+
+if TYPE_CHECKING:
+    from tandem.engine.grammar import DraftMasks
 
 
 @dataclass(slots=True)
@@ -56,6 +60,7 @@ class Launched:
     # Structured outputs' next drafts: (plan.reqs indices, their drafts [m, k] being copied to the
     # host after the draft round, the event recorded after that copy)
     drafts: tuple[list[int], Tensor, torch.cuda.Event | None] | None = None
+    masked_drafts: bool = False  # its drafting round masked structured-output requests' drafts step by step
 
 
 class ModelRunner:
@@ -138,30 +143,35 @@ class ModelRunner:
         return Forwarded(plan, batch, logits, self._prompt_logprobs(plan, batch, hidden))
 
     @torch.inference_mode()
-    def launch_sampling(self, fwd: Forwarded) -> Launched:
+    def launch_sampling(self, fwd: Forwarded, draft_masks: DraftMasks | None = None) -> Launched:
         """Queue a forwarded step's sampling (or verification), the copy of its results to the
-        host, and the next drafts; never waits for the device."""
+        host, and the next drafts; never waits for the device, except with draft_masks (the
+        structured-output requests' grammars, which their drafts follow: Grammars.draft_masks),
+        where the drafting round waits for each of their tokens in turn."""
         plan, batch, logits, prompt = fwd.plan, fwd.batch, fwd.logits, fwd.prompt
+        grammar = None
         if plan.grammar is not None:  # before everything, as vLLM: logprobs see the constraint too
-            self._apply_grammar(plan, batch, logits)
+            grammar = self._apply_grammar(plan, batch, logits)
         raw = self._raw_for_logprobs(logits, batch)
         if self.speculator is None:
             processed = process_logits(logits, self.state, batch.rows)
             row_tokens = sample(processed, self.state, batch.rows)  # [num_rows]
             num_emitted = torch.ones(len(batch.sampling), dtype=torch.int64, device=self.device)
         else:
-            processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state)
+            processed, row_tokens, num_emitted = self.speculator.verify(plan, batch, logits, self.state, grammar)
         if self.last_tokens is not None and len(batch.rows.slots) == len(batch.sampling):
             self.last_tokens[batch.rows.slot_ids] = row_tokens  # one row per sampling request: no drafts
         self._record_outputs(batch, row_tokens, num_emitted)
         launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result
-            self.speculator.propose(plan, batch, row_tokens, num_emitted)
+            self.speculator.propose(plan, batch, row_tokens, num_emitted, draft_masks)
             launched.drafts = self._copy_constrained_drafts(plan, batch)
+            launched.masked_drafts = draft_masks is not None
         return launched
 
-    def _apply_grammar(self, plan: StepPlan, batch: Batch, logits: Tensor) -> None:
-        """Mask the logits rows of structured-output requests with the plan's grammar bitmask."""
+    def _apply_grammar(self, plan: StepPlan, batch: Batch, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Mask the logits rows of structured-output requests with the plan's grammar bitmask
+        -> (those rows [m], the bitmask [m, words]) on the device."""
         grammar, cu = plan.grammar, batch.cu_num_rows
         n_of = {i: n for n, i in enumerate(batch.sampling)}
         rows = [r for i in grammar.reqs for r in range(cu[n_of[i]], cu[n_of[i] + 1])]
@@ -170,6 +180,7 @@ class ModelRunner:
         (rows_t,) = self.attn_backend.upload(rows)
         bitmask = self.attn_backend.upload.words(torch.from_numpy(grammar.bitmask))
         apply_token_bitmask(logits, rows_t, bitmask)
+        return rows_t, bitmask
 
     def _copy_constrained_drafts(self, plan: StepPlan, batch: Batch):
         """Start the copy to the host of the drafts just proposed for structured-output requests
@@ -319,6 +330,38 @@ class ModelRunner:
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
                           prompt_logprobs=_prompt_results(launched))
+
+    def repair_drafts(self, launched: Launched, result: StepResult, misfits: dict[int, int],
+                      drafts: dict[int, list[int]], grammars) -> dict[int, list[int]]:
+        """Draw again, under their grammar, the drafts of a collected step's structured-output
+        requests from the first that left it (misfits: req_id -> its column; drafts: as
+        collect_drafts gave them; grammars: the engine's Grammars, whose matchers have followed
+        the step's tokens) -> req_id -> the new drafts. Waits for each redrawn column."""
+        from tandem.spec.speculator import Redraft
+
+        reqs = launched.plan.reqs
+        index = {r.req_id: i for i, r in enumerate(reqs)}
+        ids = list(misfits)
+        items = []
+        for req_id in ids:
+            r = reqs[index[req_id]]
+            emitted = result.sampled_token_ids[index[req_id]]
+            items.append(Redraft(slot=r.slot, pos=r.start_pos + len(r.input_token_ids) - 1 + len(emitted),
+                                 token=emitted[-1], block_ids=r.block_ids, first=misfits[req_id],
+                                 num_drafts=r.num_next_drafts))
+        masks = grammars.repair_masks(ids, [drafts[req_id][: misfits[req_id]] for req_id in ids])
+        try:
+            self.speculator.repair(items, masks)
+        finally:
+            masks.finish()
+        (slots,) = self.attn_backend.upload([it.slot for it in items])
+        rows = self.speculator.drafts[slots]  # [m, k]
+        if rows.is_cuda:
+            rows = rows.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            ready.synchronize()  # SYNC: the repaired drafts, for the next step's masks
+        return {req_id: row[: it.num_drafts] for req_id, it, row in zip(ids, items, rows.tolist())}
 
     def collect_drafts(self, launched: Launched) -> dict[int, list[int]]:
         """The drafts a collected step proposed for its structured-output requests (their next

@@ -7,7 +7,15 @@ hides them and later steps overwrite their KV); (2) k - 1 single-token decode st
 uniform verification step with greedy drafting, both are one CUDA graph replay). Drafts
 (and, for probabilistic drafting, the draft logits) go to per-slot buffers; the next step
 reads them on the device. Positions that depend on acceptance are computed on the device, so
-proposing never waits for the host.
+proposing never waits for the host. Rounds that cannot run as one graph (sampled or
+watermarked drafts, grammar-aware drafting) replay a captured one-step graph per draft.
+
+Grammar-aware drafting (structured outputs): constrained requests propose only tokens their
+grammar allows, two ways with the same drafts. propose() with the engine's DraftMasks masks their
+draft logits before each draft is taken; the masks follow the tokens, so that round waits for
+the step's emitted tokens and then for each step's drafts of those requests (each copy queued
+before the next forward, so the host makes the masks while that forward runs). repair() takes a
+round that ran free and draws again, under the grammar, the drafts from the first that left it.
 
 Watermarked requests (tandem.sampling.watermark) draft with the target's keyed noise and are
 verified by exact match with the target's keyed draw, so their output is the target's alone.
@@ -18,7 +26,9 @@ tokens it skipped come back as a backfill in front of a later step's tokens.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +38,19 @@ from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
+from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch, row_prior_drafts
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import DRAFT_SALT
-from tandem.sampling.processors import apply_top_k_top_p
+from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw, process_logits
 from tandem.sampling.state import SamplingState
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
 from tandem.spec.rejection import force_target_tokens, rejection_sample
+
+if TYPE_CHECKING:
+    from tandem.engine.grammar import DraftMasks
 
 
 class DraftSpeculator:
@@ -85,13 +99,17 @@ class DraftSpeculator:
         rates = spec.conditional_rates() if spec.synthetic else None
         self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: dict[int, DraftGraphs] = {}  # number of drafts -> that round's graphs
+        # One draft step's forward and logits (CUDA): the rounds that draft step by step (sampled or
+        # watermarked drafts, grammar-aware drafting) run their loop steps on it.
+        self.step_graph: GraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None  # catch-ups beside prefills, cut at the attention
 
     def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None,
                        piecewise_tokens: int = 0) -> None:
         """Capture the catch-up forward and the greedy draft loop (CUDA only) for each number of
-        drafts on stream, into the graph memory pool `pool`, and the piecewise forward of other
-        catch-ups of up to piecewise_tokens tokens (0: none)."""
+        drafts on stream, into the graph memory pool `pool`, one draft step (for the rounds that
+        draft step by step), and the piecewise forward of other catch-ups of up to
+        piecewise_tokens tokens (0: none)."""
         for d in self.draft_counts:
             self.graphs[d] = DraftGraphs(
                 self.model, self.kv, self.drafts, k=d, vocab_size=self.draft_vocab, max_num_reqs=max_num_reqs,
@@ -99,6 +117,11 @@ class DraftSpeculator:
                 device=self.device,
             )
             self.graphs[d].capture(stream, pool)
+        if self.k >= 2 and os.environ.get("TANDEM_DRAFT_STEP_GRAPH", "1") != "0":  # =0: the eager loop (A/B)
+            self.step_graph = GraphRunner(self.model, self.kv, tokens_per_req=1, max_num_reqs=max_num_reqs,
+                                          max_blocks=max_blocks, block_size=self.block_size, device=self.device,
+                                          use_triton=self.attn_backend.use_triton)
+            self.step_graph.capture(stream, pool)
         if piecewise_tokens > 0 and self.attn_backend.use_triton:
             self.piecewise = PiecewiseGraphs(self.model, self.kv, max_tokens=piecewise_tokens, device=self.device)
             self.piecewise.capture(stream, pool)
@@ -117,8 +140,11 @@ class DraftSpeculator:
 
     # ---------------------------------------------------------------- verify
     @torch.inference_mode()
-    def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState):
-        """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs])."""
+    def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState,
+               grammar: tuple[Tensor, Tensor] | None = None):
+        """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs]).
+        grammar: (rows, bitmask) the logits were masked with (structured outputs); sampled drafts
+        were drawn under the same rows, and their distribution is restricted to them too."""
         rows = batch.rows
         wm = state.watermark
         marked = [r for r, s in enumerate(rows.slots) if wm is not None and wm.on[s]]  # keyed rows: exact match
@@ -144,6 +170,8 @@ class DraftSpeculator:
         q_logits = None
         if self.probabilistic:
             q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            if grammar is not None:  # the drafts that fit without a repair kept the draft's own logits
+                apply_token_bitmask(q_logits, *grammar)
         row_tokens, num_emitted = self.rejection_sample(
             processed,
             row_draft,
@@ -170,11 +198,28 @@ class DraftSpeculator:
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor) -> None:
+    def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor,
+                masks: DraftMasks | None = None) -> None:
         """Catch the draft up on this step's tokens (and any it skipped before), then draft
-        num_next_drafts tokens for every sampling request that does not skip the draft."""
+        num_next_drafts tokens for every sampling request that does not skip the draft.
+
+        masks: the structured-output requests' grammars (grammar-aware drafting), whose rows mask
+        their draft logits before each draft is taken. The round then runs step by step, each
+        step's drafts of those requests brought to the host (a wait) while the next forward runs."""
         k = max((plan.reqs[i].num_next_drafts for i in batch.sampling), default=0)
         drafting = [n for n, i in enumerate(batch.sampling) if plan.reqs[i].num_next_drafts]  # into batch.sampling
+        if masks is not None:
+            try:
+                self._propose(plan, batch, row_tokens, num_emitted, k, drafting,
+                              _Constrained.of(masks, batch, drafting, row_tokens, num_emitted,
+                                              self.attn_backend.upload))
+            finally:
+                masks.finish()
+            return
+        self._propose(plan, batch, row_tokens, num_emitted, k, drafting, None)
+
+    def _propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor, k: int,
+                 drafting: list[int], constrained: _Constrained | None) -> None:
         layout = _catchup_layout(plan, batch.input_ids.shape[0], extra=k > 0)
         if not layout.lens:
             return  # every request skips the draft
@@ -205,7 +250,7 @@ class DraftSpeculator:
         ids[new_rows] = new_tokens
         catchup = self._catchup_graph(plan, batch)
         table = table.view(len(sampling), max_blocks)
-        graphs = self.graphs.get(k)
+        graphs = self.graphs.get(k) if constrained is None else None  # constrained: step by step
         if catchup is graphs and graphs is not None and self._greedy(sampling):  # the whole round in one replay
             graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, new_rows, slots, table)
@@ -216,16 +261,89 @@ class DraftSpeculator:
         else:
             logits = self.model.compute_logits(self._forward(ids, positions, meta)[new_rows])
         pos = positions[new_rows]  # [num_drafting] position of the emitted token
-        self._draft_step(0, logits, slots, pos + 1, sampling)
+        mask = None
+        if constrained is not None:  # the masks are made while the catch-up runs
+            mask = constrained.first()
+        self._draft_step(0, logits, slots, pos + 1, sampling, mask)
         if graphs is not None and graphs.loops and self._greedy(sampling) and graphs.bucket(len(sampling)) is not None:
             graphs.run_loop(slots, pos, table)
             return
         for step in range(1, k):
+            if constrained is not None:
+                constrained.copy_drafts(self.drafts, slots, step - 1)  # before the forward: it waits for the copy only
             pos = pos + 1  # position of drafts[:, step - 1]
             safe = pos.clamp(max=self.max_model_len - 1)
             meta = self.attn_backend.decode(safe, table, max_kv)
-            hidden = self._forward(self.drafts[slots, step - 1], safe, meta)
-            self._draft_step(step, self.model.compute_logits(hidden), slots, pos + 1, sampling)
+            logits = self._step_logits(self.drafts[slots, step - 1], safe, meta)
+            if constrained is not None:  # the masks are made while the forward runs
+                mask = constrained.next()
+            self._draft_step(step, logits, slots, pos + 1, sampling, mask)
+
+    def _step_logits(self, ids: Tensor, positions: Tensor, meta) -> Tensor:
+        """One draft step's logits [n, V] over ids [n] at positions [n] (the step graph where it fits)."""
+        graph = self.step_graph
+        if graph is not None and graph.bucket(ids.shape[0]) is not None:
+            return graph.replay(ids.shape[0], ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return self.model.compute_logits(self._forward(ids, positions, meta))
+
+    # ---------------------------------------------------------------- repair
+    @torch.inference_mode()
+    def repair(self, items: list[Redraft], masks: DraftMasks) -> None:
+        """Grammar-aware drafting by repair (the GPU's way: a round runs free, as one graph, and only
+        drafts that leave the grammar cost anything): each item's drafts from its first misfit on
+        are drawn again under the grammar, one draft step at a time (a wait for each, the masks
+        following the drafts), into the draft buffers.
+
+        masks[j]: item j's matcher advanced over its emitted tokens and the drafts before the
+        misfit. The misfit's own column is drawn from the round's logits: a sampled request's
+        cached draft logits (so its draft distribution stays exact: with the same noise, the draft
+        is the draw among the tokens that fit, whichever way it got there), a greedy one's step
+        recomputed; the columns after it from fresh draft steps."""
+        upload = self.attn_backend.upload
+        max_kv = max(it.pos + it.num_drafts for it in items) + 1
+        max_blocks = -(-max_kv // self.block_size)
+        table_host = [b for it in items for b in (it.block_ids + [0] * max_blocks)[:max_blocks]]
+        slots, pos, emitted, table = upload([it.slot for it in items], [it.pos for it in items],
+                                            [it.token for it in items], table_host)
+        table = table.view(len(items), max_blocks)
+        for col in range(min(it.first for it in items), max(it.num_drafts for it in items)):
+            act = [j for j, it in enumerate(items) if it.first <= col < it.num_drafts]
+            if not act:
+                continue
+            (act_t,) = upload(act)
+            slots_a = slots[act_t]
+            ids = emitted[act_t] if col == 0 else self.drafts[slots_a, col - 1]  # the token before the draft
+            if self.clamp_ids:
+                ids = ids.clamp(max=self.draft_vocab - 1)
+            at = pos[act_t] + col  # the position of the token before the draft
+            safe = at.clamp(max=self.max_model_len - 1)
+            logits = self._step_logits(ids, safe, self.attn_backend.decode(safe, table[act_t], max_kv))
+            bitmask = upload.words(masks.rows(act))
+            cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)]
+            fresh = [r for r in range(len(act)) if r not in cached]
+            for group, from_cache in ((fresh, False), (cached, True)):
+                if not group:
+                    continue
+                (rows_t,) = upload(group)
+                group_slots = slots_a[rows_t]
+                group_logits = self.draft_logits[group_slots, col] if from_cache else logits[rows_t]
+                self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, [items[act[r]] for r in group],
+                                 (torch.arange(len(group), device=logits.device), bitmask[rows_t]))
+            tokens = self.drafts[slots_a, col]
+            if tokens.is_cuda:
+                tokens = tokens.to("cpu", non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                ready.synchronize()  # SYNC: the next column's masks follow this one's drafts
+            for j, token in zip(act, tokens.tolist()):
+                masks.advance(j, [token])
+
+    def _caches_logits(self, slot: int) -> bool:
+        """Whether a request's drafts are sampled and their logits cached (probabilistic drafting at
+        temperature > 0, not watermarked)."""
+        wm = self.state.watermark
+        return (self.draft_logits is not None and self.state.params[slot].temperature > 0
+                and not (wm is not None and wm.on[slot]))
 
     def _greedy(self, sampling) -> bool:
         """Whether every draft of the round is an argmax (the captured draft loop's case): not
@@ -248,13 +366,23 @@ class DraftSpeculator:
             return graphs
         return None
 
-    def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling) -> None:
+    def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling,
+                    mask: tuple[Tensor, Tensor] | None = None) -> None:
         """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
         position of the token being drafted (the noise key). Watermarked requests draw with the
         target's keyed noise on the draft's distribution, whatever draft_sample_method says: the
-        shared noise is what makes a draft equal the target's keyed draw."""
+        shared noise is what makes a draft equal the target's keyed draw.
+
+        mask (rows [m] into logits, bitmask [m, words], on the device): structured outputs' grammar.
+        The draft distribution of those rows is the draft's own restricted to the tokens the grammar
+        allows (their logits are kept that way for the ratio test). A structured-output request's
+        drafts skip the draft-side top-k / top-p (the target still applies them): untruncated, a
+        draw among the tokens that fit is the same whether the mask comes before the draw or after
+        a free draw that missed (DraftSpeculator.repair), and never from an empty set."""
         logits = logits[:, : self.draft_vocab]  # [n, draft_vocab]
         if self._greedy(sampling):
+            if mask is not None:
+                apply_token_bitmask(logits, *mask)
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
         logits = logits.float()
@@ -263,8 +391,16 @@ class DraftSpeculator:
         params = [self.state.params[r.slot] for r in sampling]
         temp = self.state.temperature[slots]
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            scaled = apply_top_k_top_p(scaled, self.state.top_k[slots], self.state.top_p[slots])
+        truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
+        if any(truncated):
+            top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]
+            if not all(truncated):  # structured-output rows keep their whole distribution
+                (keep,) = self.attn_backend.upload(truncated)
+                top_k, top_p = top_k.where(keep.bool(), 0), top_p.where(keep.bool(), 1.0)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        if mask is not None:
+            apply_token_bitmask(scaled, *mask)
+            apply_token_bitmask(logits, *mask)
         wm = self.state.watermark
         marked = [n for n, r in enumerate(sampling) if wm is not None and wm.on[r.slot]]
         tokens = logits.argmax(dim=-1)  # greedy drafts, and every request at temperature 0
@@ -281,6 +417,81 @@ class DraftSpeculator:
         self.drafts[slots, step] = tokens
         if self.draft_logits is not None and unmarked:  # (keyed rows verify by exact match: no q)
             self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
+
+
+@dataclass(slots=True)
+class Redraft:
+    """A request whose drafts are drawn again from its first misfit on (DraftSpeculator.repair)."""
+
+    slot: int
+    pos: int  # the position of the token it emitted last (its first draft's predecessor)
+    token: int  # that token
+    block_ids: list[int]
+    first: int  # the column of its first draft that left the grammar
+    num_drafts: int  # its drafts this round
+
+
+class _Constrained:
+    """A drafting round's grammar-aware part: where the constrained requests' rows are, and their
+    tokens on the way to the host (the step's emitted tokens, then each step's drafts)."""
+
+    def __init__(self, masks: DraftMasks, rows: Tensor, starts: list[int], counts: list[int], host: Tensor,
+                 ready: torch.cuda.Event | None, upload):
+        self.masks = masks
+        self._rows = rows  # [m] per constrained request: its row among the round's drafting requests
+        self._starts = starts  # per constrained request: its first row in the step's row tokens
+        self._counts = counts  # per constrained request: its entry in host after the row tokens
+        self._host = host  # [num_rows + num_sampling] int64: row tokens, then num_emitted
+        self._ready = ready
+        self._upload = upload
+        self._drafts: tuple[Tensor, torch.cuda.Event | None] | None = None
+
+    @classmethod
+    def of(cls, masks: DraftMasks, batch: Batch, drafting: list[int], row_tokens: Tensor, num_emitted: Tensor,
+           upload) -> _Constrained:
+        """Start the copy of the step's emitted tokens to the host (no wait)."""
+        row_of = {batch.sampling[n]: j for j, n in enumerate(drafting)}  # plan.reqs index -> drafting row
+        n_of = {i: n for n, i in enumerate(batch.sampling)}
+        if any(i not in row_of for i in masks.reqs):
+            raise RuntimeError("a structured-output request got draft masks but drafts nothing this step")
+        host = torch.cat([row_tokens, num_emitted])
+        ready = None
+        if host.is_cuda:
+            host = host.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        (rows,) = upload([row_of[i] for i in masks.reqs])
+        starts = [batch.cu_num_rows[n_of[i]] for i in masks.reqs]
+        counts = [row_tokens.shape[0] + n_of[i] for i in masks.reqs]
+        return cls(masks, rows, starts, counts, host, ready, upload)
+
+    def first(self) -> tuple[Tensor, Tensor]:
+        """The masks of the first drafts (waits for the step's emitted tokens) -> _draft_step's mask."""
+        if self._ready is not None:
+            self._ready.synchronize()  # SYNC: grammar-aware drafting starts from the emitted tokens
+        flat = self._host.tolist()
+        for j, (start, at) in enumerate(zip(self._starts, self._counts)):
+            self.masks.advance(j, flat[start : start + flat[at]])
+        return self._rows, self._upload.words(self.masks.rows())
+
+    def copy_drafts(self, drafts: Tensor, slots: Tensor, col: int) -> None:
+        """Start the copy to the host of the constrained requests' drafts[:, col] (no wait)."""
+        mine = drafts[slots[self._rows], col]
+        event = None
+        if mine.is_cuda:
+            mine = mine.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._drafts = (mine, event)
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        """The masks of the next drafts, after the ones copy_drafts started (waits for that copy only)."""
+        mine, event = self._drafts
+        if event is not None:
+            event.synchronize()  # SYNC: one a draft step, queued before the forward it runs beside
+        for j, token in enumerate(mine.tolist()):
+            self.masks.advance(j, [token])
+        return self._rows, self._upload.words(self.masks.rows())
 
 
 @dataclass(slots=True)

@@ -162,8 +162,9 @@ def test_watermarked_speculation_on_gpu(models, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_structured_outputs_on_gpu(models, dtype):
     """Constrained requests on the GPU: graphs equal eager, speculative output (greedy and
-    probabilistic drafts, the drafts brought to the host for the masks) equals target-only output,
-    and every output keeps to its constraint."""
+    probabilistic drafts, the drafts brought to the host for the masks, those that leave the
+    grammar drawn again; or every draft masked in the round) equals target-only output, and every
+    output keeps to its constraint."""
     import re
 
     from tandem import StructuredOutputsParams
@@ -184,9 +185,11 @@ def test_structured_outputs_on_gpu(models, dtype):
     assert eager == base
     for spec_model, k, method in ((models[1], 3, "greedy"), (models[0], 4, "greedy"), (models[0], 3, "probabilistic")):
         spec = dict(model=str(spec_model), num_speculative_tokens=k, draft_sample_method=method)
-        out, llm = _run(models[0], dtype, spec, params=params)
+        out, llm = _run(models[0], dtype, spec, params=params)  # drafts that leave the grammar drawn again
         assert out == base, (k, method)
         assert llm.engine.spec_metrics.num_draft_tokens > 0
+    llm.engine.grammar_drafting = "round"  # every draft masked in the round, step by step
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)] == base
 
 
 def test_keyed_draw_kernel_equals_the_reference():
@@ -265,9 +268,12 @@ def test_sampled_speculation_runs_on_gpu(models):
     target, draft = models
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, ignore_eos=True, seed=5)
     spec = dict(model=str(draft), num_speculative_tokens=3, draft_sample_method="probabilistic")
-    a, _ = _run(target, "bfloat16", spec, params=params)
+    a, llm = _run(target, "bfloat16", spec, params=params)
+    assert llm.engine.runner.speculator.step_graph is not None  # the loop steps replay the one-step graph
     b, _ = _run(target, "bfloat16", spec, params=params)
     assert a == b and all(len(t) == 32 for t in a)
+    eager, _ = _run(target, "bfloat16", spec, params=params, enforce_eager=True)
+    assert eager == a
 
 
 def test_draft_with_fewer_vocabulary_rows_on_gpu(models, tmp_path):
@@ -392,28 +398,57 @@ def _steady_steps(engine, before=None) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("spec_on", [False, True])
-def test_constrained_steps_wait_only_for_their_results(models, spec_on, monkeypatch):
+@pytest.mark.parametrize("way", [None, "auto", "repair", "round"])
+def test_constrained_steps_wait_only_for_their_results(models, way, monkeypatch):
     """A structured-output request beside a free one: its masks reach the logits without a hidden
-    synchronisation; a step waits once for its result, and with a draft once more for the drafts
-    of the constrained request (its next masks follow them)."""
+    synchronisation, and a step waits once for its result (None: target-only). With a draft
+    (k = 3) the engine waits once more for the request's drafts; a free round whose drafts leave
+    the grammar ("repair", and "auto", the GPU's default, until the request's misfits are
+    frequent) adds a wait a redrawn column and one for the new drafts; a round masked step by
+    step ("round", and "auto" once misfits are frequent) waits for the request's emitted tokens and
+    then for each of its drafts but the last."""
     from tandem import StructuredOutputsParams
+    from tandem.engine.grammar import Grammars
+    from tandem.spec.speculator import DraftSpeculator
 
     target, draft = models
-    spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    spec = dict(model=str(draft), num_speculative_tokens=3) if way else None
     llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, kv_cache_memory_bytes=64 << 20)
     engine = llm.engine
+    assert engine.grammar_drafting == "auto"
+    engine.grammar_drafting = way
     free = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     digits = free.clone(structured_outputs=StructuredOutputsParams(regex="[0-9]{80}"))
     for i, p in enumerate(_prompts()[:2]):
         engine.add_request(str(i), p["prompt_token_ids"], digits if i == 0 else free)
-    waits = []
-    real = torch.cuda.Event.synchronize
-    _steady_steps(engine, lambda: monkeypatch.setattr(torch.cuda.Event, "synchronize",
-                                                      lambda self: (waits.append(1), real(self))[1]))
+    waits, repairs, masked = [], [], []
+    real_sync, real_repair, real_masks = torch.cuda.Event.synchronize, DraftSpeculator.repair, Grammars.draft_masks
+
+    def repair(self, items, masks):  # a wait a redrawn column, and one for the drafts read after
+        cols = range(min(it.first for it in items), max(it.num_drafts for it in items))
+        repairs.append(1 + sum(any(it.first <= c < it.num_drafts for it in items) for c in cols))
+        return real_repair(self, items, masks)
+
+    def draft_masks(self, plan):
+        out = real_masks(self, plan)
+        masked.append(out is not None)
+        return out
+
+    def watch():
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real_sync(self))[1])
+        monkeypatch.setattr(DraftSpeculator, "repair", repair)
+        monkeypatch.setattr(Grammars, "draft_masks", draft_masks)
+
+    _steady_steps(engine, watch)
     assert engine.has_unfinished_requests()
-    assert len(waits) == 8 * (2 if spec_on else 1), len(waits)
+    k = 3
+    expected = 8 if way is None else 8 * 2 + sum(repairs) + k * sum(masked)
+    assert len(waits) == expected, (len(waits), repairs, masked)
+    if way == "repair":
+        assert repairs  # a random draft's free drafts leave [0-9]: some are drawn again
+    if way == "auto":  # its free rounds miss so often that most rounds are masked
+        assert sum(masked) >= 4, masked
 
 
 @pytest.mark.parametrize("spec_on", [False, True])
