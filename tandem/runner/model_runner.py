@@ -24,6 +24,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.runner.inputs import Batch, build_batch
+from tandem.runner.upload import to_host
 from tandem.sampling.processors import CHUNK_ROWS, apply_token_bitmask
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState
@@ -190,12 +191,7 @@ class ModelRunner:
         if not want:
             return None
         (slots,) = self.attn_backend.upload([plan.reqs[i].slot for i in want])
-        drafts = self.speculator.drafts[slots]  # [m, k]
-        if not drafts.is_cuda:
-            return want, drafts, None
-        drafts = drafts.to("cpu", non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        drafts, ready = to_host(self.speculator.drafts[slots])  # [m, k]
         return want, drafts, ready
 
     def _logits(self, plan: StepPlan, batch: Batch) -> tuple[Tensor, Tensor | None]:
@@ -355,11 +351,8 @@ class ModelRunner:
         finally:
             masks.finish()
         (slots,) = self.attn_backend.upload([it.slot for it in items])
-        rows = self.speculator.drafts[slots]  # [m, k]
-        if rows.is_cuda:
-            rows = rows.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        rows, ready = to_host(self.speculator.drafts[slots])  # [m, k]
+        if ready is not None:
             ready.synchronize()  # SYNC: the repaired drafts, for the next step's masks
         return {req_id: row[: it.num_drafts] for req_id, it, row in zip(ids, items, rows.tolist())}
 

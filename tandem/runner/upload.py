@@ -1,4 +1,5 @@
-"""Host lists -> device int64 tensors in one copy (each small H2D copy costs ~10-20 us)."""
+"""Host lists -> device int64 tensors in one copy (each small H2D copy costs ~10-20 us), and
+device tensors back to the host behind an event (to_host)."""
 from __future__ import annotations
 
 import torch
@@ -59,3 +60,14 @@ class Uploader:
         else:  # larger than what is left this step: a one-off pinned copy
             staged = host.pin_memory()
         return staged.to(self.device, non_blocking=True)
+
+
+def to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """Start the copy of t to (pinned) host memory -> (the host tensor, an event recorded after the
+    copy, for the caller to wait on; None on a CPU, where t is already there). Never waits."""
+    if not t.is_cuda:
+        return t, None
+    host = t.to("cpu", non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

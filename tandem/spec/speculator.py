@@ -40,6 +40,7 @@ from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch, row_prior_drafts
+from tandem.runner.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import DRAFT_SALT
 from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
@@ -317,10 +318,12 @@ class DraftSpeculator:
                 ids = ids.clamp(max=self.draft_vocab - 1)
             at = pos[act_t] + col  # the position of the token before the draft
             safe = at.clamp(max=self.max_model_len - 1)
-            logits = self._step_logits(ids, safe, self.attn_backend.decode(safe, table[act_t], max_kv))
-            bitmask = upload.words(masks.rows(act))
             cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)]
             fresh = [r for r in range(len(act)) if r not in cached]
+            logits = None  # (rows that all draw from their cached logits need no forward)
+            if fresh:
+                logits = self._step_logits(ids, safe, self.attn_backend.decode(safe, table[act_t], max_kv))
+            bitmask = upload.words(masks.rows(act))
             for group, from_cache in ((fresh, False), (cached, True)):
                 if not group:
                     continue
@@ -328,12 +331,9 @@ class DraftSpeculator:
                 group_slots = slots_a[rows_t]
                 group_logits = self.draft_logits[group_slots, col] if from_cache else logits[rows_t]
                 self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, [items[act[r]] for r in group],
-                                 (torch.arange(len(group), device=logits.device), bitmask[rows_t]))
-            tokens = self.drafts[slots_a, col]
-            if tokens.is_cuda:
-                tokens = tokens.to("cpu", non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
+                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]))
+            tokens, ready = to_host(self.drafts[slots_a, col])
+            if ready is not None:
                 ready.synchronize()  # SYNC: the next column's masks follow this one's drafts
             for j, token in zip(act, tokens.tolist()):
                 masks.advance(j, [token])
@@ -454,12 +454,7 @@ class _Constrained:
         n_of = {i: n for n, i in enumerate(batch.sampling)}
         if any(i not in row_of for i in masks.reqs):
             raise RuntimeError("a structured-output request got draft masks but drafts nothing this step")
-        host = torch.cat([row_tokens, num_emitted])
-        ready = None
-        if host.is_cuda:
-            host = host.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        host, ready = to_host(torch.cat([row_tokens, num_emitted]))
         (rows,) = upload([row_of[i] for i in masks.reqs])
         starts = [batch.cu_num_rows[n_of[i]] for i in masks.reqs]
         counts = [row_tokens.shape[0] + n_of[i] for i in masks.reqs]
@@ -476,13 +471,7 @@ class _Constrained:
 
     def copy_drafts(self, drafts: Tensor, slots: Tensor, col: int) -> None:
         """Start the copy to the host of the constrained requests' drafts[:, col] (no wait)."""
-        mine = drafts[slots[self._rows], col]
-        event = None
-        if mine.is_cuda:
-            mine = mine.to("cpu", non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._drafts = (mine, event)
+        self._drafts = to_host(drafts[slots[self._rows], col])
 
     def next(self) -> tuple[Tensor, Tensor]:
         """The masks of the next drafts, after the ones copy_drafts started (waits for that copy only)."""
