@@ -14,7 +14,9 @@ The drafts are proposed under the constraint as well (DraftMasks): while the dra
 round, each matcher is advanced over the tokens the step emitted and then over each draft, and
 the draft's next row is masked with the language after them, so the draft proposes only tokens
 the target may emit. Everything the round consumed is rolled back after it; the engine then
-advances the matchers over what the step emitted (Grammars.accept).
+advances the matchers over what the step emitted (Grammars.accept). On a GPU a round runs free
+instead, and the drafts from the first that leaves the language (misfits) are drawn again under
+masks from the matchers advanced over the drafts that fit (repair_masks).
 """
 from __future__ import annotations
 
