@@ -125,7 +125,10 @@ def test_constrained_beside_unconstrained_requests(models, target_only):
     assert _tokens(mixed[2:]) == greedy_ref
 
 
-def test_async_scheduling_and_preemption_keep_the_constraint(models, target_only):
+@pytest.mark.parametrize("way", ["round", "auto"])
+def test_async_scheduling_and_preemption_keep_the_constraint(models, target_only, way):
+    """Also with n = 2 sequences a prompt, and whichever way the drafts meet the grammar (masked in
+    the round, a CPU's way; "auto", a GPU's: free rounds whose misfits are drawn again)."""
     names, greedy_ref, _, _, _ = target_only
     _, prompts, params = _requests(0.0)
     llm = _llm(models, async_scheduling=True)
@@ -141,8 +144,11 @@ def test_async_scheduling_and_preemption_keep_the_constraint(models, target_only
     # A pool of 9 blocks of 8 tokens for 6 requests of up to 4 blocks preempts some mid-output.
     per_block = sum(KVCache.bytes_per_block(read_arch_config(models[m]), 8, torch.float32) for m in ("target", "near"))
     llm = _llm(models, "near", max_model_len=72, kv_cache_memory_bytes=per_block * 9)
+    llm.engine.grammar_drafting = way
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == greedy_ref
     assert llm.engine.scheduler.num_preemptions > 0
+    names_s, prompts_s, params_s = _requests(1.0, n=2)
+    _check(names_s, llm.generate(prompts_s, params_s, use_tqdm=False))
 
 
 def test_bad_constraints_are_refused_and_lose_nothing(models):
