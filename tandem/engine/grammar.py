@@ -177,8 +177,7 @@ class Grammars:
     def draft_masks(self, plan: StepPlan) -> DraftMasks | None:
         """The masks of the step's drafting round for its constrained requests that draft (None:
         it has none)."""
-        reqs = [i for i, r in enumerate(plan.reqs)
-                if r.sample and r.num_next_drafts and r.req_id in self.matchers]
+        reqs = self._drafting(plan)
         if not reqs:
             return None
         return DraftMasks(reqs, [self.matchers[plan.reqs[i].req_id] for i in reqs], self.num_words, self._executor)
@@ -215,8 +214,11 @@ class Grammars:
         """"auto" grammar-aware drafting: mask this step's drafting round step by step (a wait a
         draft step) rather than run it free and draw its misfits again, because a constrained
         request that drafts leaves the grammar in at least ROUND_ABOVE of its free rounds."""
-        return any(self.misfit_rate.get(r.req_id, 0.0) >= ROUND_ABOVE for r in plan.reqs
-                   if r.sample and r.num_next_drafts and r.req_id in self.matchers)
+        return any(self.misfit_rate.get(plan.reqs[i].req_id, 0.0) >= ROUND_ABOVE for i in self._drafting(plan))
+
+    def _drafting(self, plan: StepPlan) -> list[int]:
+        """Indices into plan.reqs of the constrained requests that sample and draft after the step."""
+        return [i for i, r in enumerate(plan.reqs) if r.sample and r.num_next_drafts and r.req_id in self.matchers]
 
     def repair_masks(self, req_ids: list[int], drafts: list[list[int]]) -> DraftMasks:
         """Masks for redrafting sequences req_ids from the end of the drafts that fit (drafts[j],
