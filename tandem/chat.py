@@ -1,21 +1,39 @@
 """Chat messages -> the chat template's input, prepared as vLLM prepares them (for LLM.chat and the server)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tandem.errors import RequestError
 
 
 def text_message(message: dict) -> dict:
-    """The message with its OpenAI-style content parts joined into its text (vLLM joins text parts
-    with newlines); other part types are refused."""
+    """The message as chat templates take it (vLLM's preparation): OpenAI-style content parts joined
+    into its text by newlines (other part types are refused), and an assistant message's tool-call
+    arguments, JSON text in OpenAI's format, parsed into the object templates print."""
     content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-               for part in content):
-        raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-    return {**message, "content": "\n".join(part["text"] for part in content)}
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        message = {**message, "content": "\n".join(part["text"] for part in content)}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                       and isinstance(c["function"].get("arguments"), str) for c in calls):
+        message = {**message, "tool_calls": [_parsed_arguments(c, i) for i, c in enumerate(calls)]}
+    return message
+
+
+def _parsed_arguments(call: Any, i: int) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as e:
+        raise RequestError(f"tool_calls.{i}.function.arguments is not JSON ({e}); give the arguments as a JSON "
+                           "object's text, as the reply that made the call gave them") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def template_kwargs(chat_template: str | None, add_generation_prompt: bool, continue_final_message: bool,

@@ -58,8 +58,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 raise ValueError("a JSON schema is an object (or true / false)")
             if params.disable_additional_properties:
                 schema = _closed_objects(copy.deepcopy(schema))
+            # Free whitespace unless disabled; a schema's own "x-guidance" options (llguidance's) hold otherwise.
             return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, overrides={"whitespace_flexible": not params.disable_any_whitespace})
+                schema, overrides={"whitespace_flexible": False} if params.disable_any_whitespace else None)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":

@@ -11,6 +11,7 @@ import argparse
 from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, watermark_config
 
 DEFAULT_K = 4
+TOOL_CALL_PARSERS = ("hermes",)  # "auto" tool choice's parsers (tandem/server/tools.py)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,6 +63,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds to let requests in flight finish on shutdown before aborting them")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="run chat templates sent in requests (a template is code; refused by default)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" (the default with tools): the model decides whether to call '
+                             "and --tool-call-parser finds the calls in its text")
+    server.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                        help="how calls read in the model's text, with --enable-auto-tool-choice (hermes: "
+                             "<tool_call>{...}</tool_call>, as Qwen2.5's template asks)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -76,3 +83,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
                             ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser to find the calls in the model's text; "
+                          f"add --tool-call-parser {TOOL_CALL_PARSERS[0]}")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        raise ConfigError('--tool-call-parser is used only by tool_choice "auto"; add --enable-auto-tool-choice or drop '
+                          "--tool-call-parser")

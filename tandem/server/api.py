@@ -57,10 +57,19 @@ from tandem.server.protocol import (
     SpecDecodeStats,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     UNSUPPORTED_FIELDS,
     random_id,
+)
+from tandem.server import TOOL_CALL_PARSERS
+from tandem.server.tools import (
+    ToolChoice,
+    ToolChoiceError,
+    ToolStream,
+    tool_choice,
+    tools_for_template,
 )
 
 logger = logging.getLogger("tandem.server")
@@ -374,10 +383,14 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    def __init__(self, *args, role: str = "assistant", echo_text: str = "", **kwargs):
-        """role: the reply's; echo_text: what its content starts with (chat's echo)."""
+    def __init__(self, *args, role: str = "assistant", echo_text: str = "", tools: ToolChoice | None = None,
+                 **kwargs):
+        """role: the reply's; echo_text: what its content starts with (chat's echo); tools: how
+        replies become tool calls (None: plain text)."""
         super().__init__(*args, **kwargs)
         self.role, self.echo_text = role, echo_text
+        self.tools = tools
+        self.tool_streams = [ToolStream(tools) for _ in self.done] if tools is not None else None
 
     def preamble(self) -> list[BaseModel]:
         size = len(self.done)
@@ -393,7 +406,14 @@ class ChatRenderer(_Renderer):
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
         logprobs = chat_logprobs(token_ids, lps, self.params.logprobs) if lps is not None else None
-        return self.chunk([ChatStreamChoice(index=idx, delta=DeltaMessage(content=text or None), logprobs=logprobs,
+        if self.tool_streams is None:
+            message = DeltaMessage(content=text or None)
+        else:
+            stream = self.tool_streams[idx]
+            parts = [stream.feed(text) if text else None, stream.finish() if finish is not None else None]
+            message = _joined_deltas([p for p in parts if p is not None])
+            finish = self.tools.finish_reason(stream.calls, finish)
+        return self.chunk([ChatStreamChoice(index=idx, delta=message, logprobs=logprobs,
                                             finish_reason=finish, stop_reason=stop)])
 
     def response(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
@@ -402,12 +422,23 @@ class ChatRenderer(_Renderer):
             logprobs = None
             if seq.logprobs is not None:
                 logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs)
-            message = ChatResponseMessage(role=self.role, content=self.echo_text + seq.text)
+            content, calls, finish = seq.text, [], seq.finish_reason
+            if self.tools is not None:
+                content, calls = self.tools.parse(seq.text)
+                finish = self.tools.finish_reason(calls, finish)
+            message = ChatResponseMessage(role=self.role, content=self.echo_text + content if content is not None
+                                          else self.echo_text or None, tool_calls=[ToolCall(function=c) for c in calls])
             choices.append(ChatChoice(index=seq.index, message=message,
-                                      logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                                      logprobs=logprobs, finish_reason=finish, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(outputs), spec_decode=spec_stats(outputs),
                                       prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
+
+
+def _joined_deltas(parts: list[DeltaMessage]) -> DeltaMessage:
+    """One delta holding the pieces' content (joined) and tool calls, in order."""
+    content = "".join(p.content for p in parts if p.content is not None)
+    return DeltaMessage(content=content or None, tool_calls=[c for p in parts for c in p.tool_calls])
 
 
 def _sse(chunk: BaseModel) -> str:
@@ -470,9 +501,11 @@ class OpenAIServer:
     """Route handlers of the OpenAI API over one AsyncEngine."""
 
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
-                 trust_request_chat_template: bool = False, generation_defaults: dict | None = None):
+                 trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
+                 tool_call_parser: str | None = None):
         engine = client.engine
         self.client = client
+        self.tool_call_parser = tool_call_parser  # "auto" tool choice's parser; None: "auto" is refused
         self.trust_request_chat_template = trust_request_chat_template
         self.generation_defaults = dict(generation_defaults or {})  # for the sampling fields a request leaves out
         # Templating and tokenizing run on one worker thread: a long prompt does not stall the event
@@ -568,21 +601,24 @@ class OpenAIServer:
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "'prompt_logprobs' with 'stream': true is supported on /v1/completions only; "
                            "drop one of them", param="prompt_logprobs")
-        if body.tools or (body.tool_choice not in (None, "none")):
-            param = "tools" if body.tools else "tool_choice"
-            raise APIError(400, f"'{param}': tool calling is not supported; leave out 'tools' and 'tool_choice'",
-                           param=param)
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
+        try:
+            tools = tool_choice(body, self.tool_call_parser, constrained=params.structured_outputs is not None)
+        except ToolChoiceError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        constraint = tools.constraint()
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint)
         prompts = [await self._off_loop(self._chat_prompt, body)]
         # The reply's role, and what echo repeats: the last message's content when it has that role (vLLM's).
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
         renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage, role=role,
-                                echo_text=echo_text)
+                                echo_text=echo_text, tools=tools if tools.makes_calls else None)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
-                                    body.max_tokens_field)
+                                    body.max_tokens_field, "tools" if constraint is not None else None)
 
     # ---------------------------------------------------------------- helpers
     def _check_model(self, name: str | None) -> str:
@@ -649,9 +685,14 @@ class OpenAIServer:
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError(400, "'continue_final_message' continues the last message, so 'add_generation_prompt' "
                            "must be false; set 'add_generation_prompt': false", param="continue_final_message")
-        conversation = [m.template_dict() for m in body.messages]
+        conversation = []
+        for i, m in enumerate(body.messages):
+            try:
+                conversation.append(m.template_dict())
+            except RequestError as e:
+                raise APIError(400, f"'messages.{i}': {e}", param=f"messages.{i}") from None
         kwargs = template_kwargs(body.chat_template, body.add_generation_prompt, body.continue_final_message,
-                                 extra=chat_kwargs)  # the text is tokenized here
+                                 tools=tools_for_template(body), extra=chat_kwargs)  # the text is tokenized here
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template
@@ -660,10 +701,13 @@ class OpenAIServer:
         return Prompt(ids, text, from_text=True)
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
-                        renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
+                        renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
+                        constraint_param: str | None = None) -> Response:
+        """constraint_param: the field that set params' structured output, when not one of the
+        structured-output fields (a tool choice's: 'tools')."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
-        streams = await self._submit(renderer.id, prompts, params, prompt_param)
+        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param)
 
         def release() -> None:
             for s in streams:
@@ -707,7 +751,7 @@ class OpenAIServer:
                            else engine.truncate_prompt(p.token_ids, params))
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                      prompt_param: str) -> list[RequestStream]:
+                      prompt_param: str, constraint_param: str | None = None) -> list[RequestStream]:
         capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
         if len(prompts) * params.n > capacity:  # a 503 would say "retry later", and no retry could fit
             param = "n" if params.n > 1 else prompt_param
@@ -722,6 +766,9 @@ class OpenAIServer:
             for s in streams:
                 self.client.release(s)
             if isinstance(e, RequestError):
+                if constraint_param is not None and str(e).startswith("StructuredOutputsParams."):
+                    raise APIError(400, f"'{constraint_param}': a function's 'parameters' is not a JSON schema "
+                                   f"tandem can hold the output to: {e}", param=constraint_param) from None
                 raise request_error(e, {}, prompt_param) from None
             raise
         return streams
@@ -796,9 +843,11 @@ def build_app(
     max_queued_requests: int = 256,
     drain_timeout_s: float = 0.0,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
-    trust_request_chat_template: run chat templates that requests send (off: they are refused).
+    trust_request_chat_template: run chat templates that requests send (off: they are refused);
+    tool_call_parser: enables "auto" tool choice with that parser (`tools.TOOL_CALL_PARSERS`).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -808,11 +857,13 @@ def build_app(
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names:
         raise ValueError("model_name must name at least one served model")
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser={tool_call_parser!r} is not one of {list(TOOL_CALL_PARSERS)}")
     k = engine.spec_metrics.k if engine.spec_metrics is not None else 0
     metrics = ServerMetrics(names[0], num_speculative_tokens=k)
     client = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     defaults = getattr(llm_or_engine, "generation_defaults", None)  # an LLM's (an Engine has none)
-    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults)
+    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -886,7 +937,8 @@ def run_server(args: argparse.Namespace) -> int:
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
     DrainingServer(config, app).run()

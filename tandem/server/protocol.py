@@ -234,6 +234,29 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # accepted; named and "required" tool choice always hold to the schema
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice {"type": "function", "function": {"name": ...}}: the reply calls that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     """One message; extra keys (name, tool_calls, ...) are passed on to the chat template."""
 
@@ -261,9 +284,10 @@ class ChatCompletionRequest(_SamplingRequest):
     # A Jinja template instead of the tokenizer's: refused unless the server trusts request templates.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
-    # Read only to refuse tool calls, not ignored silently.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calling (tandem/server/tools.py): the functions the model may call and whether it must.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
 
     @property
     def max_tokens_field(self) -> str:
@@ -347,9 +371,35 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A streamed piece of a tool call: the first piece of call `index` carries its id and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -374,6 +424,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatStreamChoice(_Response):
@@ -430,6 +481,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered by the chat template, as chat completions render them
 
 
 class TokenizeResponse(_Response):

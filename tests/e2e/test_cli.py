@@ -175,6 +175,16 @@ def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     assert capsys.readouterr().err.startswith(f"error: {flag} needs a draft model; add --draft PATH")
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--enable-auto-tool-choice"], "error: --enable-auto-tool-choice needs --tool-call-parser"),
+    (["--tool-call-parser", "hermes"], "error: --tool-call-parser is used only by tool_choice \"auto\""),
+])
+def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):
+    rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
+    assert rc == 2
+    assert capsys.readouterr().err.startswith(says)
+
+
 def test_async_engine_bad_queue_limit_is_a_config_error():
     from tandem.errors import ConfigError
     from tandem.server.async_engine import AsyncEngine

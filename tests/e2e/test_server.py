@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import threading
@@ -708,6 +709,7 @@ def test_a_device_error_stops_the_loop_and_health_says_so(model_dirs, monkeypatc
 # ---------------------------------------------------------------- bad input
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_C = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+TOOL_F = {"type": "function", "function": {"name": "f"}}
 OK_CH = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD_INPUTS = [
     # (id, path, body (dict merged onto a good one, or raw bytes), status, param)
@@ -745,8 +747,23 @@ BAD_INPUTS = [
     ("chat-response-format-type", CH, {"response_format": {"type": "xml"}}, 400, "response_format"),
     ("chat-json-schema-shape", CH, {"response_format": {"type": "json_schema", "json_schema": []}}, 400,
      "response_format"),
-    ("chat-tools", CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat-tool-choice", CH, {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat-auto-tools-not-enabled", CH, {"tools": [TOOL_F]}, 400, "tool_choice"),
+    ("chat-tool-choice-without-tools", CH, {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat-tool-choice-unknown-function", CH, {"tools": [TOOL_F], "tool_choice": {"type": "function",
+                                                                                  "function": {"name": "g"}}},
+     400, "tool_choice"),
+    ("chat-tool-choice-word", CH, {"tools": [TOOL_F], "tool_choice": "always"}, 400, "tool_choice"),
+    ("chat-tool-type", CH, {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, "tools.0.type"),
+    ("chat-tool-twice", CH, {"tools": [TOOL_F, TOOL_F], "tool_choice": "required"}, 400, "tools"),
+    ("chat-tool-and-response-format", CH, {"tools": [TOOL_F], "tool_choice": "required",
+                                           "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("chat-tool-schema-does-not-compile", CH, {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "strange"}}}], "tool_choice": "required"}, 400, "tools"),
+    ("chat-tool-call-arguments-not-json", CH, {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",
+                                                                                         "arguments": "{"}}]}]},
+     400, "messages.1"),
     ("chat-context-length", CH, {"max_completion_tokens": 200}, 400, "max_completion_tokens"),
     ("allowed-token-ids-range", C, {"allowed_token_ids": [5, 100000]}, 400, "allowed_token_ids"),
     ("allowed-token-ids-empty", C, {"allowed_token_ids": []}, 400, "allowed_token_ids"),
@@ -817,6 +834,132 @@ def test_structured_outputs_over_the_api(live, reference):
     assert r.choices[0].message.content == text
     r = live.post(C, json={**OK_C, "guided_regex": "[0-9"})
     assert r.status_code == 400 and "regex does not compile" in r.json()["error"]["message"], r.text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _streamed_calls(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """A streamed chat reply's content, tool calls (index -> id, name, arguments) and finish reason."""
+    content, calls, finish = "", {}, None
+    for c in chunks:
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or tc.id
+            call["name"] = call["name"] or (tc.function.name if tc.function else None)
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = c.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_named_and_required(live, reference):
+    """A named tool choice or "required" holds the output to the calls' JSON (json.dumps's layout),
+    which the reply carries as tool_calls, streamed or not; the arguments are the offline engine's
+    output under the same schema."""
+    from tandem.server.tools import ToolChoice
+
+    specs = tuple({"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in (WEATHER, CLOCK))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, mode in ((named, ToolChoice("named", specs, name="get_weather")),
+                         ("required", ToolChoice("required", specs, parallel=False))):
+        kwargs = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=[WEATHER, CLOCK],
+                      tool_choice=choice, parallel_tool_calls=False)
+        r = live.client.chat.completions.create(**kwargs)
+        ref = reference.chat(ASK, SamplingParams(temperature=0, max_tokens=80, structured_outputs=mode.constraint()),
+                             use_tqdm=False)[0].outputs[0]
+        message = r.choices[0].message
+        assert message.content is None and len(message.tool_calls) == 1, message
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        if mode.mode == "named":
+            assert call.function.name == "get_weather" and call.function.arguments == ref.text
+            assert r.choices[0].finish_reason == "stop"
+        else:
+            assert [{"name": call.function.name, "parameters": json.loads(call.function.arguments)}] \
+                == json.loads(ref.text)
+            assert r.choices[0].finish_reason == "tool_calls"
+        assert json.dumps(json.loads(call.function.arguments)) == call.function.arguments  # json.dumps's layout
+        content, calls, finish = _streamed_calls(live.client.chat.completions.create(**kwargs, stream=True))
+        assert content == "" and finish == r.choices[0].finish_reason
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+        assert calls[0]["id"].startswith("chatcmpl-tool-")
+    # Cut short by max_tokens, the calls do not parse: the text comes back as content, as it stands.
+    r = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0,
+                                            tools=[WEATHER, CLOCK], tool_choice="required")
+    cut = reference.chat(ASK, SamplingParams(temperature=0, max_tokens=12,
+                                             structured_outputs=ToolChoice("required", specs).constraint()),
+                         use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == cut.text and cut.text.startswith('[{"name": "g'), cut.text
+
+
+def test_auto_tool_choice_parses_hermes_calls(live, reference):
+    """tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice; the hermes parser
+    then finds <tool_call> blocks in the model's free text (forced here with a regex, the random
+    model would not write one), streamed or not; a reply without one stays plain text."""
+    server = live.app.state.server
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}\n</tool_call>'
+    regex = r"Let me check\. " + re.escape(call).replace("Rome", "(Rome|Paris)")
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=99, temperature=0, tools=[WEATHER],
+                  extra_body={"guided_regex": regex})
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        live.client.chat.completions.create(**kwargs)
+    ref = reference.chat(ASK, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    none = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                               tools=[WEATHER], tool_choice="none")
+    assert none.choices[0].message.content == ref.text and not none.choices[0].message.tool_calls
+    server.tool_call_parser = "hermes"
+    try:
+        r = live.client.chat.completions.create(**kwargs)
+        streamed = _streamed_calls(live.client.chat.completions.create(**kwargs, stream=True))
+        plain = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                                    tools=[WEATHER], tool_choice="auto")
+    finally:
+        server.tool_call_parser = None
+    message = r.choices[0].message
+    assert message.content == "Let me check. " and r.choices[0].finish_reason == "tool_calls", r
+    assert [(c.function.name, json.loads(c.function.arguments)["days"]) for c in message.tool_calls] \
+        == [("get_weather", 3)]
+    content, calls, finish = streamed
+    assert content == message.content and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", message.tool_calls[0].function.arguments)]
+    assert plain.choices[0].message.content == ref.text and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == ref.finish_reason
+
+
+def test_tools_and_past_calls_reach_the_chat_template(live, reference):
+    """The tools go to the template, and a past call's arguments (JSON text in OpenAI's messages)
+    reach it as an object, as vLLM passes them."""
+    template = ("{{ tools | map(attribute='function.name') | join(',') }}|"
+                "{% for m in messages %}{{ m['role'] }}:{{ m['content'] or '' }}"
+                "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }} {{ c.function.arguments.city }}]"
+                "{% endfor %};{% endfor %}")
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]
+    server = live.app.state.server
+    server.trust_request_chat_template = True
+    try:
+        r = live.post("/tokenize", json={"model": MODEL, "messages": messages, "tools": [WEATHER, CLOCK],
+                                         "chat_template": template})
+    finally:
+        server.trust_request_chat_template = False
+    assert r.status_code == 200, r.text
+    text = reference.get_tokenizer().decode(r.json()["tokens"])
+    assert text == "get_weather,get_time|user:Weather in Paris?;assistant:[get_weather Paris];tool:sunny;", text
 
 
 def test_server_keeps_serving_after_errors(live):

@@ -1,0 +1,112 @@
+"""Tool calling's pieces without a model: the hermes parser, the constraints of named and "required"
+tool choice, and the streamed deltas of a choice (tandem/server/tools.py). The server end to end
+is in test_server.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.tools import ToolChoice, ToolChoiceError, ToolStream, parse_hermes, tool_choice
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "é"}}\n</tool_call>'
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_parse_hermes():
+    content, calls = parse_hermes("I'll look.\n" + CALL + "\n" + CALL.replace('"f"', '"g"'))
+    assert content == "I'll look.\n" and _calls(calls) == [("f", {"x": 1, "s": "é"}), ("g", {"x": 1, "s": "é"})]
+    assert calls[0].arguments == '{"x": 1, "s": "é"}'  # json.dumps's layout, not ASCII-escaped
+    # the last block unclosed (the model ended its turn there); "parameters" for "arguments"; blank content
+    content, calls = parse_hermes('  \n<tool_call>\n{"name": "f", "parameters": {}}')
+    assert content is None and _calls(calls) == [("f", {})]
+    for text in ("plain text", CALL.replace('"x": 1', '"x": '), '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>["f"]</tool_call>',
+                 "x " + CALL + '<tool_call>{"name": "g"', ):
+        assert parse_hermes(text) == (text, []), text  # any block that is not a call: all of it is content
+
+
+def test_choices_and_their_errors():
+    def request(**fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    g = {"type": "function", "function": {"name": "g"}}
+    assert tool_choice(request(), None).mode == "none"
+    assert tool_choice(request(tools=[f], tool_choice="none"), None).mode == "none"
+    assert tool_choice(request(tools=[f]), "hermes").mode == "auto"  # the default with tools
+    named = tool_choice(request(tools=[f, g], tool_choice={"type": "function", "function": {"name": "g"}}), None)
+    assert (named.mode, named.name, named.tools[1]["parameters"]) == ("named", "g", {"type": "object"})
+    for fields, parser, constrained, param, says in [
+        ({"tools": [f]}, None, False, "tool_choice", "--enable-auto-tool-choice --tool-call-parser hermes"),
+        ({"tool_choice": "required"}, None, False, "tool_choice", "needs 'tools'"),
+        ({"tools": [f, f], "tool_choice": "required"}, None, False, "tools", "twice"),
+        ({"tools": [f], "tool_choice": {"type": "function", "function": {"name": "h"}}}, None, False, "tool_choice",
+         "'h', which is not in 'tools'"),
+        ({"tools": [f], "tool_choice": "required"}, None, True, "tool_choice", "drop one"),
+    ]:
+        with pytest.raises(ToolChoiceError, match=says) as e:
+            tool_choice(request(**fields), parser, constrained)
+        assert e.value.param == param
+    assert tool_choice(request(tools=[f]), "hermes", constrained=True).mode == "auto"  # its own constraint holds
+
+
+def test_required_schema_hoists_defs_and_keeps_a_schemas_own_layout():
+    point = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
+    specs = ({"name": "a", "parameters": point}, {"name": "b", "parameters": {"type": "object"}})
+    schema = ToolChoice("required", specs, parallel=False).constraint().json
+    assert schema["$defs"] == {"P": {"type": "integer"}} and schema["maxItems"] == 1
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["a"], ["b"]]
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"] and "$defs" in point
+    assert schema["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    own = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
+    assert ToolChoice("named", ({"name": "a", "parameters": own},), name="a").constraint().json["x-guidance"][
+        "whitespace_flexible"] is True
+    clash = {"type": "function", "function": {"name": "c", "parameters": {"$defs": {"P": {"type": "string"}}}}}
+    request = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "a", "parameters": point}}, clash]})
+    with pytest.raises(ToolChoiceError, match="'P' differently"):
+        tool_choice(request, None)
+
+
+def _stream(choice: ToolChoice, text: str, size: int) -> tuple[str, list, list]:
+    stream = ToolStream(choice)
+    deltas = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+    deltas = [d for d in deltas if d is not None]
+    content = "".join(d.content or "" for d in deltas)
+    return content, [c for d in deltas for c in d.tool_calls], deltas
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_streamed_auto_choice_equals_the_whole_reply(size):
+    auto = ToolChoice("auto", parallel=True, parser="hermes")
+    for text in ("Sure, checking.\n" + CALL + CALL, "\n\n" + CALL, "no call, only a <tool", "a <tool_call> that breaks"):
+        want_content, want_calls = auto.parse(text)
+        content, calls, deltas = _stream(auto, text, size)
+        assert content == (want_content or ""), (text, size)
+        assert [(c.function.name, c.function.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+        assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
+        if want_calls:  # nothing of a call leaks into content
+            assert not any("<tool" in (d.content or "") for d in deltas)
+    one = ToolChoice("auto", parallel=False, parser="hermes")
+    assert len(one.parse(CALL + CALL)[1]) == 1 and len(_stream(one, CALL + CALL, size)[1]) == 1
+
+
+def test_streamed_named_call_sends_its_arguments_as_they_come():
+    named = ToolChoice("named", ({"name": "f", "parameters": {"type": "object"}},), name="f")
+    content, calls, _ = _stream(named, '{"x": 1}', 2)
+    assert content == "" and calls[0].function.name == "f" and calls[0].id.startswith("chatcmpl-tool-")
+    assert [c.index for c in calls] == [0] * 4 and all(c.id is None and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == '{"x": 1}'
+    assert named.finish_reason([], "stop") == "stop"
+    required = ToolChoice("required", named.tools)
+    text = '[{"name": "f", "parameters": {"x": 1}}]'
+    content, calls, deltas = _stream(required, text, 4)
+    assert content == "" and len(deltas) == 1 and calls[0].function.arguments == '{"x": 1}'  # whole, at the end
+    assert required.finish_reason(required.parse(text)[1], "stop") == "tool_calls"
+    assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
