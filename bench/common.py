@@ -296,6 +296,14 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     print(format_table(headers, rows), flush=True)
 
 
+def print_results(headers: Sequence[str], results: Sequence[dict]) -> None:
+    """Result dicts as a table of the headers' keys: floats to 3 significant digits, missing ones "-"."""
+    def cell(v: Any) -> Any:
+        return f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else v)
+
+    print_table(headers, [[cell(r.get(h)) for h in headers] for r in results])
+
+
 def log(msg: str) -> None:
     """Progress to stderr, so stdout ends with the table."""
     print(msg, file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tandem  # noqa: F401,E402  (before torch: it sets the OpenMP wait policy)
 
-from bench.common import environment, print_table, write_json  # noqa: E402
+from bench.common import environment, print_results, write_json  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
@@ -146,8 +146,7 @@ def main(argv=None) -> int:
         del llm
     cols = ["config", "right_call", "tokens", "tok_s", "acceptance_rate", "mean_acceptance_length",
             "identical_to_target"]
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else v)  # noqa: E731
-    print_table(cols, [[fmt(r.get(c)) for c in cols] for r in results])
+    print_results(cols, results)
     write_json(args.out, {"environment": environment(), "args": vars(args), "results": results, "replies": replies})
     return 0
 
