@@ -11,8 +11,8 @@ A request's `ToolChoice` says how its reply becomes tool calls:
 
 Constrained choices run on structured outputs, so with a draft model their drafts are proposed
 under the same grammar (grammar-aware drafting) and output stays exactly the target's.
-`ToolStream` turns a choice's streamed text into chat deltas: content while it is plain text, the
-arguments of a named call as they come, and parsed calls once the choice ends.
+`ToolStream` turns a choice's streamed text into chat deltas: content while it is plain text, and
+each call's id and name once read, then its arguments as they are written (`_CallScan`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.sampling_params import StructuredOutputsParams
-from tandem.server import TOOL_CALL_PARSERS  # noqa: F401  (the parsers below, by name)
 from tandem.server.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -47,15 +46,127 @@ class ToolChoiceError(ValueError):
 
 
 # ---------------------------------------------------------------- parsers
-_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_START = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+# A call's head, its name and then its arguments' key, up to where the arguments object opens:
+# the order the formats ask for. A call written in another order is still parsed, only not
+# streamed piece by piece.
+_HEAD = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:%s)"\s*:\s*(?=\{)'
+_HERMES_HEAD = re.compile(r"<tool_call>\s*" + _HEAD % "arguments|parameters")
+_ITEM_HEAD = re.compile(r"(?:\[|\}\s*,)\s*" + _HEAD % "parameters")  # "required"'s array items
+_HEAD_MAX = 200  # characters from where a head should begin to where it must have been read
+
+
+class _ObjectEnd:
+    """Where a JSON object that starts at `start` ends, found as its text grows (strings, escapes
+    and nesting followed; each character read once)."""
+
+    def __init__(self, start: int):
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        i, depth, in_string, escaped = self.pos, self.depth, self.in_string, self.escaped
+        while self.end is None and i < len(text):
+            ch = text[i]
+            i += 1
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.end = i
+        self.pos, self.depth, self.in_string, self.escaped = i, depth, in_string, escaped
+        return self.end
+
+
+@dataclass
+class _Open:
+    """The call being read: its name, where its arguments start, how far they were handed out."""
+
+    name: str
+    start: int
+    sent: int
+    scan: _ObjectEnd
+
+
+@dataclass
+class _CallScan:
+    """The calls in a growing text, each found by its head and followed to its arguments' end.
+    advance(text) -> (index, name when the call is new, a piece of its arguments' text) events."""
+
+    head: re.Pattern
+    marker: str | None  # where the next head begins: at this text after the last call (hermes), or right there
+    limit: int | None = None  # calls to find at most
+    done: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments' text) of each complete call
+    pos: int = 0
+    open: _Open | None = None
+    stopped: bool = False  # a call not written head first: it and those after it are not followed
+
+    def advance(self, text: str) -> list[tuple[int, str | None, str]]:
+        events = []
+        while not self.stopped and (self.limit is None or len(self.done) < self.limit):
+            if self.open is None:
+                at = self.pos if self.marker is None else text.find(self.marker, self.pos)
+                if at < 0:
+                    break
+                m = self.head.match(text, at)
+                if m is None:
+                    self.stopped = len(text) - at > _HEAD_MAX
+                    break
+                self.open = _Open(_name(m.group(1)), m.end(), m.end(), _ObjectEnd(m.end()))
+                events.append((len(self.done), self.open.name, ""))
+            call = self.open
+            end = call.scan.scan(text)
+            upto = len(text) if end is None else end
+            if upto > call.sent:
+                events.append((len(self.done), None, text[call.sent:upto]))
+                call.sent = upto
+            if end is None:
+                break
+            self.done.append((call.name, text[call.start:end]))
+            self.pos, self.open = end, None
+        return events
+
+
+def _name(quoted: str) -> str:
+    try:
+        return json.loads(f'"{quoted}"')
+    except ValueError:
+        return quoted
+
+
+def _as_written(calls: list[FunctionCall], scan: _CallScan, text: str) -> list[FunctionCall]:
+    """calls with their arguments' text as the model wrote it (the scan's, which streaming sends)
+    where it says the same; json.dumps's otherwise."""
+    scan.advance(text)
+    out = []
+    for i, call in enumerate(calls):
+        if i < len(scan.done) and scan.done[i][0] == call.name:
+            try:
+                if json.loads(scan.done[i][1]) == json.loads(call.arguments):
+                    call = FunctionCall(name=call.name, arguments=scan.done[i][1])
+            except ValueError:
+                pass
+        out.append(call)
+    return out
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
     """Hermes-style calls (Qwen2.5's template asks for them): `<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>` blocks, the last one possibly unclosed (the model stopped at
-    its end-of-turn token). Returns (the text before the first block, None if blank; the calls). A
-    block that is not such an object makes the whole text content and no call (vLLM's rule)."""
+    its end-of-turn token). Returns (the text before the first block, None if blank; the calls,
+    their arguments in json.dumps's layout). A block that is not such an object makes the whole
+    text content and no call (vLLM's rule)."""
     start = text.find(_HERMES_START)
     if start < 0:
         return text, []
@@ -71,6 +182,11 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
         calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
     content = text[:start]
     return (content if content.strip() else None), calls
+
+
+# "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS: the parse of a whole text, and
+# for streaming the head of a call in it and the text each call begins with.
+PARSERS = {"hermes": (parse_hermes, _HERMES_HEAD, _HERMES_START)}
 
 
 # ---------------------------------------------------------------- a request's choice
@@ -113,9 +229,19 @@ class ToolChoice:
         schema["x-guidance"] = {**_LAYOUT, **schema.get("x-guidance", {})}
         return StructuredOutputsParams(json=schema)
 
+    def scan(self) -> _CallScan | None:
+        """A scan of the calls in this choice's text, as it grows (None: a named call, whose text
+        is its arguments, or no calls)."""
+        if self.mode == "required":
+            return _CallScan(_ITEM_HEAD, marker=None)
+        if self.mode == "auto":
+            head, marker = PARSERS[self.parser][1:]
+            return _CallScan(head, marker, limit=None if self.parallel else 1)
+        return None
+
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
-        """(content, calls) of a finished choice's text. Text that does not hold calls stays
-        content (a choice cut short by max_tokens, for one)."""
+        """(content, calls) of a finished choice's text, each call's arguments as the model wrote
+        them. Text that does not hold calls stays content (a choice cut short by max_tokens, for one)."""
         if self.mode == "named":
             return None, [FunctionCall(name=self.name, arguments=text)]
         if self.mode == "required":
@@ -125,10 +251,10 @@ class ToolChoice:
                          for item in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
-            return None, calls
+            return None, _as_written(calls, self.scan(), text)
         if self.mode == "auto":
-            content, calls = parse_hermes(text)
-            return content, calls if self.parallel else calls[:1]
+            content, calls = PARSERS[self.parser][0](text)
+            return content, _as_written(calls if self.parallel else calls[:1], self.scan(), text)
         return text, []
 
     def finish_reason(self, calls: list[FunctionCall], finish: str | None) -> str | None:
@@ -201,26 +327,31 @@ def _shown(choice) -> str:
 @dataclass
 class ToolStream:
     """One streamed choice's text -> its deltas under a ToolChoice. feed(text) takes each new piece
-    of the choice's text; finish() the choice's end. The deltas carry what the whole response would:
-    the content before the calls, then the calls (a named call's arguments as they come)."""
+    of the choice's text; finish() the choice's end. The deltas carry what the whole response
+    would: the content before the calls (held back where a call may begin), then each call, its id
+    and name once its head is read and its arguments as they are written."""
 
     choice: ToolChoice
     text: str = ""
     sent: int = 0  # characters of text sent as content ("auto") or arguments ("named")
-    call_id: str | None = None
-    calls: list[FunctionCall] = field(default_factory=list)
+    call_id: str | None = None  # the named call's
+    calls: list[FunctionCall] = field(default_factory=list)  # once finished
+    scan: _CallScan | None = None
+
+    def __post_init__(self):
+        self.scan = self.choice.scan()
 
     def feed(self, piece: str) -> DeltaMessage | None:
         self.text += piece
         if self.choice.mode == "named":
             return self._arguments()
+        content = None
         if self.choice.mode == "auto":
-            end = _plain_end(self.text)
+            end = _plain_end(self.text, self.scan.marker)
             if end > self.sent:
-                delta = DeltaMessage(content=self.text[self.sent:end])
-                self.sent = end
-                return delta
-        return None  # "required": the calls come whole, at the end
+                content, self.sent = self.text[self.sent:end], end
+        calls = _call_deltas(self.scan.advance(self.text))
+        return DeltaMessage(content=content, tool_calls=calls) if content or calls else None
 
     def finish(self) -> DeltaMessage | None:
         if self.choice.mode == "named":
@@ -228,11 +359,12 @@ class ToolStream:
         content, self.calls = self.choice.parse(self.text)
         if not self.calls:  # plain text after all: whatever was held back is content
             return DeltaMessage(content=self.text[self.sent:]) if self.sent < len(self.text) else None
-        rest = (content or "")[self.sent:] if content is not None and len(content) > self.sent else None
+        rest = content[self.sent:] if content is not None and len(content) > self.sent else None
+        streamed = len(self.scan.done) + (self.scan.open is not None)
         calls = [DeltaToolCall(index=i, id=random_id("chatcmpl-tool"), type="function",
                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                 for i, c in enumerate(self.calls)]
-        return DeltaMessage(content=rest, tool_calls=calls)
+                 for i, c in enumerate(self.calls) if i >= streamed]  # those written in another order
+        return DeltaMessage(content=rest, tool_calls=calls) if rest or calls else None
 
     def _arguments(self) -> DeltaMessage | None:
         if self.call_id is None:  # the call's first piece: its id and name
@@ -247,14 +379,26 @@ class ToolStream:
         return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))])
 
 
-def _plain_end(text: str) -> int:
-    """How much of text is surely plain content: up to the first call's start, holding back a tail
+def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[DeltaToolCall]:
+    """A scan's events as tool-call deltas, one per call: a new call's carries its id and name."""
+    deltas: dict[int, DeltaToolCall] = {}
+    for index, name, piece in events:
+        if name is not None:
+            deltas[index] = DeltaToolCall(index=index, id=random_id("chatcmpl-tool"), type="function",
+                                          function=DeltaFunctionCall(name=name, arguments=""))
+        delta = deltas.setdefault(index, DeltaToolCall(index=index, function=DeltaFunctionCall(arguments="")))
+        delta.function.arguments += piece
+    return list(deltas.values())
+
+
+def _plain_end(text: str, marker: str) -> int:
+    """How much of text is surely plain content: up to the first call's marker, holding back a tail
     that could still become one, and blank text (content before calls is None when blank)."""
-    end = text.find(_HERMES_START)
+    end = text.find(marker)
     if end < 0:
         end = len(text)
-        for n in range(min(len(_HERMES_START) - 1, len(text)), 0, -1):
-            if _HERMES_START.startswith(text[-n:]):
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-n:]):
                 end = len(text) - n
                 break
     return end if text[:end].strip() else 0

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.tools import ToolChoice, ToolChoiceError, ToolStream, parse_hermes, tool_choice
+from tandem.server import TOOL_CALL_PARSERS
+from tandem.server.tools import PARSERS, ToolChoice, ToolChoiceError, ToolStream, parse_hermes, tool_choice
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "é"}}\n</tool_call>'
 
@@ -28,6 +29,10 @@ def test_parse_hermes():
                  '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>["f"]</tool_call>',
                  "x " + CALL + '<tool_call>{"name": "g"', ):
         assert parse_hermes(text) == (text, []), text  # any block that is not a call: all of it is content
+
+
+def test_every_parser_the_flag_offers_exists():
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
 
 
 def test_choices_and_their_errors():
@@ -74,39 +79,59 @@ def test_required_schema_hoists_defs_and_keeps_a_schemas_own_layout():
         tool_choice(request, None)
 
 
-def _stream(choice: ToolChoice, text: str, size: int) -> tuple[str, list, list]:
+def _stream(choice: ToolChoice, text: str, size: int) -> tuple[str, list[tuple[str, str]], list]:
+    """text streamed in pieces of size -> (content, each call's (name, arguments), the deltas); each
+    call's first delta alone carries its id and name, as OpenAI streams them."""
     stream = ToolStream(choice)
     deltas = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + [stream.finish()]
     deltas = [d for d in deltas if d is not None]
-    content = "".join(d.content or "" for d in deltas)
-    return content, [c for d in deltas for c in d.tool_calls], deltas
+    calls: dict[int, list] = {}
+    for c in (c for d in deltas for c in d.tool_calls):
+        if c.index not in calls:
+            assert c.id.startswith("chatcmpl-tool-") and c.type == "function" and c.function.name, c
+            calls[c.index] = [c.function.name, ""]
+        else:
+            assert c.id is None and c.function.name is None, c
+        calls[c.index][1] += c.function.arguments or ""
+    assert list(calls) == list(range(len(calls)))
+    return "".join(d.content or "" for d in deltas), [tuple(c) for c in calls.values()], deltas
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_streamed_auto_choice_equals_the_whole_reply(size):
     auto = ToolChoice("auto", parallel=True, parser="hermes")
-    for text in ("Sure, checking.\n" + CALL + CALL, "\n\n" + CALL, "no call, only a <tool", "a <tool_call> that breaks"):
+    two = "Sure, checking.\n" + CALL + "\n" + CALL.replace('"x": 1', '"x": {"y": "}]\\"{"}')
+    reordered = '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>'  # parsed, sent whole at the end
+    for text in (two, "\n\n" + CALL, reordered, CALL + reordered, reordered + CALL, reordered * 5 + CALL,
+                 "no call, only a <tool", "a <tool_call> that breaks"):
         want_content, want_calls = auto.parse(text)
         content, calls, deltas = _stream(auto, text, size)
         assert content == (want_content or ""), (text, size)
-        assert [(c.function.name, c.function.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
-        assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
+        assert calls == [(c.name, c.arguments) for c in want_calls], (text, size)
         if want_calls:  # nothing of a call leaks into content
             assert not any("<tool" in (d.content or "") for d in deltas)
+    # arguments come as the model wrote them, streamed or not
+    assert auto.parse(two)[1][1].arguments == '{"x": {"y": "}]\\"{"}, "s": "é"}'
+    assert auto.parse('<tool_call>{"name":"f","arguments":{"x":1}}')[1][0].arguments == '{"x":1}'
+    if size == 3:  # a call's arguments come in pieces, as they are written
+        assert sum(1 for d in _stream(auto, two, size)[2] if d.tool_calls) > 10
     one = ToolChoice("auto", parallel=False, parser="hermes")
     assert len(one.parse(CALL + CALL)[1]) == 1 and len(_stream(one, CALL + CALL, size)[1]) == 1
 
 
-def test_streamed_named_call_sends_its_arguments_as_they_come():
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_streamed_calls_send_their_arguments_as_they_come(size):
     named = ToolChoice("named", ({"name": "f", "parameters": {"type": "object"}},), name="f")
-    content, calls, _ = _stream(named, '{"x": 1}', 2)
-    assert content == "" and calls[0].function.name == "f" and calls[0].id.startswith("chatcmpl-tool-")
-    assert [c.index for c in calls] == [0] * 4 and all(c.id is None and c.function.name is None for c in calls[1:])
-    assert "".join(c.function.arguments for c in calls) == '{"x": 1}'
+    content, calls, deltas = _stream(named, '{"x": 1}', size)
+    assert content == "" and calls == [("f", '{"x": 1}')] and len(deltas) == -(-8 // size)
     assert named.finish_reason([], "stop") == "stop"
-    required = ToolChoice("required", named.tools)
-    text = '[{"name": "f", "parameters": {"x": 1}}]'
-    content, calls, deltas = _stream(required, text, 4)
-    assert content == "" and len(deltas) == 1 and calls[0].function.arguments == '{"x": 1}'  # whole, at the end
+    required = ToolChoice("required", named.tools + ({"name": "g", "parameters": {"type": "object"}},))
+    text = '[{"name": "f", "parameters": {"x": [1, "]"]}}, {"name": "g", "parameters": {}}]'
+    content, calls, deltas = _stream(required, text, size)
+    assert content == "" and calls == [("f", '{"x": [1, "]"]}'), ("g", "{}")]
+    assert calls == [(c.name, c.arguments) for c in required.parse(text)[1]]
+    if size == 1:  # f's arguments are sent as they come, before g is written
+        first_g = next(i for i, d in enumerate(deltas) if any(c.index == 1 for c in d.tool_calls))
+        assert sum(1 for d in deltas[:first_g] if d.tool_calls) > 10
     assert required.finish_reason(required.parse(text)[1], "stop") == "tool_calls"
     assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
