@@ -235,6 +235,8 @@ def _generate(args) -> int:
             drafts = f"0..{k}" if args.adaptive else k
             line += (f"; k={drafts}, acceptance rate {m.acceptance_rate:.2f}, "
                      f"mean acceptance length {m.mean_acceptance_length:.2f}")
+        elif args.adaptive:  # "auto" judged drafting not worth its cost at every step
+            line += f"; k=0..{k}, no drafts (none judged worth their cost)"
         print("\n" + line + "]", file=sys.stderr)
     if args.compare:
         base = llm if spec is None else LLM(model, **common)

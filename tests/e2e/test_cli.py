@@ -20,8 +20,11 @@ def test_generate_compare_fp32(tmp_path, capsys, adaptive):
     assert rc == 0
     out, err = capsys.readouterr()
     assert out.strip()  # the streamed completion
-    k = "0..3" if adaptive else "3"
-    assert "12 tokens in" in err and f"k={k}, acceptance rate" in err and "mean acceptance length" in err
+    assert "12 tokens in" in err
+    if adaptive:  # drafting or not is the engine's call, from step costs timed at start-up (load-dependent)
+        assert "k=0..3, acceptance rate" in err or "k=0..3, no drafts" in err, err
+    else:
+        assert "k=3, acceptance rate" in err and "mean acceptance length" in err
     assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
