@@ -68,6 +68,7 @@ from tandem.server.tools import (
     ToolChoice,
     ToolChoiceError,
     ToolStream,
+    tag_tokens,
     tool_choice,
     tools_for_template,
 )
@@ -513,6 +514,7 @@ class OpenAIServer:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
+        self.tool_tags = tag_tokens(self.tokenizer, tool_call_parser) if tool_call_parser else {}
         self.model_names = model_names
         self.metrics = metrics
         self.max_model_len = engine.cfg.sched.max_model_len
@@ -604,7 +606,8 @@ class OpenAIServer:
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
         try:
-            tools = tool_choice(body, self.tool_call_parser, constrained=params.structured_outputs is not None)
+            tools = tool_choice(body, self.tool_call_parser, constrained=params.structured_outputs is not None,
+                                tags=self.tool_tags)
         except ToolChoiceError as e:
             raise APIError(400, str(e), param=e.param) from None
         constraint = tools.constraint()

@@ -238,7 +238,7 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
-    strict: bool | None = None  # accepted; named and "required" tool choice always hold to the schema
+    strict: bool | None = None  # "auto" calls held to the schema too (named and "required" always are)
 
 
 class ChatTool(_Request):

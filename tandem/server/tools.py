@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import (
@@ -184,9 +185,53 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
     return (content if content.strip() else None), calls
 
 
-# "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS: the parse of a whole text, and
-# for streaming the head of a call in it and the text each call begins with.
-PARSERS = {"hermes": (parse_hermes, _HERMES_HEAD, _HERMES_START)}
+def hermes_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int], parallel: bool) -> str:
+    """llguidance's Lark for free text whose `<tool_call>` blocks are calls of the tools, written as
+    Qwen2.5's template asks: a strict tool's arguments held to its schema, another's to any JSON
+    object, all in json.dumps's layout. tag_tokens: the tags the tokenizer holds as one token of
+    their own (by id): the grammar must name those tokens, as their text does not match them."""
+    def tag(text: str) -> str:
+        return f"<[{tag_tokens[text]}]>" if text in tag_tokens else json.dumps(text)
+
+    lines = ["%llguidance {}", "", "text: TEXT", "TEXT: /(.|\\n)*/"]
+    if _HERMES_START in tag_tokens:  # a call begins at the token, after any text
+        begins = f"TEXT {tag(_HERMES_START)}"
+    else:  # or at the tag's text, once it appears (a lazy lexeme ends the text there)
+        lines.append(f"call_start[lazy]: TEXT {tag(_HERMES_START)}")
+        begins = "call_start"
+    close = json.dumps("}\n") + " " + tag("</tool_call>")
+    for i, t in enumerate(tools):
+        schema = t["parameters"] if t["strict"] else _ANY_OBJECT
+        schema = {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
+        head = '\n{"name": ' + json.dumps(t["name"]) + ', "arguments": '
+        lines.append(f"call_{i}: {begins} {json.dumps(head)} %json {json.dumps(schema)} {close}")
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    lines[1] = f"start: ({calls}){'*' if parallel else '?'} text"
+    return "\n".join(lines)
+
+
+class _Parser(NamedTuple):
+    """An "auto" format: the parse of a whole text; for streaming, the head of a call and the text
+    a call begins with; the grammar that holds its calls to strict tools' schemas; the tags that
+    grammar must name as tokens where the tokenizer has them."""
+
+    parse: Callable[[str], tuple[str | None, list[FunctionCall]]]
+    head: re.Pattern
+    marker: str
+    grammar: Callable[[tuple[dict[str, Any], ...], dict[str, int], bool], str]
+    tags: tuple[str, ...]
+
+
+# "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS.
+PARSERS = {"hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, hermes_grammar, (_HERMES_START, "</tool_call>"))}
+
+
+def tag_tokens(tokenizer, parser: str) -> dict[str, int]:
+    """The parser's tags that the tokenizer holds as single added tokens -> their ids."""
+    if tokenizer is None:
+        return {}
+    added = tokenizer.get_added_vocab()
+    return {t: added[t] for t in PARSERS[parser].tags if t in added}
 
 
 # ---------------------------------------------------------------- a request's choice
@@ -199,6 +244,7 @@ class ToolChoice:
     name: str | None = None  # the named function
     parallel: bool = True
     parser: str | None = None  # "auto"'s parser
+    tag_tokens: tuple[tuple[str, int], ...] = ()  # "auto": the parser's tags that are tokens (tag_tokens)
 
     @property
     def makes_calls(self) -> bool:
@@ -206,7 +252,11 @@ class ToolChoice:
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured-output constraint a named or "required" choice puts on the output (a
-        JSON schema; llguidance's "x-guidance" keeps it in _LAYOUT unless the schema sets its own)."""
+        JSON schema; llguidance's "x-guidance" keeps it in _LAYOUT unless the schema sets its own),
+        or an "auto" choice with a strict tool (the parser's grammar of text and calls)."""
+        if self.mode == "auto" and any(t["strict"] for t in self.tools):
+            return StructuredOutputsParams(grammar=PARSERS[self.parser].grammar(self.tools, dict(self.tag_tokens),
+                                                                                 self.parallel))
         if self.mode == "named":
             schema = dict(next(t["parameters"] for t in self.tools if t["name"] == self.name))
         elif self.mode == "required":
@@ -235,8 +285,8 @@ class ToolChoice:
         if self.mode == "required":
             return _CallScan(_ITEM_HEAD, marker=None)
         if self.mode == "auto":
-            head, marker = PARSERS[self.parser][1:]
-            return _CallScan(head, marker, limit=None if self.parallel else 1)
+            parser = PARSERS[self.parser]
+            return _CallScan(parser.head, parser.marker, limit=None if self.parallel else 1)
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
@@ -253,7 +303,7 @@ class ToolChoice:
                 return text, []
             return None, _as_written(calls, self.scan(), text)
         if self.mode == "auto":
-            content, calls = PARSERS[self.parser][0](text)
+            content, calls = PARSERS[self.parser].parse(text)
             return content, _as_written(calls if self.parallel else calls[:1], self.scan(), text)
         return text, []
 
@@ -270,10 +320,12 @@ def tools_for_template(request) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constrained: bool = False) -> ToolChoice:
+def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constrained: bool = False,
+                tags: dict[str, int] | None = None) -> ToolChoice:
     """The request's ToolChoice, checked (ToolChoiceError names the field). auto_parser: the
     server's tool-call parser, None without --enable-auto-tool-choice; constrained: the request
-    constrains its output itself (response_format, structured_outputs or guided_*)."""
+    constrains its output itself (response_format, structured_outputs or guided_*); tags: the
+    parser's tags that the tokenizer holds as tokens (tag_tokens)."""
     tools = request.tools or []
     choice = request.tool_choice
     if choice is None:
@@ -287,7 +339,8 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
     if len(set(names)) < len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ToolChoiceError(f"'tools' names the function {dup!r} twice; give each function once", "tools")
-    specs = tuple({"name": t.function.name, "parameters": t.function.parameters or _ANY_OBJECT} for t in tools)
+    specs = tuple({"name": t.function.name, "parameters": t.function.parameters or _ANY_OBJECT,
+                   "strict": bool(t.function.strict)} for t in tools)
     if choice == "required":
         seen: dict[str, Any] = {}
         for spec in specs:
@@ -304,7 +357,12 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
             raise ToolChoiceError("'tool_choice' \"auto\" (the default with 'tools') needs the server started with "
                                   "--enable-auto-tool-choice --tool-call-parser hermes; start it so, or send "
                                   "'tool_choice' \"required\", a named function or \"none\"", "tool_choice")
-        return ToolChoice("auto", specs, parallel=request.parallel_tool_calls, parser=auto_parser)
+        if constrained and any(t["strict"] for t in specs):
+            raise ToolChoiceError("'tools': a function with 'strict': true holds \"auto\" calls to its schema with a "
+                                  "grammar, and the request constrains its output too ('response_format', "
+                                  "'structured_outputs' or 'guided_*'); drop one", "tools")
+        return ToolChoice("auto", specs, parallel=request.parallel_tool_calls, parser=auto_parser,
+                          tag_tokens=tuple(sorted((tags or {}).items())))
     if choice == "required":
         return ToolChoice("required", specs, parallel=request.parallel_tool_calls)
     name = choice.function.name

@@ -926,6 +926,12 @@ def test_auto_tool_choice_parses_hermes_calls(live, reference):
         streamed = _streamed_calls(live.client.chat.completions.create(**kwargs, stream=True))
         plain = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
                                                     tools=[WEATHER], tool_choice="auto")
+        strict_tool = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+        strict = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                                     tools=[strict_tool, CLOCK])
+        with pytest.raises(openai.BadRequestError, match="'strict': true") as e:
+            live.client.chat.completions.create(**{**kwargs, "tools": [strict_tool]})
+        assert e.value.body["param"] == "tools"
     finally:
         server.tool_call_parser = None
     message = r.choices[0].message
@@ -937,6 +943,15 @@ def test_auto_tool_choice_parses_hermes_calls(live, reference):
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", message.tool_calls[0].function.arguments)]
     assert plain.choices[0].message.content == ref.text and not plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == ref.finish_reason
+    # A strict tool holds "auto" to its grammar (text, or calls that fit): the offline engine under it agrees.
+    from tandem.server.tools import ToolChoice
+
+    specs = tuple({"name": t["function"]["name"], "parameters": t["function"]["parameters"], "strict": t is not CLOCK}
+                  for t in (WEATHER, CLOCK))
+    held = ToolChoice("auto", specs, parser="hermes").constraint()
+    ref = reference.chat(ASK, SamplingParams(temperature=0, max_tokens=8, structured_outputs=held),
+                         use_tqdm=False)[0].outputs[0]
+    assert strict.choices[0].message.content == ref.text and strict.choices[0].finish_reason == ref.finish_reason
 
 
 def test_tools_and_past_calls_reach_the_chat_template(live, reference):

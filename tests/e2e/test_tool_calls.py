@@ -135,3 +135,46 @@ def test_streamed_calls_send_their_arguments_as_they_come(size):
         assert sum(1 for d in deltas[:first_g] if d.tool_calls) > 10
     assert required.finish_reason(required.parse(text)[1], "stop") == "tool_calls"
     assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
+
+
+@pytest.mark.parametrize("as_tokens", [False, True])
+def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
+    """A strict tool makes "auto" a grammar: text is free, and a <tool_call> block must call a tool
+    with arguments that fit (a strict tool's schema; another's any object). Where the tokenizer
+    holds the tags as tokens (Qwen2.5's), the grammar names those tokens."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from tandem.server.tools import tag_tokens
+    from tests.helpers import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    if as_tokens:
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tags = tag_tokens(tok, "hermes")
+    assert len(tags) == (2 if as_tokens else 0)
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+    strict = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                          "required": ["x"], "additionalProperties": False}, "strict": True}
+    loose = {"name": "g", "parameters": {"type": "object", "properties": {"y": {"type": "string"}}}, "strict": False}
+    assert ToolChoice("auto", ({**strict, "strict": False}, loose), parser="hermes").constraint() is None
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 12}}\n</tool_call>'
+
+    def fits(choice: ToolChoice, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tok, choice.constraint().grammar, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
+
+    for parallel in (True, False):
+        choice = ToolChoice("auto", (strict, loose), parallel=parallel, parser="hermes",
+                            tag_tokens=tuple(sorted(tags.items())))
+        assert choice.constraint().kind == "grammar"
+        assert fits(choice, "Sure. " + call + " Done.") and fits(choice, "no call at all, only <b>text</b>")
+        assert fits(choice, '<tool_call>\n{"name": "g", "arguments": {"z": [1, 2]}}\n</tool_call>')  # not strict
+        for bad in ('<tool_call>\n{"name": "h", "arguments": {}}', '<tool_call>\n{"name": "f", "arguments": {"y": 1}}',
+                    '<tool_call>\n{"name":"f","arguments":{"x":1}}', call.replace("12", '"12"')):
+            assert not fits(choice, bad), bad
+        if as_tokens:  # a second call needs the tag token, which only a call may write
+            assert fits(choice, call + "\n" + call) == parallel
