@@ -7,7 +7,8 @@ A request's `ToolChoice` says how its reply becomes tool calls:
 - "required": the output is constrained to a JSON array of {"name", "parameters"} objects, one of
   the tools each (at most one with parallel_tool_calls false), and the reply is those calls;
 - "auto" (the default when tools are given): the model writes freely and the server's tool-call
-  parser (`--enable-auto-tool-choice --tool-call-parser hermes`) finds the calls in its text.
+  parser (`--enable-auto-tool-choice --tool-call-parser hermes`) finds the calls in its text; a
+  tool with "strict": true holds the calls it writes to the tools with the parser's grammar.
 
 Constrained choices run on structured outputs, so with a draft model their drafts are proposed
 under the same grammar (grammar-aware drafting) and output stays exactly the target's.
