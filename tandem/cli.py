@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive", action="store_const", const=True, default=None,
                      help="each step drafts 0..k tokens, chosen from the measured acceptance and step costs "
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
+    gen.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                     help="the target's linear weights in fp8 (weight-only e4m3; a GPU holds half the bytes)")
+    gen.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                     help="the draft's linear weights in fp8 (weight-only e4m3)")
     gen.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
     gen.add_argument("--structured-outputs", type=structured_outputs, default=None,
                      help="constrain the output, as JSON of StructuredOutputsParams' fields: "
@@ -180,7 +184,8 @@ def _draft_model(args) -> str | None:
     from tandem.errors import ConfigError
 
     draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
-                  ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive)]
+                  ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
+                  ("--draft-quantization", args.draft_quantization)]
     if args.no_draft:
         for flag, value in [("--draft", args.draft)] + draft_only:
             if value is not None:
@@ -215,11 +220,12 @@ def _generate(args) -> int:
         structured_outputs=args.structured_outputs,
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config)
+                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
+                  quantization=args.quantization)
     spec = None
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
-                    draft_load_format=args.load_format)
+                    draft_load_format=args.load_format, quantization=args.draft_quantization)
         if args.adaptive:
             spec["num_speculative_tokens_per_batch_size"] = "auto"
     t0 = time.perf_counter()

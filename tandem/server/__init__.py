@@ -30,6 +30,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--adaptive", action="store_const", const=True, default=None,
                        help="with --draft, each step drafts 0..k tokens, chosen from the measured acceptance and "
                             "step costs (num_speculative_tokens_per_batch_size='auto'; timed at start-up)")
+    model.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                       help="with --draft, the draft's linear weights in fp8 (weight-only e4m3)")
+    model.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                       help="the target's linear weights in fp8 (weight-only e4m3; a GPU holds half the bytes)")
     model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
                        help="tokenizer path (default: the model's)")
     model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),
@@ -80,7 +84,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     if args.draft is None:
         for flag, value in (("--num-speculative-tokens (-k)", args.num_speculative_tokens),
-                            ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive)):
+                            ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
+                            ("--draft-quantization", args.draft_quantization)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

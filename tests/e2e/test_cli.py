@@ -103,6 +103,7 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
     (["--max-model-len", "0"], "--max-model-len"),
     (["--watermark-config", "{\"key\": -1}"], "--watermark-config"),
     (["--watermark-config", "key=1"], "--watermark-config"),
+    (["--quantization", "int8"], "--quantization"),
     (["--structured-outputs", "[1]"], "--structured-outputs"),
     (["--structured-outputs", '{"regexp": "a"}'], "--structured-outputs"),
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "--structured-outputs"),
@@ -120,6 +121,8 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-sample-method", "greedy"], "--draft-sample-method needs a draft model"),
     (["--adaptive", "--no-draft"], "--adaptive conflicts with --no-draft"),
     (["--adaptive"], "--adaptive needs a draft model"),
+    (["--draft-quantization", "fp8"], "--draft-quantization needs a draft model"),
+    (["--draft-quantization", "fp8", "--no-draft"], "--draft-quantization conflicts with --no-draft"),
 ])
 def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
     rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
@@ -162,6 +165,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
     (["--seed", "-1"], "--seed"),
     (["-k", "0"], "--num-speculative-tokens"),
+    (["--quantization", "int4"], "--quantization"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
@@ -171,6 +175,7 @@ def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["-k", "2"], "--num-speculative-tokens (-k)"),
     (["--draft-sample-method", "probabilistic"], "--draft-sample-method"),
     (["--adaptive"], "--adaptive"),
+    (["--draft-quantization", "fp8"], "--draft-quantization"),
 ])
 def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
