@@ -63,49 +63,14 @@ def write_config(root: Path, name: str, shape: dict) -> str:
     return str(d)
 
 
-def weight_bytes(shape: dict, quantization: str | None = None) -> int:
+def weight_bytes(shape: dict) -> int:
     """Bytes of every weight a decode step reads (all but the input embedding; a tied table
-    is read once, as the LM head). bf16; quantization="fp8": the linears (the head too) at one
-    byte a weight and a 4-byte scale a row, the norms in bf16."""
+    is read once, as the LM head). bf16."""
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape.get("head_dim", h // heads)
-    linear = n * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i) + shape["vocab_size"] * h
-    norms = (2 * n + 1) * h
-    if quantization == "fp8":
-        rows = n * (heads * d + 2 * kv * d + h + 2 * i + h) + shape["vocab_size"]
-        return linear + 4 * rows + 2 * norms
-    return 2 * (linear + norms)
-
-
-def held_weight_bytes(model) -> int:
-    """Bytes of weights a model holds on the device: parameters, and the fp8 copies and scales."""
-    seen, total = set(), 0
-    for m in model.modules():
-        for t in [*m.parameters(recurse=False), getattr(m, "w8", None), getattr(m, "w_scale", None)]:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
-
-
-def measure_prefill(llm, prompt_len: int, repeats: int = 5) -> float:
-    """Median ms of one request's prefill (one engine step, max_tokens=1), after two warm-ups."""
-    from tandem import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    g = torch.Generator().manual_seed(prompt_len)
-    times = []
-    for i in range(repeats + 2):
-        engine.add_request(f"prefill-{time.monotonic_ns()}", torch.randint(10, 30000, (prompt_len,), generator=g).tolist(),
-                           params)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) * 1e3
+    layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
+    return 2 * (n * layer + h + shape["vocab_size"] * h)
 
 
 def copy_bandwidth() -> float:
@@ -126,18 +91,12 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / statistics.median(times)
 
 
-def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None,
-             quantization=None):
+def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None):
     from tandem import LLM
 
     return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False,
-               watermark_config=watermark_config, quantization=quantization)
-
-
-def target_quantizations(args) -> list[tuple[str | None, str]]:
-    """--target-quantization as (quantization, the tag its results' model names carry)."""
-    return [(None, "") if q == "none" else (q, f" {q}") for q in args.target_quantization.split(",")]
+               watermark_config=watermark_config)
 
 
 def free(*objs) -> None:
@@ -254,16 +213,10 @@ def draft_graph_times(sp, b: int) -> tuple[float, float]:
 
 def target_only(root, shapes, batches, args, bw, results) -> dict:
     base = {}
-    for (name, shape), (tquant, tag) in [(s, q) for s in shapes for q in target_quantizations(args)]:
-        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len, quantization=tquant)
-        name = name + tag
-        wb = weight_bytes(shape, tquant)
+    for name, shape in shapes:
+        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len)
+        wb = weight_bytes(shape)
         engine = llm.engine
-        held = held_weight_bytes(engine.runner.model)
-        for n in [int(v) for v in args.prefill_lens.split(",") if v]:
-            ms = measure_prefill(llm, n)
-            results["prefill"].append(dict(model=name, prompt_len=n, ms=ms, weights_held_gb=held / 1e9))
-            print(f"[prefill] {name}: {n} tokens in {ms:.1f} ms", flush=True)
         for b in batches:
             r = measure_steps(llm, b, args.prompt_len, args.steps)
             if engine.async_scheduling:  # the same engine, each step planned after the last one's result
@@ -290,7 +243,7 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                       f"({v['graph_ms']:.2f} graph)", flush=True)
             r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
             r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
-            r.update(model=name, batch=b, weight_gb=wb / 1e9, weights_held_gb=held / 1e9)
+            r.update(model=name, batch=b, weight_gb=wb / 1e9)
             results["target_only"].append(r)
             base[(name, b)] = r
             print(f"[target-only] {name} b={b}: {r['ms_per_step']:.2f} ms/step ({r['graph_ms']:.2f} graph, "
@@ -305,15 +258,12 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
     tname, tshape = target
     dname, dshape = draft
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
-    base_name = tname
-    for (tquant, ttag), quant, k in [(t, q, k) for t in target_quantizations(args)
-                                     for q in args.draft_quantization.split(",") for k in ks]:
+    for quant, k in [(q, k) for q in args.draft_quantization.split(",") for k in ks]:
         quant = None if quant == "none" else quant
-        tname = base_name + ttag
         tag = f" {quant} draft" if quant else ""
         spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant)
-        llm = make_llm(tdir, spec, max(batches), args.max_model_len, quantization=tquant)
+        llm = make_llm(tdir, spec, max(batches), args.max_model_len)
         sp = llm.engine.runner.speculator
         for b in batches:
             graphs_ms = None
@@ -681,10 +631,6 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     p.add_argument("--draft-quantization", default="none",
                    help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
-    p.add_argument("--target-quantization", default="none",
-                   help="comma list of the target's quantizations in the target and synthetic sections: none, fp8")
-    p.add_argument("--prefill-lens", default="",
-                   help="the target section also times one request's prefill at these prompt lengths (comma list)")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     p.add_argument("--watermark-eps", type=lambda t: [float(x) for x in t.split(",")], default=[0.02],
                    help="the watermark section's eps values (k = 4 on the eps pair at temperature 1)")
@@ -694,8 +640,8 @@ def main(argv=None) -> int:
                    help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
-    results = {"env": environment(), "target_only": [], "prefill": [], "synthetic": [], "eps_pair": [], "hf": [],
-               "serving": [], "watermark": []}
+    results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": [],
+               "watermark": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -750,9 +696,6 @@ def main(argv=None) -> int:
     rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
              f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
     print_table(["model", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "roofline"], rows)
-    rows = [(r["model"], r["prompt_len"], f"{r['ms']:.1f}", f"{r['weights_held_gb']:.2f}") for r in results["prefill"]]
-    if rows:
-        print_table(["model", "prompt tokens", "prefill ms", "weights held GB"], rows)
     rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-",
              f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
              f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",

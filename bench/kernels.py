@@ -359,51 +359,6 @@ def sweep_rows(m: int) -> list[list]:
     return rows
 
 
-TILES_FP8_CONFIGS = [(128, 64, 4, 4, 64), (64, 128, 4, 4, 64), (128, 128, 8, 3, 64), (128, 64, 8, 3, 128),
-                     (64, 64, 4, 4, 128), (128, 128, 8, 3, 128), (256, 64, 8, 3, 128)]
-
-
-def sweep_rows_fp8(m: int) -> list[list]:
-    """M rows through an fp8 model's linears (the 8B's shapes; weight-only e4m3 with row scales):
-    cuBLAS on bf16 weights (what the bf16 model pays), cuBLAS on a copy dequantized for the call
-    (the fp8 model's fallback), and gemm_rows streaming the fp8 bytes at each tile (cold weights,
-    us per call)."""
-    import torch.nn.functional as F
-
-    from tandem.kernels.gemm_rows import MAX_ROWS, gemm_rows, row_tiles_config, rows_config
-    from tandem.layers.quant import dequantize_fp8, quantize_fp8
-
-    rows = []
-    for name, n, k in GEMV_SHAPES[:5]:
-        count = max(4, min(32, (3 << 30) // (2 * n * k)))
-        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        bf16 = _rotating(lambda w: F.linear(x, w), ws)
-        q8 = [quantize_fp8(w) for w in ws]
-        del ws
-        deq = _rotating(lambda qs: F.linear(x, dequantize_fp8(qs[0], qs[1], torch.bfloat16)), q8)
-        if m <= MAX_ROWS:  # the bf16 model's few-row path beside cuBLAS
-            ws = [dequantize_fp8(q, sc, torch.bfloat16) for q, sc in q8]
-            bf16 = min(bf16, _rotating(lambda w: gemm_rows(x, w), ws))
-            del ws
-        configs = (list(dict.fromkeys([rows_config(n, k)] + ROWS_CONFIGS)) if m <= MAX_ROWS
-                   else list(dict.fromkeys(TILES_FP8_CONFIGS + [row_tiles_config(n, k, m)])))
-        times = {}
-        for cfg in configs:
-            try:
-                times[cfg] = _rotating(lambda qs, cfg=cfg: gemm_rows(x, qs[0], config=cfg, w_scale=qs[1]), q8)
-            except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
-                print(f"{name} M={m} tile {cfg}: {type(e).__name__}", flush=True)
-        best = min(times, key=times.get)
-        default = rows_config(n, k) if m <= MAX_ROWS else row_tiles_config(n, k, m)
-        rows.append([name, f"{bf16 * 1e6:.1f}", f"{deq * 1e6:.1f}", f"{times.get(default, float('nan')) * 1e6:.1f}",
-                     str(best), f"{times[best] * 1e6:.1f}", f"{bf16 / times[best]:.2f}"]
-                    + [f"{t * 1e6:.1f}" for t in times.values()])
-        del q8
-        torch.cuda.empty_cache()
-    return rows
-
-
 def sweep_rows_rope(m: int) -> list[list]:
     """The qkv projection at M rows with the rotary embedding and KV store inside
     (gemm_rows_qkv_rope) against gemm_rows + rotary_embedding(store=...) and cuBLAS + the same
@@ -502,18 +457,9 @@ def main() -> None:
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
-    ap.add_argument("--rows-fp8", default="", help="only the fp8-weight sweep (cuBLAS bf16, dequantized + cuBLAS, "
-                    "gemm_rows tiles) at these row counts, e.g. 32,64,256,1024")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
-    if args.rows_fp8:
-        for m in [int(v) for v in args.rows_fp8.split(",")]:
-            print_table(["layer", "bf16 us (best of cuBLAS, gemm_rows)", "dequantized + cuBLAS us",
-                         "gemm_rows fp8 default us", "best tile", "best us", "bf16 / best", "each tile us"],
-                        [r[:7] + [" ".join(r[7:])] for r in sweep_rows_fp8(m)],
-                        title=f"M = {m} rows, fp8 weights (8B shapes), cold weights (rotating), GPU time in CUDA graphs")
-        return
     if args.rows:
         for m in [int(v) for v in args.rows.split(",")]:
             print_table(["layer", "cuBLAS us", "of copy bw", "1-row GEMV us", "default us",

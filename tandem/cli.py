@@ -121,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive", action="store_const", const=True, default=None,
                      help="each step drafts 0..k tokens, chosen from the measured acceptance and step costs "
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
-    gen.add_argument("--quantization", "-q", choices=["fp8"], default=None,
-                     help="the target's linear weights in fp8 (weight-only e4m3; a GPU holds half the bytes)")
     gen.add_argument("--draft-quantization", choices=["fp8"], default=None,
                      help="the draft's linear weights in fp8 (weight-only e4m3)")
     gen.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
@@ -220,8 +218,7 @@ def _generate(args) -> int:
         structured_outputs=args.structured_outputs,
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
-                  quantization=args.quantization)
+                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config)
     spec = None
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,

@@ -80,10 +80,7 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
     cpu_matmul: str = "auto"  # "auto" | "avx512" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
-    quantization: str | None = None  # "fp8": weight-only e4m3 linears (tandem/layers/quant.py)
-    # fp8 on a GPU: also keep the model-dtype weights for the paths faster on them (the draft; a
-    # target holds the fp8 copy alone)
-    keep_dtype_weights: bool = False
+    quantization: str | None = None  # "fp8": weight-only e4m3 linears (tandem/layers/quant.py; the draft's option)
     # Which distribution returned logprobs describe: "raw_logprobs" (the model's, as vLLM returns by
     # default) or "processed_logprobs" (after penalties, bias, temperature and truncation: the one sampled).
     logprobs_mode: str = "raw_logprobs"

@@ -26,7 +26,6 @@ from tandem.chat import template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
-from tandem.layers.quant import QUANTIZATIONS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
@@ -70,7 +69,6 @@ class LLM:
         trust_remote_code: bool = False,
         tokenizer_mode: str = "auto",
         watermark_config: Any = None,
-        quantization: str | None = None,
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -96,9 +94,6 @@ class LLM:
             raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
-        if quantization not in (None,) + QUANTIZATIONS:
-            raise ConfigError(f"quantization={quantization!r} is not supported; use one of {list(QUANTIZATIONS)} "
-                              "(weight-only, from the model's own weights) or leave it out")
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
         if seed is None:  # vLLM's "unseeded": a fresh seed per engine
@@ -153,7 +148,7 @@ class LLM:
             )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
-                              quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
+                              logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -150,7 +150,7 @@ def _rows_kernel(
     rounding; the separate activation kernel and the [M, N] intermediate disappear."""
     pid = tl.program_id(0)
     wait_only(PDL_WAIT)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # one row tile up to MAX_ROWS rows
+    offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if SILU_MUL:
         P: tl.constexpr = BLOCK_N // 2
@@ -320,59 +320,42 @@ def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, 128, 4, 6
 
 
-def row_tiles_config(n: int, k: int, m: int) -> tuple[int, int, int, int, int]:
-    """-> (BLOCK_N, BLOCK_K, num_warps, num_stages, BLOCK_M) for more than MAX_ROWS rows: a grid of
-    BLOCK_M-row tiles (an fp8 model's larger steps, tandem/layers/gpu_linear.py)."""
-    if m <= 64:
-        return 128, 64, 4, 4, 64
-    return 128, 64, 8, 3, 128
-
-
-def _check_x(x: Tensor, k: int, weight: Tensor, w_scale: Tensor | None, max_rows: int | None = MAX_ROWS) -> None:
-    assert x.dim() == 2 and x.shape[0] >= 1 and x.shape[1] == k and x.stride(1) == 1
-    assert max_rows is None or x.shape[0] <= max_rows
+def _check_x(x: Tensor, k: int, weight: Tensor, w_scale: Tensor | None) -> None:
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
     assert x.dtype in (torch.bfloat16, torch.float16)
     _check_weight(x, weight, w_scale)
 
 
 def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-              config: tuple[int, ...] | None = None, act: str | None = None,
+              config: tuple[int, int, int, int] | None = None, act: str | None = None,
               w_scale: Tensor | None = None) -> Tensor:
-    """x [M, K], bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows contiguous; bias [N]
-    or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
+    """x [M, K] with 1 <= M <= MAX_ROWS, bf16 / fp16, rows contiguous; weight [N, K] same dtype, rows
+    contiguous; bias [N] or None. -> out [M, N] (rows contiguous), fp32 accumulation, rounded once.
     w_scale [N] fp32: weight is fp8 e4m3 (widened to x's dtype in registers) and row n's sums are
     multiplied by w_scale[n] before the bias (power-of-two scales: the products of gemm_rows on
     weight * w_scale in x's dtype; tested within an ulp of it).
     act="silu_mul": weight is a packed [gate | up] (N even) and out [M, N / 2] is
     silu_and_mul(gemm_rows(x, weight, bias)), in one launch (same bits at the same tile).
-    Up to MAX_ROWS rows are one row tile (config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place
-    of rows_config, for tuning sweeps); more rows (an fp8 model's larger steps) are a second grid
-    axis of BLOCK_M-row tiles (config: those four and BLOCK_M, in place of row_tiles_config). A
-    row's result is the same whichever tile holds it (each output summed over K in one order)."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of rows_config, for tuning sweeps."""
     n, k = weight.shape
     m = x.shape[0]
     assert act in (None, "silu_mul")
     silu_mul = act == "silu_mul"
     n_out = n // 2 if silu_mul else n
-    _check_x(x, k, weight, w_scale, max_rows=None)
-    assert m * max(k, n) < 2**31  # int32 offsets
+    _check_x(x, k, weight, w_scale)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
-    if m <= MAX_ROWS:
-        block_n, block_k, num_warps, num_stages = config or rows_config(n, k)
-        block_m = row_tile(m)
-    else:
-        block_n, block_k, num_warps, num_stages, block_m = config or row_tiles_config(n, k, m)
+    block_n, block_k, num_warps, num_stages = config or rows_config(n, k)
     assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
-    grid = (triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n),)
     _rows_kernel[grid](
         x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=row_tile(m), BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out

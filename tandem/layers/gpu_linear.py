@@ -36,7 +36,6 @@ from tandem.layers.norm import fused_kernels_available
 FEW_ROWS = 32  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
 FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvLinear.few_rows)
 FEW_ROWS_LONG_K = 4096  # above 16 rows, layers with more inputs keep cuBLAS (its split-K wins there)
-FP8_ROWS = 256  # an fp8-only layer: up to this many rows stream the fp8 weights, more dequantize for cuBLAS
 
 
 def _gemm_rows_cap() -> int:
@@ -78,15 +77,11 @@ class GemvLinear(nn.Module):
 
     fp8: the weight holds fp8-representable values (tandem/layers/quant.py); the GEMV and the
     few-row GEMM then stream an fp8 copy with its per-row power-of-two scales (the same products,
-    half the bytes). keep_weight: cuBLAS keeps the weight in the model dtype (the draft: 1.5x
-    its bytes); otherwise (a target) the fp8 copy alone is held (`weight` None; a head tied to the
-    embedding still has the embedding's), every multi-row input goes to gemm_rows on it, and
-    more than FP8_ROWS rows to cuBLAS on a dequantized copy made for the call."""
+    half the bytes), cuBLAS keeps the weight in the model dtype."""
 
-    def __init__(self, linear: nn.Linear, fp8: bool = False, keep_weight: bool = True):
+    def __init__(self, linear: nn.Linear, fp8: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
         self.weight = linear.weight
         self.bias = linear.bias
         self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
@@ -95,8 +90,6 @@ class GemvLinear(nn.Module):
             from tandem.layers.quant import quantize_fp8
 
             self.w8, self.w_scale = quantize_fp8(self.weight)
-            if not keep_weight:
-                self.weight = None
 
     @property
     def kernel_weight(self) -> Tensor:
@@ -116,8 +109,6 @@ class GemvLinear(nn.Module):
         --sections verify). TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every
         multi-row input, 1: on; an A/B switch)."""
         n = x.shape[0] if x.dim() == 2 else 0
-        if self.weight is None:  # fp8 alone: every layer's few rows stream it
-            return 2 <= n <= FEW_ROWS and x.stride(-1) == 1 and x.dtype == self.dtype
         if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
@@ -139,20 +130,11 @@ class GemvLinear(nn.Module):
             from tandem.kernels.gemm_rows import gemm_rows
 
             return gemm_rows(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
-        weight = self.weight
-        if weight is None:
-            if x.dim() == 2 and x.shape[0] <= FP8_ROWS and x.stride(-1) == 1:
-                from tandem.kernels.gemm_rows import gemm_rows
-
-                return gemm_rows(x, self.w8, self.bias, out=out, w_scale=self.w_scale)
-            from tandem.layers.quant import dequantize_fp8
-
-            weight = dequantize_fp8(self.w8, self.w_scale, self.dtype)  # [N, K], freed after the call
         if out is None:
-            return F.linear(x, weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         if self.bias is None:  # F.linear's kernels, into out
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(self.bias, x, weight.t(), out=out)
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
         """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation
@@ -201,11 +183,8 @@ class GemvLinear(nn.Module):
         if not self.takes_row(x):
             from tandem.kernels.gemm_rows import gemm_rows_qkv_rope
 
-            # The model-dtype weight where it is kept: the 32-row fp8 tile was no faster (1B, 6
+            # The model-dtype weight even for an fp8 layer: its 32-row fp8 tile was no faster (1B, 6
             # rows, H200: 8.7 against 7.7 us; the catch-up round 7.51 against 7.50 ms).
-            if self.weight is None:
-                return gemm_rows_qkv_rope(x, self.w8, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
-                                          rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale)
             return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions,
                                       rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping)
         from tandem.kernels.gemv import gemv_qkv_rope
@@ -222,16 +201,12 @@ class GemvLinear(nn.Module):
         return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale))
 
 
-def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, fp8: bool = False, keep_weights: bool = True) -> None:
+def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, fp8: bool = False) -> None:
     """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place (fp8: the
-    weights are fp8-representable, tandem/layers/quant.py; the kernels stream fp8 copies, and
-    without keep_weights the model-dtype weights are dropped, one layer at a time)."""
+    weights are fp8-representable, tandem/layers/quant.py; the kernels stream fp8 copies)."""
     if dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_available():  # CUDA + Triton
         return
-    sites = linear_sites(model)[::-1]
-    while sites:  # popped, so a dropped weight has no reference left once its layer is swapped
-        module, name, child = sites.pop()
+    for module, name, child in linear_sites(model):
         if not child.weight.is_contiguous():
             child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
-        setattr(module, name, GemvLinear(child, fp8=fp8, keep_weight=keep_weights))
-        del child
+        setattr(module, name, GemvLinear(child, fp8=fp8))

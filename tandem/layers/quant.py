@@ -1,5 +1,4 @@
-"""Weight-only fp8 (e4m3) quantization: a model's `quantization="fp8"` (the target's, LLM(quantization=...);
-the draft's, speculative_config).
+"""Weight-only fp8 (e4m3) quantization, for the draft model (speculative_config quantization="fp8").
 
 Each weight row n (an output channel) is stored as q[n, :] in float8_e4m3fn times a power of
 two s[n], the least one with max |w[n, :]| / s[n] <= 448 (e4m3's largest value): round to
@@ -11,13 +10,8 @@ one function on every path: CPU and cuBLAS paths multiply those bf16 weights, wh
 the one-row GEMV and the few-row GEMM stream the fp8 bytes (half the traffic) and multiply each
 output by s[n] after the sum: the same exact products (scaling by a power of two commutes with
 every fp32 rounding), summed in the order of the fp8 tile's layout, so within an ulp of the bf16
-weights' result rather than equal to it.
-
-A quantized target is another model, as with vLLM's `quantization="fp8"`: speculation keeps its
-outputs, not the bf16 model's. On the GPU it holds the fp8 copy alone (about half the weight
-memory; tandem/layers/gpu_linear.py). The draft only proposes: its precision moves the
-acceptance rate, never the output distribution, which the target's verification keeps exact;
-it keeps its model-dtype weights too, for the few-row paths that run faster on them.
+weights' result rather than equal to it. The draft only proposes: its precision moves the
+acceptance rate, never the output distribution, which the target's verification keeps exact.
 """
 from __future__ import annotations
 
@@ -41,11 +35,6 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
         # times 1 / s: exact for a power of two, and cheaper than a division (a new tensor: w may be fp32)
         q[rows] = (w[rows].float() * s[rows, None].reciprocal()).clamp_(-FP8_MAX, FP8_MAX)
     return q, s
-
-
-def dequantize_fp8(q: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
-    """q [N, K] float8_e4m3fn, s [N] -> q * s[:, None] [N, K] in dtype: exact (fake_quantize_fp8_'s values)."""
-    return q.to(dtype).mul_(s.to(dtype)[:, None])
 
 
 def fake_quantize_fp8_(w: Tensor) -> None:

@@ -71,7 +71,6 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-    del tensors  # the model holds them now: a weight it drops (fp8 alone on a GPU) is freed at once
     if cfg.arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
@@ -79,7 +78,7 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     if cfg.quantization is not None:
         quantize_linears_(model, cfg.quantization)
     if device.type == "cuda":
-        prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8", keep_weights=cfg.keep_dtype_weights)
+        prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8")
     else:
         kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype)
         prepare_linears(model, kind)

@@ -60,8 +60,8 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every size's logits land in one static buffer (a graph's own output would stay allocated
         # per size: 871 x 5 rows of a 128k vocabulary, 1.1 GiB, for the 8B's verification at 256 requests).
-        vocab, dtype = model.lm_head.out_features, model.model.embed_tokens.weight.dtype  # (an fp8 head has no weight)
-        self.logits = torch.empty(n_tok, vocab, dtype=dtype, device=device)  # [max_num_reqs * t, vocab]
+        head = model.lm_head.weight
+        self.logits = torch.empty(n_tok, head.shape[0], dtype=head.dtype, device=device)  # [max_num_reqs * t, vocab]
 
     def _metadata(self, n: int) -> TableAttnMetadata:
         return TableAttnMetadata(

@@ -32,8 +32,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "step costs (num_speculative_tokens_per_batch_size='auto'; timed at start-up)")
     model.add_argument("--draft-quantization", choices=["fp8"], default=None,
                        help="with --draft, the draft's linear weights in fp8 (weight-only e4m3)")
-    model.add_argument("--quantization", "-q", choices=["fp8"], default=None,
-                       help="the target's linear weights in fp8 (weight-only e4m3; a GPU holds half the bytes)")
     model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
                        help="tokenizer path (default: the model's)")
     model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),

@@ -53,7 +53,7 @@ class SpeculatorFactory:
             )
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
-                                     target.cpu_matmul, spec.quantization, keep_dtype_weights=True)
+                                     target.cpu_matmul, spec.quantization)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype")
         if spec.synthetic:
             logger.warning(

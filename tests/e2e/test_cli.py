@@ -10,14 +10,21 @@ from tandem.cli import main
 from tests.helpers import make_hf_model
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_generate_compare_fp32(tmp_path, capsys, adaptive):
+@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"]])
+def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
+    import tandem.models.loader as loader
+
+    quantized = []
+    quantize = loader.quantize_linears_
+    monkeypatch.setattr(loader, "quantize_linears_", lambda model, method: quantized.append(method)
+                        or quantize(model, method))
+    adaptive = "--adaptive" in flags
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
-    rc = main(["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3",
-               *(["--adaptive"] if adaptive else []),
+    rc = main(["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3", *flags,
                "--dtype", "float32", "--max-tokens", "12", "--ignore-eos", "--compare", "The quick brown fox"])
     assert rc == 0
+    assert quantized == (["fp8"] if "--draft-quantization" in flags else [])  # the draft alone
     out, err = capsys.readouterr()
     assert out.strip()  # the streamed completion
     assert "12 tokens in" in err
@@ -103,7 +110,6 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
     (["--max-model-len", "0"], "--max-model-len"),
     (["--watermark-config", "{\"key\": -1}"], "--watermark-config"),
     (["--watermark-config", "key=1"], "--watermark-config"),
-    (["--quantization", "int8"], "--quantization"),
     (["--structured-outputs", "[1]"], "--structured-outputs"),
     (["--structured-outputs", '{"regexp": "a"}'], "--structured-outputs"),
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "--structured-outputs"),
@@ -165,7 +171,6 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
     (["--seed", "-1"], "--seed"),
     (["-k", "0"], "--num-speculative-tokens"),
-    (["--quantization", "int4"], "--quantization"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])

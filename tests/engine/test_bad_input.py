@@ -317,8 +317,6 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(seed=-1), "seed"),
         (dict(seed=2**70), "seed"),
-        (dict(quantization="int4"), "quantization"),
-        (dict(quantization="FP8"), "quantization"),
     ],
     ids=lambda v: repr(v) if not isinstance(v, str) else v,
 )

@@ -31,10 +31,10 @@ def _prompts():
 
 
 def _run(target, dtype, spec=None, enforce_eager=False, device="cuda", params=None, async_scheduling=None,
-         watermark_config=None, quantization=None):
+         watermark_config=None):
     llm = LLM(str(target), dtype=dtype, device=device, max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20,
-              async_scheduling=async_scheduling, watermark_config=watermark_config, quantization=quantization)
+              async_scheduling=async_scheduling, watermark_config=watermark_config)
     params = params or SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)], llm
 
@@ -505,47 +505,6 @@ def test_fp8_draft_on_gpu(models, monkeypatch):
         assert abs(llm.engine.spec_metrics.acceptance_rate - llm_eager.engine.spec_metrics.acceptance_rate) <= 0.02
         lin = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj
         assert lin.w8.dtype == torch.float8_e4m3fn and lin.kernel_weight is lin.w8
-
-
-def test_fp8_target_on_gpu(models, monkeypatch, tmp_path):
-    """A target in weight-only fp8 (quantization="fp8") holds the fp8 copies of its linears alone:
-    one row streams them through the GEMV, 2-32 rows through gemm_rows (the qkv rotating inside),
-    the 64- and 200-token prefills through gemm_rows' row tiles, and above FP8_ROWS rows a
-    dequantized copy goes to cuBLAS. Logits stay near the CPU's fp8 model in fp32 on every path;
-    speculative greedy output == its own target-only output, graphs == eager."""
-    from tests.helpers import assert_greedy_equal_up_to_near_tie
-    from tests.kernels.test_gemv import _decode_logits
-
-    small = make_hf_model(tmp_path / "m", "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
-    ref = _decode_logits(small, "cpu", torch.float32, swap=False, quantization="fp8")
-    scale = ref.abs().max().item()
-    # the 9-row prefill: one gemm_rows tile (qkv rotating), row tiles of 64, a dequantized copy on cuBLAS
-    for few_rows, max_rows, fp8_rows in ((32, 32, 256), (4, 4, 256), (4, 32, 8)):
-        monkeypatch.setattr("tandem.layers.gpu_linear.FEW_ROWS", few_rows)
-        monkeypatch.setattr("tandem.kernels.gemm_rows.MAX_ROWS", max_rows)
-        monkeypatch.setattr("tandem.layers.gpu_linear.FP8_ROWS", fp8_rows)
-        got = _decode_logits(small, "cuda", torch.bfloat16, swap=False, quantization="fp8")
-        assert (got - ref).abs().max().item() <= 0.05 * scale, (few_rows, max_rows, fp8_rows)
-    monkeypatch.undo()
-
-    target, draft = models
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-    llm = LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=512, block_size=16, max_num_seqs=8,
-              kv_cache_memory_bytes=64 << 20, quantization="fp8")
-    layer = llm.engine.runner.model.model.layers[0]
-    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert lin.weight is None and lin.w8.dtype == torch.float8_e4m3fn
-    base_outs = llm.generate(_prompts(), params, use_tqdm=False)
-    base = [o.outputs[0].token_ids for o in base_outs]
-    eager, _ = _run(target, "bfloat16", quantization="fp8", enforce_eager=True)
-    assert eager == base
-    for spec_model, k in ((draft, 3), (target, 4)):
-        out, _ = _run(target, "bfloat16", dict(model=str(spec_model), num_speculative_tokens=k), quantization="fp8")
-        assert out == base
-    monkeypatch.setattr("tandem.layers.gpu_linear.FP8_ROWS", 48)  # the 64- and 200-token prefills: cuBLAS
-    _, deq = _run(target, "bfloat16", quantization="fp8")
-    for a, b in zip(deq.generate(_prompts(), params, use_tqdm=False), base_outs):
-        assert_greedy_equal_up_to_near_tie(a.outputs[0], b.outputs[0])
 
 
 def _config_dir(path, **shape):
