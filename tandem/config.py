@@ -119,6 +119,8 @@ class EngineConfig:
     device: torch.device
     spec: Any = None  # tandem.spec.config.SpeculativeConfig, or None to run without a draft
     watermark: Any = None  # tandem.sampling.watermark.WatermarkConfig, or None: no keyed draws
+    # a name of tandem.reasoning.REASONING_PARSERS: structured outputs hold from the end of the thinking
+    reasoning_parser: str | None = None
     extra: dict = field(default_factory=dict)
 
 

@@ -26,6 +26,7 @@ from tandem.engine.grammar import Grammars
 from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
+from tandem.reasoning import reasoning_format
 from tandem.oom import OutOfMemoryGuard, release_failed_step
 from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
 from tandem.runner.model_runner import Launched
@@ -141,7 +142,8 @@ class Engine:
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
-        self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids)  # structured outputs' matchers
+        # structured outputs' matchers (after the thinking, with a reasoning parser)
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids, reasoning_format(cfg.reasoning_parser))
         # Grammar-aware drafting: structured-output requests draft under their grammar. "round": each
         # draft step is masked before it is drawn (a wait a step: on a CPU, where a host round trip
         # is free and a draft step is not); "repair": the round runs free (on a GPU, as one graph),
@@ -232,7 +234,7 @@ class Engine:
             raise RequestError("SamplingParams.bad_words needs a tokenizer, and this model has none; give "
                                "bad_words_token_ids instead")
         if params.structured_outputs is not None:
-            self._check_structured(params)
+            self._check_structured(params, prompt_token_ids)
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(
@@ -265,7 +267,8 @@ class Engine:
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._check_watermark(params)
-        matcher = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
+        matcher = (self.grammars.compile(params.structured_outputs, prompt_token_ids)
+                   if params.structured_outputs is not None else None)
         if params.bad_words:
             params = params.clone(bad_words=None,
                                   bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))
@@ -299,13 +302,13 @@ class Engine:
             self.scheduler.add(req)
         self._requests[request_id] = state
 
-    def _check_structured(self, params: SamplingParams) -> None:
+    def _check_structured(self, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         """RequestError for a constraint that does not compile, or an engine that cannot keep one."""
         if self.cfg.spec is not None and self.cfg.spec.synthetic:
             raise RequestError("SamplingParams.structured_outputs cannot run with rejection_sample_method="
                                "'synthetic', which accepts drafts whatever they are (a benchmark mode); use "
                                "the lossless verifier")
-        self.grammars.validate(params.structured_outputs)
+        self.grammars.validate(params.structured_outputs, prompt_token_ids)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds

@@ -88,8 +88,10 @@ class Grammars:
     """The matchers of the engine's constrained sequences, keyed by Request.req_id, and the drafts
     pending for each (which the next step's rows follow)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], reasoning=None):
+        """reasoning: a tandem.reasoning.ReasoningFormat: constraints hold after the thinking."""
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.num_words = (vocab_size + 31) // 32  # int32 words of a bitmask row
@@ -123,13 +125,17 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         return self._ll_tokenizer
 
-    def validate(self, params: StructuredOutputsParams) -> str:
+    def validate(self, params: StructuredOutputsParams, prompt_token_ids: list[int] | None = None) -> str:
         """-> the constraint's grammar; RequestError naming the field when it does not compile (an
         unclosed regex, an unknown rule, an unsupported schema). The last grammars found valid are
-        remembered, so checking a request and then adding it compiles its grammar once."""
+        remembered, so checking a request and then adding it compiles its grammar once. With a
+        reasoning parser the constraint holds from the end of the thinking (where the reply to
+        prompt_token_ids starts in it; tandem/reasoning.py)."""
         import llguidance
 
         text = grammar_text(params)
+        if self.reasoning is not None:
+            text = self._after_thinking(text, prompt_token_ids or [])
         if text in self._valid:
             return text
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer())
@@ -140,11 +146,17 @@ class Grammars:
             del self._valid[next(iter(self._valid))]
         return text
 
-    def compile(self, params: StructuredOutputsParams):
+    def _after_thinking(self, text: str, prompt_token_ids: list[int]) -> str:
+        from tandem.reasoning import reasoning_tag_tokens
+
+        tail = self.tokenizer.decode(prompt_token_ids[-8:]) if self.tokenizer is not None else None
+        return self.reasoning.gate(text, self.reasoning.opens(tail), reasoning_tag_tokens(self.tokenizer))
+
+    def compile(self, params: StructuredOutputsParams, prompt_token_ids: list[int] | None = None):
         """-> a matcher at the start of the output (RequestError as validate)."""
         import llguidance
 
-        text = self.validate(params)
+        text = self.validate(params, prompt_token_ids)
         matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
         if matcher.is_error():
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {matcher.get_error()}")

@@ -29,6 +29,7 @@ from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
+from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
 from tandem.sampling_params import MAX_SEED, SamplingParams
 
@@ -69,6 +70,7 @@ class LLM:
         trust_remote_code: bool = False,
         tokenizer_mode: str = "auto",
         watermark_config: Any = None,
+        reasoning_parser: str | None = None,
     ):
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
@@ -94,6 +96,10 @@ class LLM:
             raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
+        try:
+            reasoning_format(reasoning_parser)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
         if seed is None:  # vLLM's "unseeded": a fresh seed per engine
@@ -166,6 +172,7 @@ class LLM:
             device=dev,
             spec=spec,
             watermark=watermark,
+            reasoning_parser=reasoning_parser,
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)

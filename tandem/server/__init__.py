@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, watermark_config
+from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
 TOOL_CALL_PARSERS = ("hermes",)  # "auto" tool choice's parsers (tandem/server/tools.py)
@@ -71,6 +72,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                         help="how calls read in the model's text, with --enable-auto-tool-choice (hermes: "
                              "<tool_call>{...}</tool_call>, as Qwen2.5's template asks)")
+    server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="a reasoning model's <think> part goes to the reply's 'reasoning' field, and "
+                             "structured outputs hold after it (as vLLM's --reasoning-parser)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

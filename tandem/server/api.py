@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.chat import template_kwargs
 from tandem.errors import RequestError
 from tandem.outputs import Logprob, RequestOutput
+from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format
 from tandem.sampling_params import SamplingParams
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
 from tandem.server.metrics import ServerMetrics
@@ -385,13 +386,19 @@ class CompletionRenderer(_Renderer):
 
 class ChatRenderer(_Renderer):
     def __init__(self, *args, role: str = "assistant", echo_text: str = "", tools: ToolChoice | None = None,
-                 **kwargs):
+                 reasoning: ReasoningFormat | None = None, include_reasoning: bool = True, **kwargs):
         """role: the reply's; echo_text: what its content starts with (chat's echo); tools: how
-        replies become tool calls (None: plain text)."""
+        replies become tool calls (None: plain text); reasoning: how a reasoning model's thinking is
+        told from its answer (None: all answer), include_reasoning: whether the thinking is sent.
+        Tool calls are parsed from the answer alone."""
         super().__init__(*args, **kwargs)
         self.role, self.echo_text = role, echo_text
         self.tools = tools
         self.tool_streams = [ToolStream(tools) for _ in self.done] if tools is not None else None
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        # where a reply starts: in the thinking or not, from the end of its prompt
+        self.opens = reasoning.opens(self.prompts[0].text) if reasoning is not None else False
+        self.splits = [ReasoningSplit(self.opens) for _ in self.done] if reasoning is not None else None
 
     def preamble(self) -> list[BaseModel]:
         size = len(self.done)
@@ -407,6 +414,11 @@ class ChatRenderer(_Renderer):
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
         logprobs = chat_logprobs(token_ids, lps, self.params.logprobs) if lps is not None else None
+        thinking = ""
+        if self.splits is not None:
+            split = self.splits[idx]
+            pieces = [split.feed(text), split.finish() if finish is not None else ("", "")]
+            thinking, text = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
         if self.tool_streams is None:
             message = DeltaMessage(content=text or None)
         else:
@@ -414,6 +426,8 @@ class ChatRenderer(_Renderer):
             parts = [stream.feed(text) if text else None, stream.finish() if finish is not None else None]
             message = _joined_deltas([p for p in parts if p is not None])
             finish = self.tools.finish_reason(stream.calls, finish)
+        if thinking and self.include_reasoning:
+            message.reasoning = message.reasoning_content = thinking
         return self.chunk([ChatStreamChoice(index=idx, delta=message, logprobs=logprobs,
                                             finish_reason=finish, stop_reason=stop)])
 
@@ -423,12 +437,17 @@ class ChatRenderer(_Renderer):
             logprobs = None
             if seq.logprobs is not None:
                 logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs)
-            content, calls, finish = seq.text, [], seq.finish_reason
-            if self.tools is not None:
-                content, calls = self.tools.parse(seq.text)
+            thinking, content, calls, finish = None, seq.text, [], seq.finish_reason
+            if self.reasoning is not None:
+                thinking, content = self.reasoning.split(seq.text, self.opens)
+            if self.tools is not None and content is not None:
+                content, calls = self.tools.parse(content)
                 finish = self.tools.finish_reason(calls, finish)
+            if not self.include_reasoning:
+                thinking = None
             message = ChatResponseMessage(role=self.role, content=self.echo_text + content if content is not None
-                                          else self.echo_text or None, tool_calls=[ToolCall(function=c) for c in calls])
+                                          else self.echo_text or None, reasoning=thinking, reasoning_content=thinking,
+                                          tool_calls=[ToolCall(function=c) for c in calls])
             choices.append(ChatChoice(index=seq.index, message=message,
                                       logprobs=logprobs, finish_reason=finish, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -507,6 +526,8 @@ class OpenAIServer:
         engine = client.engine
         self.client = client
         self.tool_call_parser = tool_call_parser  # "auto" tool choice's parser; None: "auto" is refused
+        # the engine's reasoning parser (its constraints hold after the thinking): replies split by it
+        self.reasoning = reasoning_format(engine.cfg.reasoning_parser)
         self.trust_request_chat_template = trust_request_chat_template
         self.generation_defaults = dict(generation_defaults or {})  # for the sampling fields a request leaves out
         # Templating and tokenizing run on one worker thread: a long prompt does not stall the event
@@ -619,7 +640,8 @@ class OpenAIServer:
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
         renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage, role=role,
-                                echo_text=echo_text, tools=tools if tools.makes_calls else None)
+                                echo_text=echo_text, tools=tools if tools.makes_calls else None,
+                                reasoning=self.reasoning, include_reasoning=body.include_reasoning)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field, "tools" if constraint is not None else None)
 
@@ -937,6 +959,7 @@ def run_server(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

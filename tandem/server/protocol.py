@@ -288,6 +288,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # with a reasoning parser: the thinking in the reply (False: dropped)
 
     @property
     def max_tokens_field(self) -> str:
@@ -399,6 +400,9 @@ class DeltaToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    # A reasoning model's thinking (with the server's --reasoning-parser), under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -424,6 +428,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # as ChatResponseMessage's
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

@@ -293,8 +293,8 @@ class ToolChoice:
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         """(content, calls) of a finished choice's text, each call's arguments as the model wrote
         them. Text that does not hold calls stays content (a choice cut short by max_tokens, for one)."""
-        if self.mode == "named":
-            return None, [FunctionCall(name=self.name, arguments=text)]
+        if self.mode == "named":  # (a blank before the object: after a reasoning model's </think>)
+            return None, [FunctionCall(name=self.name, arguments=text.lstrip())]
         if self.mode == "required":
             try:
                 items = json.loads(text)
@@ -426,15 +426,16 @@ class ToolStream:
         return DeltaMessage(content=rest, tool_calls=calls) if rest or calls else None
 
     def _arguments(self) -> DeltaMessage | None:
+        text = self.text.lstrip()  # as parse reads it
         if self.call_id is None:  # the call's first piece: its id and name
             self.call_id = random_id("chatcmpl-tool")
-            self.sent = len(self.text)
+            self.sent = len(text)
             return DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=self.call_id, type="function",
                                                           function=DeltaFunctionCall(name=self.choice.name,
-                                                                                     arguments=self.text))])
-        if len(self.text) == self.sent:
+                                                                                     arguments=text))])
+        if len(text) == self.sent:
             return None
-        piece, self.sent = self.text[self.sent:], len(self.text)
+        piece, self.sent = text[self.sent:], len(text)
         return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))])
 
 

@@ -171,6 +171,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
     (["--seed", "-1"], "--seed"),
     (["-k", "0"], "--num-speculative-tokens"),
+    (["--reasoning-parser", "r1"], "--reasoning-parser"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])

@@ -954,6 +954,47 @@ def test_auto_tool_choice_parses_hermes_calls(live, reference):
     assert strict.choices[0].message.content == ref.text and strict.choices[0].finish_reason == ref.finish_reason
 
 
+def test_reasoning_parser_splits_the_thinking(live):
+    """With a reasoning parser a chat reply's <think> part is its "reasoning" (and the older
+    "reasoning_content"), the rest its content, streamed or not; include_reasoning false drops the
+    thinking; tool calls are read from the answer alone. (Set on the server only, so a regex can
+    force the whole reply: the engine's own parser would hold the regex after the thinking,
+    tests/e2e/test_reasoning.py.)"""
+    from tandem.reasoning import REASONING_PARSERS
+
+    server = live.app.state.server
+    reply = "<think>Paris is in France.</think>\n\nIt is sunny."
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=99, temperature=0,
+                  extra_body={"guided_regex": re.escape(reply)})
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'  # (short: the context is 128 tokens)
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    server.reasoning = REASONING_PARSERS["qwen3"]
+    try:
+        r = live.client.chat.completions.create(**kwargs)
+        chunks = list(live.client.chat.completions.create(**kwargs, stream=True))
+        hidden = live.client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"],
+                                                                               "include_reasoning": False}})
+        server.tool_call_parser = "hermes"
+        tools = live.client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=99, temperature=0, tools=[f],
+            extra_body={"guided_regex": re.escape(f"<think><tool_call>?</think>{call}")})
+    finally:
+        server.reasoning = server.tool_call_parser = None
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop", r
+    assert message.reasoning == message.reasoning_content == "Paris is in France."
+    assert message.content == "\n\nIt is sunny."
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.reasoning or "" for d in deltas) == message.reasoning
+    assert "".join(d.reasoning_content or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
+    message = tools.choices[0].message
+    assert message.reasoning == "<tool_call>?" and message.content is None, tools  # a tag in the thinking: no call
+    assert tools.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("f", "{}")]
+
+
 def test_tools_and_past_calls_reach_the_chat_template(live, reference):
     """The tools go to the template, and a past call's arguments (JSON text in OpenAI's messages)
     reach it as an object, as vLLM passes them."""

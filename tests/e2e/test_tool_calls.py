@@ -124,6 +124,9 @@ def test_streamed_calls_send_their_arguments_as_they_come(size):
     named = ToolChoice("named", ({"name": "f", "parameters": {"type": "object"}},), name="f")
     content, calls, deltas = _stream(named, '{"x": 1}', size)
     assert content == "" and calls == [("f", '{"x": 1}')] and len(deltas) == -(-8 // size)
+    # a blank before the object (a reasoning model's, after </think>) is not part of the arguments
+    assert _stream(named, '\n\n{"x": 1}', size)[1] == [("f", '{"x": 1}')] == \
+        [(c.name, c.arguments) for c in named.parse('\n\n{"x": 1}')[1]]
     assert named.finish_reason([], "stop") == "stop"
     required = ToolChoice("required", named.tools + ({"name": "g", "parameters": {"type": "object"}},))
     text = '[{"name": "f", "parameters": {"x": [1, "]"]}}, {"name": "g", "parameters": {}}]'
