@@ -7,8 +7,10 @@ output a prefix of the language, one row per logits row: with drafts pending, th
 draft comes from the matcher advanced over the drafts before it (and rolled back), so the
 target verifies every draft against the constraint. The first draft the constraint rejects is
 masked out of its own row, which rejects it whatever the verifier; the rows after it allow every
-token (nothing from them is emitted). The runner applies the rows to the logits before any other
-processor, as vLLM does, so logprobs see the constraint too.
+token (nothing from them is emitted). Once an EOS completes the output, the rows after it allow
+EOS alone (an output goes on past it under ignore_eos, and only EOS may follow: target-only output
+pads so, and speculative output must equal it). The runner applies the rows to the logits before
+any other processor, as vLLM does, so logprobs see the constraint too.
 
 The drafts are proposed under the constraint as well (DraftMasks): while the draft model runs a
 round, each matcher is advanced over the tokens the step emitted and then over each draft, and
@@ -176,10 +178,13 @@ class Grammars:
             self.drafts[req_id] = drafts
 
     def accept(self, req_id: int, tokens: list[int]) -> None:
-        """Advance a sequence's matcher over the tokens it emitted."""
+        """Advance a sequence's matcher over the tokens it emitted. Once an EOS completes the
+        output the matcher stops: what follows (EOS again, under ignore_eos) is not consumed."""
         matcher = self.matchers.get(req_id)
         if matcher is None or not tokens or matcher.is_stopped():  # stopped: complete, only EOS follows
             return
+        if any(t in self.eos_token_ids for t in tokens[:-1]):  # (an EOS and more: ignore_eos)
+            tokens = tokens[:self._completed_by(matcher, tokens) or len(tokens)]
         if not matcher.consume_tokens(tokens):
             # Only a row the constraint and another mask left empty (min_tokens holding back the EOS
             # a complete output needs, allowed_token_ids outside the language) samples such a token.
@@ -193,24 +198,27 @@ class Grammars:
         reqs = self._drafting(plan)
         if not reqs:
             return None
-        return DraftMasks(reqs, [self.matchers[plan.reqs[i].req_id] for i in reqs], self.num_words, self._executor)
+        return DraftMasks(reqs, [self.matchers[plan.reqs[i].req_id] for i in reqs], self.num_words, self._executor,
+                          self._eos_row())
 
     def misfits(self, drafts: dict[int, list[int]]) -> dict[int, int]:
         """The constrained sequences among drafts (req_id -> the drafts of a free round) whose
-        drafts leave the language -> req_id -> the index of the first that does (drafts after an
-        EOS the language accepts do not count: nothing after it is emitted). Each sequence's
-        misfit rate follows."""
+        drafts leave the language -> req_id -> the index of the first that does (after an EOS
+        that completes the output, the first that is not EOS: only EOS may follow, as the masks
+        of "round" drafting have it). Each sequence's misfit rate follows."""
         out = {}
         for req_id, tokens in drafts.items():
             matcher = self.matchers.get(req_id)
             if matcher is None or not tokens:
                 continue
-            if matcher.is_stopped():  # complete: only EOS follows (which does not consume)
-                if tokens[0] not in self.eos_token_ids:
-                    out[req_id] = 0
+            n = self._completed_by(matcher, tokens)
+            if n is not None:  # complete at n: only EOS follows (which does not consume)
+                after = [i for i, t in enumerate(tokens[n:], n) if t not in self.eos_token_ids]
+                if after:
+                    out[req_id] = after[0]
             else:
                 n = matcher.validate_tokens(tokens)
-                if n < len(tokens) and not (n > 0 and tokens[n - 1] in self.eos_token_ids):
+                if n < len(tokens):
                     out[req_id] = n
             rate = self.misfit_rate.get(req_id, 0.0)
             self.misfit_rate[req_id] = (1 - MISFIT_WEIGHT) * rate + MISFIT_WEIGHT * (req_id in out)
@@ -237,7 +245,7 @@ class Grammars:
         """Masks for redrafting sequences req_ids from the end of the drafts that fit (drafts[j],
         per sequence): each matcher advanced over them."""
         masks = DraftMasks(list(range(len(req_ids))), [self.matchers[r] for r in req_ids], self.num_words,
-                           self._executor)
+                           self._executor, self._eos_row())
         for j, tokens in enumerate(drafts):
             masks.advance(j, tokens)
         return masks
@@ -259,7 +267,13 @@ class Grammars:
                 raise RuntimeError(f"request {r.req_id} verifies {r.num_drafts} drafts but {len(drafts)} reached "
                                    "the host")
             matcher = self.matchers[r.req_id]
-            if drafts:
+            n = self._completed_by(matcher, drafts)
+            if n is not None:  # the rows after a draft EOS that completes the output: EOS again
+                bitmask[row + n: row + len(drafts) + 1] = self._eos_row()
+                drafts = drafts[:max(n - 1, 0)]  # (llguidance fills no row after a draft that stops the matcher)
+            if matcher.is_stopped():
+                bitmask[row] = self._eos_row()
+            elif drafts:
                 drafted.append((matcher, row, drafts))
             else:
                 plain.append((matcher, row))
@@ -270,6 +284,24 @@ class Grammars:
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return GrammarMask(reqs, bitmask.numpy())
 
+    def _completed_by(self, matcher, tokens: list[int]) -> int | None:
+        """How many of tokens the matcher follows up to and with the EOS that completes the output
+        (0: it is complete already; None: no token completes it). Only EOS may follow that one:
+        an output goes on past it under ignore_eos."""
+        if matcher.is_stopped():
+            return 0
+        if not any(t in self.eos_token_ids for t in tokens):
+            return None
+        n = matcher.validate_tokens(tokens)
+        return n if n > 0 and tokens[n - 1] in self.eos_token_ids else None
+
+    def _eos_row(self) -> torch.Tensor:
+        """[words] int32: the bitmask row that allows the EOS tokens alone."""
+        row = torch.zeros(self.num_words, dtype=torch.int64)
+        for t in self.eos_token_ids:
+            row[t // 32] |= 1 << (t % 32)
+        return torch.where(row >= 2**31, row - 2**32, row).to(torch.int32)
+
 
 class DraftMasks:
     """Grammar-aware drafting: the bitmask rows of the drafts of some constrained requests.
@@ -277,25 +309,27 @@ class DraftMasks:
     Each request j has its matcher; advance(j, tokens) moves it over tokens (the ones its request
     emitted this step, the drafts that fit), rows(js) gives the bitmask rows of the next drafts of
     requests js, and finish() rolls back everything consumed (the engine advances the matchers
-    over what is emitted: Grammars.accept). A request whose token does not consume (its output is
-    complete, so only EOS follows, and EOS does not consume; a token drawn from a row the
-    constraint and another mask left empty) gets rows that allow everything from then on:
-    nothing drafted after that token can be emitted."""
+    over what is emitted: Grammars.accept). A request whose output is complete (an EOS stopped
+    its matcher) gets rows that allow EOS alone, as the target's rows do (under ignore_eos the
+    output goes on); one whose token does not consume otherwise (drawn from a row the constraint
+    and another mask left empty) gets rows that allow everything from then on: nothing drafted
+    after that token can be emitted."""
 
-    def __init__(self, reqs: list[int], matchers: list, num_words: int, executor):
+    def __init__(self, reqs: list[int], matchers: list, num_words: int, executor, eos_row: torch.Tensor):
         self.reqs = reqs  # whose requests: indices into StepPlan.reqs
         self._matchers = matchers
         self._num_words = num_words
         self._executor = executor
+        self._eos_row = eos_row
         self._consumed = [0] * len(reqs)  # tokens each matcher consumed, to roll back
         self._open = [False] * len(reqs)  # its rows allow everything from now on
 
     def advance(self, j: int, tokens: list[int]) -> None:
-        if self._open[j] or not tokens:
+        if self._open[j] or not tokens or self._matchers[j].is_stopped():
             return
         n = self._matchers[j].try_consume_tokens(tokens)
         self._consumed[j] += n
-        if n < len(tokens):
+        if n < len(tokens) and not self._matchers[j].is_stopped():
             self._open[j] = True
 
     def rows(self, js: list[int] | None = None) -> torch.Tensor:
@@ -304,7 +338,11 @@ class DraftMasks:
 
         js = range(len(self.reqs)) if js is None else js
         bitmask = torch.full((len(js), self._num_words), -1, dtype=torch.int32)  # -1: everything
-        closed = [(self._matchers[j], row) for row, j in enumerate(js) if not self._open[j]]
+        for row, j in enumerate(js):
+            if not self._open[j] and self._matchers[j].is_stopped():
+                bitmask[row] = self._eos_row
+        closed = [(self._matchers[j], row) for row, j in enumerate(js)
+                  if not self._open[j] and not self._matchers[j].is_stopped()]
         if closed:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, closed, bitmask)
         return bitmask

@@ -261,3 +261,26 @@ def test_bitmask_rows_follow_the_drafts(models):
     plan = StepPlan([], [ScheduledReq(0, 0, 12, [5], 0, [0, 1], True, 5, 0)])
     bits = torch.from_numpy(grammars.bitmask(plan).bitmask)
     assert [t for t in range(320) if (int(bits[0, t // 32]) >> (t % 32)) & 1] == allowed[2]
+
+
+def test_ignore_eos_goes_on_with_eos_after_a_complete_output(models, caplog):
+    """Under ignore_eos an output goes on past the EOS that completes its constraint, and only EOS
+    may follow: without a draft, and with drafts that propose the completing EOS and more after it
+    in one round (the draft being the target, or grammar-masked drafting); speculative output
+    equals target-only output, and no matcher is ever given a token it refuses."""
+    _, prompts, _ = _requests(0.0)
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, structured_outputs=so)
+              for so, _ in _constraints().values()]
+    checks = [check for _, check in _constraints().values()]
+    eos = 1  # tests.helpers' </s>
+    outs = {}
+    for draft in (None, "target", "near"):
+        outs[draft] = _llm(models, draft, k=4).generate(prompts, params, use_tqdm=False)
+    for draft, got in outs.items():
+        assert _tokens(got) == _tokens(outs[None]), draft
+        for check, out in zip(checks, got):
+            seq = out.outputs[0]
+            first = seq.token_ids.index(eos)
+            assert len(seq.token_ids) == 48 and set(seq.token_ids[first:]) == {eos}, (draft, seq.token_ids)
+            assert check(seq.text), (draft, seq.text)
+    assert "does not allow" not in caplog.text
