@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int_in(1), default=None)
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
+                     help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--min-tokens", type=int, default=0)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -218,7 +220,8 @@ def _generate(args) -> int:
         structured_outputs=args.structured_outputs,
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config)
+                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
+                  tensor_parallel_size=args.tensor_parallel_size)
     spec = None
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,

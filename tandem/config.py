@@ -85,6 +85,9 @@ class ModelConfig:
     # default) or "processed_logprobs" (after penalties, bias, temperature and truncation: the one sampled).
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask (-1: no cap), as vLLM
+    # Tensor parallelism: the ranks sharing each layer (arch stays the checkpoint's whole shape;
+    # each rank runs tandem.parallel.shard.shard_arch(arch, tp_size)).
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)

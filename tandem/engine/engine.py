@@ -104,6 +104,8 @@ class Engine:
 
         # after_pool_estimate: bytes the budget set aside for what follows the KV pool (GPU; else 0)
         num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
+        if getattr(model, "tp", None) is not None:  # every rank's scheduler must see the same pool: the smallest any rank holds
+            num_blocks = model.tp.min_int(num_blocks)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
         kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)

@@ -1,6 +1,7 @@
 """LLM: the offline entry point, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import random
@@ -29,6 +30,9 @@ from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
+from tandem.parallel.group import TPGroup, backend_for, host_store
+from tandem.parallel.shard import check_shardable
+from tandem.parallel.workers import ReplicatedEngine, Workers, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
 from tandem.sampling_params import MAX_SEED, SamplingParams
@@ -71,7 +75,11 @@ class LLM:
         tokenizer_mode: str = "auto",
         watermark_config: Any = None,
         reasoning_parser: str | None = None,
+        _rank: tuple[int, int] | None = None,
     ):
+        """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
+        tensor-parallel engine (tandem/parallel/workers.py); not for callers."""
+        launch = {name: value for name, value in locals().items() if name not in ("self", "_rank")}
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)
         if max_num_batched_tokens is not None:
@@ -106,11 +114,12 @@ class LLM:
             seed = random.randrange(MAX_SEED)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
             raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}], or None for a random one")
+        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        tp_size = tensor_parallel_size
+        rank, port = _rank if _rank is not None else (0, 0)
+        launch["seed"] = seed  # every rank the same
         # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,
         # and tandem runs none: its architectures are its own).
-        if tensor_parallel_size != 1:
-            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported: tandem runs on one "
-                              "device; leave it out or set 1")
         if tokenizer_mode != "auto":
             raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
                               "model's Hugging Face tokenizer)")
@@ -119,13 +128,28 @@ class LLM:
         check_dtype_name(dtype)  # before a model is fetched or converted for it
 
         dev = resolve_device(device)
+        if tp_size > 1:
+            dev = _rank_device(dev, rank, tp_size)
+            if dev.type == "cuda" and not enforce_eager:
+                logger.info("tensor_parallel_size=%d runs eagerly: CUDA graphs around collectives are not built",
+                            tp_size)
+                enforce_eager = True
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
+        if tp_size > 1:
+            check_shardable(arch, tp_size)
         self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir))
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp_size):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must "
+                              f"be 1 (the whole draft on every rank) or tensor_parallel_size={tp_size}")
+        if spec is not None and spec.adaptive and tp_size > 1:
+            raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size=\"auto\" is not supported "
+                              "with tensor_parallel_size > 1 (its choice rests on step times one rank measures); "
+                              "give explicit [start, end, K] ranges or leave it out")
         watermark = parse_watermark_config(watermark_config)
         if watermark is not None and spec is not None and spec.synthetic:
             raise ConfigError("watermark_config cannot be combined with speculative_config's rejection_sample_method="
@@ -154,7 +178,7 @@ class LLM:
             )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
-                              logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
+                              logprobs_mode=logprobs_mode, max_logprobs=max_logprobs, tp_size=tp_size),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -180,13 +204,37 @@ class LLM:
             where = f"tokenizer={tokenizer!r}" if tokenizer is not None else f"the tokenizer in {model_dir}"
             raise ConfigError(f"{where} has {len(self.tokenizer)} tokens but the model's embedding table only "
                               f"{arch.vocab_size} rows; pass the model's own tokenizer")
-        target = load_model(cfg.model, dev)
-        factory = None
-        if spec is not None:
-            from tandem.spec.factory import SpeculatorFactory
+        workers = None
+        self.tp = None  # this rank's tensor-parallel group
+        if tp_size > 1:
+            if dev.type == "cpu":
+                torch.set_num_threads(threads_per_rank(tp_size))
+            if rank == 0:  # the other ranks build the same engine from what this one resolved
+                launch["model"] = str(model_dir)
+                if spec is not None:  # fetched once, here
+                    draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else torch_dtype,
+                                                  spec.draft_load_format, "speculative_config.model")
+                    launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
+                store = host_store(tp_size)
+                workers = Workers(tp_size, store.port, launch)
+                self.tp = TPGroup(0, tp_size, store.port, dev, store)
+            else:
+                self.tp = TPGroup(rank, tp_size, port, dev)
+        try:
+            target = load_model(cfg.model, dev, tp=self.tp)
+            factory = None
+            if spec is not None:
+                from tandem.spec.factory import SpeculatorFactory
 
-            factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev)
-        self.engine = Engine(cfg, target, self.tokenizer, eos_token_ids(model_dir, arch, self.tokenizer), factory)
+                factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp)
+            self.engine = Engine(cfg, target, self.tokenizer, eos_token_ids(model_dir, arch, self.tokenizer), factory)
+            if workers is not None:
+                workers.wait_ready()
+                self.engine = ReplicatedEngine(self.engine, workers, self.tp)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         self.config = self.engine.cfg
         self._counter = 0
 
@@ -342,6 +390,19 @@ def _parse_spec(spec, target_max_len: int):
     from tandem.spec.config import SpeculativeConfig
 
     return SpeculativeConfig.from_user(spec, target_max_len)
+
+
+def _rank_device(dev: torch.device, rank: int, size: int) -> torch.device:
+    """A tensor-parallel rank's device: GPU `rank` (each rank its own), or the CPU."""
+    if dev.type != "cuda":
+        return dev
+    n = torch.cuda.device_count()
+    if n < size and backend_for(dev) == "nccl":
+        raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs and {n} are visible; lower "
+                          "tensor_parallel_size")
+    dev = torch.device("cuda", rank % n)
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def _check_positive_int(name: str, value) -> None:

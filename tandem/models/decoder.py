@@ -18,6 +18,8 @@ from tandem.layers.attention import AttnMetadata
 from tandem.layers.gpu_linear import AddedRow, GemvLinear, NormedRow
 from tandem.layers.norm import RMSNorm, fused_kernels_available
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.parallel.group import TPGroup
+from tandem.parallel.shard import vocab_rows
 
 
 class KVCache:
@@ -42,6 +44,7 @@ class KVCache:
 
 class Attention(nn.Module):
     cpu_isa: str | None = None  # the build of tandem's CPU kernels the CPU attention calls (None: torch ops)
+    tp: TPGroup | None = None  # tensor parallelism: this rank's heads only; o_proj's partial sums all-reduced
 
     def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -91,11 +94,14 @@ class Attention(nn.Module):
         o = o.reshape(n, self.num_heads * self.head_dim)
         if add_to is not None:
             return self.o_proj.forward_add_(o, add_to)
+        if self.tp is not None:
+            return self.tp.all_reduce_(self.o_proj(o))
         return self.o_proj(o)
 
 
 class MLP(nn.Module):
     cpu_isa: str | None = None  # the build of tandem's CPU kernels SiLU-and-mul calls (None: torch ops)
+    tp: TPGroup | None = None  # tensor parallelism: this rank's intermediate rows; down_proj's sums all-reduced
 
     def __init__(self, arch: ArchConfig):
         super().__init__()
@@ -106,6 +112,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor | NormedRow, add_to: Tensor | None = None) -> Tensor | AddedRow:
         """-> down(silu(gate(x)) * up(x)); with add_to (the residual stream, one row): added into it."""
+        if self.tp is not None:  # (never fused: the sum across ranks comes before the add)
+            return self.tp.all_reduce_(self._forward(x))
+        return self._forward(x, add_to)
+
+    def _forward(self, x: Tensor | NormedRow, add_to: Tensor | None = None) -> Tensor | AddedRow:
         if add_to is None and isinstance(x, Tensor) and isinstance(self.gate_up_proj, GemvLinear) \
                 and self.gate_up_proj.few_rows(x):  # a few rows: the activation in gate_up's epilogue
             return self.down_proj(self.gate_up_proj.forward_then_silu_mul(x))
@@ -133,8 +144,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def fuses_row(self, residual: Tensor) -> bool:
-        """Whether this layer runs the one-row GEMV path (its MLP add and the next input norm inside GEMVs)."""
-        return isinstance(self.mlp.down_proj, GemvLinear) and all(
+        """Whether this layer runs the one-row GEMV path (its MLP add and the next input norm inside
+        GEMVs; not under tensor parallelism, whose partial sums are reduced before the add)."""
+        return isinstance(self.mlp.down_proj, GemvLinear) and self.mlp.tp is None and all(
             lin.one_row(residual) for lin in (self.self_attn.qkv_proj, self.self_attn.o_proj,
                                               self.mlp.gate_up_proj, self.mlp.down_proj))
 
@@ -184,14 +196,23 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids, positions, attn, kv) -> hidden states; compute_logits(hidden) -> logits."""
+    """forward(input_ids, positions, attn, kv) -> hidden states; compute_logits(hidden) -> logits.
 
-    def __init__(self, arch: ArchConfig, max_positions: int, rope_device=None):
+    tp: this rank's tensor-parallel group; arch is then the rank's shape (tandem.parallel.shard:
+    its heads and intermediate rows) and lm_head holds its vocabulary shard (never tied)."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int, rope_device=None, tp: TPGroup | None = None):
         super().__init__()
         self.arch = arch
+        self.tp = tp
         self.model = DecoderModel(arch, max_positions, rope_device)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
+        head_rows = vocab_rows(arch.vocab_size, tp.size) if tp is not None else arch.vocab_size
+        self.lm_head = nn.Linear(arch.hidden_size, head_rows, bias=False)
+        if tp is not None:
+            for module in self.modules():
+                if isinstance(module, (Attention, MLP)):
+                    module.tp = tp
+        elif arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttnMetadata, kv: KVCache) -> Tensor:
@@ -207,8 +228,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype; out [n, vocab_size]
         contiguous: written in place and returned (a CUDA graph's static output), the same bits."""
+        if self.tp is not None:  # every rank's vocabulary shard, gathered
+            logits = self.tp.gather_vocab(self.lm_head(hidden), self.arch.vocab_size)
+            return logits if out is None else out.copy_(logits)
         if out is None:
             return self.lm_head(hidden)
         if isinstance(self.lm_head, GemvLinear):
             return self.lm_head(hidden, out=out)
         return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # F.linear's kernel (no bias)
+
+    def top_tokens(self, hidden: Tensor, use_triton: bool = False) -> Tensor:
+        """hidden [n, hidden_size] -> the argmax token of each row's logits [n] int64 (greedy
+        drafts); under tensor parallelism from each rank's best token alone (TPGroup.top_tokens)."""
+        if self.tp is not None:
+            return self.tp.top_tokens(self.lm_head(hidden), self.arch.vocab_size)
+        from tandem.sampling.sampler import greedy_tokens
+
+        return greedy_tokens(self.compute_logits(hidden), use_triton)

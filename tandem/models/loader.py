@@ -17,6 +17,8 @@ from tandem.layers.gpu_linear import prepare_gpu_linears
 from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
+from tandem.parallel.group import TPGroup
+from tandem.parallel.shard import shard_arch, shard_param
 from tandem.oom import OutOfMemoryGuard, check_weights_fit
 
 # Checkpoint entries that are recomputed, not loaded.
@@ -47,31 +49,44 @@ def _packed_target(name: str) -> tuple[str, str, int] | None:
     return None
 
 
-def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dtype_field: str = "dtype") -> CausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dtype_field: str = "dtype",
+               tp: TPGroup | None = None) -> CausalLM:
     """Instantiate the model without initialising it, then fill every parameter once.
 
     field, dtype_field: the settings that chose the model and its dtype, named by the ConfigError
-    raised for weights that cannot fit on the GPU or that run it out of memory while loading."""
+    raised for weights that cannot fit on the GPU or that run it out of memory while loading.
+    tp: this rank's tensor-parallel group: the model holds the rank's shard of each weight
+    (tandem.parallel.shard), cut from the whole checkpoint (read into host memory, so the device
+    holds only the shard; dummy weights are drawn whole on the device, the same as with one rank)."""
     what = f"{field}={cfg.path!r} in {str(cfg.dtype).removeprefix('torch.')}"
     fix = f"use a smaller {field}, or a smaller {dtype_field}"
+    if tp is not None:
+        fix += f", or a larger tensor_parallel_size than {tp.size}"
     with OutOfMemoryGuard(device, f"loading the weights of {what}", fix):
-        return _build(cfg, device, what, fix, field)  # nothing of it referenced here: an error releases it all
+        return _build(cfg, device, what, fix, field, tp)  # nothing of it referenced here: an error releases it all
 
 
-def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: str) -> CausalLM:
+def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: str, tp: TPGroup | None) -> CausalLM:
     cls = model_class(cfg.arch)
     with torch.device("meta"):
-        model = cls(cfg.arch, cfg.max_model_len, rope_device=device)
-    params = dict(model.named_parameters())  # tied weights appear once
-    check_weights_fit(sum(p.numel() for p in params.values()) * cfg.dtype.itemsize, device, what, fix)
+        model = cls(shard_arch(cfg.arch, tp.size) if tp is not None else cfg.arch, cfg.max_model_len,
+                    rope_device=device, tp=tp)
+        whole = model if tp is None else cls(cfg.arch, cfg.max_model_len, rope_device="meta")
+    check_weights_fit(sum(p.numel() for p in model.parameters()) * cfg.dtype.itemsize, device, what, fix)
+    params = dict(whole.named_parameters())  # the checkpoint's shapes; tied weights appear once
     if cfg.load_format == "dummy":
         tensors = _dummy_tensors(params, cfg, device)
     else:
-        tensors = _read_safetensors(params, cfg, device, field)
+        tensors = _read_safetensors(params, cfg, device if tp is None else torch.device("cpu"), field)
+    if tp is not None:
+        if cfg.arch.tie_word_embeddings:  # the head is the rank's vocabulary rows of the embedding table
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        tensors = {name: shard_param(name, t, cfg.arch, tp.rank, tp.size).to(device) for name, t in tensors.items()}
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-    if cfg.arch.tie_word_embeddings:
+    del tensors
+    if cfg.arch.tie_word_embeddings and tp is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.requires_grad_(False)

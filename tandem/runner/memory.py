@@ -11,6 +11,7 @@ from tandem.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.models.decoder import KVCache
 from tandem.oom import OutOfMemoryGuard
+from tandem.parallel.shard import shard_arch
 
 logger = logging.getLogger("tandem")
 
@@ -93,7 +94,8 @@ def after_pool_bytes(device: torch.device, build: Callable[[], object], scratch_
 
 def bytes_per_block(cfg: EngineConfig, draft_bytes_per_block: int = 0) -> int:
     """KV bytes of one block id: the target's and the draft's together."""
-    return KVCache.bytes_per_block(cfg.model.arch, cfg.cache.block_size, cfg.model.dtype) + draft_bytes_per_block
+    arch = shard_arch(cfg.model.arch, cfg.model.tp_size)  # this rank's key / value heads
+    return KVCache.bytes_per_block(arch, cfg.cache.block_size, cfg.model.dtype) + draft_bytes_per_block
 
 
 def budget_setting(cfg: EngineConfig) -> str:

@@ -57,6 +57,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory-bytes", type=int_in(1), default=None)
     engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
+                        help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int_in(0, 65535), default=8000)

@@ -43,6 +43,9 @@ class SpeculativeConfig:
     # off (it catches up on the skipped tokens when drafting resumes). Other sizes draft k.
     # "auto": every step picks K in 0..k from the measured acceptance and step costs (spec/adaptive.py).
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | str | None = None
+    # The draft's tensor parallelism: None (the target's tensor_parallel_size, as vLLM) or 1 (the
+    # whole draft on every rank, drafting the same tokens: no collective in the draft loop).
+    draft_tensor_parallel_size: int | None = None
 
     @property
     def k(self) -> int:
@@ -86,10 +89,10 @@ class SpeculativeConfig:
             del spec["method"]
         if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
             _one_of("method", spec["method"], METHODS)
-        tp = spec.pop("draft_tensor_parallel_size", 1)
-        if tp is not None and tp != 1:
-            raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} is not supported: tandem runs "
-                              "on one device; leave it out or set 1")
+        tp = spec.get("draft_tensor_parallel_size")
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be a positive integer "
+                              "(1, or the target's tensor_parallel_size), or None for the target's")
         if "num_speculative_tokens" not in spec:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):

@@ -18,6 +18,8 @@ from tandem.errors import ConfigError
 from tandem.models.decoder import KVCache
 from tandem.models.loader import load_model
 from tandem.models.source import load_tokenizer, resolve_model_dir
+from tandem.parallel.group import TPGroup
+from tandem.parallel.shard import check_shardable, shard_arch
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.speculator import DraftSpeculator
 
@@ -25,7 +27,10 @@ logger = logging.getLogger("tandem")
 
 
 class SpeculatorFactory:
-    def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_tokenizer, device: torch.device):
+    def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_tokenizer, device: torch.device,
+                 tp: TPGroup | None = None):
+        """tp: the target's tensor-parallel group; the draft is sharded over it as well, or whole on
+        every rank when speculative_config.draft_tensor_parallel_size is 1."""
         self.spec = spec
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
@@ -52,9 +57,14 @@ class SpeculatorFactory:
                 f"{arch.sliding_window}"
             )
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
+        draft_tp = tp if tp is not None and spec.draft_tensor_parallel_size != 1 else None
+        if draft_tp is not None:
+            check_shardable(arch, draft_tp.size, "tensor_parallel_size", f"the draft model {spec.model!r}")
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
-                                     target.cpu_matmul, spec.quantization)
-        self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype")
+                                     target.cpu_matmul, spec.quantization,
+                                     tp_size=draft_tp.size if draft_tp is not None else 1)
+        self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
+                                tp=draft_tp)
         if spec.synthetic:
             logger.warning(
                 "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "
@@ -93,7 +103,8 @@ class SpeculatorFactory:
             )
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return KVCache.bytes_per_block(self.draft_cfg.arch, block_size, self.draft_cfg.dtype)
+        return KVCache.bytes_per_block(shard_arch(self.draft_cfg.arch, self.draft_cfg.tp_size), block_size,
+                                       self.draft_cfg.dtype)
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
         return DraftSpeculator(

@@ -89,7 +89,7 @@ class DraftSpeculator:
         self.draft_vocab = min(self.vocab_size, draft_cfg.arch.vocab_size)
         self.clamp_ids = draft_cfg.arch.vocab_size < self.vocab_size
         self.probabilistic = spec.draft_sample_method == "probabilistic"
-        self.kv = KVCache(draft_cfg.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
+        self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
         # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
         self.drafts = torch.zeros(s + 1, self.k, dtype=torch.int64, device=device)
@@ -249,8 +249,11 @@ class DraftSpeculator:
             new_tokens = new_tokens.clamp(max=self.draft_vocab - 1)
         new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
-        catchup = self._catchup_graph(plan, batch)
         table = table.view(len(sampling), max_blocks)
+        if self._local_argmax(sampling, constrained):
+            self._greedy_round(ids, positions, meta, new_rows, slots, table, max_kv, k)
+            return
+        catchup = self._catchup_graph(plan, batch)
         graphs = self.graphs.get(k) if constrained is None else None  # constrained: step by step
         if catchup is graphs and graphs is not None and self._greedy(sampling):  # the whole round in one replay
             graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
@@ -279,6 +282,25 @@ class DraftSpeculator:
             if constrained is not None:  # the masks are made while the forward runs
                 mask = constrained.next()
             self._draft_step(step, logits, slots, pos + 1, sampling, mask)
+
+    def _local_argmax(self, sampling, constrained: _Constrained | None) -> bool:
+        """Whether a round's drafts are argmaxes a tensor-parallel draft can take from each rank's
+        best token alone (CausalLM.top_tokens): greedy, free of grammars, over a draft vocabulary no
+        larger than the target's."""
+        return (self.model.tp is not None and constrained is None and self._greedy(sampling)
+                and self.model.arch.vocab_size == self.draft_vocab)
+
+    def _greedy_round(self, ids: Tensor, positions: Tensor, meta, new_rows: Tensor, slots: Tensor, table: Tensor,
+                      max_kv: int, k: int) -> None:
+        """A greedy round under tensor parallelism: the catch-up forward, then k - 1 draft steps,
+        each draft the argmax reduced across the ranks (2 values a row per rank, not V / tp)."""
+        self.drafts[slots, 0] = self.model.top_tokens(self._forward(ids, positions, meta)[new_rows])
+        pos = positions[new_rows]  # [num_drafting] position of the emitted token
+        for step in range(1, k):
+            pos = pos + 1  # position of drafts[:, step - 1]
+            safe = pos.clamp(max=self.max_model_len - 1)
+            hidden = self._forward(self.drafts[slots, step - 1], safe, self.attn_backend.decode(safe, table, max_kv))
+            self.drafts[slots, step] = self.model.top_tokens(hidden)
 
     def _step_logits(self, ids: Tensor, positions: Tensor, meta) -> Tensor:
         """One draft step's logits [n, V] over ids [n] at positions [n] (the step graph where it fits)."""

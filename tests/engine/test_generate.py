@@ -213,7 +213,7 @@ def test_vllm_prompt_and_seed_forms(llm, model):
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert LLM(str(model), dtype="float32", max_model_len=64, block_size=8, seed=None, tensor_parallel_size=1,
                trust_remote_code=True, tokenizer_mode="auto").config.model.seed >= 0
-    for kw in (dict(tensor_parallel_size=2), dict(tokenizer_mode="slow")):
+    for kw in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=3), dict(tokenizer_mode="slow")):
         with pytest.raises(ConfigError, match=next(iter(kw))):
             LLM(str(model), dtype="float32", max_model_len=64, block_size=8, **kw)
 
@@ -226,8 +226,10 @@ def test_detokenize_false_gives_token_ids_only(llm):
     assert ids_only.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
     assert ids_only.outputs[0].text == ""
     assert all(v.decoded_token is None for lp in ids_only.outputs[0].logprobs for v in lp.values())
-    assert [{t: v.logprob for t, v in lp.items()} for lp in ids_only.outputs[0].logprobs] == \
-        [{t: v.logprob for t, v in lp.items()} for lp in text.outputs[0].logprobs]
+    # the same tokens' logprobs (to rounding: the two rows of one batch may meet a CPU GEMM's
+    # blocking differently, e.g. MKL's sgemm on an AVX-512 machine)
+    for a, b in zip(ids_only.outputs[0].logprobs, text.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
     with pytest.raises(RequestError, match="detokenize"):
         SamplingParams(detokenize=False, stop=["x"])
 

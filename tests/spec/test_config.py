@@ -45,7 +45,7 @@ def cfg(**kw):
         (dict(model=123), "speculative_config.model"),
         (dict(quantization="int4"), "quantization"),
         (dict(bogus=1), "unknown keys"),
-        (dict(draft_tensor_parallel_size=2), "draft_tensor_parallel_size"),
+        (dict(draft_tensor_parallel_size=0), "draft_tensor_parallel_size"),
         (dict(num_speculative_tokens_per_batch_size=[[1, 8, 4]]), "num_speculative_tokens=3"),
         (dict(num_speculative_tokens_per_batch_size=[[1, 8, -1]]), "num_speculative_tokens=3"),
         (dict(num_speculative_tokens_per_batch_size=[[0, 8, 1]]), "1 <= start <= end"),
@@ -73,8 +73,9 @@ def test_missing_required_keys():
 
 
 def test_vllm_keys_that_ask_for_nothing_more():
-    """vLLM's method=None ("detect") and draft_tensor_parallel_size=1 are this draft model on one
-    device; another method is refused by name before the draft model it does not need."""
+    """vLLM's method=None ("detect") is this draft model, and draft_tensor_parallel_size=1 a whole
+    draft (LLM checks it against tensor_parallel_size); another method is refused by name before
+    the draft model it does not need."""
     assert cfg(method=None).method == "draft_model"
     assert cfg(method="draft_model", draft_tensor_parallel_size=1).k == 3
     with pytest.raises(ConfigError, match="method='ngram'"):

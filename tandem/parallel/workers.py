@@ -1,0 +1,150 @@
+"""Ranks 1.. of a tensor-parallel engine: processes that build the same engine as rank 0 and
+repeat every call that changes it.
+
+The engine is deterministic: given the same requests, in the same order, a scheduler makes the
+same plans; every rank's forward ends in the same logits (the collectives give every rank the
+same bits: tandem/parallel/group.py), and sampling is keyed by (seed, position), so every rank
+samples the same tokens without exchanging them, and every rank's scheduler, grammars and
+drafts stay in lockstep. Rank 0 (the caller's process) sends each call that changes the
+engine (`add_request`, `abort_request`, `step`) to the other ranks before running it itself:
+a step's collectives then meet on every rank. What only one rank may measure (the KV blocks
+its memory allows) is agreed through the group (TPGroup.min_int); a choice made from timings
+(num_speculative_tokens_per_batch_size="auto") is refused under tensor parallelism.
+
+A worker that fails to start reports its error through its pipe and rank 0 raises it; a worker
+that dies later leaves rank 0's next collective to fail after TPGroup's timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.multiprocessing as mp
+
+from tandem.errors import ConfigError
+
+logger = logging.getLogger("tandem")
+
+# The engine calls repeated on every rank, in rank 0's order.
+REPLICATED_CALLS = ("add_request", "abort_request", "step")
+START_TIMEOUT_S = 1800  # building a rank's engine: loading, profiling, compiling the CPU kernels
+
+
+def threads_per_rank(size: int) -> int:
+    """CPU threads each rank's torch uses: the cores shared out, so the ranks do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class Workers:
+    """Processes running ranks 1..size-1, each `LLM(**llm_kwargs)` on its rank, then the calls sent."""
+
+    def __init__(self, size: int, port: int, llm_kwargs: dict):
+        """port: rank 0's group store (tandem.parallel.group.host_store)."""
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, size, port, llm_kwargs, child),
+                               name=f"tandem-tp{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def wait_ready(self) -> None:
+        """Return once every rank has built its engine; raise the first rank's start-up error."""
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            if not conn.poll(START_TIMEOUT_S):
+                self.close()
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S} s")
+            try:
+                status, detail = conn.recv()
+            except EOFError:
+                status, detail = "error", f"its process exited (code {proc.exitcode})"
+            if status != "ready":
+                self.close()
+                if status == "config":
+                    raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    def send(self, name: str, args: tuple, kwargs: dict) -> None:
+        for conn in self.conns:
+            conn.send((name, args, kwargs))
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+
+class ReplicatedEngine:
+    """Rank 0's Engine: the calls that change it go to every other rank first, and so does setting
+    one of its attributes (a setting such as grammar_drafting changes the drafts, hence the steps);
+    everything else is the engine's own (reading attributes, validation, read-only calls)."""
+
+    def __init__(self, engine, workers: Workers, tp):
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_workers", workers)
+        object.__setattr__(self, "_tp", tp)
+
+    def __setattr__(self, name, value):
+        self._workers.send("__setattr__", (name, value), {})
+        setattr(self._engine, name, value)
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if name in REPLICATED_CALLS:
+            def replicated(*args, **kwargs):
+                self._workers.send(name, args, kwargs)
+                return attr(*args, **kwargs)
+
+            return replicated
+        return attr
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (the engine runs no step after this)."""
+        self._workers.close()
+        self._tp.close()
+
+
+def _worker_main(rank: int, size: int, port: int, llm_kwargs: dict, conn: Connection) -> None:
+    torch.set_num_threads(threads_per_rank(size))
+    logging.getLogger("tandem").setLevel(logging.ERROR)  # rank 0 logs the engine's progress and warnings
+    try:
+        from tandem.engine.llm import LLM
+
+        llm = LLM(**llm_kwargs, _rank=(rank, port))
+    except ConfigError as e:
+        conn.send(("config", str(e)))
+        return
+    except BaseException:
+        conn.send(("error", traceback.format_exc(limit=8)))
+        return
+    conn.send(("ready", None))
+    engine = llm.engine
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        name, args, kwargs = msg
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except Exception:  # rank 0 meets the same error in the same call and reports it
+            logger.debug("tensor-parallel rank %d: %s failed", rank, name, exc_info=True)
+    llm.tp.close()

@@ -1,0 +1,50 @@
+"""GPU: tensor parallelism's sharded shapes through the CUDA kernels. One GPU is lent here, so both
+ranks share it and their collectives go through gloo (TANDEM_TP_BACKEND=gloo, staged through the
+host); with one GPU a rank, NCCL carries them (not run here)."""
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tests.helpers import assert_greedy_equal_up_to_near_tie, make_hf_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-tp")
+    target = make_hf_model(root / "t", "qwen2", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
+                           init_std=0.3, max_position_embeddings=1024, vocab_size=321)
+    draft = make_hf_model(root / "d", "llama", num_layers=1, hidden_size=64, seed=3, max_position_embeddings=1024,
+                          vocab_size=321)
+    return target, draft
+
+
+def _run(target, dtype, tp, spec=None, params=None):
+    llm = LLM(str(target), dtype=dtype, device="cuda", max_model_len=512, block_size=16, max_num_seqs=8,
+              speculative_config=spec, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(2, 300, (n,), generator=g).tolist()} for n in (3, 17, 64, 200, 9)]
+    params = params or SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    try:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        if tp > 1:
+            llm.engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_on_gpu_match_one(models, dtype, monkeypatch):
+    """Greedy on two ranks (each half the heads, intermediate rows and vocabulary) gives the
+    one-rank tokens up to near ties (a sum reduced across ranks rounds differently), alone and
+    with a sharded draft (its drafts from each rank's best token); the speculative tokens are the
+    two-rank target's own."""
+    monkeypatch.setenv("TANDEM_TP_BACKEND", "gloo")
+    target, draft = models
+    gap = 1e-3 if dtype == "float32" else 0.3  # bf16: a few ulps of a logit near 8-16 (0.0625 each)
+    ref = _run(target, dtype, 1)
+    alone = _run(target, dtype, 2)
+    for out, r in zip(alone, ref):
+        assert_greedy_equal_up_to_near_tie(out, r, gap=gap)
+    spec = _run(target, dtype, 2, dict(model=str(draft), num_speculative_tokens=3))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in alone]

@@ -1,0 +1,146 @@
+"""Tensor parallelism on the CPU: two ranks (processes over gloo) give the one-rank engine's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_greedy_equal_up_to_near_tie, make_hf_model, make_spec_models
+from tandem import LLM, SamplingParams
+from tandem.config import read_arch_config
+from tandem.errors import ConfigError, RequestError
+from tandem.models.loader import load_model
+from tandem.parallel.shard import shard_arch, shard_param, vocab_rows
+from tandem.sampling_params import StructuredOutputsParams
+
+PROMPTS = [{"prompt_token_ids": [1, 5, 9, 33, 7]}, {"prompt_token_ids": [4, 4, 100, 2, 17, 8, 8, 3]},
+           {"prompt_token_ids": [250]}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    out = make_spec_models(root)
+    # tied embeddings and a vocabulary that two ranks split unevenly (161 + 160 rows), q/k norms
+    out["tied"] = make_hf_model(root / "tied", "qwen3", vocab_size=321, tie=True, num_heads=4, num_kv_heads=2,
+                                head_dim=16, seed=3)
+    return out
+
+
+def _run(model, tp, prompts=PROMPTS, params=None, setup=None, **kw):
+    llm = LLM(str(model), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=tp, **kw)
+    try:
+        if setup is not None:
+            setup(llm)
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        if tp > 1:
+            llm.engine.close()
+
+
+def _tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_shards_reassemble_the_checkpoint(models):
+    """Each rank's slice of every weight, put back together, is the whole weight: q, k and v heads
+    and gate / up rows by output, o / down by input, the head by vocabulary rows (zero-padded)."""
+    arch = read_arch_config(models["tied"])
+    from tandem.config import ModelConfig
+
+    whole = load_model(ModelConfig(str(models["tied"]), arch, torch.float32, 128), torch.device("cpu"))
+    params = dict(whole.named_parameters())
+    params["lm_head.weight"] = whole.lm_head.weight
+    local = shard_arch(arch, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, arch.intermediate_size // 2)
+    d = arch.head_dim
+    for name, full in params.items():
+        parts = [shard_param(name, full, arch, r, 2) for r in range(2)]
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = zip(*(p.split([2 * d, d, d]) for p in parts))
+            assert torch.equal(torch.cat(q + k + v), full)
+        elif name.endswith("gate_up_proj.weight"):
+            half = arch.intermediate_size // 2
+            gate, up = zip(*(p.split(half) for p in parts))
+            assert torch.equal(torch.cat(gate + up), full)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), full)
+        elif name == "lm_head.weight":
+            assert [p.shape[0] for p in parts] == [vocab_rows(321, 2)] * 2 == [161, 161]
+            assert torch.equal(torch.cat(parts)[:321], full) and not parts[1][160:].any()
+        else:
+            assert all(p is full for p in parts), name
+
+
+def test_greedy_two_ranks_match_one(models):
+    """Greedy decoding on two ranks gives the one-rank tokens, alone and with a draft sharded over
+    the same ranks (its greedy drafts from each rank's best token) or whole on every rank; the
+    structured-output request's grammar advances in lockstep on both ranks."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    choice = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
+        choice=["alpha beta", "gamma"]))
+    prompts = PROMPTS + ["Pick one:"]
+    params = [greedy] * len(PROMPTS) + [choice]
+    ref = _run(models["target"], 1, prompts, params)
+    assert ref[-1].text in ("alpha beta", "gamma")
+    for kw in (dict(), dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3}),
+               dict(speculative_config={"model": str(models["other"]), "num_speculative_tokens": 2,
+                                        "draft_tensor_parallel_size": 1})):
+        outs = _run(models["target"], 2, prompts, params, **kw)
+        for out, r in zip(outs[:-1], ref[:-1]):
+            assert_greedy_equal_up_to_near_tie(out, r, gap=1e-4)
+        assert outs[-1].text == ref[-1].text, kw
+
+
+def test_every_rank_takes_the_same_settings_and_refusals(models):
+    """Setting an engine attribute reaches every rank (free drafts for a constrained request change
+    the drafts, hence the steps: one rank alone would fall out of step), and a request the engine
+    refuses is refused on every rank, the others going on."""
+    spec = {"model": str(models["near"]), "num_speculative_tokens": 3}
+    choice = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        regex="[a-z ]{3,12}"))
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(PROMPTS) + [choice]
+    prompts = PROMPTS + ["Write:"]
+
+    def setup(llm):
+        llm.engine.grammar_drafting = None
+        with pytest.raises(RequestError, match="max_model_len"):
+            llm.engine.add_request("too-long", [1] * 200, SamplingParams())
+
+    assert _tokens(_run(models["target"], 2, prompts, params, setup, speculative_config=spec)) == \
+        _tokens(_run(models["target"], 1, prompts, params, setup, speculative_config=spec))
+
+
+def test_tied_uneven_vocabulary_two_ranks(models):
+    """A tied head split 161 / 160 over the ranks (padding rows never win) with q / k norms."""
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert _tokens(_run(models["tied"], 2, params=p)) == _tokens(_run(models["tied"], 1, params=p))
+
+
+def test_seeded_sampling_two_ranks_match_one(models):
+    """Seeded sampling with probabilistic drafts: both ranks draw the same keyed tokens from the
+    gathered logits (no token is exchanged), and those are the one-rank engine's."""
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True, seed=11)
+    spec = {"model": str(models["near"]), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    assert _tokens(_run(models["target"], 2, params=p, speculative_config=spec)) == \
+        _tokens(_run(models["target"], 1, params=p, speculative_config=spec))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's num_attention_heads"),
+    (dict(tensor_parallel_size=2, speculative_config={"model": "other", "num_speculative_tokens": 2}),
+     "tensor_parallel_size=2 does not divide the draft model"),
+    (dict(tensor_parallel_size=2, speculative_config={"model": "near", "num_speculative_tokens": 2,
+                                                      "draft_tensor_parallel_size": 4}),
+     "draft_tensor_parallel_size=4 must be 1"),
+    (dict(speculative_config={"model": "near", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}),
+     "draft_tensor_parallel_size=2 must be 1"),
+    (dict(tensor_parallel_size=2, speculative_config={"model": "near", "num_speculative_tokens": 2,
+                                                      "num_speculative_tokens_per_batch_size": "auto"}),
+     "not supported with tensor_parallel_size > 1"),
+])
+def test_configurations_that_cannot_shard(models, kw, match):
+    spec = kw.get("speculative_config")
+    if spec is not None:
+        kw = dict(kw, speculative_config=dict(spec, model=str(models[spec["model"]])))
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, **kw)
