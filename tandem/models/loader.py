@@ -18,7 +18,7 @@ from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
 from tandem.parallel.group import TPGroup
-from tandem.parallel.shard import shard_arch, shard_param
+from tandem.parallel.shard import read_rank_part, shard_arch, shard_param
 from tandem.oom import OutOfMemoryGuard, check_weights_fit
 
 # Checkpoint entries that are recomputed, not loaded.
@@ -56,8 +56,8 @@ def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dty
     field, dtype_field: the settings that chose the model and its dtype, named by the ConfigError
     raised for weights that cannot fit on the GPU or that run it out of memory while loading.
     tp: this rank's tensor-parallel group: the model holds the rank's shard of each weight
-    (tandem.parallel.shard), cut from the whole checkpoint (read into host memory, so the device
-    holds only the shard; dummy weights are drawn whole on the device, the same as with one rank)."""
+    (tandem.parallel.shard), and only that part of a checkpoint tensor is read from its file
+    (dummy weights are drawn whole, then cut: the same model whatever the number of ranks)."""
     what = f"{field}={cfg.path!r} in {str(cfg.dtype).removeprefix('torch.')}"
     fix = f"use a smaller {field}, or a smaller {dtype_field}"
     if tp is not None:
@@ -76,12 +76,14 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     params = dict(whole.named_parameters())  # the checkpoint's shapes; tied weights appear once
     if cfg.load_format == "dummy":
         tensors = _dummy_tensors(params, cfg, device)
+        if tp is not None:
+            tensors = {name: shard_param(name, t, cfg.arch, tp.rank, tp.size) for name, t in tensors.items()}
     else:
-        tensors = _read_safetensors(params, cfg, device if tp is None else torch.device("cpu"), field)
-    if tp is not None:
-        if cfg.arch.tie_word_embeddings:  # the head is the rank's vocabulary rows of the embedding table
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        tensors = {name: shard_param(name, t, cfg.arch, tp.rank, tp.size).to(device) for name, t in tensors.items()}
+        local = dict(model.named_parameters())
+        tensors = _read_safetensors(params, cfg, device, field, local, (tp.rank, tp.size) if tp is not None else None)
+    if tp is not None and cfg.arch.tie_word_embeddings:  # the head: the rank's vocabulary rows of the embedding table
+        tensors["lm_head.weight"] = shard_param("lm_head.weight", tensors["model.embed_tokens.weight"], cfg.arch,
+                                                tp.rank, tp.size)
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
@@ -130,7 +132,11 @@ def _weight_files(cfg: ModelConfig, field: str) -> list[str]:
     return [os.path.join(cfg.path, n) for n in names]
 
 
-def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, field: str = "model") -> dict:
+def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, field: str = "model",
+                      local: dict | None = None, cut: tuple[int, int] | None = None) -> dict:
+    """params: the checkpoint's parameters (names and whole shapes, checked against each file);
+    local, cut: under tensor parallelism, the rank's parameters and (rank, size): each tensor is
+    read only in the part the rank keeps (tandem.parallel.shard.read_rank_part)."""
     files = _weight_files(cfg, field)
     if not files:
         pickled = glob.glob(os.path.join(cfg.path, "*.bin")) + glob.glob(os.path.join(cfg.path, "*.pt"))
@@ -143,7 +149,7 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
     shards_seen: dict[str, set[int]] = {}
     for path in files:
         try:
-            _read_file(path, params, cfg, device, loaded, shards_seen, field)
+            _read_file(path, params, cfg, device, loaded, shards_seen, field, local or params, cut)
         except SafetensorError as e:
             raise ConfigError(f"{field}: {path} is not a valid safetensors file ({e}); re-download or re-convert "
                               "it") from None
@@ -158,29 +164,39 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
 
 
 def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, loaded: dict,
-               shards_seen: dict[str, set[int]], field: str = "model") -> None:
+               shards_seen: dict[str, set[int]], field: str = "model", local: dict | None = None,
+               cut: tuple[int, int] | None = None) -> None:
     """One safetensors file's tensors into loaded (packed projections: their rows, in shards_seen).
-    A tensor met twice (in two files) is refused: which copy is right cannot be told."""
+    A tensor met twice (in two files) is refused: which copy is right cannot be told. local, cut:
+    see _read_safetensors."""
+    local = local or params
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if cut is None:
+            return f.get_tensor(name)
+        return read_rank_part(name, f.get_slice(name), shape, *cut)
+
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            shape = tuple(f.get_slice(name).get_shape())
             packed = _packed_target(name)
             if packed is not None and packed[0] in params:
                 target, kind, shard = packed
                 rows = _shard_rows(kind, cfg.arch)
-                tensor = f.get_tensor(name)
                 want = (rows[shard],) + tuple(params[target].shape[1:])
-                if tuple(tensor.shape) != want:
-                    raise ConfigError(f"{field}: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, the "
+                if shape != want:
+                    raise ConfigError(f"{field}: tensor {name!r} has shape {shape} in {path}, the "
                                       f"config implies {want}")
                 if shard in shards_seen.get(target, ()):
                     raise ConfigError(f"{field}: tensor {name!r} appears twice (again in {path}); remove the stray "
                                       "weight file")
                 if target not in loaded:
-                    loaded[target] = torch.empty(params[target].shape, dtype=cfg.dtype, device=device)
-                start = sum(rows[:shard])
-                loaded[target][start : start + rows[shard]].copy_(tensor)
+                    loaded[target] = torch.empty(local[target].shape, dtype=cfg.dtype, device=device)
+                mine = _shard_rows(kind, shard_arch(cfg.arch, cut[1] if cut else 1))  # the rank's rows of each
+                start = sum(mine[:shard])
+                loaded[target][start : start + mine[shard]].copy_(read(name, shape))
                 shards_seen.setdefault(target, set()).add(shard)
                 continue
             if name not in params:
@@ -191,13 +207,12 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
                 raise ConfigError(f"{field}: tensor {name!r} appears twice (again in {path}); remove the stray "
                                   "weight file")
             param = params[name]
-            tensor = f.get_tensor(name)
-            if tuple(tensor.shape) != tuple(param.shape):
+            if shape != tuple(param.shape):
                 raise ConfigError(
-                    f"{field}: tensor {name!r} has shape {tuple(tensor.shape)} in {path}, "
+                    f"{field}: tensor {name!r} has shape {shape} in {path}, "
                     f"the config implies {tuple(param.shape)}"
                 )
-            loaded[name] = tensor.to(device=device, dtype=cfg.dtype)
+            loaded[name] = read(name, shape).to(device=device, dtype=cfg.dtype)
 
 
 def _dummy_tensors(params: dict, cfg: ModelConfig, device: torch.device) -> dict:

@@ -1,4 +1,4 @@
-"""Which slice of each weight a tensor-parallel rank holds (Megatron-style).
+"""Which part of each weight a tensor-parallel rank holds (Megatron-style).
 
 - qkv_proj (rows [q | k | v]): column-parallel by heads: rank r holds its num_heads / tp query
   heads and num_kv_heads / tp key / value heads, so its attention and KV cache cover those heads
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import Tensor
 
 from tandem.config import ArchConfig
@@ -46,37 +47,69 @@ def vocab_rows(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-def _chunk(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
-    n = t.shape[dim] // size
-    return t.narrow(dim, rank * n, n)
+# Checkpoint projections whose output rows the ranks split (column-parallel; weight and bias),
+# and those whose input columns they split (row-parallel; the weight: a bias is added once, after
+# the sum, and none of these models has one).
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN_SPLIT = ("o_proj", "down_proj")
+# Our packed parameters: the checkpoint projections stacked in their rows.
+PACKED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension of checkpoint tensor `name` (Hugging Face names) that the ranks split: 0 (rows),
+    1 (columns), or None (whole on every rank). lm_head.weight: 0, by vocab_rows."""
+    parts = name.split(".")
+    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if module in ROW_SPLIT or name == "lm_head.weight":
+        return 0
+    if module in COLUMN_SPLIT and leaf == "weight":
+        return 1
+    return None
+
+
+def rank_span(name: str, length: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of rank's part of the `length` rows / columns of `name` that split_dim splits."""
+    if name == "lm_head.weight":  # ceil(V / size) rows a rank; the last rank's run short (padded)
+        rows = vocab_rows(length, size)
+        return min(rank * rows, length), min((rank + 1) * rows, length)
+    n = length // size
+    return rank * n, (rank + 1) * n
+
+
+def pad_head(name: str, t: Tensor, vocab_size: int, size: int) -> Tensor:
+    """lm_head's rank part padded with zero rows to vocab_rows (every rank's shard one size)."""
+    rows = vocab_rows(vocab_size, size)
+    if name != "lm_head.weight" or t.shape[0] == rows:
+        return t
+    out = t.new_zeros(rows, t.shape[1])
+    out[: t.shape[0]].copy_(t)
+    return out
+
+
+def read_rank_part(name: str, tensor, shape: tuple[int, ...], rank: int, size: int) -> Tensor:
+    """Rank's part of checkpoint tensor `name` of `shape`, read from `tensor`: a safetensors slice
+    (only that part leaves the file) or a whole tensor."""
+    dim = split_dim(name)
+    if dim is None or size == 1:
+        return tensor[:]
+    start, stop = rank_span(name, shape[dim], rank, size)
+    part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+    return pad_head(name, part, shape[0], size)
 
 
 def shard_param(name: str, full: Tensor, arch: ArchConfig, rank: int, size: int) -> Tensor:
     """The whole parameter `name` (the model's own names: qkv_proj, gate_up_proj, ...) of the
-    checkpoint's shape arch -> rank's slice of it (a new contiguous tensor)."""
+    checkpoint's shape arch -> rank's slice of it (dummy weights, drawn whole)."""
     if size == 1:
         return full
-    parts = name.split(".")
-    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
-    if module == "qkv_proj":
+    owner, _, leaf = name.rpartition(".")
+    prefix, _, module = owner.rpartition(".")
+    if module in PACKED_FROM:  # each stacked projection split as the checkpoint's would be
         d = arch.head_dim
-        sizes = [arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d]
-        return _cat([_chunk(s, 0, rank, size) for s in full.split(sizes, dim=0)])
-    if module == "gate_up_proj":
-        return _cat([_chunk(s, 0, rank, size) for s in full.split(arch.intermediate_size, dim=0)])
-    if module in ("o_proj", "down_proj") and leaf == "weight":
-        return _chunk(full, 1, rank, size).contiguous()
-    if name == "lm_head.weight":
-        rows = vocab_rows(arch.vocab_size, size)
-        out = full.new_zeros(rows, full.shape[1])
-        start, stop = rank * rows, min((rank + 1) * rows, full.shape[0])
-        if stop > start:
-            out[: stop - start].copy_(full[start:stop])
-        return out
-    return full
-
-
-def _cat(pieces: list[Tensor]) -> Tensor:
-    import torch
-
-    return torch.cat(pieces, dim=0)
+        rows = ([arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d] if module == "qkv_proj"
+                else [arch.intermediate_size] * 2)
+        pieces = full.split(rows, dim=0)
+        return torch.cat([read_rank_part(f"{prefix}.{p}.{leaf}", t, tuple(t.shape), rank, size)
+                          for p, t in zip(PACKED_FROM[module], pieces)])
+    return read_rank_part(name, full, tuple(full.shape), rank, size).contiguous()
