@@ -4,6 +4,7 @@
     python bench/real_pair.py --tokens 32 --prompts 2   # a quick look
     python bench/real_pair.py --cpu-matmuls avx2,fbgemm --ks 4 --skip-hf   # CPU kernels side by side
     python bench/real_pair.py --ks 6 --default-k 6 --draft-quantizations none,fp8 --skip-hf   # fp8 draft's acceptance
+    python bench/real_pair.py --ks 4 --tensor-parallel-sizes 1,2 --skip-hf   # two CPU ranks against one
 
 Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
@@ -106,6 +107,12 @@ def summarize(name, rows, ref_rows=None):
     return out
 
 
+def close(llm) -> None:
+    """Stop a tensor-parallel engine's other ranks (their cores are the next engine's)."""
+    if hasattr(llm.engine, "close"):
+        llm.engine.close()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128)
@@ -115,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-matmuls", default="auto", help="comma list of LLM(cpu_matmul=...) to compare")
     p.add_argument("--draft-quantizations", default="none",
                    help="comma list of the draft's speculative_config quantization: none, fp8")
+    p.add_argument("--tensor-parallel-sizes", default="1",
+                   help="comma list of LLM(tensor_parallel_size=...) to compare (ranks share the CPU's cores)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench/results/real_pair.json")
     args = p.parse_args(argv)
@@ -125,10 +134,12 @@ def main(argv=None) -> int:
     ks = sorted({int(k) for k in args.ks.split(",")} | {default_k})
     results = {"env": environment(), "config": vars(args) | {"default_k": default_k}, "runs": []}
     matmuls = args.cpu_matmuls.split(",")
+    tps = [int(n) for n in args.tensor_parallel_sizes.split(",")]
     first = None  # the first kernel's target-only rows
-    for matmul in matmuls:
-        tag = f" [{matmul}]" if len(matmuls) > 1 else ""
-        common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, cpu_matmul=matmul)
+    for matmul, tp in [(m, n) for m in matmuls for n in tps]:
+        tag = "".join([f" [{matmul}]" if len(matmuls) > 1 else "", f" [tp={tp}]" if len(tps) > 1 else ""])
+        common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, cpu_matmul=matmul,
+                      tensor_parallel_size=tp)
         t0 = time.perf_counter()
         llm = LLM(TARGET, **common)
         load_s = time.perf_counter() - t0
@@ -137,11 +148,11 @@ def main(argv=None) -> int:
         base = rows  # speculative runs are compared with this kernel's target-only tokens
         first = first or rows
         run = summarize("tandem target-only" + tag, rows, first) | {"load_s": load_s}
-        if rows is not first:  # another kernel rounds otherwise: bf16 near-ties may flip
+        if rows is not first:  # another kernel (or rank count) rounds otherwise: bf16 near-ties may flip
             run["identical_to_first_kernel"] = run.pop("identical_to_target")
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
-        del llm
+        close(llm)
         for quant, k in [(q, k) for q in args.draft_quantizations.split(",") for k in ks]:
             quant = None if quant == "none" else quant
             t0 = time.perf_counter()
@@ -153,7 +164,7 @@ def main(argv=None) -> int:
                     + tag)
             results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
             print(results["runs"][-1], flush=True)
-            del llm
+            close(llm)
             write_json(args.out, results)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM

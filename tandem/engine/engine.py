@@ -104,7 +104,8 @@ class Engine:
 
         # after_pool_estimate: bytes the budget set aside for what follows the KV pool (GPU; else 0)
         num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
-        if getattr(model, "tp", None) is not None:  # every rank's scheduler must see the same pool: the smallest any rank holds
+        self.tensor_parallel = getattr(model, "tp", None) is not None
+        if self.tensor_parallel:  # every rank's scheduler must see the same pool: the smallest any rank holds
             num_blocks = model.tp.min_int(num_blocks)
         cache = dataclasses.replace(cfg.cache, num_blocks=num_blocks)
         self.cfg = dataclasses.replace(cfg, cache=cache)
@@ -422,6 +423,12 @@ class Engine:
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
                 raise
             error = self._step_error(e, running, ended if running else None, fatal)
+            if self.tensor_parallel and not fatal:
+                # One rank's failure (its memory, say) need not be the others': they may have run the
+                # step and gone on, and the ranks' engines must agree for their collectives to meet.
+                fatal = True
+                error = StepError(f"{error}; under tensor parallelism a failed step stops the engine (its ranks may "
+                                  "no longer agree); restart the process", error.request_ids, fatal=True)
             if fatal:
                 self._dead = error
                 for request_id in list(self._requests):  # nothing can run them any more

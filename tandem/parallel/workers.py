@@ -11,8 +11,10 @@ a step's collectives then meet on every rank. What only one rank may measure (th
 its memory allows) is agreed through the group (TPGroup.min_int); a choice made from timings
 (num_speculative_tokens_per_batch_size="auto") is refused under tensor parallelism.
 
-A worker that fails to start reports its error through its pipe and rank 0 raises it; a worker
-that dies later leaves rank 0's next collective to fail after TPGroup's timeout.
+A worker that fails to start reports its error through its pipe and rank 0 raises it. Once a
+worker has exited, every later call but an abort raises a fatal StepError (a worker that dies
+inside a step fails that step's collective); a step that fails on rank 0 stops the engine (fatal
+too), since the other ranks may have run it and gone on (Engine.tensor_parallel).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.multiprocessing as mp
 
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, StepError
 
 logger = logging.getLogger("tandem")
 
@@ -71,9 +73,15 @@ class Workers:
                     raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
-    def send(self, name: str, args: tuple, kwargs: dict) -> None:
-        for conn in self.conns:
+    def send(self, name: str, args: tuple, kwargs: dict) -> list[int]:
+        """Send a call to every live rank; -> the ranks whose process has exited."""
+        gone = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            if not proc.is_alive():
+                gone.append(rank)
+                continue
             conn.send((name, args, kwargs))
+        return gone
 
     def close(self) -> None:
         for conn in self.conns:
@@ -108,7 +116,10 @@ class ReplicatedEngine:
         attr = getattr(self._engine, name)
         if name in REPLICATED_CALLS:
             def replicated(*args, **kwargs):
-                self._workers.send(name, args, kwargs)
+                gone = self._workers.send(name, args, kwargs)
+                if gone and name != "abort_request":  # (an abort still ends the request here)
+                    raise StepError(f"tensor-parallel rank {gone[0]} has exited, and the engine cannot run without "
+                                    "it; restart the process", [], fatal=True)
                 return attr(*args, **kwargs)
 
             return replicated

@@ -12,7 +12,7 @@ from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, watermark_co
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
-TOOL_CALL_PARSERS = ("hermes",)  # "auto" tool choice's parsers (tandem/server/tools.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json")  # "auto" tool choice's parsers (tandem/server/tools.py)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,7 +73,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "and --tool-call-parser finds the calls in its text")
     server.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                         help="how calls read in the model's text, with --enable-auto-tool-choice (hermes: "
-                             "<tool_call>{...}</tool_call>, as Qwen2.5's template asks)")
+                             "<tool_call>{...}</tool_call>, as Qwen2.5's template asks; llama3_json / "
+                             "llama4_json: a reply of {\"name\": ..., \"parameters\": {...}} calls, as Llama 3.1's)")
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="a reasoning model's <think> part goes to the reply's 'reasoning' field, and "
                              "structured outputs hold after it (as vLLM's --reasoning-parser)")

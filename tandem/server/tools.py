@@ -7,8 +7,8 @@ A request's `ToolChoice` says how its reply becomes tool calls:
 - "required": the output is constrained to a JSON array of {"name", "parameters"} objects, one of
   the tools each (at most one with parallel_tool_calls false), and the reply is those calls;
 - "auto" (the default when tools are given): the model writes freely and the server's tool-call
-  parser (`--enable-auto-tool-choice --tool-call-parser hermes`) finds the calls in its text; a
-  tool with "strict": true holds the calls it writes to the tools with the parser's grammar.
+  parser (`--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`) finds the calls in its
+  text; a tool with "strict": true holds the calls it writes to the tools with the parser's grammar.
 
 Constrained choices run on structured outputs, so with a draft model their drafts are proposed
 under the same grammar (grammar-aware drafting) and output stays exactly the target's.
@@ -211,20 +211,91 @@ def hermes_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int]
     return "\n".join(lines)
 
 
+# Llama 3.1's JSON tool calls (its template's "JSON based tool calling"; vLLM's llama3_json and
+# llama4_json): the reply is one or more {"name": ..., "parameters": {...}} objects separated by
+# "; ", after a <|python_tag|> token where the template asks for one. A call's head: the first
+# one's at the reply's start, each later one's after the previous call's closing brace and ";".
+_PYTHON_TAG = "<|python_tag|>"
+_LLAMA_HEAD = re.compile(r"(?:<\|python_tag\|>|\s*\}\s*;)?\s*" + _HEAD % "parameters|arguments")
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
+    """Llama 3's JSON calls: a reply that starts (after blanks and an optional <|python_tag|>) with
+    `{"name": ..., "parameters": {...}}` objects separated by ";" is those calls ("arguments" for
+    "parameters" too; what follows the last call is dropped, as after hermes's last block); any
+    other reply, or one whose calls do not parse, is content. Unlike vLLM's whole-reply parser,
+    which takes the first JSON object anywhere in the text and drops the text around it, a call
+    must open the reply, the rule vLLM's streaming applies: a streamed reply and a whole one agree."""
+    body = text.lstrip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        arguments = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(arguments, dict):
+            return text, []
+        calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+        rest = body[pos:].lstrip()
+        if not rest.startswith(";") or not rest[1:].strip():  # the last call (a ";" with nothing after it too)
+            return None, calls
+        pos = len(body) - len(rest[1:].lstrip())
+
+
+def llama3_json_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int], parallel: bool) -> str:
+    """llguidance's Lark for a reply that is either text (not opening with "{") or calls of the
+    tools as Llama 3's template asks (`{"name": ..., "parameters": {...}}`, "; " between them, after
+    the <|python_tag|> token where the tokenizer has it): a strict tool's parameters held to its
+    schema, another's to any JSON object, in json.dumps's layout."""
+    lines = ["%llguidance {}", "", "text: TEXT", "TEXT: /(\\s*[^{\\s](.|\\n)*)?/"]
+    for i, t in enumerate(tools):
+        schema = t["parameters"] if t["strict"] else _ANY_OBJECT
+        schema = {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
+        head = '{"name": ' + json.dumps(t["name"]) + ', "parameters": '
+        lines.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} \"}}\"")
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    tag = f"<[{tag_tokens[_PYTHON_TAG]}]>? " if _PYTHON_TAG in tag_tokens else ""
+    more = ' ("; " call)*' if parallel else ""
+    lines[1] = f"start: {tag}call{more} | text"
+    return "\n".join(lines)
+
+
+def _llama3_plain_end(text: str) -> int:
+    """How much of a llama3_json reply is surely content: all of it once it opens with something
+    other than a call (a "{", or the <|python_tag|>), else nothing yet."""
+    head = text.lstrip()
+    if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+        return 0
+    return len(text)
+
+
 class _Parser(NamedTuple):
-    """An "auto" format: the parse of a whole text; for streaming, the head of a call and the text
-    a call begins with; the grammar that holds its calls to strict tools' schemas; the tags that
-    grammar must name as tokens where the tokenizer has them."""
+    """An "auto" format: the parse of a whole text; for streaming, the head of a call, the text a
+    call begins with (None: right where the last one ended) and how much of a growing text is
+    surely content; the grammar that holds its calls to strict tools' schemas; the tags that grammar
+    must name as tokens where the tokenizer has them."""
 
     parse: Callable[[str], tuple[str | None, list[FunctionCall]]]
     head: re.Pattern
-    marker: str
+    marker: str | None
+    plain_end: Callable[[str], int]
     grammar: Callable[[tuple[dict[str, Any], ...], dict[str, int], bool], str]
     tags: tuple[str, ...]
 
 
+_LLAMA3_JSON = _Parser(parse_llama3_json, _LLAMA_HEAD, None, _llama3_plain_end, llama3_json_grammar, (_PYTHON_TAG,))
 # "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS.
-PARSERS = {"hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, hermes_grammar, (_HERMES_START, "</tool_call>"))}
+PARSERS = {
+    "hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, lambda text: _plain_end(text, _HERMES_START),
+                      hermes_grammar, (_HERMES_START, "</tool_call>")),
+    "llama3_json": _LLAMA3_JSON,
+    "llama4_json": _LLAMA3_JSON,  # Llama 4 writes the same calls (as vLLM's parser of both names)
+}
 
 
 def tag_tokens(tokenizer, parser: str) -> dict[str, int]:
@@ -356,7 +427,8 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
     if choice == "auto":
         if auto_parser is None:
             raise ToolChoiceError("'tool_choice' \"auto\" (the default with 'tools') needs the server started with "
-                                  "--enable-auto-tool-choice --tool-call-parser hermes; start it so, or send "
+                                  "--enable-auto-tool-choice --tool-call-parser hermes (or llama3_json); start it "
+                                  "so, or send "
                                   "'tool_choice' \"required\", a named function or \"none\"", "tool_choice")
         if constrained and any(t["strict"] for t in specs):
             raise ToolChoiceError("'tools': a function with 'strict': true holds \"auto\" calls to its schema with a "
@@ -406,7 +478,7 @@ class ToolStream:
             return self._arguments()
         content = None
         if self.choice.mode == "auto":
-            end = _plain_end(self.text, self.scan.marker)
+            end = PARSERS[self.choice.parser].plain_end(self.text)
             if end > self.sent:
                 content, self.sent = self.text[self.sent:end], end
         calls = _call_deltas(self.scan.advance(self.text))

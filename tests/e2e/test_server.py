@@ -638,6 +638,41 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
     _wait_until_aborted_and_freed(live, before)  # the connection closed mid-stream
 
 
+def test_tensor_parallel_serving(model_dirs, reference):
+    """A server over two ranks (each step run on both, in rank 0's order): concurrent streams give
+    the one-rank offline tokens, a bad request is refused and a client that disconnects frees its
+    blocks on both ranks, the others going on."""
+    server = LiveServer(_llm(model_dirs, tensor_parallel_size=2))
+    try:
+        prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(12)]
+        want = [o.outputs[0].text for o in offline(reference, prompts, **greedy(max_tokens=8))]
+
+        async def one(client, prompt: str) -> str:
+            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                     stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        async def run_all():
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                          timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in prompts))
+
+        assert asyncio.run(run_all()) == want
+        bad = server.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000})
+        assert bad.status_code == 400
+        before = server.metrics()[ABORTS]
+        body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert sum(next(lines).startswith("data: {") for _ in range(4)) >= 2
+        _wait_until_aborted_and_freed(server, before)
+        again = server.client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+        assert again.choices[0].text == want[0]
+    finally:
+        server.stop()
+        server.llm.engine.close()
+
+
 def test_client_giving_up_on_a_plain_request_aborts_it(live):
     before = live.metrics()[ABORTS]
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "ignore_eos": True}
@@ -953,6 +988,35 @@ def test_auto_tool_choice_parses_hermes_calls(live, reference):
     ref = reference.chat(ASK, SamplingParams(temperature=0, max_tokens=8, structured_outputs=held),
                          use_tqdm=False)[0].outputs[0]
     assert strict.choices[0].message.content == ref.text and strict.choices[0].finish_reason == ref.finish_reason
+
+
+def test_auto_tool_choice_parses_llama3_json_calls(live, reference):
+    """--tool-call-parser llama3_json: a reply that opens with {"name": ..., "parameters": ...}
+    calls ("; " between them) is those calls, streamed or not (forced here with a regex); a reply
+    that opens otherwise stays plain text."""
+    server = live.app.state.server
+    call = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
+    regex = re.escape(call).replace("UTC", "(UTC|CET)") + "; " + re.escape('{"name": "get_time", "arguments": {}}')
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=99, temperature=0, tools=[WEATHER, CLOCK],
+                  extra_body={"guided_regex": regex})
+    server.tool_call_parser = "llama3_json"
+    try:
+        r = live.client.chat.completions.create(**kwargs)
+        streamed = _streamed_calls(live.client.chat.completions.create(**kwargs, stream=True))
+        plain = live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                                    tools=[WEATHER], extra_body={"guided_regex": "Sure, [a-z]+"})
+    finally:
+        server.tool_call_parser = None
+    message = r.choices[0].message
+    assert message.content is None and r.choices[0].finish_reason == "tool_calls", r
+    assert [c.function.name for c in message.tool_calls] == ["get_time", "get_time"]
+    assert json.loads(message.tool_calls[0].function.arguments)["tz"] in ("UTC", "CET")
+    assert message.tool_calls[1].function.arguments == "{}"
+    content, calls, finish = streamed
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert plain.choices[0].message.content.startswith("Sure, ") and not plain.choices[0].message.tool_calls
 
 
 def test_reasoning_parser_splits_the_thinking(live):

@@ -1,4 +1,4 @@
-"""Tool calling's pieces without a model: the hermes parser, the constraints of named and "required"
+"""Tool calling's pieces without a model: the hermes and llama3_json parsers, the constraints of named and "required"
 tool choice, and the streamed deltas of a choice (tandem/server/tools.py). The server end to end
 is in test_server.py."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server import TOOL_CALL_PARSERS
-from tandem.server.tools import PARSERS, ToolChoice, ToolChoiceError, ToolStream, parse_hermes, tool_choice
+from tandem.server.tools import (PARSERS, ToolChoice, ToolChoiceError, ToolStream, parse_hermes, parse_llama3_json,
+                                 tool_choice)
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "é"}}\n</tool_call>'
 
@@ -29,6 +30,24 @@ def test_parse_hermes():
                  '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>["f"]</tool_call>',
                  "x " + CALL + '<tool_call>{"name": "g"', ):
         assert parse_hermes(text) == (text, []), text  # any block that is not a call: all of it is content
+
+
+LLAMA_CALL = '{"name": "f", "parameters": {"x": 1, "s": "é"}}'
+
+
+def test_parse_llama3_json():
+    """Llama 3's calls: the reply opens with them (after blanks or <|python_tag|>), "; " between them,
+    "arguments" for "parameters" too; anything else, or calls that do not parse, is content."""
+    two = LLAMA_CALL + "; " + LLAMA_CALL.replace('"f"', '"g"').replace("parameters", "arguments")
+    for text in (two, "\n " + two, "<|python_tag|>" + two, two + ";", two + "\n\nDone."):
+        content, calls = parse_llama3_json(text)
+        assert content is None and _calls(calls) == [("f", {"x": 1, "s": "é"}), ("g", {"x": 1, "s": "é"})], text
+    assert parse_llama3_json(LLAMA_CALL)[1][0].arguments == '{"x": 1, "s": "é"}'
+    assert _calls(parse_llama3_json('{"name": "f", "parameters": {"deep": {"a": [{"b": {}}]}}}')[1]) == \
+        [("f", {"deep": {"a": [{"b": {}}]}})]  # (vLLM's regex takes one level of nesting)
+    for text in ("plain text", "Sure: " + LLAMA_CALL, '{"answer": 42}', '{"name": "f", "parameters": [1]}',
+                 '{"name": 3, "parameters": {}}', LLAMA_CALL[:-4], LLAMA_CALL + '; {"name": "g", "para'):
+        assert parse_llama3_json(text) == (text, []), text
 
 
 def test_every_parser_the_flag_offers_exists():
@@ -119,6 +138,28 @@ def test_streamed_auto_choice_equals_the_whole_reply(size):
     assert len(one.parse(CALL + CALL)[1]) == 1 and len(_stream(one, CALL + CALL, size)[1]) == 1
 
 
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_streamed_llama3_json_choice_equals_the_whole_reply(size):
+    """A llama3_json reply streams as it parses whole: content only once it surely opens with no
+    call, each call's arguments as they are written."""
+    auto = ToolChoice("auto", parallel=True, parser="llama3_json")
+    nested = LLAMA_CALL.replace('"x": 1', '"x": {"y": "}]\\";{"}')
+    reordered = '{"parameters": {"x": 1}, "name": "f"}'  # parsed, sent whole at the end
+    for text in (LLAMA_CALL + "; " + nested, "\n" + LLAMA_CALL, "<|python_tag|>" + LLAMA_CALL, reordered,
+                 LLAMA_CALL + "; " + reordered, "plain text, no call", "<|python", '{"answer": 42}',
+                 "Sure: " + LLAMA_CALL, LLAMA_CALL + "\n\nDone."):
+        want_content, want_calls = auto.parse(text)
+        content, calls, deltas = _stream(auto, text, size)
+        assert content == (want_content or ""), (text, size)
+        assert calls == [(c.name, c.arguments) for c in want_calls], (text, size)
+    assert auto.parse(LLAMA_CALL + "; " + nested)[1][1].arguments == '{"x": {"y": "}]\\";{"}, "s": "é"}'
+    if size == 3:  # a call's arguments come in pieces, as they are written
+        assert sum(1 for d in _stream(auto, LLAMA_CALL + "; " + nested, size)[2] if d.tool_calls) > 10
+    one = ToolChoice("auto", parallel=False, parser="llama3_json")
+    assert len(one.parse(LLAMA_CALL + "; " + LLAMA_CALL)[1]) == 1
+    assert len(_stream(one, LLAMA_CALL + "; " + LLAMA_CALL, size)[1]) == 1
+
+
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_streamed_calls_send_their_arguments_as_they_come(size):
     named = ToolChoice("named", ({"name": "f", "parameters": {"type": "object"}},), name="f")
@@ -181,3 +222,45 @@ def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
             assert not fits(choice, bad), bad
         if as_tokens:  # a second call needs the tag token, which only a call may write
             assert fits(choice, call + "\n" + call) == parallel
+
+
+@pytest.mark.parametrize("as_token", [False, True])
+def test_strict_tools_hold_llama3_json_calls_to_their_schemas(tmp_path, as_token):
+    """llama3_json's grammar with a strict tool: a reply is text that does not open with "{", or
+    calls that fit (a strict tool's schema; another's any object), after the <|python_tag|> token
+    where the tokenizer has it."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from tandem.server.tools import tag_tokens
+    from tests.helpers import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    if as_token:
+        tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tags = tag_tokens(tok, "llama3_json")
+    assert len(tags) == int(as_token)
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+    strict = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                          "required": ["x"], "additionalProperties": False}, "strict": True}
+    loose = {"name": "g", "parameters": {"type": "object"}, "strict": False}
+    call = '{"name": "f", "parameters": {"x": 12}}'
+
+    def fits(choice: ToolChoice, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tok, choice.constraint().grammar, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
+
+    for parallel in (True, False):
+        choice = ToolChoice("auto", (strict, loose), parallel=parallel, parser="llama3_json",
+                            tag_tokens=tuple(sorted(tags.items())))
+        assert fits(choice, call) and fits(choice, "no call at all, {not} one") and fits(choice, "")
+        assert fits(choice, '{"name": "g", "parameters": {"z": [1, 2]}}')  # not strict
+        assert fits(choice, call + '; {"name": "g", "parameters": {}}') == parallel
+        for bad in ('{"name": "h", "parameters": {}}', '{"name": "f", "parameters": {"y": 1}}',
+                    '{"name":"f","parameters":{"x":1}}', call.replace("12", '"12"'), '{"answer": 1}'):
+            assert not fits(choice, bad), bad
+        if as_token:
+            assert fits(choice, "<|python_tag|>" + call)

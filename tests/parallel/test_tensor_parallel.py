@@ -7,7 +7,7 @@ import torch
 from tests.helpers import assert_greedy_equal_up_to_near_tie, make_hf_model, make_spec_models
 from tandem import LLM, SamplingParams
 from tandem.config import read_arch_config
-from tandem.errors import ConfigError, RequestError
+from tandem.errors import ConfigError, RequestError, StepError
 from tandem.models.loader import load_model
 from tandem.parallel.shard import shard_arch, shard_param, vocab_rows
 from tandem.sampling_params import StructuredOutputsParams
@@ -130,6 +130,24 @@ def test_every_rank_takes_the_same_settings_and_refusals(models):
 
     assert _tokens(_run(models["target"], 2, prompts, params, setup, speculative_config=spec)) == \
         _tokens(_run(models["target"], 1, prompts, params, setup, speculative_config=spec))
+
+
+def test_a_rank_that_exits_stops_the_engine(models):
+    """A rank whose process has exited: the next step or request gets a fatal StepError naming it
+    (not a collective waiting for it), and aborts still end requests on rank 0."""
+    llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    try:
+        p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        worker = llm.engine._workers.procs[0]
+        worker.terminate()
+        worker.join(timeout=30)
+        with pytest.raises(StepError, match="rank 1 has exited") as info:
+            llm.generate(PROMPTS[:1], p, use_tqdm=False)
+        assert info.value.fatal
+        assert llm.engine.abort_request("no-such-request") is False
+    finally:
+        llm.engine.close()
 
 
 def test_tied_uneven_vocabulary_two_ranks(models):
