@@ -181,11 +181,13 @@ def test_streamed_calls_send_their_arguments_as_they_come(size):
     assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
 
 
-@pytest.mark.parametrize("as_tokens", [False, True])
-def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
-    """A strict tool makes "auto" a grammar: text is free, and a <tool_call> block must call a tool
-    with arguments that fit (a strict tool's schema; another's any object). Where the tokenizer
-    holds the tags as tokens (Qwen2.5's), the grammar names those tokens."""
+STRICT_F = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                        "required": ["x"], "additionalProperties": False}, "strict": True}
+
+
+def _tags_and_fits(tmp_path, parser: str, added: list[str], special: bool = False):
+    """The test tokenizer with `added` as tokens of their own -> (the parser's tags it holds as
+    tokens, fits(choice, text): whether the text's tokens keep to the choice's grammar)."""
     import llguidance
     import llguidance.hf
     from transformers import AutoTokenizer
@@ -195,21 +197,31 @@ def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
 
     save_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    if as_tokens:
-        tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tags = tag_tokens(tok, "hermes")
-    assert len(tags) == (2 if as_tokens else 0)
+    if added and special:
+        tok.add_special_tokens({"additional_special_tokens": added})
+    elif added:
+        tok.add_tokens(added)
     ll_tok = llguidance.hf.from_tokenizer(tok)
-    strict = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                          "required": ["x"], "additionalProperties": False}, "strict": True}
-    loose = {"name": "g", "parameters": {"type": "object", "properties": {"y": {"type": "string"}}}, "strict": False}
-    assert ToolChoice("auto", ({**strict, "strict": False}, loose), parser="hermes").constraint() is None
-    call = '<tool_call>\n{"name": "f", "arguments": {"x": 12}}\n</tool_call>'
 
     def fits(choice: ToolChoice, text: str) -> bool:
         matcher = llguidance.LLMatcher(ll_tok, choice.constraint().grammar, log_level=0)
         ids = tok.encode(text, add_special_tokens=False)
         return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
+
+    return tag_tokens(tok, parser), fits
+
+
+@pytest.mark.parametrize("as_tokens", [False, True])
+def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
+    """A strict tool makes "auto" a grammar: text is free, and a <tool_call> block must call a tool
+    with arguments that fit (a strict tool's schema; another's any object). Where the tokenizer
+    holds the tags as tokens (Qwen2.5's), the grammar names those tokens."""
+    tags, fits = _tags_and_fits(tmp_path, "hermes", ["<tool_call>", "</tool_call>"] if as_tokens else [])
+    assert len(tags) == (2 if as_tokens else 0)
+    strict = STRICT_F
+    loose = {"name": "g", "parameters": {"type": "object", "properties": {"y": {"type": "string"}}}, "strict": False}
+    assert ToolChoice("auto", ({**strict, "strict": False}, loose), parser="hermes").constraint() is None
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 12}}\n</tool_call>'
 
     for parallel in (True, False):
         choice = ToolChoice("auto", (strict, loose), parallel=parallel, parser="hermes",
@@ -229,32 +241,13 @@ def test_strict_tools_hold_llama3_json_calls_to_their_schemas(tmp_path, as_token
     """llama3_json's grammar with a strict tool: a reply is text that does not open with "{", or
     calls that fit (a strict tool's schema; another's any object), after the <|python_tag|> token
     where the tokenizer has it."""
-    import llguidance
-    import llguidance.hf
-    from transformers import AutoTokenizer
-
-    from tandem.server.tools import tag_tokens
-    from tests.helpers import save_tokenizer
-
-    save_tokenizer(tmp_path)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    if as_token:
-        tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
-    tags = tag_tokens(tok, "llama3_json")
+    tags, fits = _tags_and_fits(tmp_path, "llama3_json", ["<|python_tag|>"] if as_token else [], special=True)
     assert len(tags) == int(as_token)
-    ll_tok = llguidance.hf.from_tokenizer(tok)
-    strict = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                          "required": ["x"], "additionalProperties": False}, "strict": True}
     loose = {"name": "g", "parameters": {"type": "object"}, "strict": False}
     call = '{"name": "f", "parameters": {"x": 12}}'
 
-    def fits(choice: ToolChoice, text: str) -> bool:
-        matcher = llguidance.LLMatcher(ll_tok, choice.constraint().grammar, log_level=0)
-        ids = tok.encode(text, add_special_tokens=False)
-        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
-
     for parallel in (True, False):
-        choice = ToolChoice("auto", (strict, loose), parallel=parallel, parser="llama3_json",
+        choice = ToolChoice("auto", (STRICT_F, loose), parallel=parallel, parser="llama3_json",
                             tag_tokens=tuple(sorted(tags.items())))
         assert fits(choice, call) and fits(choice, "no call at all, {not} one") and fits(choice, "")
         assert fits(choice, '{"name": "g", "parameters": {"z": [1, 2]}}')  # not strict
