@@ -165,6 +165,34 @@ def test_seeded_sampling_two_ranks_match_one(models):
         _tokens(_run(models["target"], 1, params=p, speculative_config=spec))
 
 
+def test_every_sampling_feature_two_ranks_match_one(models):
+    """Penalties, bias, truncation, n > 1, stop strings, min_tokens, logprobs and prompt logprobs,
+    watermarked draws and sampled drafts: the same tokens and (to rounding) logprobs on two ranks."""
+    spec = {"model": str(models["near"]), "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.2, logit_bias={7: 3.0}, n=2, seed=5,
+                             max_tokens=12, min_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, stop=["e"], bad_words_token_ids=[[9]], logprobs=1),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=tp,
+                  speculative_config=spec, watermark_config={"key": 11})
+        try:
+            runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        finally:
+            if tp > 1:
+                llm.engine.close()
+    for one, two in zip(*runs):
+        assert [o.token_ids for o in two.outputs] == [o.token_ids for o in one.outputs]
+        for a, b in zip(two.outputs, one.outputs):
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        for x, y in zip(two.prompt_logprobs or [], one.prompt_logprobs or []):
+            assert (x is None) == (y is None) and (x is None or all(abs(x[t].logprob - y[t].logprob) < 1e-4
+                                                                    for t in x))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's num_attention_heads"),
     (dict(tensor_parallel_size=2, speculative_config={"model": "other", "num_speculative_tokens": 2}),
