@@ -10,7 +10,7 @@ from tandem.cli import main
 from tests.helpers import make_hf_model
 
 
-@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"]])
+@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"]])
 def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
     import tandem.models.loader as loader
 
@@ -172,6 +172,8 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--seed", "-1"], "--seed"),
     (["-k", "0"], "--num-speculative-tokens"),
     (["--reasoning-parser", "r1"], "--reasoning-parser"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
