@@ -217,6 +217,7 @@ class LLM:
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
                 store = host_store(tp_size)
                 workers = Workers(tp_size, store.port, launch)
+                workers.wait_started()
                 self.tp = TPGroup(0, tp_size, store.port, dev, store)
             else:
                 self.tp = TPGroup(rank, tp_size, port, dev)

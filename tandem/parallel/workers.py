@@ -11,7 +11,10 @@ a step's collectives then meet on every rank. What only one rank may measure (th
 its memory allows) is agreed through the group (TPGroup.min_int); a choice made from timings
 (num_speculative_tokens_per_batch_size="auto") is refused under tensor parallelism.
 
-A worker that fails to start reports its error through its pipe and rank 0 raises it. Once a
+Each worker says it started before rank 0 joins the group: one that exits first (a script that
+makes the LLM at its top level, which every spawned rank imports) is reported with what to do,
+not waited for. A worker that fails to build its engine reports its error through its pipe and
+rank 0 raises it. Once a
 worker has exited, every later call but an abort raises a fatal StepError (a worker that dies
 inside a step fails that step's collective); a step that fails on rank 0 stops the engine (fatal
 too), since the other ranks may have run it and gone on (Engine.tensor_parallel).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -56,6 +60,21 @@ class Workers:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+
+    def wait_started(self) -> None:
+        """Return once every rank's process runs its engine's code; raise if one exits before (a
+        spawned process imports the caller's main module first, and an LLM made at that module's
+        top level would start ranks of its own there, which multiprocessing refuses)."""
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _started(conn):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    proc.join(timeout=5)
+                    self.close()
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited while starting (exit code {proc.exitcode}; its error is "
+                        "above). The ranks are spawned processes that import your main module first: create the "
+                        "LLM under `if __name__ == \"__main__\":`, not at the module's top level")
 
     def wait_ready(self) -> None:
         """Return once every rank has built its engine; raise the first rank's start-up error."""
@@ -131,7 +150,18 @@ class ReplicatedEngine:
         self._tp.close()
 
 
+def _started(conn: Connection) -> bool:
+    """Whether the rank at conn's other end has said it started (False: not yet, or it has exited)."""
+    if not conn.poll(0.1):
+        return False
+    try:
+        return conn.recv()[0] == "started"
+    except EOFError:
+        return False
+
+
 def _worker_main(rank: int, size: int, port: int, llm_kwargs: dict, conn: Connection) -> None:
+    conn.send(("started", None))
     torch.set_num_threads(threads_per_rank(size))
     logging.getLogger("tandem").setLevel(logging.ERROR)  # rank 0 logs the engine's progress and warnings
     try:

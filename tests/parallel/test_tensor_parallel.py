@@ -150,6 +150,20 @@ def test_a_rank_that_exits_stops_the_engine(models):
         llm.engine.close()
 
 
+def test_an_unguarded_script_gets_told_not_stuck(models, tmp_path):
+    """A script that makes a tensor-parallel LLM at its top level: each spawned rank imports it
+    first, which fails there; rank 0 says why and what to do instead of waiting for that rank."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from tandem import LLM\n"
+                      f"LLM({str(models['target'])!r}, dtype='float32', device='cpu', tensor_parallel_size=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'create the LLM under `if __name__ == "__main__":`' in done.stderr, done.stderr[-2000:]
+
+
 def test_tied_uneven_vocabulary_two_ranks(models):
     """A tied head split 161 / 160 over the ranks (padding rows never win) with q / k norms."""
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
