@@ -14,10 +14,11 @@ its memory allows) is agreed through the group (TPGroup.min_int); a choice made 
 Each worker says it started before rank 0 joins the group: one that exits first (a script that
 makes the LLM at its top level, which every spawned rank imports) is reported with what to do,
 not waited for. A worker that fails to build its engine reports its error through its pipe and
-rank 0 raises it. Once a
-worker has exited, every later call but an abort raises a fatal StepError (a worker that dies
-inside a step fails that step's collective); a step that fails on rank 0 stops the engine (fatal
-too), since the other ranks may have run it and gone on (Engine.tensor_parallel).
+rank 0 raises it (once rank 0 is past its own collectives of the start-up: a worker that fails
+after joining the group, out of memory say, leaves rank 0's next collective to fail after
+TPGroup's timeout). Once a worker has exited, every later call but an abort raises a fatal
+StepError; a step that fails on rank 0 stops the engine (fatal too), since the other ranks may
+have run it and gone on (Engine.tensor_parallel).
 """
 from __future__ import annotations
 

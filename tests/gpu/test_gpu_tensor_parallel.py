@@ -48,3 +48,20 @@ def test_two_ranks_on_gpu_match_one(models, dtype, monkeypatch):
         assert_greedy_equal_up_to_near_tie(out, r, gap=gap)
     spec = _run(target, dtype, 2, dict(model=str(draft), num_speculative_tokens=3))
     assert [o.token_ids for o in spec] == [o.token_ids for o in alone]
+
+
+def test_nccl_group_of_one_runs_every_collective(monkeypatch):
+    """The NCCL group's construction and each collective the model calls, on the one GPU lent (a
+    group of one rank: the values pass through; several GPUs were not lent here)."""
+    from tandem.parallel.group import TPGroup, host_store
+
+    monkeypatch.delenv("TANDEM_TP_BACKEND", raising=False)
+    store = host_store(1)
+    group = TPGroup(0, 1, store.port, torch.device("cuda", 0), store)
+    x = torch.randn(3, 64, device="cuda")
+    assert torch.equal(group.all_reduce_(x.clone()), x)
+    logits = torch.randn(4, 100, device="cuda")
+    assert torch.equal(group.gather_vocab(logits, 100), logits)
+    assert torch.equal(group.top_tokens(logits, 100), logits.argmax(dim=-1))
+    assert group.min_int(7) == 7
+    group.close()
