@@ -206,6 +206,7 @@ class LLM:
                               f"{arch.vocab_size} rows; pass the model's own tokenizer")
         workers = None
         self.tp = None  # this rank's tensor-parallel group
+        threads = torch.get_num_threads()  # the caller's, back once the ranks stop (ReplicatedEngine.close)
         if tp_size > 1:
             if dev.type == "cpu":
                 torch.set_num_threads(threads_per_rank(tp_size))
@@ -231,7 +232,7 @@ class LLM:
             self.engine = Engine(cfg, target, self.tokenizer, eos_token_ids(model_dir, arch, self.tokenizer), factory)
             if workers is not None:
                 workers.wait_ready()
-                self.engine = ReplicatedEngine(self.engine, workers, self.tp)
+                self.engine = ReplicatedEngine(self.engine, workers, self.tp, threads)
         except BaseException:
             if workers is not None:
                 workers.close()

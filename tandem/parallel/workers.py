@@ -123,10 +123,12 @@ class ReplicatedEngine:
     one of its attributes (a setting such as grammar_drafting changes the drafts, hence the steps);
     everything else is the engine's own (reading attributes, validation, read-only calls)."""
 
-    def __init__(self, engine, workers: Workers, tp):
+    def __init__(self, engine, workers: Workers, tp, threads: int):
+        """threads: the caller's torch threads, which rank 0 gave up for its share of the CPU."""
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_workers", workers)
         object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_threads", threads)
 
     def __setattr__(self, name, value):
         self._workers.send("__setattr__", (name, value), {})
@@ -146,9 +148,11 @@ class ReplicatedEngine:
         return attr
 
     def close(self) -> None:
-        """Stop the other ranks and leave the group (the engine runs no step after this)."""
+        """Stop the other ranks and leave the group (the engine runs no step after this); the
+        process gets its torch threads back."""
         self._workers.close()
         self._tp.close()
+        torch.set_num_threads(self._threads)
 
 
 def _started(conn: Connection) -> bool:

@@ -135,6 +135,7 @@ def test_every_rank_takes_the_same_settings_and_refusals(models):
 def test_a_rank_that_exits_stops_the_engine(models):
     """A rank whose process has exited: the next step or request gets a fatal StepError naming it
     (not a collective waiting for it), and aborts still end requests on rank 0."""
+    threads = torch.get_num_threads()
     llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
     try:
         p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -148,6 +149,7 @@ def test_a_rank_that_exits_stops_the_engine(models):
         assert llm.engine.abort_request("no-such-request") is False
     finally:
         llm.engine.close()
+    assert torch.get_num_threads() == threads  # the CPU's share rank 0 gave up comes back
 
 
 def test_an_unguarded_script_gets_told_not_stuck(models, tmp_path):
