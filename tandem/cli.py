@@ -77,6 +77,25 @@ def watermark_config(text: str) -> dict:
     return value
 
 
+def structured_outputs_config(text: str) -> dict:
+    """--structured-outputs-config: vLLM's JSON object, e.g. '{"enable_in_reasoning": true}', checked while parsing."""
+    import json
+
+    from tandem.config import parse_structured_outputs_config
+    from tandem.errors import ConfigError
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
+                                         "'{\"enable_in_reasoning\": true}'") from None
+    try:
+        parse_structured_outputs_config(value, None)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def structured_outputs(text: str):
     """--structured-outputs: StructuredOutputsParams' fields as a JSON object, such as
     '{"regex": "[0-9]+"}', checked while parsing (the grammar compiles when the request is added)."""

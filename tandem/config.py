@@ -124,6 +124,9 @@ class EngineConfig:
     watermark: Any = None  # tandem.sampling.watermark.WatermarkConfig, or None: no keyed draws
     # a name of tandem.reasoning.REASONING_PARSERS: structured outputs hold from the end of the thinking
     reasoning_parser: str | None = None
+    # vLLM's structured_outputs_config enable_in_reasoning: constraints hold from the first token,
+    # the thinking too, whatever the reasoning parser (which still splits the reply)
+    structured_outputs_in_reasoning: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -228,6 +231,34 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         sliding_window=count("sliding_window") if window is not None else None,
     )
+
+
+STRUCTURED_OUTPUTS_KEYS = ("backend", "enable_in_reasoning", "reasoning_parser")
+
+
+def parse_structured_outputs_config(config: dict | None, reasoning_parser: str | None) -> tuple[str | None, bool]:
+    """vLLM's structured_outputs_config (its keys that mean something here) -> (the reasoning
+    parser, whether constraints hold in the thinking too). backend: tandem's is llguidance
+    ("guidance"; "auto" picks it)."""
+    if config is None:
+        return reasoning_parser, False
+    if not isinstance(config, dict):
+        raise ConfigError(f"structured_outputs_config={config!r} must be a dict, e.g. {{'enable_in_reasoning': True}}")
+    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise ConfigError(f"structured_outputs_config has unknown keys {unknown}; known keys: "
+                          f"{list(STRUCTURED_OUTPUTS_KEYS)}")
+    if config.get("backend", "auto") not in ("auto", "guidance"):
+        raise ConfigError(f"structured_outputs_config.backend={config['backend']!r} is not supported: tandem's "
+                          "structured outputs run on llguidance; use 'guidance' or 'auto'")
+    in_reasoning = config.get("enable_in_reasoning", False)
+    if not isinstance(in_reasoning, bool):
+        raise ConfigError(f"structured_outputs_config.enable_in_reasoning={in_reasoning!r} must be True or False")
+    parser = config.get("reasoning_parser")
+    if parser is not None and reasoning_parser is not None and parser != reasoning_parser:
+        raise ConfigError(f"structured_outputs_config.reasoning_parser={parser!r} differs from reasoning_parser="
+                          f"{reasoning_parser!r}; give one")
+    return reasoning_parser if parser is None else parser, in_reasoning
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -145,8 +145,9 @@ class Engine:
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
         self.detokenizer = Detokenizer(tokenizer)
         self.vocab_size = self.runner.vocab_size
-        # structured outputs' matchers (after the thinking, with a reasoning parser)
-        self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids, reasoning_format(cfg.reasoning_parser))
+        # structured outputs' matchers (after the thinking, with a reasoning parser, unless they hold in it too)
+        gate = None if cfg.structured_outputs_in_reasoning else reasoning_format(cfg.reasoning_parser)
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_token_ids, gate)
         # Grammar-aware drafting: structured-output requests draft under their grammar. "round": each
         # draft step is masked before it is drawn (a wait a step: on a CPU, where a host round trip
         # is free and a draft step is not); "repair": the round runs free (on a GPU, as one graph),

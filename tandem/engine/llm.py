@@ -18,6 +18,7 @@ from tandem.config import (
     SchedulerConfig,
     check_device_support,
     check_dtype_name,
+    parse_structured_outputs_config,
     read_arch_config,
     resolve_device,
     resolve_dtype,
@@ -75,6 +76,7 @@ class LLM:
         tokenizer_mode: str = "auto",
         watermark_config: Any = None,
         reasoning_parser: str | None = None,
+        structured_outputs_config: dict | None = None,
         _rank: tuple[int, int] | None = None,
     ):
         """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
@@ -104,6 +106,7 @@ class LLM:
             raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
+        reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
         try:
             reasoning_format(reasoning_parser)
         except ValueError as e:
@@ -197,6 +200,7 @@ class LLM:
             spec=spec,
             watermark=watermark,
             reasoning_parser=reasoning_parser,
+            structured_outputs_in_reasoning=in_reasoning,
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)

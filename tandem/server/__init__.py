@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, watermark_config
+from tandem.cli import WATERMARK_HELP, float_in, int_in, non_empty, structured_outputs_config, watermark_config
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
@@ -75,6 +75,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="how calls read in the model's text, with --enable-auto-tool-choice (hermes: "
                              "<tool_call>{...}</tool_call>, as Qwen2.5's template asks; llama3_json / "
                              "llama4_json: a reply of {\"name\": ..., \"parameters\": {...}} calls, as Llama 3.1's)")
+    server.add_argument("--structured-outputs-config", type=structured_outputs_config, default=None,
+                        help="vLLM's JSON object; '{\"enable_in_reasoning\": true}' holds constraints from the "
+                             "first token, the thinking too")
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="a reasoning model's <think> part goes to the reply's 'reasoning' field, and "
                              "structured outputs hold after it (as vLLM's --reasoning-parser)")

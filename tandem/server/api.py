@@ -960,6 +960,7 @@ def run_server(args: argparse.Namespace) -> int:
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
+        structured_outputs_config=args.structured_outputs_config,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

@@ -173,6 +173,8 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["-k", "0"], "--num-speculative-tokens"),
     (["--reasoning-parser", "r1"], "--reasoning-parser"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "--structured-outputs-config"),
+    (["--structured-outputs-config", "{"], "--structured-outputs-config"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):

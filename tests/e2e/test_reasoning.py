@@ -3,6 +3,8 @@ whole or in pieces, and structured outputs that hold from the end of the thinkin
 gate, through the engine, with and without a draft model)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -148,6 +150,32 @@ def test_engine_constrains_after_the_thinking(thinking_model, spec):
     if spec is not None:  # the drafts went through the same grammar: the target-only reply
         alone = LLM(str(path), reasoning_parser="deepseek_r1", dtype="float32", max_model_len=128, block_size=8)
         assert alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == out.token_ids
+
+
+def test_enable_in_reasoning_constrains_from_the_first_token(thinking_model):
+    """structured_outputs_config={"enable_in_reasoning": True} (vLLM's): the constraint holds from the
+    first token, so even a reply that starts in the thinking never draws </think>; the reasoning
+    parser still splits the reply (all thinking here: it never closed)."""
+    path, start, end = thinking_model
+    params = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: 40.0},
+                            structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    llm = LLM(str(path), dtype="float32", max_model_len=128, block_size=8, reasoning_parser="deepseek_r1",
+              structured_outputs_config={"enable_in_reasoning": True, "backend": "guidance"})
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, start]}], params, use_tqdm=False)[0].outputs[0]
+    assert end not in out.token_ids and out.text and set(out.text) <= {"a", "b"}, out.text
+    assert R1.split(out.text, True) == (out.text, None)
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"enable_in_reasoning": "yes"}, "enable_in_reasoning='yes' must be True or False"),
+    ({"backend": "xgrammar"}, "backend='xgrammar' is not supported"),
+    ({"whitespace_pattern": " "}, "unknown keys ['whitespace_pattern']"),
+    ({"reasoning_parser": "qwen3"}, "differs from reasoning_parser='deepseek_r1'"),
+    ([1], "must be a dict"),
+])
+def test_structured_outputs_config_errors(thinking_model, config, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        LLM(str(thinking_model[0]), dtype="float32", reasoning_parser="deepseek_r1", structured_outputs_config=config)
 
 
 def test_unknown_reasoning_parser_is_refused(thinking_model):
