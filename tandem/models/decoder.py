@@ -237,11 +237,7 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden, out=out)
         return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # F.linear's kernel (no bias)
 
-    def top_tokens(self, hidden: Tensor, use_triton: bool = False) -> Tensor:
-        """hidden [n, hidden_size] -> the argmax token of each row's logits [n] int64 (greedy
-        drafts); under tensor parallelism from each rank's best token alone (TPGroup.top_tokens)."""
-        if self.tp is not None:
-            return self.tp.top_tokens(self.lm_head(hidden), self.arch.vocab_size)
-        from tandem.sampling.sampler import greedy_tokens
-
-        return greedy_tokens(self.compute_logits(hidden), use_triton)
+    def top_tokens(self, hidden: Tensor) -> Tensor:
+        """Under tensor parallelism: hidden [n, hidden_size] -> the argmax token of each row's
+        logits [n] int64 (greedy drafts), from each rank's best token alone (TPGroup.top_tokens)."""
+        return self.tp.top_tokens(self.lm_head(hidden), self.arch.vocab_size)

@@ -149,7 +149,7 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
     shards_seen: dict[str, set[int]] = {}
     for path in files:
         try:
-            _read_file(path, params, cfg, device, loaded, shards_seen, field, local or params, cut)
+            _read_file(path, params, cfg, device, loaded, shards_seen, field, local, cut)
         except SafetensorError as e:
             raise ConfigError(f"{field}: {path} is not a valid safetensors file ({e}); re-download or re-convert "
                               "it") from None
