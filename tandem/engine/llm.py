@@ -72,6 +72,8 @@ class LLM:
         max_logprobs: int = 20,
         generation_config: str = "auto",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         trust_remote_code: bool = False,
         tokenizer_mode: str = "auto",
         watermark_config: Any = None,
@@ -119,6 +121,15 @@ class LLM:
             raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}], or None for a random one")
         _check_positive_int("tensor_parallel_size", tensor_parallel_size)
         tp_size = tensor_parallel_size
+        if pipeline_parallel_size != 1:
+            raise ConfigError(f"pipeline_parallel_size={pipeline_parallel_size!r} is not supported: tandem splits a "
+                              "model across devices by tensor_parallel_size alone; leave it out or set 1")
+        # vLLM's executors: "mp" (ranks as processes, tandem's way), "uni" (one process: one rank)
+        if distributed_executor_backend not in (None, "mp") and not (distributed_executor_backend == "uni"
+                                                                     and tp_size == 1):
+            raise ConfigError(f"distributed_executor_backend={distributed_executor_backend!r} is not supported: "
+                              "tandem runs its tensor-parallel ranks as processes; leave it out or set 'mp' (or "
+                              "'uni' with tensor_parallel_size=1)")
         rank, port = _rank if _rank is not None else (0, 0)
         launch["seed"] = seed  # every rank the same
         # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,

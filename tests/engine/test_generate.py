@@ -213,7 +213,11 @@ def test_vllm_prompt_and_seed_forms(llm, model):
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert LLM(str(model), dtype="float32", max_model_len=64, block_size=8, seed=None, tensor_parallel_size=1,
                trust_remote_code=True, tokenizer_mode="auto").config.model.seed >= 0
-    for kw in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=3), dict(tokenizer_mode="slow")):
+    assert LLM(str(model), dtype="float32", max_model_len=64, block_size=8, pipeline_parallel_size=1,
+               distributed_executor_backend="uni").config.model.tp_size == 1
+    for kw in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=3), dict(tokenizer_mode="slow"),
+               dict(pipeline_parallel_size=2), dict(distributed_executor_backend="ray"),
+               dict(tensor_parallel_size=2, distributed_executor_backend="uni")):
         with pytest.raises(ConfigError, match=next(iter(kw))):
             LLM(str(model), dtype="float32", max_model_len=64, block_size=8, **kw)
 
