@@ -50,7 +50,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         h, d = arch.hidden_size, arch.head_dim
-        # q, k and v projections packed into one matmul (rows [q | k | v]); see loader.PACKED.
+        # q, k and v projections packed into one matmul (rows [q | k | v]); see parallel.shard.PACKED_FROM.
         self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)

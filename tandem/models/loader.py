@@ -18,26 +18,14 @@ from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
 from tandem.models.registry import model_class
 from tandem.parallel.group import TPGroup
-from tandem.parallel.shard import read_rank_part, shard_arch, shard_param
+from tandem.parallel.shard import PACKED_FROM, packed_rows, read_rank_part, shard_arch, shard_param
 from tandem.oom import OutOfMemoryGuard, check_weights_fit
 
 # Checkpoint entries that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Checkpoint projection -> (our packed parameter, shard index); shards are stacked along dim 0.
-PACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _shard_rows(packed: str, arch) -> list[int]:
-    if packed == "qkv_proj":
-        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
-    return [arch.intermediate_size, arch.intermediate_size]
+PACKED = {part: (packed, i) for packed, parts in PACKED_FROM.items() for i, part in enumerate(parts)}
 
 
 def _packed_target(name: str) -> tuple[str, str, int] | None:
@@ -155,7 +143,7 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
                               "it") from None
     for target, seen in shards_seen.items():
         kind = target.split(".")[-2]
-        if len(seen) != len(_shard_rows(kind, cfg.arch)):
+        if len(seen) != len(packed_rows(kind, cfg.arch)):
             raise ConfigError(f"{field}: {cfg.path} lacks some of the projections packed into {target!r}")
     missing = sorted(set(params) - set(loaded))
     if missing:
@@ -184,7 +172,7 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
             packed = _packed_target(name)
             if packed is not None and packed[0] in params:
                 target, kind, shard = packed
-                rows = _shard_rows(kind, cfg.arch)
+                rows = packed_rows(kind, cfg.arch)
                 want = (rows[shard],) + tuple(params[target].shape[1:])
                 if shape != want:
                     raise ConfigError(f"{field}: tensor {name!r} has shape {shape} in {path}, the "
@@ -194,7 +182,7 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
                                       "weight file")
                 if target not in loaded:
                     loaded[target] = torch.empty(local[target].shape, dtype=cfg.dtype, device=device)
-                mine = _shard_rows(kind, shard_arch(cfg.arch, cut[1] if cut else 1))  # the rank's rows of each
+                mine = packed_rows(kind, shard_arch(cfg.arch, cut[1] if cut else 1))  # the rank's rows of each
                 start = sum(mine[:shard])
                 loaded[target][start : start + mine[shard]].copy_(read(name, shape))
                 shards_seen.setdefault(target, set()).add(shard)

@@ -52,8 +52,15 @@ def vocab_rows(vocab_size: int, size: int) -> int:
 # the sum, and none of these models has one).
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COLUMN_SPLIT = ("o_proj", "down_proj")
-# Our packed parameters: the checkpoint projections stacked in their rows.
+# Our packed parameters: the checkpoint projections stacked in their rows (tandem/models/loader.py packs them).
 PACKED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def packed_rows(packed: str, arch: ArchConfig) -> list[int]:
+    """The rows of each projection stacked in a packed parameter of the shape arch."""
+    if packed == "qkv_proj":
+        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
+    return [arch.intermediate_size, arch.intermediate_size]
 
 
 def split_dim(name: str) -> int | None:
@@ -106,10 +113,7 @@ def shard_param(name: str, full: Tensor, arch: ArchConfig, rank: int, size: int)
     owner, _, leaf = name.rpartition(".")
     prefix, _, module = owner.rpartition(".")
     if module in PACKED_FROM:  # each stacked projection split as the checkpoint's would be
-        d = arch.head_dim
-        rows = ([arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d] if module == "qkv_proj"
-                else [arch.intermediate_size] * 2)
-        pieces = full.split(rows, dim=0)
+        pieces = full.split(packed_rows(module, arch), dim=0)
         return torch.cat([read_rank_part(f"{prefix}.{p}.{leaf}", t, tuple(t.shape), rank, size)
                           for p, t in zip(PACKED_FROM[module], pieces)])
     return read_rank_part(name, full, tuple(full.shape), rank, size).contiguous()
