@@ -206,8 +206,8 @@ def graph_time(graph) -> float:
 
 def draft_graph_times(sp, b: int) -> tuple[float, float]:
     """-> (the draft's catch-up graph, its whole greedy round graph: catch-up + k - 1 loop steps)
-    in ms, replayed on the buffers the last real round left."""
-    g = sp.graphs
+    in ms, replayed on the buffers the last real round left (the graphs of k drafts)."""
+    g = sp.graphs[sp.k]
     return graph_time(g.catchup.graphs[g.catchup.bucket(b)]), graph_time(g.rounds[g.bucket(b)])
 
 
@@ -258,11 +258,15 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
     tname, tshape = target
     dname, dshape = draft
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
-    for quant, k in [(q, k) for q in args.draft_quantization.split(",") for k in ks]:
+    variants = [(q, v, k) for q in args.draft_quantization.split(",") for v in args.draft_vocab_sizes.split(",")
+                for k in ks]
+    for quant, vocab, k in variants:
         quant = None if quant == "none" else quant
-        tag = f" {quant} draft" if quant else ""
+        vocab = None if vocab == "none" else int(vocab)
+        tag = (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
         spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant)
+                    synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant,
+                    draft_vocab_size=vocab)
         llm = make_llm(tdir, spec, max(batches), args.max_model_len)
         sp = llm.engine.runner.speculator
         for b in batches:
@@ -283,6 +287,7 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 decode_ms = ref["graph_ms"]  # the target-only engine's decode graph (this engine never decodes)
                 expected = 1 + sum(rates)  # E[tokens per round] = 1 + sum of unconditional rates
                 r.update(target=tname, draft=dname, k=k, batch=b, profile=pname, draft_quantization=quant,
+                         draft_vocab_size=vocab,
                          speedup=r["tok_s"] / ref["tok_s"],
                          # the same round time at the expected tokens per round (no sampling luck)
                          speedup_at_expected=expected * ref["ms_per_step"] / r["ms_per_step"],
@@ -631,6 +636,8 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
     p.add_argument("--draft-quantization", default="none",
                    help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
+    p.add_argument("--draft-vocab-sizes", default="none",
+                   help="comma list of the synthetic section's draft_vocab_size: none (the whole head) or ids kept")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     p.add_argument("--watermark-eps", type=lambda t: [float(x) for x in t.split(",")], default=[0.02],
                    help="the watermark section's eps values (k = 4 on the eps pair at temperature 1)")
@@ -696,13 +703,15 @@ def main(argv=None) -> int:
     rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
              f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
     print_table(["model", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "roofline"], rows)
-    rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"], r.get("draft_quantization") or "-",
+    rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"],
+             " ".join(filter(None, [r.get("draft_quantization"),
+                                    r.get("draft_vocab_size") and f"head {r['draft_vocab_size']}"])) or "-",
              f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}", f"{r['speedup_at_expected']:.2f}",
              f"{r['mean_acceptance_length']:.2f} / {r['expected_acceptance_length']:.2f}",
              f"{r['acceptance_rate']:.2f} / {r['expected_acceptance_rate']:.2f}",
              f"{r['verify_over_decode']:.2f}", f"{r['draft_step_ms']:.2f}") for r in results["synthetic"]]
     if rows:
-        print_table(["pair", "k", "batch", "profile", "draft quant", "tok/s", "speedup", "at expected AL",
+        print_table(["pair", "k", "batch", "profile", "draft", "tok/s", "speedup", "at expected AL",
                      "AL real / expected", "accept rate real / expected", "verify/decode", "draft ms/step"], rows)
     rows = [(r["eps"], f"{r['tok_s']:.0f}", f"{r['mean_acceptance_length']:.2f}", f"{r['speedup']:.2f}")
             for r in results["eps_pair"]]

@@ -196,7 +196,7 @@ def spec_round(root: Path, args, results: dict) -> None:
     runner, sp = llm.engine.runner, llm.engine.runner.speculator
     n = runner.graphs[1].bucket(1)
     parts = {"verify": graph_time(runner.graphs[1 + k].graphs[n]),
-             "draft_round": graph_time(sp.graphs.rounds[sp.graphs.bucket(1)])}
+             "draft_round": graph_time(sp.graphs[k].rounds[sp.graphs[k].bucket(1)])}
     out = {"step_ms": statistics.median(times) * 1e3, **{f"{k_}_ms": v for k_, v in parts.items()}}
     out["exposed_ms"] = out["step_ms"] - sum(parts.values())
     print("[spec k=4 b=1]", {k_: round(v, 3) for k_, v in out.items()}, flush=True)
@@ -355,10 +355,11 @@ def verify_section(root: Path, args, results: dict) -> None:
             ctx.__enter__()
         drive(llm, b, args.prompt_len, 10)
         runner, sp = llm.engine.runner, llm.engine.runner.speculator
+        dg = sp.graphs[k]  # the draft graphs of k drafts
         out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
                                         f"verify, {label}"),
-               "catchup": graph_timeline(sp.graphs.catchup.graphs[sp.graphs.catchup.bucket(b)], f"catch-up, {label}"),
-               "draft_round": graph_timeline(sp.graphs.rounds[sp.graphs.bucket(b)],
+               "catchup": graph_timeline(dg.catchup.graphs[dg.catchup.bucket(b)], f"catch-up, {label}"),
+               "draft_round": graph_timeline(dg.rounds[dg.bucket(b)],
                                              f"draft round (catch-up + k - 1 forwards), {label}",
                                              first=args.first, skip=args.skip)}
         results[f"verify_{label}"] = out

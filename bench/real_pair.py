@@ -5,6 +5,7 @@
     python bench/real_pair.py --cpu-matmuls avx2,fbgemm --ks 4 --skip-hf   # CPU kernels side by side
     python bench/real_pair.py --ks 6 --default-k 6 --draft-quantizations none,fp8 --skip-hf   # fp8 draft's acceptance
     python bench/real_pair.py --ks 4 --tensor-parallel-sizes 1,2 --skip-hf   # two CPU ranks against one
+    python bench/real_pair.py --ks 3 --draft-vocab-sizes none,32768,16384 --skip-hf   # a pruned draft head
 
 Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-matmuls", default="auto", help="comma list of LLM(cpu_matmul=...) to compare")
     p.add_argument("--draft-quantizations", default="none",
                    help="comma list of the draft's speculative_config quantization: none, fp8")
+    p.add_argument("--draft-vocab-sizes", default="none",
+                   help="comma list of speculative_config draft_vocab_size: none (the whole head) or a number of ids")
     p.add_argument("--tensor-parallel-sizes", default="1",
                    help="comma list of LLM(tensor_parallel_size=...) to compare (ranks share the CPU's cores)")
     p.add_argument("--skip-hf", action="store_true")
@@ -153,15 +156,18 @@ def main(argv=None) -> int:
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
         close(llm)
-        for quant, k in [(q, k) for q in args.draft_quantizations.split(",") for k in ks]:
+        variants = [(q, v, k) for q in args.draft_quantizations.split(",") for v in args.draft_vocab_sizes.split(",")
+                    for k in ks]
+        for quant, vocab, k in variants:
             quant = None if quant == "none" else quant
+            vocab = None if vocab == "none" else int(vocab)
             t0 = time.perf_counter()
-            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant)
+            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant, draft_vocab_size=vocab)
             llm = LLM(TARGET, speculative_config=spec, **common)
             load_s = time.perf_counter() - t0
             rows = run_tandem(llm, prompts, args.tokens)
-            name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (" (default)" if k == default_k else "")
-                    + tag)
+            name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
+                    + (" (default)" if k == default_k else "") + tag)
             results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
             print(results["runs"][-1], flush=True)
             close(llm)

@@ -118,6 +118,10 @@ def structured_outputs(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+DRAFT_VOCAB_HELP = ("the draft scores only this many of the most frequent token ids (its LM head pruned to them; "
+                    "by --draft-token-map's order, else by id); the output stays the target's")
+DRAFT_TOKEN_MAP_HELP = ("a .json or .pt file of token ids, most frequent first (`tandem token-map` writes one): "
+                        "the ids the draft scores (cut to --draft-vocab-size when given)")
 WATERMARK_HELP = ("draw sampled tokens with a secret key, as JSON: '{\"key\": 42, \"context_width\": 4}' "
                   "(vLLM's --watermark-config; `tandem detect` tests text for it)")
 
@@ -142,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
     gen.add_argument("--draft-quantization", choices=["fp8"], default=None,
                      help="the draft's linear weights in fp8 (weight-only e4m3)")
+    gen.add_argument("--draft-vocab-size", type=int_in(1), default=None, help=DRAFT_VOCAB_HELP)
+    gen.add_argument("--draft-token-map", default=None, type=non_empty("pass a token map file"),
+                     help=DRAFT_TOKEN_MAP_HELP)
     gen.add_argument("--watermark-config", type=watermark_config, default=None, help=WATERMARK_HELP)
     gen.add_argument("--structured-outputs", type=structured_outputs, default=None,
                      help="constrain the output, as JSON of StructuredOutputsParams' fields: "
@@ -177,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"the model whose tokenizer encodes the text (default: {DEFAULT_TARGET})")
     det.add_argument("--p-value-threshold", type=float_in(0, 1, lo_open=True), default=0.01,
                      help="call the text watermarked below this p-value (default 0.01)")
+    tmap = sub.add_parser("token-map", help="rank token ids by their frequency in text files: a --draft-token-map")
+    tmap.add_argument("files", nargs="+", help="text files ('-': stdin), e.g. a sample of the traffic to serve")
+    tmap.add_argument("--model", default=DEFAULT_TARGET, type=non_empty("pass a model path or name"),
+                      help=f"the model whose tokenizer counts the tokens (default: {DEFAULT_TARGET})")
+    tmap.add_argument("--size", type=int_in(1), default=None,
+                      help="keep the most frequent SIZE ids (default: every id seen)")
+    tmap.add_argument("--output", "-o", required=True, help="the .json file to write")
     return parser
 
 
@@ -192,10 +206,38 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(args)
         if args.command == "detect":
             return _detect(args)
+        if args.command == "token-map":
+            return _token_map(args)
         return _generate(args)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _token_map(args) -> int:
+    """`tandem token-map`: the ids of the files' tokens, most frequent first, as a JSON list."""
+    import json
+
+    from tandem.errors import ConfigError
+    from tandem.models.source import load_tokenizer, resolve_model_dir
+    from tandem.spec.hot_vocab import count_token_map
+
+    if not args.output.endswith(".json"):
+        raise ConfigError(f"--output={args.output!r}: the token map is written as JSON; give a name ending in .json")
+    texts = []
+    for name in args.files:
+        try:
+            texts.append(sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {name!r} as UTF-8 text ({e})") from None
+    tokenizer = load_tokenizer(resolve_model_dir(args.model, "auto", "auto", "--model"))
+    if tokenizer is None:
+        raise ConfigError(f"--model={args.model!r} has no tokenizer to count tokens with")
+    ids = count_token_map(tokenizer, texts, args.size)
+    with open(args.output, "w") as f:
+        json.dump(ids, f)
+    print(f"{len(ids)} token ids by frequency ({sum(len(t) for t in texts)} characters of text) -> {args.output}")
+    return 0
 
 
 def _draft_model(args) -> str | None:
@@ -204,7 +246,8 @@ def _draft_model(args) -> str | None:
 
     draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
                   ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
-                  ("--draft-quantization", args.draft_quantization)]
+                  ("--draft-quantization", args.draft_quantization), ("--draft-vocab-size", args.draft_vocab_size),
+                  ("--draft-token-map", args.draft_token_map)]
     if args.no_draft:
         for flag, value in [("--draft", args.draft)] + draft_only:
             if value is not None:
@@ -244,7 +287,8 @@ def _generate(args) -> int:
     spec = None
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
-                    draft_load_format=args.load_format, quantization=args.draft_quantization)
+                    draft_load_format=args.load_format, quantization=args.draft_quantization,
+                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map)
         if args.adaptive:
             spec["num_speculative_tokens_per_batch_size"] = "auto"
     t0 = time.perf_counter()

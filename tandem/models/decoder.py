@@ -226,8 +226,9 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype; out [n, vocab_size]
-        contiguous: written in place and returned (a CUDA graph's static output), the same bits."""
+        """hidden [n, hidden_size] -> logits [n, vocab_size] in the model dtype (a pruned draft head,
+        tandem/spec/hot_vocab.py: [n, its rows]); out of that shape, contiguous: written in place and
+        returned (a CUDA graph's static output), the same bits."""
         if self.tp is not None:  # every rank's vocabulary shard, gathered
             logits = self.tp.gather_vocab(self.lm_head(hidden), self.arch.vocab_size)
             return logits if out is None else out.copy_(logits)

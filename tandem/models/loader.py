@@ -38,23 +38,28 @@ def _packed_target(name: str) -> tuple[str, str, int] | None:
 
 
 def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dtype_field: str = "dtype",
-               tp: TPGroup | None = None) -> CausalLM:
+               tp: TPGroup | None = None, head_ids: list[int] | None = None) -> CausalLM:
     """Instantiate the model without initialising it, then fill every parameter once.
 
     field, dtype_field: the settings that chose the model and its dtype, named by the ConfigError
     raised for weights that cannot fit on the GPU or that run it out of memory while loading.
     tp: this rank's tensor-parallel group: the model holds the rank's shard of each weight
     (tandem.parallel.shard), and only that part of a checkpoint tensor is read from its file
-    (dummy weights are drawn whole, then cut: the same model whatever the number of ranks)."""
+    (dummy weights are drawn whole, then cut: the same model whatever the number of ranks).
+    head_ids: a pruned LM head (a draft's hot vocabulary, tandem/spec/hot_vocab.py): the head keeps
+    only these rows, in this order, as its own weight (a tied head is cut from the embedding table,
+    which stays whole); compute_logits then gives [n, len(head_ids)]."""
     what = f"{field}={cfg.path!r} in {str(cfg.dtype).removeprefix('torch.')}"
     fix = f"use a smaller {field}, or a smaller {dtype_field}"
     if tp is not None:
         fix += f", or a larger tensor_parallel_size than {tp.size}"
     with OutOfMemoryGuard(device, f"loading the weights of {what}", fix):
-        return _build(cfg, device, what, fix, field, tp)  # nothing of it referenced here: an error releases it all
+        # nothing of it referenced here: an error releases it all
+        return _build(cfg, device, what, fix, field, tp, head_ids)
 
 
-def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: str, tp: TPGroup | None) -> CausalLM:
+def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: str, tp: TPGroup | None,
+           head_ids: list[int] | None = None) -> CausalLM:
     cls = model_class(cfg.arch)
     with torch.device("meta"):
         model = cls(shard_arch(cfg.arch, tp.size) if tp is not None else cfg.arch, cfg.max_model_len,
@@ -78,6 +83,11 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     del tensors
     if cfg.arch.tie_word_embeddings and tp is None:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if head_ids is not None:
+        assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
+        rows = torch.tensor(head_ids, dtype=torch.int64, device=device)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.index_select(0, rows), requires_grad=False)
+        model.lm_head.out_features = len(head_ids)
     model.eval()
     model.requires_grad_(False)
     if cfg.quantization is not None:

@@ -46,6 +46,13 @@ class SpeculativeConfig:
     # The draft's tensor parallelism: None (the target's tensor_parallel_size, as vLLM) or 1 (the
     # whole draft on every rank, drafting the same tokens: no collective in the draft loop).
     draft_tensor_parallel_size: int | None = None
+    # A pruned draft head (FR-Spec; SGLang's speculative_token_map): the draft scores only these
+    # token ids (tandem/spec/hot_vocab.py), so each draft step reads a fraction of its LM head.
+    # draft_vocab_size N: the N most frequent ids, by draft_token_map when given, else by id (BPE
+    # ids follow merge order, a frequency ranking); draft_token_map: a .json or .pt file of ids,
+    # most frequent first. Special tokens (EOS among them) are always kept. Lossless either way.
+    draft_vocab_size: int | None = None
+    draft_token_map: str | None = None
 
     @property
     def k(self) -> int:
@@ -159,6 +166,13 @@ class SpeculativeConfig:
         check_dtype_name(self.dtype, "speculative_config.dtype")
         if length is not None and (not isinstance(length, (int, float)) or not 1 <= length <= k + 1):
             raise ConfigError(f"speculative_config.synthetic_acceptance_length={length!r} must be in [1, k+1={k + 1}]")
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ConfigError(f"speculative_config.draft_vocab_size={size!r} must be a positive integer (the number "
+                              "of most frequent token ids the draft scores), or None for its whole vocabulary")
+        if self.draft_token_map is not None and not isinstance(self.draft_token_map, (str, os.PathLike)):
+            raise ConfigError(f"speculative_config.draft_token_map={self.draft_token_map!r} must be the path of a "
+                              ".json or .pt file of token ids")
         mml = self.max_model_len
         if mml is not None:
             if not isinstance(mml, int) or isinstance(mml, bool) or mml < 1:

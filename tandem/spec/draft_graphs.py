@@ -24,9 +24,12 @@ from tandem.sampling.sampler import greedy_tokens
 
 class DraftGraphs:
     def __init__(self, model, kv, drafts: Tensor, *, k: int, vocab_size: int, max_num_reqs: int, max_blocks: int,
-                 max_model_len: int, backend: AttnBackend, device: torch.device):
+                 max_model_len: int, backend: AttnBackend, device: torch.device, hot_ids: Tensor | None = None):
+        """vocab_size: the logits columns a draft is taken from; hot_ids [vocab_size] (a pruned
+        head, tandem/spec/hot_vocab.py): the token id of each column, else None (column = id)."""
         self.model, self.kv, self.drafts = model, kv, drafts
         self.k, self.vocab_size, self.max_model_len = k, vocab_size, max_model_len
+        self.hot_ids = hot_ids
         self.backend = backend
         self.scratch_slot = drafts.shape[0] - 1
         self.max_kv = max_blocks * backend.block_size
@@ -50,7 +53,7 @@ class DraftGraphs:
     def _round(self, n: int) -> None:
         rows = self.new_rows[:n]
         logits = self.catchup.forward(n)[rows, : self.vocab_size]  # [n, V]
-        self.drafts[self.slots[:n], 0] = greedy_tokens(logits, self.backend.use_triton)
+        self.drafts[self.slots[:n], 0] = self._argmax(logits)
         self._loop(n, self.catchup.positions[rows])
 
     def _loop(self, n: int, pos: Tensor) -> None:
@@ -61,7 +64,12 @@ class DraftGraphs:
                                                            self.max_kv, self.max_model_len)
             hidden = self.model(ids, safe, meta, self.kv)
             logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [n, V]
-            self.drafts[slots, step] = greedy_tokens(logits, self.backend.use_triton)
+            self.drafts[slots, step] = self._argmax(logits)
+
+    def _argmax(self, logits: Tensor) -> Tensor:
+        """logits [n, vocab_size] -> each row's greedy token id [n] int64."""
+        tokens = greedy_tokens(logits, self.backend.use_triton)
+        return tokens if self.hot_ids is None else self.hot_ids[tokens]
 
     @torch.inference_mode()
     def capture(self, stream: torch.cuda.Stream, pool=None) -> None:

@@ -21,6 +21,7 @@ from tandem.models.source import load_tokenizer, resolve_model_dir
 from tandem.parallel.group import TPGroup
 from tandem.parallel.shard import check_shardable, shard_arch
 from tandem.spec.config import SpeculativeConfig
+from tandem.spec.hot_vocab import hot_token_ids
 from tandem.spec.speculator import DraftSpeculator
 
 logger = logging.getLogger("tandem")
@@ -60,11 +61,22 @@ class SpeculatorFactory:
         draft_tp = tp if tp is not None and spec.draft_tensor_parallel_size != 1 else None
         if draft_tp is not None:
             check_shardable(arch, draft_tp.size, "tensor_parallel_size", f"the draft model {spec.model!r}")
+        shared = min(target.arch.vocab_size, arch.vocab_size)
+        self.hot_ids = hot_token_ids(spec.draft_vocab_size, spec.draft_token_map, shared, target_tokenizer,
+                                     target.arch.eos_token_ids)
+        if self.hot_ids is not None and draft_tp is not None:
+            raise ConfigError(
+                "speculative_config.draft_vocab_size / draft_token_map prune the draft's LM head, which is not "
+                f"sharded: set speculative_config.draft_tensor_parallel_size=1 (the whole draft on each of the "
+                f"{draft_tp.size} ranks), or leave the draft's vocabulary whole"
+            )
+        if self.hot_ids is not None:
+            logger.info("the draft scores %d of %d token ids (its LM head pruned to them)", len(self.hot_ids), shared)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization,
                                      tp_size=draft_tp.size if draft_tp is not None else 1)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
-                                tp=draft_tp)
+                                tp=draft_tp, head_ids=self.hot_ids)
         if spec.synthetic:
             logger.warning(
                 "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "
@@ -108,7 +120,8 @@ class SpeculatorFactory:
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
         return DraftSpeculator(
-            self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend
+            self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend,
+            self.hot_ids,
         )
 
 

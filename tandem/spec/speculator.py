@@ -67,7 +67,10 @@ class DraftSpeculator:
         state: SamplingState,
         device: torch.device,
         attn_backend: AttnBackend,
+        hot_ids: list[int] | None = None,
     ):
+        """hot_ids: the token ids the draft's pruned LM head scores, ascending (tandem/spec/hot_vocab.py), or
+        None for its whole vocabulary."""
         self.k = spec.k
         self.draft_counts = [d for d in spec.draft_counts if d > 0]  # the numbers of drafts a step may propose
         self.model = model
@@ -88,6 +91,9 @@ class DraftSpeculator:
         # last row when the target emits one.
         self.draft_vocab = min(self.vocab_size, draft_cfg.arch.vocab_size)
         self.clamp_ids = draft_cfg.arch.vocab_size < self.vocab_size
+        # A pruned head's logits [n, H] score hot_ids [H] (ascending); its drafts are hot_ids[argmax].
+        self.hot_ids = torch.tensor(hot_ids, dtype=torch.int64, device=device) if hot_ids is not None else None
+        self.head_cols = len(hot_ids) if hot_ids is not None else self.draft_vocab  # the logits a draft step reads
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
@@ -113,7 +119,8 @@ class DraftSpeculator:
         piecewise_tokens tokens (0: none)."""
         for d in self.draft_counts:
             self.graphs[d] = DraftGraphs(
-                self.model, self.kv, self.drafts, k=d, vocab_size=self.draft_vocab, max_num_reqs=max_num_reqs,
+                self.model, self.kv, self.drafts, k=d, vocab_size=self.head_cols, hot_ids=self.hot_ids,
+                max_num_reqs=max_num_reqs,
                 max_blocks=max_blocks, max_model_len=self.max_model_len, backend=self.attn_backend,
                 device=self.device,
             )
@@ -286,9 +293,9 @@ class DraftSpeculator:
     def _local_argmax(self, sampling, constrained: _Constrained | None) -> bool:
         """Whether a round's drafts are argmaxes a tensor-parallel draft can take from each rank's
         best token alone (CausalLM.top_tokens): greedy, free of grammars, over a draft vocabulary no
-        larger than the target's."""
+        larger than the target's (a pruned head is never sharded: SpeculatorFactory)."""
         return (self.model.tp is not None and constrained is None and self._greedy(sampling)
-                and self.model.arch.vocab_size == self.draft_vocab)
+                and self.model.arch.vocab_size == self.draft_vocab and self.hot_ids is None)
 
     def _greedy_round(self, ids: Tensor, positions: Tensor, meta, new_rows: Tensor, slots: Tensor, table: Tensor,
                       max_kv: int, k: int) -> None:
@@ -390,10 +397,11 @@ class DraftSpeculator:
 
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling,
                     mask: tuple[Tensor, Tensor] | None = None) -> None:
-        """Sample drafts[:, step] from the draft's logits [n, V_draft]; gen_pos [n] is the
-        position of the token being drafted (the noise key). Watermarked requests draw with the
-        target's keyed noise on the draft's distribution, whatever draft_sample_method says: the
-        shared noise is what makes a draft equal the target's keyed draw.
+        """Sample drafts[:, step] from the draft's logits: a draft step's [n, head_cols], or cached
+        ones [n, V] (repair); gen_pos [n] is the position of the token being drafted (the noise
+        key). Watermarked requests draw with the target's keyed noise on the draft's distribution,
+        whatever draft_sample_method says: the shared noise is what makes a draft equal the
+        target's keyed draw.
 
         mask (rows [m] into logits, bitmask [m, words], on the device): structured outputs' grammar.
         The draft distribution of those rows is the draft's own restricted to the tokens the grammar
@@ -401,17 +409,19 @@ class DraftSpeculator:
         drafts skip the draft-side top-k / top-p (the target still applies them): untruncated, a
         draw among the tokens that fit is the same whether the mask comes before the draw or after
         a free draw that missed (DraftSpeculator.repair), and never from an empty set."""
-        logits = logits[:, : self.draft_vocab]  # [n, draft_vocab]
+        temp = self.state.temperature[slots]
         if self._greedy(sampling):
+            if mask is None and (self.hot_ids is None or logits.shape[-1] == self.head_cols):  # the head's argmax
+                tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)
+                self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
+                return
+            logits = self._full_logits(logits, temp)
             if mask is not None:
                 apply_token_bitmask(logits, *mask)
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
-        logits = logits.float()
-        if self.draft_vocab < self.vocab_size:  # ids the draft lacks: probability zero
-            logits = F.pad(logits, (0, self.vocab_size - self.draft_vocab), value=float("-inf"))  # [n, V]
+        logits = self._full_logits(logits, temp)
         params = [self.state.params[r.slot] for r in sampling]
-        temp = self.state.temperature[slots]
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
         if any(truncated):
@@ -439,6 +449,27 @@ class DraftSpeculator:
         self.drafts[slots, step] = tokens
         if self.draft_logits is not None and unmarked:  # (keyed rows verify by exact match: no q)
             self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
+
+    def _full_logits(self, logits: Tensor, temp: Tensor) -> Tensor:
+        """A draft step's logits [n, head_cols] (or cached ones, [n, V]) -> fp32 [n, V] over the
+        target's ids; temp [n]: the rows' temperatures (0: greedy).
+
+        Ids a smaller draft table lacks get -inf (probability zero). Ids a pruned head does not
+        score get the row's least logit minus 1e4 * max(1, temperature): probability zero (exp(-1e4)
+        is 0 in fp32) while a hot token is left, yet finite, so a grammar that allows only tokens
+        outside the hot set still leaves a distribution to draw from (uniform over them, drawn by
+        the same Gumbel noise the ratio test's q describes): the draft stays a true sample of q."""
+        logits = logits.float()
+        if logits.shape[-1] == self.vocab_size and (self.hot_ids is not None or self.draft_vocab == self.vocab_size):
+            return logits  # cached draft logits (or a whole head): already over the target's ids
+        if self.hot_ids is None:
+            logits = logits[:, : self.draft_vocab]
+            if self.draft_vocab < self.vocab_size:  # ids the draft lacks: probability zero
+                logits = F.pad(logits, (0, self.vocab_size - self.draft_vocab), value=float("-inf"))  # [n, V]
+            return logits
+        floor = logits.amin(dim=-1, keepdim=True) - 1e4 * temp.clamp(min=1.0)[:, None]  # [n, 1]
+        full = floor.expand(logits.shape[0], self.vocab_size).clone()  # [n, V]
+        return full.index_copy_(1, self.hot_ids, logits)
 
 
 @dataclass(slots=True)

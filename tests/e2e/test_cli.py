@@ -35,6 +35,27 @@ def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
     assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
+def test_token_map_then_a_pruned_draft(tmp_path, capsys):
+    """`tandem token-map` ranks the ids of a text's tokens; `generate --draft-token-map` (cut by
+    --draft-vocab-size) drafts from them alone and gives the target-only tokens."""
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    (tmp_path / "corpus.txt").write_text("the fox and the dog. the fox ran." * 3)
+    out = tmp_path / "map.json"
+    capsys.readouterr()
+    assert main(["token-map", "--model", str(tmp_path / "t"), str(tmp_path / "corpus.txt"), "-o", str(out)]) == 0
+    ids = json.loads(out.read_text())
+    assert len(ids) == len(set(ids)) > 5 and f"{len(ids)} token ids by frequency" in capsys.readouterr().out
+    rc = main(["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3",
+               "--draft-token-map", str(out), "--draft-vocab-size", "4", "--dtype", "float32", "--max-tokens", "12",
+               "--ignore-eos", "--compare", "The quick brown fox"])
+    assert rc == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    assert main(["token-map", "--model", str(tmp_path / "t"), str(tmp_path / "corpus.txt"), "-o",
+                 str(tmp_path / "map.pt")]) == 2
+    assert "give a name ending in .json" in capsys.readouterr().err
+
+
 def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
     """`generate --watermark-config` draws with the key (the draft does not change the tokens);
     `detect` scores the text as re-encoded by the model's tokenizer. (A random model's byte
@@ -129,6 +150,8 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--adaptive"], "--adaptive needs a draft model"),
     (["--draft-quantization", "fp8"], "--draft-quantization needs a draft model"),
     (["--draft-quantization", "fp8", "--no-draft"], "--draft-quantization conflicts with --no-draft"),
+    (["--draft-vocab-size", "100"], "--draft-vocab-size needs a draft model"),
+    (["--draft-token-map", "m.json", "--no-draft"], "--draft-token-map conflicts with --no-draft"),
 ])
 def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
     rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
@@ -176,6 +199,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--structured-outputs-config", '{"backend": "outlines"}'], "--structured-outputs-config"),
     (["--structured-outputs-config", "{"], "--structured-outputs-config"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
+    (["--draft-vocab-size", "0"], "--draft-vocab-size"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
@@ -186,6 +210,8 @@ def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-sample-method", "probabilistic"], "--draft-sample-method"),
     (["--adaptive"], "--adaptive"),
     (["--draft-quantization", "fp8"], "--draft-quantization"),
+    (["--draft-vocab-size", "64"], "--draft-vocab-size"),
+    (["--draft-token-map", "m.json"], "--draft-token-map"),
 ])
 def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])

@@ -301,6 +301,41 @@ def test_draft_with_fewer_vocabulary_rows_on_gpu(models, tmp_path):
     assert all(len(t) == 40 for t in outs["probabilistic"][1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pruned_draft_head_on_gpu(models, dtype, monkeypatch):
+    """A draft head pruned to 150 of 320 ids (draft_vocab_size), the target as its own draft: the
+    greedy round graphs map each argmax to its id (every draft a hot id, the same acceptance as the
+    eager path) and the output is the target's; sampled drafts run on the one-step graph."""
+    from tandem.spec.draft_graphs import DraftGraphs
+
+    target, _ = models
+    spec = dict(model=str(target), num_speculative_tokens=4, draft_vocab_size=150)
+    seen = []
+    run_round = DraftGraphs.run_round
+
+    def watch(self, *a):
+        run_round(self, *a)
+        seen.append(self.drafts.unique().tolist())
+
+    monkeypatch.setattr(DraftGraphs, "run_round", watch)
+    base, _ = _run(target, dtype)
+    graphed, llm = _run(target, dtype, spec)
+    eager, llm_eager = _run(target, dtype, spec, enforce_eager=True)
+    assert graphed == eager == base and seen
+    hot = set(llm.engine.runner.speculator.hot_ids.tolist())
+    assert len(hot) < 160 and all(set(ids) <= hot for ids in seen)
+    a, b = llm.engine.spec_metrics, llm_eager.engine.spec_metrics
+    assert 0.2 < a.acceptance_rate < 0.9  # the target's tokens outside the hot set are never drafted
+    assert abs(a.num_accepted_tokens - b.num_accepted_tokens) <= 0.02 * b.num_draft_tokens
+    params = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=5)
+    sampled = dict(spec, draft_sample_method="probabilistic")
+    x, _ = _run(target, dtype, sampled, params=params)
+    y, _ = _run(target, dtype, sampled, params=params, enforce_eager=True)
+    assert all(len(t) == 32 for t in x)
+    if dtype == "float32":  # (bf16: a draft that is the target makes p / q ~ 1, so rounding moves acceptances)
+        assert x == y
+
+
 def test_kv_pool_sized_from_memory_fraction(models):
     """No explicit byte budget: the pool comes from gpu_memory_utilization after profiling."""
     target, draft = models

@@ -95,8 +95,9 @@ def test_checkpoint_read_in_rank_parts(models, name):
 
 def test_greedy_two_ranks_match_one(models):
     """Greedy decoding on two ranks gives the one-rank tokens, alone and with a draft sharded over
-    the same ranks (its greedy drafts from each rank's best token) or whole on every rank; the
-    structured-output request's grammar advances in lockstep on both ranks."""
+    the same ranks (its greedy drafts from each rank's best token) or whole on every rank (with a
+    pruned head: draft_vocab_size); the structured-output request's grammar advances in lockstep on
+    both ranks."""
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     choice = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
         choice=["alpha beta", "gamma"]))
@@ -106,7 +107,7 @@ def test_greedy_two_ranks_match_one(models):
     assert ref[-1].text in ("alpha beta", "gamma")
     for kw in (dict(), dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3}),
                dict(speculative_config={"model": str(models["other"]), "num_speculative_tokens": 2,
-                                        "draft_tensor_parallel_size": 1})):
+                                        "draft_tensor_parallel_size": 1, "draft_vocab_size": 200})):
         outs = _run(models["target"], 2, prompts, params, **kw)
         for out, r in zip(outs[:-1], ref[:-1]):
             assert_greedy_equal_up_to_near_tie(out, r, gap=1e-4)
@@ -221,6 +222,9 @@ def test_every_sampling_feature_two_ranks_match_one(models):
     (dict(tensor_parallel_size=2, speculative_config={"model": "near", "num_speculative_tokens": 2,
                                                       "num_speculative_tokens_per_batch_size": "auto"}),
      "not supported with tensor_parallel_size > 1"),
+    (dict(tensor_parallel_size=2, speculative_config={"model": "near", "num_speculative_tokens": 2,
+                                                      "draft_vocab_size": 100}),
+     "prune the draft's LM head, which is not sharded: set speculative_config.draft_tensor_parallel_size=1"),
 ])
 def test_configurations_that_cannot_shard(models, kw, match):
     spec = kw.get("speculative_config")

@@ -2,6 +2,7 @@
 constraint (the draft logits masked with the grammar after the step's tokens and the drafts
 before), so they keep to it, the target accepts more of them, and the output is still the
 target's: token for token when greedy, in distribution when sampled."""
+import json
 import shutil
 
 import numpy as np
@@ -42,8 +43,9 @@ def models(tmp_path_factory):
     return {**models, "digits": digits}
 
 
-def _llm(models, draft=None, k=3, method="greedy", **kw):
-    spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method) if draft else None
+def _llm(models, draft=None, k=3, method="greedy", spec_extra=None, **kw):
+    spec = dict(model=str(models[draft]), num_speculative_tokens=k, draft_sample_method=method,
+                **(spec_extra or {})) if draft else None
     return LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=256, speculative_config=spec, **kw)
 
 
@@ -200,12 +202,14 @@ def _exact_two_digits(models, prompt, allowed_ids, top_p):
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
-def test_sampled_output_keeps_the_target_distribution(models, top_p):
+def test_sampled_output_keeps_the_target_distribution(models, top_p, tmp_path):
     """regex [0-9]{2} at temperature 1: the two digits drawn through speculation with sampled drafts
     under the grammar (an unrelated draft, so most drafts are rejected and resampled; a draft whose
     free drafts mostly fit, so most are not repaired and their probabilities are the draft's own
     restricted to the digits), masked in the round or repaired, follow the target's exact
-    distribution: its logits masked to the digits, then cut to top_p (chi-square, 2,000 seeds each)."""
+    distribution: its logits masked to the digits, then cut to top_p (chi-square, 2,000 seeds each).
+    Also with a pruned draft head (draft_token_map) that scores no digit, or half of them: where
+    the grammar allows no hot id, the draft draws uniformly among the ids it allows."""
     prompt = [5, 40, 41, 7]
     llm = _llm(models)
     tok = llm.engine.tokenizer
@@ -214,8 +218,16 @@ def test_sampled_output_keeps_the_target_distribution(models, top_p):
     n = 2000
     params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s, max_tokens=4,
                              structured_outputs=StructuredOutputsParams(regex="[0-9]{2}")) for s in range(n)]
-    for draft, k, way in ((None, 0, None), ("other", 3, "round"), ("other", 3, "repair"), ("digits", 2, "repair")):
-        engine = llm if draft is None else _llm(models, draft, k=k, method="probabilistic", max_num_seqs=256)
+    maps = {}
+    for name, drop in (("no_digits", digits), ("half_digits", digits[::2])):
+        maps[name] = tmp_path / f"{name}.json"
+        maps[name].write_text(json.dumps([t for t in range(320) if t not in drop]))
+    runs = [(None, 0, None, None), ("other", 3, "round", None), ("other", 3, "repair", None),
+            ("digits", 2, "repair", None), ("near", 2, "round", "no_digits"), ("near", 2, "repair", "half_digits")]
+    for draft, k, way, hot in runs:
+        extra = {"draft_token_map": str(maps[hot])} if hot else None
+        engine = llm if draft is None else _llm(models, draft, k=k, method="probabilistic", max_num_seqs=256,
+                                                spec_extra=extra)
         engine.engine.grammar_drafting = way
         outs = engine.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
         counts = np.zeros(100)
@@ -223,6 +235,6 @@ def test_sampled_output_keeps_the_target_distribution(models, top_p):
             t = o.outputs[0].token_ids
             assert len(t) == 3 and t[2] in engine.engine.grammars.eos_token_ids, t
             counts[digits.index(t[0]) * 10 + digits.index(t[1])] += 1
-        assert chisq_counts_pvalue(counts, probs) > ALPHA, (draft, way)
+        assert chisq_counts_pvalue(counts, probs) > ALPHA, (draft, way, hot)
         if draft is not None:
             assert sum(o.metrics.num_draft_tokens for o in outs) > n  # the second digit came through verification

@@ -268,6 +268,25 @@ def test_a_draft_with_fewer_vocabulary_rows(models, method):
     _check(models, tokens, configs, f"near_cut/{method}")
 
 
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_a_pruned_draft_head(models, method, tmp_path):
+    """A draft whose head scores 18 of the 32 ids (draft_token_map; not a prefix): the ids it never
+    drafts keep the target's probability (the residual draws give them), the drafts it does make
+    are still accepted."""
+    hot = list(range(0, V, 2)) + [3, 7]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(hot))
+    llm = _llm(models, "near", k=2, method=method, draft_token_map=str(path))
+    assert llm.engine.runner.speculator.hot_ids.tolist() == sorted(set(hot) | {1})  # and the EOS id
+    configs = [dict(temperature=1.0), dict(temperature=0.8, top_k=8, top_p=0.9)]
+    tokens = sample_tokens(llm, configs, N, seed_base=70_000_000 + 1_000_000 * (method == "greedy"))
+    cold = [t for t in range(V) if t not in set(hot) | {1}]
+    assert all(np.isin(t[:, 1:], cold).mean() > 0.1 for t in tokens)  # drafted rows often give cold ids
+    m = llm.engine.spec_metrics
+    assert m.num_accepted_tokens > 0.1 * m.num_draft_tokens
+    _check(models, tokens, configs, f"pruned/{method}")
+
+
 def test_negative_controls_have_power(models, monkeypatch):
     cfg = dict(temperature=0.5)
     joint = exact_joint(models["target"], cfg)
