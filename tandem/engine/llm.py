@@ -248,9 +248,14 @@ class LLM:
             if workers is not None:
                 workers.wait_ready()
                 self.engine = ReplicatedEngine(self.engine, workers, self.tp, threads)
-        except BaseException:
+        except BaseException as e:
             if workers is not None:
+                # A rank that failed (its own out-of-memory, say) broke rank 0's collective: its error is the cause.
+                own = isinstance(e, ConfigError) or not isinstance(e, Exception)  # rank 0's own mistake, or ^C
+                cause = None if own else workers.failed_rank()
                 workers.close()
+                if cause is not None:
+                    raise cause from e
             raise
         self.config = self.engine.cfg
         self._counter = 0

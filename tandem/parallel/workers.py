@@ -14,9 +14,9 @@ its memory allows) is agreed through the group (TPGroup.min_int); a choice made 
 Each worker says it started before rank 0 joins the group: one that exits first (a script that
 makes the LLM at its top level, which every spawned rank imports) is reported with what to do,
 not waited for. A worker that fails to build its engine reports its error through its pipe and
-rank 0 raises it (once rank 0 is past its own collectives of the start-up: a worker that fails
-after joining the group, out of memory say, leaves rank 0's next collective to fail after
-TPGroup's timeout). Once a worker has exited, every later call but an abort raises a fatal
+rank 0 raises it: once rank 0 has built its own engine, or, when the failed rank makes rank 0's
+next collective fail (gloo: the peer's connection reset, at once; NCCL, not run across GPUs
+here, may notice only at TPGroup's timeout), in place of that collective's error. Once a worker has exited, every later call but an abort raises a fatal
 StepError; a step that fails on rank 0 stops the engine (fatal too), since the other ranks may
 have run it and gone on (Engine.tensor_parallel).
 """
@@ -83,15 +83,22 @@ class Workers:
             if not conn.poll(START_TIMEOUT_S):
                 self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S} s")
-            try:
-                status, detail = conn.recv()
-            except EOFError:
-                status, detail = "error", f"its process exited (code {proc.exitcode})"
-            if status != "ready":
+            error = _startup_error(rank, conn, proc)
+            if error is not None:
                 self.close()
-                if status == "config":
-                    raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                raise error
+
+    def failed_rank(self, wait_s: float = 5.0) -> Exception | None:
+        """After rank 0's start-up failed: the error of the first rank that failed too, or None.
+        A rank that fails (out of memory while loading, say) makes rank 0's next collective fail
+        with the transport's error ("connection reset by peer"); this is the cause, for the user."""
+        deadline = time.monotonic() + wait_s
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            if conn.poll(max(0.0, deadline - time.monotonic())):
+                error = _startup_error(rank, conn, proc)
+                if error is not None:
+                    return error
+        return None
 
     def send(self, name: str, args: tuple, kwargs: dict) -> list[int]:
         """Send a call to every live rank; -> the ranks whose process has exited."""
@@ -153,6 +160,20 @@ class ReplicatedEngine:
         self._workers.close()
         self._tp.close()
         torch.set_num_threads(self._threads)
+
+
+def _startup_error(rank: int, conn: Connection, proc) -> Exception | None:
+    """The rank's start-up message (conn has one) -> None when it says ready, else its error."""
+    try:
+        status, detail = conn.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        status, detail = "error", f"its process exited (code {proc.exitcode})"
+    if status == "ready":
+        return None
+    if status == "config":
+        return ConfigError(f"tensor-parallel rank {rank}: {detail}")
+    return RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
 
 def _started(conn: Connection) -> bool:

@@ -153,6 +153,32 @@ def test_a_rank_that_exits_stops_the_engine(models):
     assert torch.get_num_threads() == threads  # the CPU's share rank 0 gave up comes back
 
 
+def test_a_rank_that_fails_to_load_names_its_error(models, tmp_path, monkeypatch):
+    """Rank 1 fails while loading, after joining the group (here: its copy of the checkpoint is
+    corrupt; in life, its own out-of-memory): rank 0's next collective breaks at once, and rank 0
+    raises rank 1's error, not the transport's."""
+    import shutil
+    import time
+
+    import tandem.engine.llm as llm_mod
+
+    broken = tmp_path / "broken"
+    shutil.copytree(models["target"], broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    real = llm_mod.Workers
+
+    def workers(size, port, launch):  # only the other rank reads the broken copy
+        return real(size, port, dict(launch, model=str(broken)))
+
+    monkeypatch.setattr(llm_mod, "Workers", workers)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"tensor-parallel rank 1: model: .*broken.* is not a valid safetensors") \
+            as info:
+        LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 120  # not the group's 600 s timeout
+    assert info.value.__cause__ is not None  # rank 0's own failure, chained
+
+
 def test_an_unguarded_script_gets_told_not_stuck(models, tmp_path):
     """A script that makes a tensor-parallel LLM at its top level: each spawned rank imports it
     first, which fails there; rank 0 says why and what to do instead of waiting for that rank."""
