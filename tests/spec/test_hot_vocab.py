@@ -197,3 +197,12 @@ def test_watermarked_output_equals_target_only(models):
         llm = _llm(models, method=method, llm_kw=wm, draft_vocab_size=200)
         assert _tokens(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == want
         assert llm.engine.spec_metrics.num_accepted_tokens > 0
+
+
+def test_fp8_draft_with_a_pruned_head(models, baseline):
+    """The fp8 draft quantizes the pruned head's rows alone; greedy output is still the target's."""
+    llm = _llm(models, quantization="fp8", draft_vocab_size=200)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    sp = llm.engine.runner.speculator
+    assert sp.model.lm_head.weight.shape[0] == len(sp.hot_ids) < V
+    assert llm.engine.spec_metrics.num_accepted_tokens > 0
