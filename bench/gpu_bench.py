@@ -382,17 +382,33 @@ def watermark(root, shape, base_name, batches, args, results) -> None:
     verification), each with and without watermark_config, side by side. Speedups are over
     target-only without the watermark at the same batch."""
     key = json.loads(args.watermark_config)
-    tdir = write_config(root, base_name, shape)
-    configs = [("target-only", None, None), ("target-only + watermark", None, key)]
-    configs += [(f"k=4 eps={eps}" + (" + watermark" if wm else ""), eps, wm)
+    configs = [("target-only", None, None, {}), ("target-only + watermark", None, key, {})]
+    configs += [(f"k=4 eps={eps}" + (" + watermark" if wm else ""), eps, wm, {})
                 for eps in args.watermark_eps for wm in (None, key)]
+    sampled_runs(root, shape, base_name, batches, args, configs, results["watermark"], "watermark")
+
+
+def verification(root, shape, base_name, batches, args, results) -> None:
+    """Block verification against the one-at-a-time test: sampling at temperature 1, target-only
+    and k = 4 on the eps pair with probabilistic drafts, rejection_sample_method "standard" and
+    "block" side by side. Speedups are over target-only at the same batch."""
+    configs = [("target-only", None, None, {})]
+    configs += [(f"k=4 eps={eps} {method}", eps, None, {"rejection_sample_method": method})
+                for eps in args.watermark_eps for method in ("standard", "block")]
+    sampled_runs(root, shape, base_name, batches, args, configs, results["verification"], "verification")
+
+
+def sampled_runs(root, shape, base_name, batches, args, configs, out: list, tag: str) -> None:
+    """configs: (name, eps or None for target-only, watermark_config, speculative_config extras);
+    each engine at temperature 1 at every batch, rows appended to out."""
+    tdir = write_config(root, base_name, shape)
     base = {}
-    for name, eps, wm in configs:
+    for name, eps, wm, extra in configs:
         if eps is None:
             llm, originals = make_llm(tdir, None, max(batches), args.max_model_len, watermark_config=wm), None
         else:
             llm, originals = eps_engine(root, shape, base_name, args, max(batches), watermark_config=wm,
-                                        spec_extra=dict(draft_sample_method="probabilistic"))
+                                        spec_extra=dict(draft_sample_method="probabilistic", **extra))
             set_eps(llm, originals, eps)
         for b in batches:
             measure_steps(llm, b, args.prompt_len, args.steps, temperature=1.0)  # warm-up: first-use compiles
@@ -405,9 +421,9 @@ def watermark(root, shape, base_name, batches, args, results) -> None:
             if name == "target-only":
                 base[b] = r["tok_s"]
             r.update(config=name, batch=b, speedup=r["tok_s"] / base[b])
-            results["watermark"].append(r)
-            print(f"[watermark] {name} b={b}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step, "
-                  f"x{r['speedup']:.2f}", flush=True)
+            out.append(r)
+            print(f"[{tag}] {name} b={b}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step, "
+                  f"AL {r.get('mean_acceptance_length', 1):.2f}, x{r['speedup']:.2f}", flush=True)
         free(llm, originals)
 
 
@@ -618,7 +634,8 @@ def main(argv=None) -> int:
                    help="also time the profiles flat-a: every unconditional per-position rate a (a_i = a, so "
                         "the draft acceptance rate, accepted / drafted, is a), comma-separated values of a")
     p.add_argument("--sections", default="target,synthetic,eps,hf",
-                   help="comma list of target, synthetic, eps, hf, serving (continuous batching, not in the default)")
+                   help="comma list of target, synthetic, eps, hf, serving (continuous batching), watermark, "
+                        "verification (block against standard, sampled); the last three not in the default")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
     p.add_argument("--serving-rate", type=float, default=0.8, help="the serving section's uniform acceptance")
     p.add_argument("--serving-k-schedule", action="append", default=[], metavar="A-B:K,...|auto",
@@ -640,7 +657,7 @@ def main(argv=None) -> int:
                    help="comma list of the synthetic section's draft_vocab_size: none (the whole head) or ids kept")
     p.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8,32,64; synthetic 1,8)")
     p.add_argument("--watermark-eps", type=lambda t: [float(x) for x in t.split(",")], default=[0.02],
-                   help="the watermark section's eps values (k = 4 on the eps pair at temperature 1)")
+                   help="the watermark and verification sections' eps values (k = 4 on the eps pair at temperature 1)")
     p.add_argument("--watermark-config", default='{"key": 20261201}',
                    help="the watermark section's watermark_config, as JSON")
     p.add_argument("--pairs", default="llama,qwen",
@@ -648,7 +665,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": [],
-               "watermark": []}
+               "watermark": [], "verification": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -694,6 +711,9 @@ def main(argv=None) -> int:
         if "watermark" in sections:
             watermark(root, target[1], target[0], batches, args, results)
             write_json(args.out, results)
+        if "verification" in sections:
+            verification(root, target[1], target[0], batches, args, results)
+            write_json(args.out, results)
         if "hf" in sections:
             hf_peer(target[1], draft[1], args, results)
         if "serving" in sections:
@@ -719,7 +739,7 @@ def main(argv=None) -> int:
         print_table(["eps", "tok/s", "accept len", "speedup"], rows)
     rows = [(r["config"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tok_s']:.0f}",
              f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-", f"{r['speedup']:.2f}")
-            for r in results["watermark"]]
+            for r in results["watermark"] + results["verification"]]
     if rows:
         print_table(["temperature 1", "batch", "ms/step", "tok/s", "accept len", "vs target-only"], rows)
     rows = [(r["engine"], r["max_num_seqs"], r["requests"], r["output_tokens"], f"{r['seconds']:.2f}",

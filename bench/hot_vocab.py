@@ -3,8 +3,8 @@
     python bench/hot_vocab.py                               # whole head, 65536 and 32768 ids, k = 3
     python bench/hot_vocab.py --sizes none,65536,16384 --k 4 --repeats 5
 
-Every variant is a speculative engine (greedy, batch 1, the 5 code and 5 chat prompts of
-bench/real_pair.py) whose draft scores the first N token ids (speculative_config draft_vocab_size
+Every variant is a speculative engine (greedy, batch 1: one prompt at a time, the 5 code and 5
+chat prompts of bench/real_pair.py) whose draft scores the first N token ids (speculative_config draft_vocab_size
 N) or all of them ("none"). All engines are loaded first, then timed round-robin (one pass over
 the prompts each, --repeats times after a warm-up), so a shared machine's drift hits each alike;
 medians are reported, wall and CPU time (the CPU time of this process, the steadier figure on a
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     for size in args.sizes.split(","):
         vocab = None if size == "none" else int(size)
         spec = dict(model=DRAFT, num_speculative_tokens=args.k, draft_vocab_size=vocab)
-        llm = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=2, speculative_config=spec)
+        llm = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, speculative_config=spec)
         prompts = prompts or prompt_ids(llm.get_tokenizer(), args.prompts)
         engines[f"head {vocab}" if vocab else "whole head"] = llm
 
@@ -49,8 +49,8 @@ def main(argv=None) -> int:
 
     def one_pass(name):
         def run(i):
-            outs = engines[name].generate([{"prompt_token_ids": ids} for _, ids in prompts], params, use_tqdm=False)
-            outputs[name] = outs
+            outputs[name] = [engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                             for _, ids in prompts]
         return run
 
     series = run_interleaved([(name, one_pass(name)) for name in engines], args.repeats,

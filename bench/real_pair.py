@@ -6,6 +6,8 @@
     python bench/real_pair.py --ks 6 --default-k 6 --draft-quantizations none,fp8 --skip-hf   # fp8 draft's acceptance
     python bench/real_pair.py --ks 4 --tensor-parallel-sizes 1,2 --skip-hf   # two CPU ranks against one
     python bench/real_pair.py --ks 3 --draft-vocab-sizes none,32768,16384 --skip-hf   # a pruned draft head
+    python bench/real_pair.py --ks 4 --temperature 1 --draft-sample-method probabilistic \
+        --rejection-sample-methods standard,block --skip-hf   # sampled: block verification's acceptance
 
 Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
@@ -53,15 +55,16 @@ def prompt_ids(tok, n: int):
     return [("code", ids) for ids in code] + [("chat", tok(t, add_special_tokens=False).input_ids) for t in chat]
 
 
-def run_tandem(llm, prompts, tokens):
+def run_tandem(llm, prompts, tokens, temperature=0.0, seeds=1):
+    """seeds: each prompt is run with seeds 0 .. seeds - 1 (sampled runs: more trajectories)."""
     from tandem import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     llm.generate({"prompt_token_ids": prompts[0][1]}, params.clone(max_tokens=8), use_tqdm=False)
     rows = []
-    for cls, ids in prompts:
+    for (cls, ids), seed in [(p, s) for p in prompts for s in range(seeds)]:
         t0 = time.perf_counter()
-        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        out = llm.generate({"prompt_token_ids": ids}, params.clone(seed=seed), use_tqdm=False)[0]
         dt = time.perf_counter() - t0
         m = out.metrics
         rows.append(dict(cls=cls, seconds=dt, tokens=len(out.outputs[0].token_ids), token_ids=out.outputs[0].token_ids,
@@ -123,6 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-matmuls", default="auto", help="comma list of LLM(cpu_matmul=...) to compare")
     p.add_argument("--draft-quantizations", default="none",
                    help="comma list of the draft's speculative_config quantization: none, fp8")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (seeded; 0: greedy)")
+    p.add_argument("--seeds", type=int, default=1, help="runs of each prompt, seeds 0 .. SEEDS - 1 (sampled runs)")
+    p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
+    p.add_argument("--rejection-sample-methods", default="standard",
+                   help="comma list of speculative_config rejection_sample_method: standard, block")
     p.add_argument("--draft-vocab-sizes", default="none",
                    help="comma list of speculative_config draft_vocab_size: none (the whole head) or a number of ids")
     p.add_argument("--tensor-parallel-sizes", default="1",
@@ -147,7 +155,7 @@ def main(argv=None) -> int:
         llm = LLM(TARGET, **common)
         load_s = time.perf_counter() - t0
         prompts = prompt_ids(llm.get_tokenizer(), args.prompts)
-        rows = run_tandem(llm, prompts, args.tokens)
+        rows = run_tandem(llm, prompts, args.tokens, args.temperature, args.seeds)
         base = rows  # speculative runs are compared with this kernel's target-only tokens
         first = first or rows
         run = summarize("tandem target-only" + tag, rows, first) | {"load_s": load_s}
@@ -156,18 +164,21 @@ def main(argv=None) -> int:
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
         close(llm)
-        variants = [(q, v, k) for q in args.draft_quantizations.split(",") for v in args.draft_vocab_sizes.split(",")
+        variants = [(q, v, r, k) for q in args.draft_quantizations.split(",")
+                    for v in args.draft_vocab_sizes.split(",") for r in args.rejection_sample_methods.split(",")
                     for k in ks]
-        for quant, vocab, k in variants:
+        for quant, vocab, verify, k in variants:
             quant = None if quant == "none" else quant
             vocab = None if vocab == "none" else int(vocab)
             t0 = time.perf_counter()
-            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant, draft_vocab_size=vocab)
+            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant, draft_vocab_size=vocab,
+                        draft_sample_method=args.draft_sample_method, rejection_sample_method=verify)
             llm = LLM(TARGET, speculative_config=spec, **common)
             load_s = time.perf_counter() - t0
-            rows = run_tandem(llm, prompts, args.tokens)
+            rows = run_tandem(llm, prompts, args.tokens, args.temperature, args.seeds)
             name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
-                    + (" (default)" if k == default_k else "") + tag)
+                    + (f" {verify}" if verify != "standard" else "") + (" (default)" if k == default_k else "")
+                    + tag)
             results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
             print(results["runs"][-1], flush=True)
             close(llm)

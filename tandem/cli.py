@@ -118,6 +118,8 @@ def structured_outputs(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
+                  "(Sun et al. 2024: more drafts accepted with probabilistic drafts; the same output distribution)")
 DRAFT_VOCAB_HELP = ("the draft scores only this many of the most frequent token ids (its LM head pruned to them; "
                     "by --draft-token-map's order, else by id); the output stays the target's")
 DRAFT_TOKEN_MAP_HELP = ("a .json or .pt file of token ids, most frequent first (`tandem token-map` writes one): "
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(num_speculative_tokens_per_batch_size='auto'; the steps are timed at start-up)")
     gen.add_argument("--draft-quantization", choices=["fp8"], default=None,
                      help="the draft's linear weights in fp8 (weight-only e4m3)")
+    gen.add_argument("--rejection-sample-method", choices=["standard", "block"], default=None,
+                     help=REJECTION_HELP)
     gen.add_argument("--draft-vocab-size", type=int_in(1), default=None, help=DRAFT_VOCAB_HELP)
     gen.add_argument("--draft-token-map", default=None, type=non_empty("pass a token map file"),
                      help=DRAFT_TOKEN_MAP_HELP)
@@ -234,8 +238,14 @@ def _token_map(args) -> int:
     if tokenizer is None:
         raise ConfigError(f"--model={args.model!r} has no tokenizer to count tokens with")
     ids = count_token_map(tokenizer, texts, args.size)
-    with open(args.output, "w") as f:
-        json.dump(ids, f)
+    if not ids:
+        raise ConfigError(f"the files {args.files} hold no text to count tokens in; give text such as the traffic to "
+                          "serve")
+    try:
+        with open(args.output, "w") as f:
+            json.dump(ids, f)
+    except OSError as e:
+        raise ConfigError(f"--output={args.output!r} cannot be written ({e})") from None
     print(f"{len(ids)} token ids by frequency ({sum(len(t) for t in texts)} characters of text) -> {args.output}")
     return 0
 
@@ -247,6 +257,7 @@ def _draft_model(args) -> str | None:
     draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
                   ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
                   ("--draft-quantization", args.draft_quantization), ("--draft-vocab-size", args.draft_vocab_size),
+                  ("--rejection-sample-method", args.rejection_sample_method),
                   ("--draft-token-map", args.draft_token_map)]
     if args.no_draft:
         for flag, value in [("--draft", args.draft)] + draft_only:
@@ -288,7 +299,8 @@ def _generate(args) -> int:
     if draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format, quantization=args.draft_quantization,
-                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map)
+                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map,
+                    rejection_sample_method=args.rejection_sample_method or "standard")
         if args.adaptive:
             spec["num_speculative_tokens_per_batch_size"] = "auto"
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from tandem.models.source import eos_token_ids, generation_defaults, load_tokeni
 from tandem.outputs import RequestOutput
 from tandem.parallel.group import TPGroup, backend_for, host_store
 from tandem.parallel.shard import check_shardable
-from tandem.parallel.workers import ReplicatedEngine, Workers, threads_per_rank
+from tandem.parallel.workers import ReplicatedEngine, Workers, is_transport_error, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
 from tandem.sampling_params import MAX_SEED, SamplingParams
@@ -239,20 +239,20 @@ class LLM:
                 self.tp = TPGroup(rank, tp_size, port, dev)
         try:
             target = load_model(cfg.model, dev, tp=self.tp)
+            eos = eos_token_ids(model_dir, arch, self.tokenizer)
             factory = None
             if spec is not None:
                 from tandem.spec.factory import SpeculatorFactory
 
-                factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp)
-            self.engine = Engine(cfg, target, self.tokenizer, eos_token_ids(model_dir, arch, self.tokenizer), factory)
+                factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos)
+            self.engine = Engine(cfg, target, self.tokenizer, eos, factory)
             if workers is not None:
                 workers.wait_ready()
                 self.engine = ReplicatedEngine(self.engine, workers, self.tp, threads)
         except BaseException as e:
             if workers is not None:
                 # A rank that failed (its own out-of-memory, say) broke rank 0's collective: its error is the cause.
-                own = isinstance(e, ConfigError) or not isinstance(e, Exception)  # rank 0's own mistake, or ^C
-                cause = None if own else workers.failed_rank()
+                cause = workers.failed_rank() if is_transport_error(e) else None
                 workers.close()
                 if cause is not None:
                     raise cause from e

@@ -28,7 +28,7 @@ from triton.language.extra import libdevice
 
 from tandem.kernels.gumbel import _gumbel, _noise_key, _uniform
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
-from tandem.sampling.gumbel import ACCEPT_SALT, RECOVER_SALT, TARGET_SALT
+from tandem.sampling.gumbel import ACCEPT_SALT, BLOCK_SALT, RECOVER_SALT, TARGET_SALT
 
 _BLOCK_V = 4096
 
@@ -293,5 +293,203 @@ def rejection_sample(
         row_req, num_rows, row_tokens, num_emitted, vocab, nb,
         HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, ANY_SAMPLED=sampled_idx is not None,
         NB_POW2=triton.next_power_of_2(nb), ACCEPT=ACCEPT_SALT, SCAN=1024, num_warps=4, **pdl,
+    )
+    return row_tokens, num_emitted
+
+
+# ----------------------------------------------------------------------------- block verification
+@triton.jit
+def _log_ratio(p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr, draft_ptr, row, row_index, vocab, NB,
+               HAS_Q: tl.constexpr, NB_POW2: tl.constexpr):
+    """log P at `row`: the running ratio min(1, P p(x) / q(x)) over its request's drafts before it
+    (rows row - row_index .. row - 1; P = 1 at the first row), each log ratio kept within +-200."""
+    logr = tl.zeros((), tl.float32)
+    for j in range(0, row_index):
+        r = row - row_index + j
+        m_p, s_p, _, m_q, s_q = _row_stats(stats_ptr, argmax_ptr, r, NB, HAS_Q, NB_POW2)
+        x = tl.minimum(tl.maximum(tl.load(draft_ptr + r), 0), vocab - 1)
+        log_px = tl.load(p_ptr + r * stride_p + x) - m_p - tl.log(s_p)
+        log_qx = 0.0
+        if HAS_Q:
+            log_qx = tl.load(q_ptr + r * stride_q + x) - m_q - tl.log(s_q)
+        step = tl.minimum(tl.maximum(log_px - log_qx, -200.0), 200.0)
+        logr = tl.minimum(logr + step, 0.0)
+    return logr
+
+
+@triton.jit
+def _block_resid_kernel(
+    p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr,
+    draft_ptr, bonus_ptr, greedy_ptr, sampled_ptr, seeds_ptr, positions_ptr, row_index_ptr,
+    ratio_ptr,  # [num_rows] fp32 out: P at the row
+    rho_ptr,  # [num_rows, NB] fp32 out: the block's part of sum_x max(P p(x) - q(x), 0)
+    cand_val_ptr, cand_idx_ptr,  # [num_rows, NB] out: the block's best score of the row's stop draw
+    vocab, NB, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, NB_POW2: tl.constexpr,
+    RECOVER: tl.constexpr, TARGET: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, block) of a row at temperature > 0: the row's running ratio P, this block's
+    residual mass max(P p - q, 0), and (a row that samples) its candidate for the stop draw over
+    log of that residual (RECOVER salt), or over the raw logits on the bonus row (TARGET salt)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(greedy_ptr + row) != 0:  # temperature 0: the exact-match walk needs none of it
+        return
+    blk = tl.program_id(1)
+    row_index = tl.load(row_index_ptr + row)
+    ratio = tl.exp(_log_ratio(p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr, draft_ptr, row, row_index,
+                              vocab, NB, HAS_Q, NB_POW2))
+    if blk == 0:
+        tl.store(ratio_ptr + row, ratio)
+    bonus = tl.load(bonus_ptr + row) != 0
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < vocab
+    pl = tl.load(p_ptr + row * stride_p + offs, mask=mask, other=-float("inf"))
+    m_p, s_p, _, m_q, s_q = _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q, NB_POW2)
+    scaled = ratio * (tl.exp(pl - m_p) * (1.0 / s_p))
+    if HAS_Q:
+        ql = tl.load(q_ptr + row * stride_q + offs, mask=mask, other=-float("inf"))
+        resid = tl.maximum(scaled - tl.exp(ql - m_q) * (1.0 / s_q), 0.0)
+    else:
+        draft = tl.minimum(tl.maximum(tl.load(draft_ptr + row), 0), vocab - 1)
+        resid = tl.where(offs == draft, 0.0, scaled)
+    resid = tl.where(mask, resid, 0.0)
+    tl.store(rho_ptr + row * NB + blk, tl.sum(resid, 0))
+    if tl.load(sampled_ptr + row) != 0:
+        seed = tl.load(seeds_ptr + row)
+        position = tl.load(positions_ptr + row)
+        if bonus:
+            score = pl
+            key = _noise_key(seed, position, TARGET)
+        else:
+            score = tl.log(resid)
+            key = _noise_key(seed, position, RECOVER)
+        score = tl.where(mask, score + _gumbel(key, offs), -float("inf"))
+        best = tl.max(score, 0)
+        tl.store(cand_val_ptr + row * NB + blk, best)
+        tl.store(cand_idx_ptr + row * NB + blk, tl.min(tl.where(score == best, offs, 2147483647), 0))
+
+
+@triton.jit
+def _block_verify_kernel(
+    p_ptr, stride_p, stats_ptr, argmax_ptr, ratio_ptr, rho_ptr, cand_val_ptr, cand_idx_ptr,
+    draft_ptr, bonus_ptr, greedy_ptr, sampled_ptr, seeds_ptr, positions_ptr,
+    row_req_ptr, total_rows, tokens_ptr, emitted_ptr, vocab, NB,
+    NB_POW2: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program = request: tau = the last row i >= 1 whose uniform (keyed by the round's first
+    position and i) is <= h_i (h = rho / (rho + 1 - P) on a draft row, P on the bonus row), or the
+    leading exact matches at temperature 0; rows before tau keep their drafts, row tau its stop
+    token (the row's draw if it samples, else the argmax), later rows -1."""
+    wait_for_inputs(PDL)
+    req = tl.program_id(0)
+    start = (req * 0 + total_rows).to(tl.int64)
+    num_rows = start * 0
+    for r0 in range(0, total_rows, SCAN):
+        r = r0 + tl.arange(0, SCAN)
+        hit = tl.load(row_req_ptr + r, mask=r < total_rows, other=-1) == req
+        start = tl.minimum(start, tl.min(tl.where(hit, r, total_rows), 0).to(tl.int64))
+        num_rows += tl.sum(hit.to(tl.int64), 0)
+    b = tl.arange(0, NB_POW2)
+    ok = b < NB
+    greedy = tl.load(greedy_ptr + start) != 0
+    tau = num_rows * 0
+    if greedy:
+        running = num_rows > 1
+        while running:
+            row = start + tau
+            _, _, argmax, _, _ = _row_stats(stats_ptr, argmax_ptr, row, NB, False, NB_POW2)
+            raw = tl.load(draft_ptr + row)
+            match = (raw >= 0) & (tl.load(bonus_ptr + row) == 0) & (raw == argmax.to(tl.int64))
+            tau += match.to(tl.int64)
+            running = match & (tau < num_rows - 1)
+    else:
+        seed = tl.load(seeds_ptr + start)
+        first = tl.load(positions_ptr + start)
+        for i in range(1, num_rows):
+            row = start + i
+            ratio = tl.load(ratio_ptr + row)
+            rho = tl.sum(tl.load(rho_ptr + row * NB + b, mask=ok, other=0.0), 0)
+            denom = rho + 1.0 - ratio
+            h = tl.where(denom > 0, rho / tl.maximum(denom, 1e-30), 1.0)
+            h = tl.where(tl.load(bonus_ptr + row) != 0, ratio, h)
+            eta = _uniform(_noise_key(seed, first, BLOCK), tl.full((), 0, tl.int32) + i)
+            tau = tl.where(eta <= h, tau * 0 + i, tau)
+    for j in range(0, num_rows):
+        row = start + j
+        if j < tau:
+            tl.store(tokens_ptr + row, tl.load(draft_ptr + row))
+        elif j == tau:
+            _, _, argmax, _, _ = _row_stats(stats_ptr, argmax_ptr, row, NB, False, NB_POW2)
+            token = argmax.to(tl.int64)
+            if tl.load(sampled_ptr + row) != 0:
+                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
+                top = tl.max(val, 0)
+                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
+                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
+            tl.store(tokens_ptr + row, token)
+        else:
+            tl.store(tokens_ptr + row, -1)
+    tl.store(emitted_ptr + req, tau + 1)
+
+
+def block_rejection_sample(
+    p_logits: Tensor,
+    row_draft: Tensor,
+    row_is_bonus: Tensor,
+    row_greedy: Tensor,
+    sampled_idx: Tensor | None,
+    q_logits: Tensor | None,
+    seeds: Tensor,
+    positions: Tensor,
+    row_req: Tensor,
+    row_index: Tensor,
+    num_reqs: int,
+    synthetic_rates: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """tandem.spec.rejection.block_rejection_sample, fused in three launches: the same arguments
+    and outputs on the rows a request reaches (later rows -1). The running ratio and residual
+    masses are fp32 here (float64 in the reference), so a decision within rounding of its
+    threshold can go the other way. Same layout rules as rejection_sample."""
+    if synthetic_rates is not None:
+        raise ValueError("block verification does not take synthetic acceptance rates")
+    num_rows, vocab = p_logits.shape
+    dev = p_logits.device
+    assert p_logits.dtype == torch.float32 and p_logits.stride(1) == 1
+    for t in (row_draft, seeds, positions, row_req, row_index):
+        assert t.shape == (num_rows,) and t.dtype == torch.int64
+    assert row_is_bonus.dtype == row_greedy.dtype == torch.bool
+    if q_logits is not None:
+        assert q_logits.shape == p_logits.shape and q_logits.dtype == torch.float32 and q_logits.stride(1) == 1
+    row_tokens = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
+    if num_reqs == 0:
+        return row_tokens, num_emitted
+    row_sampled = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
+    if sampled_idx is not None:
+        row_sampled.index_fill_(0, sampled_idx, 1)
+    q = q_logits if q_logits is not None else p_logits
+    has_q, pdl = q_logits is not None, pdl_flags(p_logits)
+    nb = triton.cdiv(vocab, _BLOCK_V)
+    nb2 = triton.next_power_of_2(nb)
+    stats = torch.empty(num_rows, 4, nb, dtype=torch.float32, device=dev)
+    argmax = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    _block_stats_kernel[(num_rows, nb)](
+        p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, vocab, nb,
+        HAS_Q=has_q, BLOCK_V=_BLOCK_V, num_warps=4, **pdl,
+    )
+    ratio = torch.ones(num_rows, dtype=torch.float32, device=dev)
+    rho = torch.zeros(num_rows, nb, dtype=torch.float32, device=dev)
+    cand_val = torch.empty(num_rows, nb, dtype=torch.float32, device=dev)
+    cand_idx = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    bonus, greedy = row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8)
+    _block_resid_kernel[(num_rows, nb)](
+        p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, row_draft, bonus, greedy, row_sampled,
+        seeds, positions, row_index, ratio, rho, cand_val, cand_idx, vocab, nb,
+        HAS_Q=has_q, BLOCK_V=_BLOCK_V, NB_POW2=nb2, RECOVER=RECOVER_SALT, TARGET=TARGET_SALT, num_warps=4, **pdl,
+    )
+    _block_verify_kernel[(num_reqs,)](
+        p_logits, p_logits.stride(0), stats, argmax, ratio, rho, cand_val, cand_idx, row_draft, bonus, greedy,
+        row_sampled, seeds, positions, row_req, num_rows, row_tokens, num_emitted, vocab, nb,
+        NB_POW2=nb2, BLOCK=BLOCK_SALT, SCAN=1024, num_warps=4, **pdl,
     )
     return row_tokens, num_emitted

@@ -83,15 +83,15 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     del tensors
     if cfg.arch.tie_word_embeddings and tp is None:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    model.requires_grad_(False)
+    if cfg.quantization is not None:  # (before a head is pruned: a tied embedding keeps the rounded values)
+        quantize_linears_(model, cfg.quantization)
     if head_ids is not None:
         assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
         rows = torch.tensor(head_ids, dtype=torch.int64, device=device)
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.index_select(0, rows), requires_grad=False)
         model.lm_head.out_features = len(head_ids)
-    model.eval()
-    model.requires_grad_(False)
-    if cfg.quantization is not None:
-        quantize_linears_(model, cfg.quantization)
     if device.type == "cuda":
         prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8")
     else:

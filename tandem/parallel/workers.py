@@ -89,16 +89,19 @@ class Workers:
                 raise error
 
     def failed_rank(self, wait_s: float = 5.0) -> Exception | None:
-        """After rank 0's start-up failed: the error of the first rank that failed too, or None.
-        A rank that fails (out of memory while loading, say) makes rank 0's next collective fail
-        with the transport's error ("connection reset by peer"); this is the cause, for the user."""
+        """After rank 0's start-up failed in a collective: the error of the rank that caused it, or
+        None. A rank that fails (out of memory while loading, say) makes the others' next
+        collective fail with the transport's error ("connection closed by peer"); its own error,
+        not theirs, is the one to show (a ConfigError first, then any but a transport error)."""
         deadline = time.monotonic() + wait_s
+        errors = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             if conn.poll(max(0.0, deadline - time.monotonic())):
                 error = _startup_error(rank, conn, proc)
                 if error is not None:
-                    return error
-        return None
+                    errors.append(error)
+        errors.sort(key=lambda e: (not isinstance(e, ConfigError), is_transport_error(e)))
+        return errors[0] if errors and not is_transport_error(errors[0]) else None
 
     def send(self, name: str, args: tuple, kwargs: dict) -> list[int]:
         """Send a call to every live rank; -> the ranks whose process has exited."""
@@ -160,6 +163,16 @@ class ReplicatedEngine:
         self._workers.close()
         self._tp.close()
         torch.set_num_threads(self._threads)
+
+
+# What a collective raises when another rank has gone (gloo's socket errors; NCCL's remote errors).
+_TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+                     "NCCL communicator was aborted")
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """Whether e is a collective's failure because another rank went away (not a cause of its own)."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _TRANSPORT_ERRORS)
 
 
 def _startup_error(rank: int, conn: Connection, proc) -> Exception | None:

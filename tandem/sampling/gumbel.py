@@ -12,11 +12,13 @@ import torch
 from torch import Tensor
 
 # Salts keep the noise streams disjoint: target sampling, draft sampling, the residual
-# resample after a rejection, and the uniforms of the accept test.
+# resample after a rejection, the uniforms of the accept test, and block verification's
+# uniforms (keyed by the round's first position and the row: tandem/spec/rejection.py).
 TARGET_SALT = 0
 DRAFT_SALT = 1
 RECOVER_SALT = 2
 ACCEPT_SALT = 3
+BLOCK_SALT = 4
 
 _M32 = 0xFFFFFFFF
 

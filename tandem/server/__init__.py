@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, WATERMARK_HELP, float_in, int_in, non_empty,
+from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, REJECTION_HELP, WATERMARK_HELP, float_in, int_in,
+                        non_empty,
                         structured_outputs_config, watermark_config)
 from tandem.reasoning import REASONING_PARSERS
 
@@ -34,6 +35,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "step costs (num_speculative_tokens_per_batch_size='auto'; timed at start-up)")
     model.add_argument("--draft-quantization", choices=["fp8"], default=None,
                        help="with --draft, the draft's linear weights in fp8 (weight-only e4m3)")
+    model.add_argument("--rejection-sample-method", choices=["standard", "block"], default=None,
+                       help=f"with --draft, {REJECTION_HELP}")
     model.add_argument("--draft-vocab-size", type=int_in(1), default=None, help=DRAFT_VOCAB_HELP)
     model.add_argument("--draft-token-map", default=None, type=non_empty("pass a token map file"),
                        help=DRAFT_TOKEN_MAP_HELP)
@@ -98,7 +101,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         for flag, value in (("--num-speculative-tokens (-k)", args.num_speculative_tokens),
                             ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
                             ("--draft-quantization", args.draft_quantization),
-                            ("--draft-vocab-size", args.draft_vocab_size), ("--draft-token-map", args.draft_token_map)):
+                            ("--draft-vocab-size", args.draft_vocab_size), ("--draft-token-map", args.draft_token_map),
+                            ("--rejection-sample-method", args.rejection_sample_method)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

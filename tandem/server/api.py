@@ -949,7 +949,8 @@ def run_server(args: argparse.Namespace) -> int:
         method = args.draft_sample_method or "greedy"
         spec = dict(model=args.draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format, quantization=args.draft_quantization,
-                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map)
+                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map,
+                    rejection_sample_method=args.rejection_sample_method or "standard")
         if args.adaptive:
             spec["num_speculative_tokens_per_batch_size"] = "auto"
     llm = LLM(

@@ -14,7 +14,7 @@ from tandem.sampling_params import MAX_SEED
 
 METHODS = ("draft_model",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -170,9 +170,13 @@ class SpeculativeConfig:
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ConfigError(f"speculative_config.draft_vocab_size={size!r} must be a positive integer (the number "
                               "of most frequent token ids the draft scores), or None for its whole vocabulary")
-        if self.draft_token_map is not None and not isinstance(self.draft_token_map, (str, os.PathLike)):
-            raise ConfigError(f"speculative_config.draft_token_map={self.draft_token_map!r} must be the path of a "
-                              ".json or .pt file of token ids")
+        if self.draft_token_map is not None:
+            if not isinstance(self.draft_token_map, (str, os.PathLike)):
+                raise ConfigError(f"speculative_config.draft_token_map={self.draft_token_map!r} must be the path of a "
+                                  ".json or .pt file of token ids")
+            from tandem.spec.hot_vocab import read_token_map
+
+            read_token_map(self.draft_token_map)  # a bad file is refused before any model loads
         mml = self.max_model_len
         if mml is not None:
             if not isinstance(mml, int) or isinstance(mml, bool) or mml < 1:

@@ -29,9 +29,10 @@ logger = logging.getLogger("tandem")
 
 class SpeculatorFactory:
     def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_tokenizer, device: torch.device,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, eos_token_ids: tuple[int, ...] | None = None):
         """tp: the target's tensor-parallel group; the draft is sharded over it as well, or whole on
-        every rank when speculative_config.draft_tensor_parallel_size is 1."""
+        every rank when speculative_config.draft_tensor_parallel_size is 1. eos_token_ids: the
+        engine's (None: the target config's), kept in a pruned draft head."""
         self.spec = spec
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
@@ -63,7 +64,7 @@ class SpeculatorFactory:
             check_shardable(arch, draft_tp.size, "tensor_parallel_size", f"the draft model {spec.model!r}")
         shared = min(target.arch.vocab_size, arch.vocab_size)
         self.hot_ids = hot_token_ids(spec.draft_vocab_size, spec.draft_token_map, shared, target_tokenizer,
-                                     target.arch.eos_token_ids)
+                                     eos_token_ids if eos_token_ids is not None else target.arch.eos_token_ids)
         if self.hot_ids is not None and draft_tp is not None:
             raise ConfigError(
                 "speculative_config.draft_vocab_size / draft_token_map prune the draft's LM head, which is not "

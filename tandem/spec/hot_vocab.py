@@ -42,6 +42,8 @@ def read_token_map(path: str | os.PathLike) -> list[int]:
     try:
         if path.endswith(".pt"):
             data = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(data, (list, tuple)):  # a list of ids, or of 0-d tensors (torch.tensor takes both)
+                data = torch.tensor(data) if data else []
             if isinstance(data, torch.Tensor):
                 if data.dim() != 1 or data.dtype.is_floating_point or data.dtype == torch.bool:
                     raise ValueError(f"a tensor of shape {tuple(data.shape)} and dtype {data.dtype}, not 1-D integers")
@@ -51,9 +53,9 @@ def read_token_map(path: str | os.PathLike) -> list[int]:
                 data = json.load(f)
         else:
             raise ValueError("the name ends neither in .json nor in .pt")
-    except (OSError, ValueError, RuntimeError, EOFError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{FIELD}={path!r} cannot be read as a token map ({e}); give a .json list of token ids, "
-                          "or a .pt file of a 1-D integer tensor") from None
+    except Exception as e:  # noqa: BLE001 - torch.load's unpickler raises its own kinds for a bad file
+        raise ConfigError(f"{FIELD}={path!r} cannot be read as a token map ({type(e).__name__}: {e}); give a .json "
+                          "list of token ids, or a .pt file of a 1-D integer tensor") from None
     if not isinstance(data, list) or not data or any(not isinstance(t, int) or isinstance(t, bool) for t in data):
         raise ConfigError(f"{FIELD}={path!r} must hold a non-empty list of integer token ids")
     return data

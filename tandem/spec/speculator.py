@@ -48,7 +48,7 @@ from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw, process_log
 from tandem.sampling.state import SamplingState
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
-from tandem.spec.rejection import force_target_tokens, rejection_sample
+from tandem.spec.rejection import block_rejection_sample, force_target_tokens, rejection_sample
 
 if TYPE_CHECKING:
     from tandem.engine.grammar import DraftMasks
@@ -77,12 +77,13 @@ class DraftSpeculator:
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = attn_backend
+        block = spec.rejection_sample_method == "block"
         if attn_backend.use_triton:
-            from tandem.kernels.rejection import rejection_sample as fused_rejection_sample
+            from tandem.kernels import rejection as fused
 
-            self.rejection_sample = fused_rejection_sample
+            self.rejection_sample = fused.block_rejection_sample if block else fused.rejection_sample
         else:
-            self.rejection_sample = rejection_sample
+            self.rejection_sample = block_rejection_sample if block else rejection_sample
         self.max_model_len = sched.max_model_len
         self.state = state
         self.vocab_size = state.vocab_size  # the target's
@@ -454,8 +455,8 @@ class DraftSpeculator:
         """A draft step's logits [n, head_cols] (or cached ones, [n, V]) -> fp32 [n, V] over the
         target's ids; temp [n]: the rows' temperatures (0: greedy).
 
-        Ids a smaller draft table lacks get -inf (probability zero). Ids a pruned head does not
-        score get the row's least logit minus 1e4 * max(1, temperature): probability zero (exp(-1e4)
+        Ids a smaller draft table lacks get -inf (probability zero). The other ids a pruned head does
+        not score get the row's least logit minus 1e4 * max(1, temperature): probability zero (exp(-1e4)
         is 0 in fp32) while a hot token is left, yet finite, so a grammar that allows only tokens
         outside the hot set still leaves a distribution to draw from (uniform over them, drawn by
         the same Gumbel noise the ratio test's q describes): the draft stays a true sample of q."""
@@ -469,6 +470,8 @@ class DraftSpeculator:
             return logits
         floor = logits.amin(dim=-1, keepdim=True) - 1e4 * temp.clamp(min=1.0)[:, None]  # [n, 1]
         full = floor.expand(logits.shape[0], self.vocab_size).clone()  # [n, V]
+        if self.draft_vocab < self.vocab_size:  # ids the draft lacks: probability zero, as without a hot set
+            full[:, self.draft_vocab :] = float("-inf")
         return full.index_copy_(1, self.hot_ids, logits)
 
 

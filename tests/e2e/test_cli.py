@@ -10,7 +10,8 @@ from tandem.cli import main
 from tests.helpers import make_hf_model
 
 
-@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"]])
+@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"],
+                                   ["--rejection-sample-method", "block", "--temperature", "0.8", "--seed", "3"]])
 def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
     import tandem.models.loader as loader
 
@@ -32,7 +33,10 @@ def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
         assert "k=0..3, acceptance rate" in err or "k=0..3, no drafts" in err, err
     else:
         assert "k=3, acceptance rate" in err and "mean acceptance length" in err
-    assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
+    if "--temperature" in flags:  # sampled: the same distribution, not the same draw
+        assert "speedup" in err and "identical output:" in err
+    else:
+        assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
 def test_token_map_then_a_pruned_draft(tmp_path, capsys):
@@ -54,6 +58,12 @@ def test_token_map_then_a_pruned_draft(tmp_path, capsys):
     assert main(["token-map", "--model", str(tmp_path / "t"), str(tmp_path / "corpus.txt"), "-o",
                  str(tmp_path / "map.pt")]) == 2
     assert "give a name ending in .json" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["token-map", "--model", str(tmp_path / "t"), str(tmp_path / "empty.txt"), "-o", str(out)]) == 2
+    assert "hold no text to count tokens in" in capsys.readouterr().err
+    assert main(["token-map", "--model", str(tmp_path / "t"), str(tmp_path / "corpus.txt"), "-o",
+                 str(tmp_path / "no" / "such" / "map.json")]) == 2
+    assert "cannot be written" in capsys.readouterr().err
 
 
 def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
@@ -151,6 +161,7 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-quantization", "fp8"], "--draft-quantization needs a draft model"),
     (["--draft-quantization", "fp8", "--no-draft"], "--draft-quantization conflicts with --no-draft"),
     (["--draft-vocab-size", "100"], "--draft-vocab-size needs a draft model"),
+    (["--rejection-sample-method", "block"], "--rejection-sample-method needs a draft model"),
     (["--draft-token-map", "m.json", "--no-draft"], "--draft-token-map conflicts with --no-draft"),
 ])
 def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
@@ -212,6 +223,7 @@ def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-quantization", "fp8"], "--draft-quantization"),
     (["--draft-vocab-size", "64"], "--draft-vocab-size"),
     (["--draft-token-map", "m.json"], "--draft-token-map"),
+    (["--rejection-sample-method", "block"], "--rejection-sample-method"),
 ])
 def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])

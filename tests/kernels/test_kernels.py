@@ -433,6 +433,58 @@ def test_rejection_sample_edges_interpret(case):
     check_rejection("cpu", num_reqs, vocab, k_max, seed=5, **kw)
 
 
+def check_block(device, num_reqs, vocab, k_max, seed, **kw):
+    """The fused block verification against tandem.spec.rejection.block_rejection_sample (float64
+    ratios and masses there, fp32 here: a decision within rounding of its threshold may differ,
+    in at most 1 request in 25)."""
+    from tandem.kernels.rejection import block_rejection_sample as fused_block
+    from tandem.spec.rejection import block_rejection_sample as block_ref
+
+    args = random_verify_batch(device, num_reqs, vocab, k_max, seed, **kw)
+    tokens, emitted = fused_block(*args)
+    ref_tokens, ref_emitted = block_ref(*args)
+    row_req, row_index = args[8], args[9]
+    assert ((emitted >= 1) & (emitted <= k_max + 1)).all()
+    reached = row_index < emitted[row_req]
+    assert (tokens[~reached] == -1).all() and ((tokens[reached] >= 0) & (tokens[reached] < vocab)).all()
+    row_same = (~reached | (tokens == ref_tokens)).long()
+    same = (emitted == ref_emitted) & torch.ones(num_reqs, dtype=torch.int64, device=device).scatter_reduce(
+        0, row_req, row_same, "amin").bool()
+    assert (~same).sum() <= max(1, num_reqs // 25), (~same).nonzero().flatten().tolist()
+    return emitted
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["probabilistic", "one_hot_q", "all_greedy", "all_sampled"])
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_block_rejection_sample_gpu(mode, vocab):
+    kw = dict(probabilistic={}, one_hot_q=dict(with_q=False), all_greedy=dict(greedy_frac=1.0),
+              all_sampled=dict(greedy_frac=0.0))[mode]
+    emitted = check_block(GPU, 64, vocab, 5, seed=vocab % 89, **kw)
+    assert 1.0 < emitted.float().mean() < 6.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in REJECTION_EDGES if c != "one-row"] + ["one-row"])
+def test_block_rejection_sample_edges_gpu(case):
+    num_reqs, vocab, k_max, kw = REJECTION_EDGES[case]
+    check_block(GPU, num_reqs, vocab, k_max, seed=6, **kw)
+
+
+@interpret
+@pytest.mark.parametrize("kw", [{}, dict(with_q=False), dict(greedy_frac=1.0), dict(greedy_frac=0.0)])
+def test_block_rejection_sample_interpret(kw):
+    check_block("cpu", 12, 1000, 4, seed=3, **kw)
+    check_block("cpu", 6, 9000, 4, seed=4, **kw)  # three vocabulary blocks, the last ragged
+
+
+@interpret
+@pytest.mark.parametrize("case", list(REJECTION_EDGES))
+def test_block_rejection_sample_edges_interpret(case):
+    num_reqs, vocab, k_max, kw = REJECTION_EDGES[case]
+    check_block("cpu", num_reqs, vocab, k_max, seed=5, **kw)
+
+
 # ----------------------------------------------------------------------------- decode inputs
 def check_decode_inputs(device, n, seed, block_size=16, max_model_len=300):
     g = torch.Generator().manual_seed(seed)

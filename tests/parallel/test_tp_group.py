@@ -49,3 +49,39 @@ def test_collectives_match_one_process():
         assert top.tolist()[1:5] == [10, 600, 0, 1000]
         assert torch.equal(gathered, full), rank
         assert summed.tolist() == [3.0] * 3 and smallest == 6
+
+
+def test_a_failed_ranks_own_error_is_chosen():
+    """After rank 0's collective broke: of the errors the ranks report, their own cause (a
+    ConfigError, then any error but a transport one) is raised, not a transport error of a rank
+    that only saw another one leave; with transport errors alone there is nothing better."""
+    import multiprocessing as mp
+
+    from tandem.errors import ConfigError
+    from tandem.parallel.workers import Workers, is_transport_error
+
+    class Done:  # a finished rank's process
+        exitcode = 1
+
+        def join(self, timeout=None):
+            pass
+
+    def workers(*messages):
+        w = object.__new__(Workers)
+        w.conns, w.procs = [], []
+        for msg in messages:
+            mine, theirs = mp.Pipe()
+            theirs.send(msg)
+            w.conns.append(mine)
+            w.procs.append(Done())
+        return w
+
+    transport = ("error", "Traceback ...\nRuntimeError: [gloo/pair.cc] Connection closed by peer [127.0.0.1]:1")
+    err = workers(transport, ("config", "model: broken.safetensors is not a valid safetensors file")).failed_rank(1)
+    assert isinstance(err, ConfigError) and str(err).startswith("tensor-parallel rank 2: model:")
+    err = workers(transport, ("error", "Traceback ...\nMemoryError: out of memory")).failed_rank(1)
+    assert "rank 2 failed to start" in str(err) and "MemoryError" in str(err)
+    assert workers(transport, transport).failed_rank(1) is None
+    assert workers(("ready", None)).failed_rank(1) is None
+    assert is_transport_error(RuntimeError("Read error [127.0.0.1]:9936: Connection reset by peer"))
+    assert not is_transport_error(MemoryError("Connection reset by peer"))

@@ -209,7 +209,8 @@ def test_sampled_output_keeps_the_target_distribution(models, top_p, tmp_path):
     restricted to the digits), masked in the round or repaired, follow the target's exact
     distribution: its logits masked to the digits, then cut to top_p (chi-square, 2,000 seeds each).
     Also with a pruned draft head (draft_token_map) that scores no digit, or half of them: where
-    the grammar allows no hot id, the draft draws uniformly among the ids it allows."""
+    the grammar allows no hot id, the draft draws uniformly among the ids it allows; and with
+    block verification."""
     prompt = [5, 40, 41, 7]
     llm = _llm(models)
     tok = llm.engine.tokenizer
@@ -223,9 +224,14 @@ def test_sampled_output_keeps_the_target_distribution(models, top_p, tmp_path):
         maps[name] = tmp_path / f"{name}.json"
         maps[name].write_text(json.dumps([t for t in range(320) if t not in drop]))
     runs = [(None, 0, None, None), ("other", 3, "round", None), ("other", 3, "repair", None),
-            ("digits", 2, "repair", None), ("near", 2, "round", "no_digits"), ("near", 2, "repair", "half_digits")]
+            ("digits", 2, "repair", None), ("near", 2, "round", "no_digits"), ("near", 2, "repair", "half_digits"),
+            ("digits", 2, "round", "block")]  # block verification, its q restricted to the grammar too
     for draft, k, way, hot in runs:
-        extra = {"draft_token_map": str(maps[hot])} if hot else None
+        extra = None
+        if hot == "block":
+            extra = {"rejection_sample_method": "block"}
+        elif hot:
+            extra = {"draft_token_map": str(maps[hot])}
         engine = llm if draft is None else _llm(models, draft, k=k, method="probabilistic", max_num_seqs=256,
                                                 spec_extra=extra)
         engine.engine.grammar_drafting = way

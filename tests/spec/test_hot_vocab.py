@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 import tandem.spec.speculator as speculator_mod
 from tandem import LLM, SamplingParams
 from tandem.errors import ConfigError
+from tandem.spec.config import SpeculativeConfig
 from tandem.spec.hot_vocab import count_token_map, hot_token_ids, read_token_map, special_token_ids
 from tests.helpers import make_hf_model, make_spec_models
 
@@ -131,6 +132,8 @@ def test_hot_ids_from_a_map_or_a_size(tmp_path):
     pt = tmp_path / "map.pt"
     torch.save(torch.tensor([4, 2]), pt)
     assert read_token_map(pt) == [4, 2]
+    torch.save([torch.tensor(5), torch.tensor(3)], pt)  # a list of 0-d tensors, as SGLang's maps may hold
+    assert read_token_map(pt) == [5, 3]
     assert hot_token_ids(320, None, 320, None, ()) is None  # the whole vocabulary: nothing pruned
 
 
@@ -162,6 +165,10 @@ def test_bad_settings_name_the_field(models, tmp_path):
     torch.save(torch.ones(2, 2, dtype=torch.int64), tmp_path / "square.pt")
     with pytest.raises(ConfigError, match="1-D integer"):
         _llm(models, draft_token_map=str(tmp_path / "square.pt"))
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file at all")
+    with pytest.raises(ConfigError, match="draft_token_map=.*cannot be read as a token map"):
+        SpeculativeConfig.from_user(dict(model="d", num_speculative_tokens=2,
+                                         draft_token_map=str(tmp_path / "garbage.pt")), 64)  # before any model loads
     (tmp_path / "far.json").write_text(json.dumps([3, 4000]))
     with pytest.raises(ConfigError, match=r"outside the draft's vocabulary \[0, 320\).*4000"):
         _llm(models, draft_token_map=str(tmp_path / "far.json"))
@@ -199,10 +206,15 @@ def test_watermarked_output_equals_target_only(models):
         assert llm.engine.spec_metrics.num_accepted_tokens > 0
 
 
-def test_fp8_draft_with_a_pruned_head(models, baseline):
-    """The fp8 draft quantizes the pruned head's rows alone; greedy output is still the target's."""
-    llm = _llm(models, quantization="fp8", draft_vocab_size=200)
+@pytest.mark.parametrize("draft", ["near", "tied"])
+def test_fp8_draft_with_a_pruned_head(models, baseline, draft):
+    """An fp8 draft with a pruned head holds the whole-head fp8 draft's weights, its head cut to the
+    hot rows (a tied embedding keeps the rounded values, as without pruning); greedy output is
+    still the target's."""
+    whole = _llm(models, draft, quantization="fp8").engine.runner.speculator.model
+    llm = _llm(models, draft, quantization="fp8", draft_vocab_size=200)
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
     sp = llm.engine.runner.speculator
     assert sp.model.lm_head.weight.shape[0] == len(sp.hot_ids) < V
-    assert llm.engine.spec_metrics.num_accepted_tokens > 0
+    assert torch.equal(sp.model.lm_head.weight, whole.lm_head.weight[sp.hot_ids])
+    assert torch.equal(sp.model.model.embed_tokens.weight, whole.model.embed_tokens.weight)

@@ -102,6 +102,15 @@ def test_speculative_watermarked_output_equals_target_only(models, baseline, dra
         assert 0.05 < m.acceptance_rate < 0.98  # both the match and the mismatch branch
 
 
+def test_block_verification_keeps_the_watermarked_output(models, baseline):
+    """Watermarked requests verify by exact match whatever rejection_sample_method says; the
+    others of the batch (the opted-out one) run the block test beside them."""
+    llm = _llm(models, "near", 4, "probabilistic", spec_extra={"rejection_sample_method": "block"})
+    out = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert [out[i] for i in COMPARABLE] == [baseline[i] for i in COMPARABLE]
+    assert 0.05 < llm.engine.spec_metrics.acceptance_rate < 0.98
+
+
 def test_adaptive_and_async_watermarked_speculation(models, baseline, monkeypatch):
     """Under "auto" (steps without drafts planned ahead by async scheduling), the windows follow
     every kind of step."""
