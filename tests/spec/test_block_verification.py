@@ -10,11 +10,8 @@ import torch
 from tandem.sampling.gumbel import BLOCK_SALT, RECOVER_SALT, TARGET_SALT, gumbel_argmax, gumbel_from_keys, noise_key, \
     uniform
 from tandem.spec.rejection import block_rejection_sample, block_verify_ref, rejection_sample
-from tests.spec.test_rejection import Group, random_pq
+from tests.spec.test_rejection import Group, random_pq, run
 from tests.stats import ALPHA, chisq_counts_pvalue, chisq_pvalue
-
-NEG_INF = float("-inf")
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread):
@@ -22,33 +19,8 @@ def _one_thread(one_thread):
 
 
 def _run(sampler, groups, q_none=False):
-    """One batch of every group's requests through sampler -> per group (tokens [n, k+1], num_emitted [n])."""
-    p_l, q_l, draft, bonus, greedy, seeds, pos, req, idx = ([] for _ in range(9))
-    base = 0
-    for gr in groups:
-        k1, n, vocab = gr.k + 1, gr.n, gr.p.shape[1]
-        j = torch.arange(k1).repeat(n)
-        p_l.append(gr.p.repeat(n, 1))
-        q_l.append((torch.cat([gr.q, torch.randn(1, vocab)]) if gr.q is not None else torch.zeros(k1, vocab)).repeat(n, 1))
-        draft.append(torch.cat([gr.drafts, torch.full((n, 1), -1)], 1).flatten())
-        bonus.append(j == gr.k)
-        greedy.append(torch.full((n * k1,), gr.greedy))
-        seeds.append(gr.seeds.repeat_interleave(k1))
-        pos.append(gr.pos0.repeat_interleave(k1) + j)
-        req.append(torch.arange(n).repeat_interleave(k1) + base)
-        idx.append(j)
-        base += n
-    greedy_t = torch.cat(greedy)
-    sampled = (~greedy_t).nonzero().flatten()
-    tokens, emitted = sampler(torch.cat(p_l), torch.cat(draft), torch.cat(bonus), greedy_t,
-                              sampled if sampled.numel() else None, None if q_none else torch.cat(q_l),
-                              torch.cat(seeds), torch.cat(pos), torch.cat(req), torch.cat(idx), base)
-    out, r0, q0 = [], 0, 0
-    for gr in groups:
-        k1 = gr.k + 1
-        out.append((tokens[r0 : r0 + gr.n * k1].view(gr.n, k1), emitted[q0 : q0 + gr.n]))
-        r0, q0 = r0 + gr.n * k1, q0 + gr.n
-    return out
+    """test_rejection.run with another sampler."""
+    return run(groups, q_none=q_none, sampler=sampler)
 
 
 @pytest.mark.parametrize("one_hot", [False, True])

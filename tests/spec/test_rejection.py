@@ -57,8 +57,9 @@ class Group:
         self.drafts = drafts  # [n, k]
 
 
-def run(groups, synthetic_rates=None, q_none=False):
-    """Call rejection_sample over every group in one batch; -> per group (tokens [n, k+1], num_emitted [n])."""
+def run(groups, synthetic_rates=None, q_none=False, sampler=rejection_sample):
+    """Call sampler (rejection_sample's arguments) over every group in one batch; -> per group
+    (tokens [n, k+1], num_emitted [n])."""
     p_l, q_l, draft, bonus, greedy, seeds, pos, req, idx = ([] for _ in range(9))
     base = 0
     for gr in groups:
@@ -77,7 +78,7 @@ def run(groups, synthetic_rates=None, q_none=False):
         base += n
     greedy_t = torch.cat(greedy)
     sampled = (~greedy_t).nonzero().flatten()
-    row_tokens, num_emitted = rejection_sample(
+    row_tokens, num_emitted = sampler(
         torch.cat(p_l), torch.cat(draft), torch.cat(bonus), greedy_t,
         sampled if sampled.numel() else None,
         None if q_none else torch.cat(q_l),
