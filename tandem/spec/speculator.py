@@ -410,12 +410,13 @@ class DraftSpeculator:
         drafts skip the draft-side top-k / top-p (the target still applies them): untruncated, a
         draw among the tokens that fit is the same whether the mask comes before the draw or after
         a free draw that missed (DraftSpeculator.repair), and never from an empty set."""
+        greedy = self._greedy(sampling)
+        if greedy and mask is None and (self.hot_ids is None or logits.shape[-1] == self.head_cols):  # the head's argmax
+            tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)
+            self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
+            return
         temp = self.state.temperature[slots]
-        if self._greedy(sampling):
-            if mask is None and (self.hot_ids is None or logits.shape[-1] == self.head_cols):  # the head's argmax
-                tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)
-                self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
-                return
+        if greedy:
             logits = self._full_logits(logits, temp)
             if mask is not None:
                 apply_token_bitmask(logits, *mask)
