@@ -83,13 +83,13 @@ def run(client, model: str, mode: str, tokens: int) -> list[dict]:
         out = r.json()
         choice_out = out["choices"][0]
         calls = choice_out["message"]["tool_calls"]
-        spec = out.get("spec_decode") or {}
+        spec = (out.get("metrics") or {}).get("speculative_decoding") or {}
         rows.append(dict(seconds=seconds, tokens=out["usage"]["completion_tokens"],
                          reply=json.dumps(choice_out["message"], sort_keys=True),
                          calls=[c["function"] for c in calls], content=choice_out["message"]["content"],
                          finish=choice_out["finish_reason"], fits=bool(calls) and fits(calls[0], name),
-                         drafts=spec.get("num_draft_tokens", 0), accepted=spec.get("num_accepted_tokens", 0),
-                         rounds=spec.get("num_draft_rounds", 0)))
+                         drafts=spec.get("num_draft_tokens", 0), accepted=spec.get("num_accepted_draft_tokens", 0),
+                         rounds=spec.get("num_spec_steps", 0)))
     return rows
 
 
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     results, replies, ref = [], {}, {}
     for k in [int(x) for x in args.ks.split(",")]:
         spec = dict(model=args.draft, num_speculative_tokens=k) if k else None
-        llm = LLM(args.target, dtype=args.dtype, device=args.device, max_model_len=2048, speculative_config=spec)
+        llm = LLM(args.target, dtype=args.dtype, device=args.device, max_model_len=2048, speculative_config=spec,
+                  per_request_spec_decode_metrics="summary")
         with TestClient(build_app(llm, "bench", tool_call_parser="hermes")) as client:
             run(client, "bench", "named", 1)  # warm-up: the grammar tables, and every prompt in the prefix cache
             for mode in MODES:

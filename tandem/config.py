@@ -20,6 +20,7 @@ from tandem.errors import ConfigError
 logger = logging.getLogger("tandem")
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # ModelConfig.logprobs_mode
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")  # EngineConfig.per_request_spec_decode_metrics
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -127,6 +128,9 @@ class EngineConfig:
     # vLLM's structured_outputs_config enable_in_reasoning: constraints hold from the first token,
     # the thinking too, whatever the reasoning parser (which still splits the reply)
     structured_outputs_in_reasoning: bool = False
+    # vLLM's --per-request-spec-decode-metrics: "detailed" keeps each round's accepted and drafted
+    # counts per request (RequestMetrics.per_step_*); the counts and histograms are always kept.
+    per_request_spec_decode_metrics: str = "none"
     extra: dict = field(default_factory=dict)
 
 

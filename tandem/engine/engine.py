@@ -138,7 +138,8 @@ class Engine:
             from tandem.spec.step_costs import profile_step_costs
 
             k_for_batch = self.adaptive = AdaptiveDrafts(k, profile_step_costs(self.runner, self.cfg))
-        self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch)
+        self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch,
+                                   record_spec_steps=cfg.per_request_spec_decode_metrics == "detailed")
         self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
@@ -561,6 +562,17 @@ class Engine:
         m.accepted_per_position = [
             sum(r.accepted_per_position[i] for r in reqs if i < len(r.accepted_per_position)) for i in range(width)
         ]
+        by_num_drafts: dict[int, list[int]] = {}
+        for r in reqs:
+            for num_drafts, row in r.acceptance_by_num_drafts.items():
+                total = by_num_drafts.setdefault(num_drafts, [0] * (num_drafts + 1))
+                for j, count in enumerate(row):
+                    total[j] += count
+        m.acceptance_by_num_drafts = dict(sorted(by_num_drafts.items()))
+        m.acceptance_histogram = [sum(row[j] for row in by_num_drafts.values() if j < len(row))
+                                  for j in range(self.scheduler.k + 1)] if self.scheduler.k else []
+        if len(reqs) == 1 and reqs[0].per_step_accepted is not None:
+            m.per_step_accepted, m.per_step_drafted = list(reqs[0].per_step_accepted), list(reqs[0].per_step_drafted)
         outputs = [
             CompletionOutput(
                 index=s.index,

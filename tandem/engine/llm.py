@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import (
     LOGPROBS_MODES,
+    SPEC_DECODE_METRICS_LEVELS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -79,6 +80,7 @@ class LLM:
         watermark_config: Any = None,
         reasoning_parser: str | None = None,
         structured_outputs_config: dict | None = None,
+        per_request_spec_decode_metrics: str = "none",
         _rank: tuple[int, int] | None = None,
     ):
         """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
@@ -106,6 +108,9 @@ class LLM:
             raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
         if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
             raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
+        if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
+            raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
+                              f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
@@ -212,6 +217,7 @@ class LLM:
             watermark=watermark,
             reasoning_parser=reasoning_parser,
             structured_outputs_in_reasoning=in_reasoning,
+            per_request_spec_decode_metrics=per_request_spec_decode_metrics,
             extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)

@@ -42,6 +42,12 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # acceptance_by_num_drafts[K][j]: the rounds that drafted K (counted) tokens and accepted j of them.
+    acceptance_by_num_drafts: dict[int, list[int]] = field(default_factory=dict)
+    # Each round's accepted and counted drafts, in order: kept only when the scheduler records steps
+    # (per_request_spec_decode_metrics="detailed"); None otherwise.
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

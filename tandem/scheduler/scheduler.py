@@ -33,12 +33,14 @@ class Scheduler:
     """Decides what runs each step and applies each step's result to request state."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0,
-                 k_for_batch: Callable[[int], int] | None = None):
-        """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens)."""
+                 k_for_batch: Callable[[int], int] | None = None, record_spec_steps: bool = False):
+        """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens);
+        record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         self.cfg = sched
         self.k = num_speculative_tokens
         self.k_for_batch = k_for_batch
+        self.record_spec_steps = record_spec_steps
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -49,6 +51,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
     def add(self, req: Request) -> None:
+        if self.record_spec_steps:
+            req.per_step_accepted, req.per_step_drafted = [], []
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -314,6 +318,12 @@ class Scheduler:
             req.accepted_per_position += [0] * (num_drafts - len(req.accepted_per_position))
         for i in range(num_accepted):
             req.accepted_per_position[i] += 1
+        if num_drafts not in req.acceptance_by_num_drafts:
+            req.acceptance_by_num_drafts[num_drafts] = [0] * (num_drafts + 1)
+        req.acceptance_by_num_drafts[num_drafts][num_accepted] += 1
+        if req.per_step_accepted is not None:
+            req.per_step_accepted.append(num_accepted)
+            req.per_step_drafted.append(num_drafts)
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | str | None] | None:
         """The length cap first, then stop tokens: a stop token that is also the last one allowed

@@ -11,6 +11,7 @@ import argparse
 from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, REJECTION_HELP, WATERMARK_HELP, float_in, int_in,
                         non_empty,
                         structured_outputs_config, watermark_config)
+from tandem.config import SPEC_DECODE_METRICS_LEVELS
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
@@ -88,6 +89,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="a reasoning model's <think> part goes to the reply's 'reasoning' field, and "
                              "structured outputs hold after it (as vLLM's --reasoning-parser)")
+    server.add_argument("--enable-per-request-metrics", action="store_true",
+                        help="responses carry vLLM's `metrics` object: time to first token, generation and queue "
+                             "time, mean inter-token latency and tokens/s of the request (n = 1, one prompt)")
+    server.add_argument("--per-request-spec-decode-metrics", choices=list(SPEC_DECODE_METRICS_LEVELS), default=None,
+                        help="with --draft, responses carry the request's acceptance figures as vLLM's "
+                             "metrics.speculative_decoding: 'summary' (counts, acceptance histograms) or 'detailed' "
+                             "(and each round's accepted and drafted counts); default none")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with the usage chunk (and the metrics object), as if each request "
+                             "set stream_options.include_usage")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -102,7 +113,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
                             ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
                             ("--draft-quantization", args.draft_quantization),
                             ("--draft-vocab-size", args.draft_vocab_size), ("--draft-token-map", args.draft_token_map),
-                            ("--rejection-sample-method", args.rejection_sample_method)):
+                            ("--rejection-sample-method", args.rejection_sample_method),
+                            ("--per-request-spec-decode-metrics",
+                             None if args.per_request_spec_decode_metrics == "none"
+                             else args.per_request_spec_decode_metrics)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -55,7 +55,6 @@ from tandem.server.protocol import (
     ModelList,
     PromptLogprob,
     PromptLogprobs,
-    SpecDecodeStats,
     TokenizeRequest,
     TokenizeResponse,
     ToolCall,
@@ -64,6 +63,7 @@ from tandem.server.protocol import (
     UNSUPPORTED_FIELDS,
     random_id,
 )
+from tandem.server.response_metrics import ResponseMetrics
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (
     ToolChoice,
@@ -144,23 +144,6 @@ class Prompt:
     from_text: bool = False  # tokenized here from text, with the tokenizer's special tokens
 
 
-def spec_stats(outputs: list[RequestOutput]) -> SpecDecodeStats | None:
-    """Speculative figures summed over the requests (None when nothing was drafted)."""
-    ms = [o.metrics for o in outputs if o.metrics is not None]
-    rounds = sum(m.num_draft_rounds for m in ms)
-    if not rounds:
-        return None
-    drafts = sum(m.num_draft_tokens for m in ms)
-    accepted = sum(m.num_accepted_tokens for m in ms)
-    width = max(len(m.accepted_per_position) for m in ms)
-    per_pos = [sum(m.accepted_per_position[i] for m in ms if i < len(m.accepted_per_position)) for i in range(width)]
-    return SpecDecodeStats(
-        num_draft_rounds=rounds, num_draft_tokens=drafts, num_accepted_tokens=accepted,
-        accepted_per_position=per_pos, acceptance_rate=accepted / drafts if drafts else None,
-        mean_acceptance_length=1 + accepted / rounds,
-    )
-
-
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token masked out (top-k, bias) reads this, as in vLLM
 
 
@@ -231,9 +214,10 @@ class _Renderer:
     """Turns RequestOutputs (one per prompt) into an endpoint's response or stream chunks."""
 
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
-                 include_usage: bool):
+                 include_usage: bool, report: ResponseMetrics = ResponseMetrics()):
+        """include_usage: stream a last chunk with the usage (and the metrics object, where report enables it)."""
         self.id, self.model, self.prompts, self.params = response_id, model, prompts, params
-        self.include_usage = include_usage
+        self.include_usage, self.report = include_usage, report
         self.created = int(time.time())
         self.n = params.n
         size = len(prompts) * self.n
@@ -273,8 +257,6 @@ class _Renderer:
             self.done[idx] = seq.finish_reason is not None
         if out.finished:
             self.finals[i] = out
-            if chunks:
-                chunks[-1].spec_decode = spec_stats([out])
         return chunks
 
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
@@ -286,7 +268,7 @@ class _Renderer:
         if not self.include_usage:
             return []
         outputs = [self.finals[i] for i in sorted(self.finals)]
-        return [self.chunk([], usage=self.usage(outputs), spec_decode=spec_stats(outputs))]
+        return [self.chunk([], usage=self.usage(outputs), **self.report.extra(outputs))]
 
     def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel:
         raise NotImplementedError
@@ -381,7 +363,7 @@ class CompletionRenderer(_Renderer):
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage(outputs), spec_decode=spec_stats(outputs))
+                                  usage=self.usage(outputs), **self.report.extra(outputs))
 
 
 class ChatRenderer(_Renderer):
@@ -451,7 +433,7 @@ class ChatRenderer(_Renderer):
             choices.append(ChatChoice(index=seq.index, message=message,
                                       logprobs=logprobs, finish_reason=finish, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage(outputs), spec_decode=spec_stats(outputs),
+                                      usage=self.usage(outputs), **self.report.extra(outputs),
                                       prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
 
 
@@ -522,8 +504,11 @@ class OpenAIServer:
 
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
+                 force_include_usage: bool = False):
         engine = client.engine
+        self.report = report  # what a response's `metrics` object carries (none of it by default)
+        self.force_include_usage = force_include_usage  # streams end with the usage chunk, asked or not
         self.client = client
         self.tool_call_parser = tool_call_parser  # "auto" tool choice's parser; None: "auto" is refused
         # the engine's reasoning parser (its constraints hold after the thinking): replies split by it
@@ -611,7 +596,8 @@ class OpenAIServer:
             params = params.clone(prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, body.include_usage, echo=body.echo,
+        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, self._include_usage(body),
+                                      self.report, echo=body.echo,
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
@@ -639,13 +625,17 @@ class OpenAIServer:
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
-        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, body.include_usage, role=role,
+        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, self._include_usage(body), self.report,
+                                role=role,
                                 echo_text=echo_text, tools=tools if tools.makes_calls else None,
                                 reasoning=self.reasoning, include_reasoning=body.include_reasoning)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field, "tools" if constraint is not None else None)
 
     # ---------------------------------------------------------------- helpers
+    def _include_usage(self, body) -> bool:
+        return body.stream and (body.include_usage or self.force_include_usage)
+
     def _check_model(self, name: str | None) -> str:
         model = name or self.model_names[0]
         if model not in self.model_names:
@@ -869,10 +859,15 @@ def build_app(
     drain_timeout_s: float = 0.0,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = None,
+    enable_per_request_metrics: bool = False,
+    enable_force_include_usage: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
-    tool_call_parser: enables "auto" tool choice with that parser (`tools.TOOL_CALL_PARSERS`).
+    tool_call_parser: enables "auto" tool choice with that parser (`tools.TOOL_CALL_PARSERS`);
+    enable_per_request_metrics: responses carry vLLM's `metrics` object of timing figures (and, with the
+    engine's per_request_spec_decode_metrics "summary" or "detailed", `metrics.speculative_decoding`);
+    enable_force_include_usage: every stream ends with the usage chunk (where the metrics ride).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -888,7 +883,10 @@ def build_app(
     metrics = ServerMetrics(names[0], num_speculative_tokens=k)
     client = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     defaults = getattr(llm_or_engine, "generation_defaults", None)  # an LLM's (an Engine has none)
-    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser)
+    report = ResponseMetrics(timing=enable_per_request_metrics, spec_decode=engine.cfg.per_request_spec_decode_metrics,
+                             num_spec_tokens=k)
+    server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
+                          report, enable_force_include_usage)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -963,11 +961,14 @@ def run_server(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_config=args.structured_outputs_config,
+        per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    enable_per_request_metrics=args.enable_per_request_metrics,
+                    enable_force_include_usage=args.enable_force_include_usage)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
     DrainingServer(config, app).run()

@@ -2,7 +2,8 @@
 
 Requests ignore unknown fields, as OpenAI clients send new ones before servers know them.
 `to_sampling_params` turns a request into tandem's SamplingParams, which does the range checks
-(its RequestError names the field). Responses may carry a `spec_decode` extension field.
+(its RequestError names the field). Responses may carry vLLM's `metrics` object as an extra field
+(tandem/server/response_metrics.py).
 """
 from __future__ import annotations
 
@@ -306,17 +307,6 @@ class UsageInfo(_Response):
     total_tokens: int = 0
 
 
-class SpecDecodeStats(_Response):
-    """Per-request speculative decoding figures (the `spec_decode` extension field)."""
-
-    num_draft_rounds: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    acceptance_rate: float | None
-    mean_acceptance_length: float | None
-
-
 class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -352,7 +342,6 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    spec_decode: SpecDecodeStats | None = None
 
 
 class TopLogprob(_Response):
@@ -421,7 +410,6 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    spec_decode: SpecDecodeStats | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs=n
 
 
@@ -448,7 +436,6 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    spec_decode: SpecDecodeStats | None = None
 
 
 class CompletionChunk(_Response):
@@ -458,7 +445,6 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    spec_decode: SpecDecodeStats | None = None
 
 
 class ModelCard(_Response):

@@ -211,6 +211,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--structured-outputs-config", "{"], "--structured-outputs-config"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
+    (["--per-request-spec-decode-metrics", "full"], "--per-request-spec-decode-metrics"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
@@ -224,6 +225,7 @@ def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-vocab-size", "64"], "--draft-vocab-size"),
     (["--draft-token-map", "m.json"], "--draft-token-map"),
     (["--rejection-sample-method", "block"], "--rejection-sample-method"),
+    (["--per-request-spec-decode-metrics", "summary"], "--per-request-spec-decode-metrics"),
 ])
 def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])

@@ -139,10 +139,7 @@ def test_completion_matches_offline_greedy(live, reference):
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert r.usage.completion_tokens == 16 and r.usage.total_tokens == r.usage.prompt_tokens + 16
-    spec = r.model_extra["spec_decode"]
-    assert spec["num_draft_rounds"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
-    assert len(spec["accepted_per_position"]) == K
-    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_draft_rounds"])
+    assert "metrics" not in r.model_extra  # per-request metrics are off unless the server turns them on (vLLM's)
 
 
 def test_seeded_sampling_is_reproducible_and_matches_offline(live, reference):
@@ -511,7 +508,6 @@ def test_streaming_completion(live, reference):
     assert "".join(c.choices[0].text for c in text_chunks) == ref.outputs[0].text
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert text_chunks[-1].model_extra["spec_decode"]["num_draft_rounds"] > 0
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == 16
     assert usage.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -545,7 +541,7 @@ def test_chat_matches_offline(live, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12
-    assert chunks[-1].model_extra["spec_decode"]["num_draft_tokens"] > 0
+    assert "metrics" not in chunks[-1].model_extra
 
 
 def test_chat_content_parts_logprobs_and_n(live, reference):
@@ -1151,6 +1147,65 @@ def test_metrics_of_adaptive_speculation(model_dirs):
     estimated = [after[("tandem_spec_decode_estimated_acceptance", (("position", str(j)),))] for j in range(K)]
     assert estimated == pytest.approx(llm.engine.adaptive.estimator.survival())
     assert estimated == sorted(estimated, reverse=True) and estimated[0] < 1
+
+
+# ---------------------------------------------------------------- per-request metrics
+def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
+    """--enable-per-request-metrics with --per-request-spec-decode-metrics detailed: each response's
+    `metrics` object has vLLM's timing fields and `speculative_decoding` block. Its acceptance
+    figures are the offline engine's for the same greedy request, agree with each other, and sum to
+    the Prometheus counters' moves; a stream carries them on its usage chunk (forced here, as
+    --enable-force-include-usage); n > 1 and several prompts get null, as in vLLM."""
+    server = LiveServer(_llm(model_dirs, per_request_spec_decode_metrics="detailed"),
+                        enable_per_request_metrics=True, enable_force_include_usage=True)
+    names = ("tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
+             "tandem_spec_decode_num_accepted_tokens_total")
+    try:
+        before = server.metrics()
+        r = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+        spec = r.model_extra["metrics"]["speculative_decoding"]
+        want = [before.get((name, ()), 0.0) + spec[key] for name, key in
+                zip(names, ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"))]
+        deadline = time.monotonic() + 10  # the loop copies the counters just after it answers
+        while [server.metrics().get((name, ()), 0.0) for name in names] != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        moved = [server.metrics()[(name, ())] for name in names]
+        stream = list(server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                                            temperature=0, stream=True))  # no stream_options
+        several = [server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0.8,
+                                                    n=2),
+                   server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=4, temperature=0)]
+    finally:
+        server.stop()
+    assert moved == want
+    m = r.model_extra["metrics"]
+    assert set(m) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                      "tokens_per_second", "speculative_decoding"}
+    assert m["time_to_first_token_ms"] > 0 and m["generation_time_ms"] > 0 and m["queue_time_ms"] >= 0
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 15)
+    inference_s = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1e3
+    assert m["tokens_per_second"] == pytest.approx(16 / inference_s)
+
+    ref = offline(reference, PROMPTS[0], **greedy(max_tokens=16))[0].metrics
+    hist, steps = spec["acceptance_histogram"], spec["num_spec_steps"]
+    assert len(hist) == K + 1 and hist == ref.acceptance_histogram and steps == ref.num_draft_rounds > 0
+    assert sum(hist) == steps and sum(j * c for j, c in enumerate(hist)) == spec["num_accepted_draft_tokens"]
+    assert spec["num_draft_tokens"] == ref.num_draft_tokens and spec["num_spec_tokens"] == K
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / steps)
+    assert spec["draft_acceptance_rate"] == pytest.approx(spec["num_accepted_draft_tokens"] / spec["num_draft_tokens"])
+    assert spec["acceptance_histogram_by_draft_length"] == {str(n): row for n, row in
+                                                            ref.acceptance_by_num_drafts.items()}
+    assert len(spec["per_step_accepted"]) == len(spec["per_step_drafted"]) == steps
+    assert sum(spec["per_step_accepted"]) == spec["num_accepted_draft_tokens"]
+    assert sum(spec["per_step_drafted"]) == spec["num_draft_tokens"]
+
+    usage = stream[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 12
+    assert usage.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    assert usage.model_extra["metrics"]["time_to_first_token_ms"] > 0
+    assert all("metrics" not in c.model_extra for c in stream[:-1])
+    for resp in several:  # figures of one generation only
+        assert "metrics" in resp.model_extra and resp.model_extra["metrics"] is None
 
 
 def test_watermarked_serving_and_the_opt_out(model_dirs):

@@ -317,6 +317,8 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(seed=-1), "seed"),
         (dict(seed=2**70), "seed"),
+        (dict(per_request_spec_decode_metrics="full"), "per_request_spec_decode_metrics"),
+        (dict(per_request_spec_decode_metrics=None), "per_request_spec_decode_metrics"),
     ],
     ids=lambda v: repr(v) if not isinstance(v, str) else v,
 )

@@ -58,12 +58,13 @@ class Harness:
     """A scheduler plus a fake runner that checks the scheduler's contract every step."""
 
     def __init__(self, sched=None, cache=None, k=0, token_fn=default_token, accept_fn=None, propose_fn=None,
-                 k_for_batch=None):
+                 k_for_batch=None, record_spec_steps=False):
         self.sched_cfg = sched or SchedCfg(num_lookahead_tokens=k)
         self.cache_cfg = cache or CacheCfg()
         self.k = k
         self.k_for_batch = k_for_batch
-        self.s = Scheduler(self.sched_cfg, self.cache_cfg, num_speculative_tokens=k, k_for_batch=k_for_batch)
+        self.s = Scheduler(self.sched_cfg, self.cache_cfg, num_speculative_tokens=k, k_for_batch=k_for_batch,
+                           record_spec_steps=record_spec_steps)
         self.token_fn = token_fn
         self.accept_fn = accept_fn or (lambda req, item: item.num_drafts)
         self.propose_fn = propose_fn or (lambda req, item: item.num_next_drafts)
@@ -791,7 +792,7 @@ def test_drafts_past_max_tokens_are_verified_and_dropped():
     assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, 3)
     # The metrics count the one draft that could become output, as if only it had been verified.
     assert (r.num_draft_rounds, r.num_draft_tokens, r.num_accepted_tokens) == (1, 1, 1)
-    assert r.accepted_per_position == [1]
+    assert r.accepted_per_position == [1] and r.acceptance_by_num_drafts == {1: [0, 1]}
     h.check_no_leaks()
 
 
@@ -833,12 +834,14 @@ def test_drafts_limited_by_pending_and_budget():
     h2.check_no_leaks()
 
 
-def test_acceptance_counters():
+@pytest.mark.parametrize("record_spec_steps", [False, True])
+def test_acceptance_counters(record_spec_steps):
     script = iter([2, 0, 4, 1, 3, 3, 3, 3, 3, 3])
-    h = spec_harness(k=4, accept_fn=lambda req, item: min(next(script), item.num_drafts))
+    h = spec_harness(k=4, accept_fn=lambda req, item: min(next(script), item.num_drafts),
+                     record_spec_steps=record_spec_steps)
     r = h.add(prompt(5), max_tokens=1000)
     h.step()  # prefill: no verification yet
-    assert r.num_draft_rounds == 0 and r.accepted_per_position == []
+    assert r.num_draft_rounds == 0 and r.accepted_per_position == [] and r.acceptance_by_num_drafts == {}
     lengths = []
     for _ in range(5):
         _, _, events = h.step()
@@ -848,6 +851,11 @@ def test_acceptance_counters():
     assert r.num_draft_tokens == 20
     assert r.num_accepted_tokens == 2 + 0 + 4 + 1 + 3
     assert r.accepted_per_position == [4, 3, 2, 1]  # accepted >= 1: 4 rounds, >= 2: 3, ...
+    assert r.acceptance_by_num_drafts == {4: [1, 1, 1, 1, 1]}  # 4 drafts a round, accepting 2, 0, 4, 1, 3
+    if record_spec_steps:  # each round in order (vLLM's "detailed" per-request metrics)
+        assert r.per_step_accepted == [2, 0, 4, 1, 3] and r.per_step_drafted == [4] * 5
+    else:  # not kept unless asked for
+        assert r.per_step_accepted is None and r.per_step_drafted is None
     # Computed: the prompt, each round's input token and its accepted drafts; the bonus is pending.
     assert r.num_computed_tokens == 5 + 5 + 10 == r.num_tokens - 1
     assert r.output_token_ids == expected_output(r, 1 + sum(lengths))

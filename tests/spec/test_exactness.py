@@ -291,13 +291,22 @@ def _dynamic(models, draft, method="greedy", **kw):
 
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
 def test_dynamic_speculation_matches_target(models, varied_baseline, method):
-    llm = _dynamic(models, "near", method)
+    llm = _dynamic(models, "near", method, per_request_spec_decode_metrics="detailed")
     outs = llm.generate(PROMPTS, VARIED, use_tqdm=False)
     assert _tokens(outs) == varied_baseline
     assert 0.05 < llm.engine.spec_metrics.acceptance_rate < 0.98
     # The requests that outlive the others drafted 4 at a time at the end.
     counts = {len(o.metrics.accepted_per_position) for o in outs}
     assert max(counts) == 4 and all(o.metrics.num_draft_tokens > 0 for o in outs)
+    # Each request's rounds, in order, agree with its counts and its histograms by number of drafts.
+    for m in (o.metrics for o in outs):
+        pairs = list(zip(m.per_step_drafted, m.per_step_accepted))
+        assert len(pairs) == m.num_draft_rounds and sum(m.per_step_drafted) == m.num_draft_tokens
+        assert sum(m.per_step_accepted) == m.num_accepted_tokens
+        table = {n: [sum(1 for p in pairs if p == (n, j)) for j in range(n + 1)] for n in sorted({n for n, _ in pairs})}
+        assert m.acceptance_by_num_drafts == table
+        assert m.acceptance_histogram == [sum(a == j for _, a in pairs) for j in range(5)]
+    assert max(len(o.metrics.acceptance_by_num_drafts) for o in outs) > 1  # the batch shrank: fewer drafts
 
 
 @pytest.mark.parametrize("budget", [None, 16])
