@@ -53,7 +53,7 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     sched = cfg.sched
     runner.capture_graphs(tokens_per_req, sched.max_num_seqs, max_blocks, stream, pool,
                           piecewise_tokens=min(max_pieces, sched.max_num_batched_tokens))
-    if runner.speculator is not None:  # a catch-up adds a row per request to the target's tokens
+    if runner.speculator is not None and not cfg.spec.enforce_eager:  # a catch-up adds a row per request
         draft_tokens = sched.max_num_batched_tokens + sched.max_num_seqs
         runner.speculator.capture_graphs(sched.max_num_seqs, max_blocks, stream, pool,
                                          piecewise_tokens=min(max_pieces, draft_tokens))

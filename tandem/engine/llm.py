@@ -165,6 +165,10 @@ class LLM:
         if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp_size):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must "
                               f"be 1 (the whole draft on every rank) or tensor_parallel_size={tp_size}")
+        if spec is not None and spec.enforce_eager is False and enforce_eager:
+            raise ConfigError("speculative_config.enforce_eager=False with enforce_eager=True is not supported: the "
+                              "draft's CUDA graphs are captured with the target's; leave speculative_config."
+                              "enforce_eager out or drop enforce_eager=True")
         if spec is not None and spec.adaptive and tp_size > 1:
             raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size=\"auto\" is not supported "
                               "with tensor_parallel_size > 1 (its choice rests on step times one rank measures); "

@@ -53,6 +53,14 @@ class SpeculativeConfig:
     # most frequent first. Special tokens (EOS among them) are always kept. Lossless either way.
     draft_vocab_size: int | None = None
     draft_token_map: str | None = None
+    # vLLM's per-draft override of enforce_eager: True runs the draft without CUDA graphs (the
+    # target keeps its own); None: the target's setting.
+    enforce_eager: bool | None = None
+    # vLLM's use_local_argmax_reduction: under tensor parallelism a sharded draft's greedy drafts come
+    # from each rank's best (logit, id), 2 numbers a row per rank, not its V / tp logits. Same drafts.
+    # None (tandem's default): wherever it applies; False: the logits gathered instead (A/B); True: as
+    # None, and refused with probabilistic drafts (as vLLM refuses it).
+    use_local_argmax_reduction: bool | None = None
 
     @property
     def k(self) -> int:
@@ -104,6 +112,10 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
+        if "tensor_parallel_size" in spec:  # vLLM's trap for the same mistake
+            raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
+                              "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
+                              "tensor_parallel_size)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -159,6 +171,13 @@ class SpeculativeConfig:
                     "(they are unconditional: P(first i+1 drafts accepted))"
                 )
         self._validate_batch_ranges()
+        for name in ("enforce_eager", "use_local_argmax_reduction"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"speculative_config.{name}={getattr(self, name)!r} must be true, false or None")
+        if self.use_local_argmax_reduction and self.draft_sample_method != "greedy":
+            raise ConfigError("speculative_config.use_local_argmax_reduction=True needs draft_sample_method='greedy': "
+                              "probabilistic drafts are drawn from the whole distribution, which no rank's best token "
+                              "gives; drop one of them")
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:

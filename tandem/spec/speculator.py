@@ -96,6 +96,7 @@ class DraftSpeculator:
         self.hot_ids = torch.tensor(hot_ids, dtype=torch.int64, device=device) if hot_ids is not None else None
         self.head_cols = len(hot_ids) if hot_ids is not None else self.draft_vocab  # the logits a draft step reads
         self.probabilistic = spec.draft_sample_method == "probabilistic"
+        self.local_argmax = spec.use_local_argmax_reduction is not False
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
         # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
@@ -295,7 +296,7 @@ class DraftSpeculator:
         """Whether a round's drafts are argmaxes a tensor-parallel draft can take from each rank's
         best token alone (CausalLM.top_tokens): greedy, free of grammars, over a draft vocabulary no
         larger than the target's (a pruned head is never sharded: SpeculatorFactory)."""
-        return (self.model.tp is not None and constrained is None and self._greedy(sampling)
+        return (self.local_argmax and self.model.tp is not None and constrained is None and self._greedy(sampling)
                 and self.model.arch.vocab_size == self.draft_vocab and self.hot_ids is None)
 
     def _greedy_round(self, ids: Tensor, positions: Tensor, meta, new_rows: Tensor, slots: Tensor, table: Tensor,

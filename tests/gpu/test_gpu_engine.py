@@ -135,6 +135,19 @@ def test_graph_path_equals_eager_path(models, spec_on):
     assert graphed == eager
 
 
+def test_draft_enforce_eager_keeps_the_targets_graphs(models):
+    """speculative_config enforce_eager=True (vLLM's per-draft override): the draft runs without
+    CUDA graphs, the target keeps its own, and greedy drafts and output are the graphed engine's."""
+    target, draft = models
+    spec = dict(model=str(draft), num_speculative_tokens=3)
+    graphed, llm = _run(target, "float32", spec)
+    eager_draft, llm_eager = _run(target, "float32", {**spec, "enforce_eager": True})
+    assert llm_eager.engine.runner.graphs and not llm_eager.engine.runner.speculator.graphs
+    assert llm_eager.engine.runner.speculator.step_graph is None and llm.engine.runner.speculator.graphs
+    assert eager_draft == graphed
+    assert llm_eager.engine.spec_metrics.num_accepted_tokens == llm.engine.spec_metrics.num_accepted_tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_watermarked_speculation_on_gpu(models, dtype):
     """The keyed draws (the Triton sampler with the watermark's keys) survive speculation on the

@@ -106,9 +106,18 @@ def test_greedy_two_ranks_match_one(models):
     ref = _run(models["target"], 1, prompts, params)
     assert ref[-1].text in ("alpha beta", "gamma")
     for kw in (dict(), dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3}),
+               # vLLM's use_local_argmax_reduction=False: the sharded draft's logits gathered instead
+               dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3,
+                                        "use_local_argmax_reduction": False}),
                dict(speculative_config={"model": str(models["other"]), "num_speculative_tokens": 2,
                                         "draft_tensor_parallel_size": 1, "draft_vocab_size": 200})):
-        outs = _run(models["target"], 2, prompts, params, **kw)
+        spec = kw.get("speculative_config", {})
+
+        def setup(llm):  # rank 0's draft reduces its argmax across ranks unless told not to
+            if spec.get("draft_tensor_parallel_size") is None and spec:
+                assert llm.engine.runner.speculator.local_argmax is spec.get("use_local_argmax_reduction", True)
+
+        outs = _run(models["target"], 2, prompts, params, setup, **kw)
         for out, r in zip(outs[:-1], ref[:-1]):
             assert_greedy_equal_up_to_near_tie(out, r, gap=1e-4)
         assert outs[-1].text == ref[-1].text, kw

@@ -57,6 +57,11 @@ def cfg(**kw):
         (dict(num_speculative_tokens_per_batch_size=[[1, 8, 1.5]]), "triple of integers"),
         (dict(num_speculative_tokens_per_batch_size="1-8:2"), "or \"auto\""),
         (dict(num_speculative_tokens_per_batch_size="Auto"), "or \"auto\""),
+        (dict(tensor_parallel_size=2), "pass draft_tensor_parallel_size instead"),  # vLLM's trap
+        (dict(use_local_argmax_reduction=True, draft_sample_method="probabilistic"),
+         "use_local_argmax_reduction=True needs draft_sample_method='greedy'"),
+        (dict(use_local_argmax_reduction="yes"), "use_local_argmax_reduction='yes' must be"),
+        (dict(enforce_eager=1), "enforce_eager=1 must be"),
     ],
 )
 def test_bad_config(kw, field):
@@ -113,6 +118,20 @@ def test_accepts_config_object():
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     return make_hf_model(root / "t", "llama"), make_hf_model(root / "d", "llama", num_layers=1, seed=3), root
+
+
+def test_draft_graphs_need_the_targets(pair):
+    """vLLM's per-draft enforce_eager: True runs the draft eagerly (on the CPU there are no graphs
+    anyway); False under a target with enforce_eager=True is refused, before any model loads."""
+    target, draft, _ = pair
+    spec = dict(model=str(draft), num_speculative_tokens=2)
+    llm = LLM(str(target), dtype="float32", max_model_len=128, speculative_config={**spec, "enforce_eager": True})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate([{"prompt_token_ids": [3, 4]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ConfigError, match=r"^speculative_config.enforce_eager=False with enforce_eager=True is not "
+                                          r"supported: .* leave speculative_config.enforce_eager out"):
+        LLM(str(target), dtype="float32", max_model_len=128, enforce_eager=True,
+            speculative_config={**spec, "enforce_eager": False})
 
 
 def test_draft_path_missing(pair):
@@ -214,6 +233,8 @@ def test_per_request_metrics(pair):
     assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 9, 9)
     assert m.acceptance_rate == 1.0 and m.mean_acceptance_length == 4.0
     assert m.accepted_per_position == [3, 3, 3]
+    assert m.acceptance_histogram == [0, 0, 0, 3] and m.acceptance_by_num_drafts == {3: [0, 0, 0, 3]}
+    assert m.per_step_accepted is None  # kept with per_request_spec_decode_metrics="detailed" only
     # 11 tokens: the third round verifies 3 drafts but only 1 can become output, and only it counts.
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -221,3 +242,4 @@ def test_per_request_metrics(pair):
     assert len(out.outputs[0].token_ids) == 11
     assert (m.num_draft_rounds, m.num_draft_tokens, m.num_accepted_tokens) == (3, 7, 7)
     assert m.mean_acceptance_length == pytest.approx(1 + 7 / 3) and m.accepted_per_position == [3, 2, 2]
+    assert m.acceptance_histogram == [0, 1, 0, 2] and m.acceptance_by_num_drafts == {1: [0, 1], 3: [0, 0, 0, 2]}
