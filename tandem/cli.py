@@ -118,6 +118,40 @@ def structured_outputs(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def speculative_config(text: str) -> dict:
+    """--speculative-config: vLLM's JSON object, e.g. '{"model": "PATH", "num_speculative_tokens": 4}'
+    (its keys are checked when the engine is built, against the target)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
+                                         "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of speculative_config's keys, such as "
+                                         "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'")
+    return value
+
+
+SPEC_CONFIG_HELP = ("the draft as vLLM's JSON speculative_config, e.g. '{\"model\": \"PATH\", "
+                    "\"num_speculative_tokens\": 4}' (every key of LLM's speculative_config; instead of --draft "
+                    "and its flags)")
+
+
+def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
+    """--speculative-config names the draft and its settings: --draft and the draft flags may not
+    give them a second time."""
+    from tandem.errors import ConfigError
+
+    if args.speculative_config is None:
+        return
+    for flag, value in [("--draft", args.draft)] + draft_only:
+        if value is not None:
+            raise ConfigError(f"{flag} conflicts with --speculative-config, which sets the draft and its settings; "
+                              f"put it in the JSON object or drop {flag.split()[0]}")
+
+
 REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
                   "(Sun et al. 2024: more drafts accepted with probabilistic drafts; the same output distribution)")
 DRAFT_VOCAB_HELP = ("the draft scores only this many of the most frequent token ids (its LM head pruned to them; "
@@ -138,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or use --no-draft"),
                      help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT})")
     gen.add_argument("--no-draft", action="store_true", help="run the target alone")
+    gen.add_argument("--speculative-config", type=speculative_config, default=None, help=SPEC_CONFIG_HELP)
     # The draft-only flags default to None so that giving one without a draft is caught, not ignored.
     gen.add_argument("--num-speculative-tokens", "-k", type=int_in(1), default=None,
                      help=f"drafts per step (default {DEFAULT_K})")
@@ -259,10 +294,13 @@ def _draft_model(args) -> str | None:
                   ("--draft-quantization", args.draft_quantization), ("--draft-vocab-size", args.draft_vocab_size),
                   ("--rejection-sample-method", args.rejection_sample_method),
                   ("--draft-token-map", args.draft_token_map)]
+    draft_flag_conflicts(args, draft_only)
     if args.no_draft:
-        for flag, value in [("--draft", args.draft)] + draft_only:
+        for flag, value in [("--draft", args.draft), ("--speculative-config", args.speculative_config)] + draft_only:
             if value is not None:
                 raise ConfigError(f"{flag} conflicts with --no-draft, which runs the target alone; drop one of them")
+        return None
+    if args.speculative_config is not None:  # _generate passes it on as it is
         return None
     if args.draft is not None:
         return args.draft
@@ -296,7 +334,9 @@ def _generate(args) -> int:
                   load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size)
     spec = None
-    if draft is not None:
+    if args.speculative_config is not None:
+        spec = {"draft_load_format": args.load_format, **args.speculative_config}
+    elif draft is not None:
         spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
                     draft_load_format=args.load_format, quantization=args.draft_quantization,
                     draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map,
@@ -312,12 +352,13 @@ def _generate(args) -> int:
     m = out.metrics
     if not args.quiet:
         line = f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.2f} tok/s; load {load_s:.1f} s"
+        spec_cfg = llm.config.spec
         if m.num_draft_rounds:
-            drafts = f"0..{k}" if args.adaptive else k
+            drafts = f"0..{spec_cfg.k}" if spec_cfg.adaptive else spec_cfg.k
             line += (f"; k={drafts}, acceptance rate {m.acceptance_rate:.2f}, "
                      f"mean acceptance length {m.mean_acceptance_length:.2f}")
-        elif args.adaptive:  # "auto" judged drafting not worth its cost at every step
-            line += f"; k=0..{k}, no drafts (none judged worth their cost)"
+        elif spec_cfg is not None and spec_cfg.adaptive:  # "auto" judged drafting not worth its cost at every step
+            line += f"; k=0..{spec_cfg.k}, no drafts (none judged worth their cost)"
         print("\n" + line + "]", file=sys.stderr)
     if args.compare:
         base = llm if spec is None else LLM(model, **common)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, REJECTION_HELP, WATERMARK_HELP, float_in, int_in,
-                        non_empty,
+from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
+                        draft_flag_conflicts, float_in, int_in, non_empty, speculative_config,
                         structured_outputs_config, watermark_config)
 from tandem.config import SPEC_DECODE_METRICS_LEVELS
 from tandem.reasoning import REASONING_PARSERS
@@ -22,10 +22,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `tandem serve` flags to parser (a subparser); run_server(args) reads them."""
     model = parser.add_argument_group("model")
     # Every numeric flag is range-checked while parsing (int_in, float_in), before the model loads.
-    model.add_argument("--model", required=True, type=non_empty("pass a model path or name"),
+    model.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       type=non_empty("pass a model path or name"), help="target model path or name (as vLLM's "
+                                                                         "`vllm serve MODEL`; or --model)")
+    model.add_argument("--model", default=None, type=non_empty("pass a model path or name"),
                        help="target model path or name")
     model.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or leave --draft out"),
                        help="draft model path or name (enables speculative decoding)")
+    model.add_argument("--speculative-config", type=speculative_config, default=None, help=SPEC_CONFIG_HELP)
     # The draft-only flags default to None so that check_serve_args can refuse them without --draft.
     model.add_argument("--num-speculative-tokens", "-k", type=int_in(1), default=None,
                        help=f"drafts per step with --draft (default {DEFAULT_K})")
@@ -105,20 +109,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
-    """Refuse flag combinations that would be silently ignored (ranges are checked while parsing)."""
+    """Resolve the model to serve (vLLM's positional MODEL, or --model) into args.model, and refuse
+    flag combinations that would be silently ignored (ranges are checked while parsing)."""
     from tandem.errors import ConfigError
 
-    if args.draft is None:
-        for flag, value in (("--num-speculative-tokens (-k)", args.num_speculative_tokens),
-                            ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
-                            ("--draft-quantization", args.draft_quantization),
-                            ("--draft-vocab-size", args.draft_vocab_size), ("--draft-token-map", args.draft_token_map),
-                            ("--rejection-sample-method", args.rejection_sample_method),
-                            ("--per-request-spec-decode-metrics",
-                             None if args.per_request_spec_decode_metrics == "none"
-                             else args.per_request_spec_decode_metrics)):
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ConfigError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give it once")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ConfigError("no model to serve; give its path or name: tandem serve MODEL")
+    draft_only = [("--num-speculative-tokens (-k)", args.num_speculative_tokens),
+                  ("--draft-sample-method", args.draft_sample_method), ("--adaptive", args.adaptive),
+                  ("--draft-quantization", args.draft_quantization),
+                  ("--draft-vocab-size", args.draft_vocab_size), ("--draft-token-map", args.draft_token_map),
+                  ("--rejection-sample-method", args.rejection_sample_method)]
+    draft_flag_conflicts(args, draft_only)
+    metrics = args.per_request_spec_decode_metrics
+    if args.draft is None and args.speculative_config is None:
+        for flag, value in draft_only + [("--per-request-spec-decode-metrics", None if metrics == "none" else metrics)]:
             if value is not None:
-                raise ConfigError(f"{flag} needs a draft model; add --draft PATH or drop {flag.split()[0]}")
+                raise ConfigError(f"{flag} needs a draft model; add --draft PATH (or --speculative-config) or drop "
+                                  f"{flag.split()[0]}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser to find the calls in the model's text; "
                           f"add --tool-call-parser {TOOL_CALL_PARSERS[0]}")

@@ -942,7 +942,9 @@ def run_server(args: argparse.Namespace) -> int:
     from tandem.engine.llm import LLM
 
     spec = None
-    if args.draft is not None:
+    if args.speculative_config is not None:
+        spec = {"draft_load_format": args.load_format, **args.speculative_config}
+    elif args.draft is not None:
         k = DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
         method = args.draft_sample_method or "greedy"
         spec = dict(model=args.draft, num_speculative_tokens=k, draft_sample_method=method,

@@ -144,6 +144,8 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
     (["--structured-outputs", "[1]"], "--structured-outputs"),
     (["--structured-outputs", '{"regexp": "a"}'], "--structured-outputs"),
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "--structured-outputs"),
+    (["--speculative-config", "{"], "--speculative-config"),
+    (["--speculative-config", '["model"]'], "--speculative-config"),
 ])
 def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "generate", argv, flag, ["hello"])
@@ -163,6 +165,12 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-vocab-size", "100"], "--draft-vocab-size needs a draft model"),
     (["--rejection-sample-method", "block"], "--rejection-sample-method needs a draft model"),
     (["--draft-token-map", "m.json", "--no-draft"], "--draft-token-map conflicts with --no-draft"),
+    (["--speculative-config", '{"model": "D", "num_speculative_tokens": 2}', "--draft", "D"],
+     "--draft conflicts with --speculative-config"),
+    (["--speculative-config", '{"model": "D", "num_speculative_tokens": 2}', "-k", "2"],
+     "--num-speculative-tokens (-k) conflicts with --speculative-config"),
+    (["--speculative-config", '{"model": "D", "num_speculative_tokens": 2}', "--no-draft"],
+     "--speculative-config conflicts with --no-draft"),
 ])
 def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
     rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
@@ -212,6 +220,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
     (["--per-request-spec-decode-metrics", "full"], "--per-request-spec-decode-metrics"),
+    (["--speculative-config", "model=D"], "--speculative-config"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
@@ -241,6 +250,57 @@ def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
     assert rc == 2
     assert capsys.readouterr().err.startswith(says)
+
+
+SPEC = '{"model": "D", "num_speculative_tokens": 2}'
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "error: no model to serve; give its path or name: tandem serve MODEL"),
+    (["A", "--model", "B"], "error: the model is given twice, as 'A' and --model 'B'; give it once"),
+    (["M", "--speculative-config", SPEC, "--draft", "D"], "error: --draft conflicts with --speculative-config"),
+    (["M", "--speculative-config", SPEC, "-k", "2"],
+     "error: --num-speculative-tokens (-k) conflicts with --speculative-config"),
+])
+def test_serve_model_and_draft_given_once(capsys, argv, says):
+    assert main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.startswith(says)
+
+
+def test_generate_with_vllms_speculative_config(tmp_path, capsys):
+    """--speculative-config takes vLLM's JSON object: its keys reach the engine (k = 2 here), and a
+    bad key is named as LLM names it."""
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "draft_sample_method": "greedy"}
+    argv = ["generate", "--model", str(tmp_path / "t"), "--dtype", "float32", "--max-tokens", "12", "--ignore-eos"]
+    assert main([*argv, "--speculative-config", json.dumps(spec), "--compare", "The quick brown fox"]) == 0
+    err = capsys.readouterr().err
+    assert "k=2, acceptance rate" in err and "identical output: yes" in err
+    assert main([*argv, "--speculative-config", json.dumps({**spec, "bogus": 1}), "The quick brown fox"]) == 2
+    assert "error: speculative_config has unknown keys ['bogus']" in capsys.readouterr().err
+
+
+def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):
+    """`tandem serve MODEL --speculative-config JSON` with the per-request metrics flags: the engine
+    gets the JSON's draft settings and the app reports what the flags ask (uvicorn not started)."""
+    from tandem.server.api import DrainingServer
+
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    apps = []
+    monkeypatch.setattr(DrainingServer, "run", lambda self: apps.append(self._app))
+    monkeypatch.setattr(DrainingServer, "__init__", lambda self, config, app: setattr(self, "_app", app))
+    spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "rejection_sample_method": "block"}
+    assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
+                 "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
+                 "--enable-per-request-metrics"]) == 0
+    (app,) = apps
+    engine = app.state.engine_client.engine
+    assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"
+    assert engine.cfg.per_request_spec_decode_metrics == "detailed" and engine.scheduler.record_spec_steps
+    report = app.state.server.report
+    assert report.timing and report.spec_decode == "detailed" and report.num_spec_tokens == 2
 
 
 def test_async_engine_bad_queue_limit_is_a_config_error():
