@@ -214,10 +214,11 @@ class _Renderer:
     """Turns RequestOutputs (one per prompt) into an endpoint's response or stream chunks."""
 
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
-                 include_usage: bool, report: ResponseMetrics = ResponseMetrics()):
-        """include_usage: stream a last chunk with the usage (and the metrics object, where report enables it)."""
+                 include_usage: bool, report: ResponseMetrics = ResponseMetrics(), continuous_usage: bool = False):
+        """include_usage: stream a last chunk with the usage (and the metrics object, where report enables it);
+        continuous_usage: every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)."""
         self.id, self.model, self.prompts, self.params = response_id, model, prompts, params
-        self.include_usage, self.report = include_usage, report
+        self.include_usage, self.report, self.continuous_usage = include_usage, report, continuous_usage
         self.created = int(time.time())
         self.n = params.n
         size = len(prompts) * self.n
@@ -245,7 +246,7 @@ class _Renderer:
                 self.started[idx] = True
                 first = self.opening(idx, out)
                 if first is not None:
-                    chunks.append(first)
+                    chunks.append(self.counted(first))
             end = len(seq.text) if seq.finish_reason else max(self.sent_chars[idx], len(seq.text) - self.holdback)
             delta = seq.text[self.sent_chars[idx]:end]
             if not delta and seq.finish_reason is None:
@@ -254,10 +255,22 @@ class _Renderer:
             lps = seq.logprobs[start_tok:] if seq.logprobs is not None else None
             chunks.append(self.delta(idx, delta, seq.token_ids[start_tok:], lps, seq.finish_reason, seq.stop_reason))
             self.sent_chars[idx], self.sent_tokens[idx] = end, len(seq.token_ids)
+            self.counted(chunks[-1])
             self.done[idx] = seq.finish_reason is not None
         if out.finished:
             self.finals[i] = out
         return chunks
+
+    def counted(self, chunk: BaseModel) -> BaseModel:
+        """chunk, with the usage so far when every chunk carries it (the tokens its choices have sent)."""
+        if self.continuous_usage:
+            prompt, completion = sum(len(p.token_ids) for p in self.prompts), self.shown_tokens()
+            chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return chunk
+
+    def shown_tokens(self) -> int:
+        """The completion tokens streamed so far."""
+        return sum(self.sent_tokens)
 
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -327,6 +340,9 @@ class CompletionRenderer(_Renderer):
         first = self.decode(ids[0]) if self.decode is not None else ""
         head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
         return _joined(head, completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first)))
+
+    def shown_tokens(self) -> int:
+        return 0 if self.prompt_only else super().shown_tokens()
 
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         usage = super().usage(outputs)
@@ -597,7 +613,7 @@ class OpenAIServer:
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, self._include_usage(body),
-                                      self.report, echo=body.echo,
+                                      self.report, body.continuous_usage, echo=body.echo,
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
@@ -626,7 +642,7 @@ class OpenAIServer:
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
         renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, self._include_usage(body), self.report,
-                                role=role,
+                                body.continuous_usage, role=role,
                                 echo_text=echo_text, tools=tools if tools.makes_calls else None,
                                 reasoning=self.reasoning, include_reasoning=body.include_reasoning)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
@@ -805,7 +821,7 @@ class OpenAIServer:
     async def _events(self, streams: list[RequestStream], renderer: _Renderer) -> AsyncIterator[str]:
         try:
             for chunk in renderer.preamble():
-                yield _sse(chunk)
+                yield _sse(renderer.counted(chunk))
             async for i, out in _merge(streams):
                 for chunk in renderer.on_output(i, out):
                     yield _sse(chunk)

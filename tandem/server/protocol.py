@@ -83,6 +83,7 @@ class ErrorResponse(_Response):
 # ---------------------------------------------------------------- requests
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingRequest(_Request):
@@ -199,6 +200,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:

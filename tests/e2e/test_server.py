@@ -513,6 +513,24 @@ def test_streaming_completion(live, reference):
     assert usage.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_continuous_usage_stats(live):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (the
+    tokens its choices have sent), growing to the final usage chunk's."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                      stream=True, stream_options=opts))
+    used = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and len({c.usage.prompt_tokens for c in chunks}) == 1
+    assert used[0] == 0 and used == sorted(used) and used[-2] == used[-1] == 12  # the last content chunk: all 12
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    two = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0.7, n=2,
+                                              seed=1, stream=True, stream_options=opts))
+    assert [c.usage.completion_tokens for c in two][-1] == 10  # both choices
+    plain = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
+                                                stream=True))
+    assert all(c.usage is None for c in plain)
+
+
 def test_sse_wire_format_ends_with_done(live):
     with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}) as r:
