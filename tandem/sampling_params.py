@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.errors import RequestError
 
@@ -114,12 +115,17 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); text keeps BOS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # With skip_special_tokens=False: spaces around special tokens in the text, as vLLM (the
+    # tokenizer's decode applies it; Hugging Face's fast tokenizers have no such spaces to add).
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (text "", logprobs without decoded tokens), as vLLM
     # With an engine watermark_config: None or True draws sampled tokens with the key, False opts out (vLLM).
     watermarking: bool | None = None
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's field); a dict
     # is read as StructuredOutputsParams' fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: arbitrary arguments for plugins and custom samplers; carried with the request, read by none.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
@@ -224,8 +230,11 @@ class SamplingParams:
             raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise bad("logit_bias", "biases must be in [-100, 100]")
-        if not isinstance(self.detokenize, bool):
-            raise bad("detokenize", "it must be True or False")
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "it must be True or False")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "give a dict (or None)")
         if not (self.watermarking is None or isinstance(self.watermarking, bool)):
             raise bad("watermarking", "it must be True, False or None (the engine's watermark_config decides)")
         if not self.detokenize and self.stop:

@@ -15,6 +15,7 @@ class DetokState:
     prefix_offset: int
     read_offset: int
     skip_special_tokens: bool
+    spaces_between_special_tokens: bool = True
     text: str = ""
     stops: list[str] = field(default_factory=list)
     include_stop: bool = False
@@ -26,9 +27,10 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool) -> DetokState:
+    def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool,
+                  spaces_between_special: bool = True) -> DetokState:
         ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
-        return DetokState(ctx, 0, len(ctx), skip_special, stops=stops, include_stop=include_stop)
+        return DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special, stops=stops, include_stop=include_stop)
 
     def push(self, st: DetokState, token: int, check_stop: bool) -> str | None:
         """Append one token; return the stop string if the text now contains one (text is then
@@ -36,9 +38,14 @@ class Detokenizer:
         if self.tokenizer is None:
             return None
         st.ids.append(token)
-        decode = self.tokenizer.decode
-        prefix = decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=st.skip_special_tokens)
-        full = decode(st.ids[st.prefix_offset :], skip_special_tokens=st.skip_special_tokens)
+        def decode(ids: list[int]) -> str:
+            if st.spaces_between_special_tokens:  # the tokenizers' default
+                return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens)
+            return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens,
+                                         spaces_between_special_tokens=False)
+
+        prefix = decode(st.ids[st.prefix_offset : st.read_offset])
+        full = decode(st.ids[st.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character: wait for more tokens
         before = len(st.text)

@@ -295,7 +295,8 @@ class Engine:
             )
             self._next_id += 1
             detok = self.detokenizer.new_state(
-                prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+                prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                params.spaces_between_special_tokens,
             )
             seq = SeqState(request_id, req, i, detok, logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None,

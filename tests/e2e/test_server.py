@@ -531,6 +531,16 @@ def test_continuous_usage_stats(live):
     assert all(c.usage is None for c in plain)
 
 
+def test_detokenization_fields_reach_the_sampling_params():
+    from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    p = CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False,
+                                          "spaces_between_special_tokens": False}).to_sampling_params()
+    assert p.skip_special_tokens is False and p.spaces_between_special_tokens is False
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert chat.to_sampling_params().spaces_between_special_tokens is True  # vLLM's default
+
+
 def test_sse_wire_format_ends_with_done(live):
     with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}) as r:

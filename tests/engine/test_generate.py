@@ -383,3 +383,36 @@ def test_generation_config_sets_the_sampling_defaults(model, tmp_path):
     LLM(str(bad), dtype="float32", max_model_len=128, block_size=8, generation_config="vllm")  # ignored: loads
     with pytest.raises(ConfigError, match="generation_config"):
         LLM(str(model), dtype="float32", max_model_len=128, block_size=8, generation_config=str(tmp_path / "none"))
+
+
+class _SpacingTokenizer:
+    """A slow tokenizer's way with special tokens: id 0 is "<s>", spaced from its neighbours unless
+    spaces_between_special_tokens=False; ids 1.. are letters."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+        self.calls.append(spaces_between_special_tokens)
+        pieces = [chr(96 + i) for i in ids if i] if skip_special_tokens else [chr(96 + i) if i else "<s>" for i in ids]
+        return (" " if spaces_between_special_tokens else "").join(pieces)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens_reach_the_tokenizer(spaces):
+    """vLLM's spaces_between_special_tokens goes to the tokenizer's decode with the special tokens
+    shown, so the streamed text is the tokenizer's whole decode of the output (Hugging Face's fast
+    tokenizers, the tests' others, have no such spaces to add)."""
+    from tandem.engine.detokenizer import Detokenizer
+
+    tok = _SpacingTokenizer()
+    detok = Detokenizer(tok)
+    state = detok.new_state([1, 2], [], False, skip_special=False, spaces_between_special=spaces)
+    for t in (3, 0, 4):
+        detok.push(state, t, check_stop=False)
+    context = tok.decode([1, 2], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    whole = tok.decode([1, 2, 3, 0, 4], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    assert context + state.text == whole == ("a b c <s> d" if spaces else "abc<s>d")
+    assert set(tok.calls) == {spaces}
+    with pytest.raises(RequestError, match=r"^SamplingParams.spaces_between_special_tokens=1 is invalid"):
+        SamplingParams(spaces_between_special_tokens=1)
