@@ -36,8 +36,9 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    # acceptance_histogram[j]: the rounds that accepted exactly j drafts (j = 0..k; the bonus token
-    # not counted); acceptance_by_num_drafts[K][j]: the same for the rounds that drafted K tokens.
+    # On a finished request's output: acceptance_histogram[j], the rounds that accepted exactly j
+    # drafts (j = 0..k; the bonus token not counted); acceptance_by_num_drafts[K][j], the same for
+    # the rounds that counted K drafts (drafts past max_tokens are not counted).
     acceptance_histogram: list[int] = field(default_factory=list)
     acceptance_by_num_drafts: dict[int, list[int]] = field(default_factory=dict)
     # Each round's accepted and drafted tokens, in order: with per_request_spec_decode_metrics=

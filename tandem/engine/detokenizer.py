@@ -32,20 +32,20 @@ class Detokenizer:
         ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
         return DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special, stops=stops, include_stop=include_stop)
 
+    def _decode(self, st: DetokState, ids: list[int]) -> str:
+        if st.spaces_between_special_tokens:  # the tokenizers' default
+            return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens,
+                                     spaces_between_special_tokens=False)
+
     def push(self, st: DetokState, token: int, check_stop: bool) -> str | None:
         """Append one token; return the stop string if the text now contains one (text is then
         truncated before it, or after it with include_stop_str_in_output)."""
         if self.tokenizer is None:
             return None
         st.ids.append(token)
-        def decode(ids: list[int]) -> str:
-            if st.spaces_between_special_tokens:  # the tokenizers' default
-                return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens)
-            return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens,
-                                         spaces_between_special_tokens=False)
-
-        prefix = decode(st.ids[st.prefix_offset : st.read_offset])
-        full = decode(st.ids[st.prefix_offset :])
+        prefix = self._decode(st, st.ids[st.prefix_offset : st.read_offset])
+        full = self._decode(st, st.ids[st.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character: wait for more tokens
         before = len(st.text)

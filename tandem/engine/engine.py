@@ -358,6 +358,7 @@ class Engine:
         running: list[StepPlan] = []  # the plans this call launched or collects
         try:
             if self._inflight is None:
+                scheduled = time.monotonic()  # a step's start: before its planning and its launch
                 plan = self.scheduler.schedule()
                 if plan.is_empty:
                     return [self._output(s) for s in touched.values()]
@@ -366,21 +367,22 @@ class Engine:
                     fwd = self.runner.forward(plan)
                     plan.grammar = self.grammars.bitmask(plan)
                     launched = self.runner.launch_sampling(fwd, self._draft_masks(plan))
-                    self._inflight = (plan, launched, time.monotonic())
+                    self._inflight = (plan, launched, scheduled)
                 else:
-                    self._inflight = (plan, self.runner.launch(plan), time.monotonic())
+                    self._inflight = (plan, self.runner.launch(plan), scheduled)
             plan, launched, start = self._inflight
             self._inflight = None
             running = [plan]
             forwarded = None  # the step ahead, when its sampling waits for this one's result
             if self.async_scheduling:
+                scheduled = time.monotonic()
                 ahead = self.scheduler.schedule_ahead(plan)
                 if ahead is not None:
                     running.append(ahead)
                     if self.grammars.active:  # its masks follow this step's tokens: sample it once they are in
                         forwarded = self.runner.forward(ahead)
                     else:
-                        self._inflight = (ahead, self.runner.launch(ahead), time.monotonic())
+                        self._inflight = (ahead, self.runner.launch(ahead), scheduled)
             result = self.runner.collect(launched)
             events = self.scheduler.update(plan, result)
             for req, emitted in events if self.grammars.active else ():  # the matchers follow the tokens
@@ -398,8 +400,7 @@ class Engine:
             if forwarded is not None:
                 ahead = forwarded.plan
                 ahead.grammar = self.grammars.bitmask(ahead)
-                self._inflight = (ahead, self.runner.launch_sampling(forwarded, self._draft_masks(ahead)),
-                                  time.monotonic())
+                self._inflight = (ahead, self.runner.launch_sampling(forwarded, self._draft_masks(ahead)), scheduled)
             if self.spec_metrics is not None:
                 self.spec_metrics.observe(plan, result)
                 if self.adaptive is not None:
@@ -550,6 +551,21 @@ class Engine:
             out[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))
         return out
 
+    def _final_acceptance(self, m: RequestMetrics, reqs: list[Request]) -> None:
+        """A finished request's acceptance histograms, summed over its sequences, and its rounds'
+        counts in order (one sequence, when the scheduler kept them)."""
+        by_num_drafts: dict[int, list[int]] = {}
+        for r in reqs:
+            for num_drafts, row in r.acceptance_by_num_drafts.items():
+                total = by_num_drafts.setdefault(num_drafts, [0] * (num_drafts + 1))
+                for j, count in enumerate(row):
+                    total[j] += count
+        m.acceptance_by_num_drafts = dict(sorted(by_num_drafts.items()))
+        m.acceptance_histogram = [sum(row[j] for row in by_num_drafts.values() if j < len(row))
+                                  for j in range(self.scheduler.k + 1)] if self.scheduler.k else []
+        if len(reqs) == 1 and reqs[0].per_step_accepted is not None:
+            m.per_step_accepted, m.per_step_drafted = list(reqs[0].per_step_accepted), list(reqs[0].per_step_drafted)
+
     def _output(self, state: RequestState) -> RequestOutput:
         m = state.metrics
         reqs = [s.req for s in state.seqs]
@@ -563,17 +579,8 @@ class Engine:
         m.accepted_per_position = [
             sum(r.accepted_per_position[i] for r in reqs if i < len(r.accepted_per_position)) for i in range(width)
         ]
-        by_num_drafts: dict[int, list[int]] = {}
-        for r in reqs:
-            for num_drafts, row in r.acceptance_by_num_drafts.items():
-                total = by_num_drafts.setdefault(num_drafts, [0] * (num_drafts + 1))
-                for j, count in enumerate(row):
-                    total[j] += count
-        m.acceptance_by_num_drafts = dict(sorted(by_num_drafts.items()))
-        m.acceptance_histogram = [sum(row[j] for row in by_num_drafts.values() if j < len(row))
-                                  for j in range(self.scheduler.k + 1)] if self.scheduler.k else []
-        if len(reqs) == 1 and reqs[0].per_step_accepted is not None:
-            m.per_step_accepted, m.per_step_drafted = list(reqs[0].per_step_accepted), list(reqs[0].per_step_drafted)
+        if state.finished:  # the histograms and each round's counts: on the final output alone
+            self._final_acceptance(m, reqs)
         outputs = [
             CompletionOutput(
                 index=s.index,

@@ -147,6 +147,7 @@ class LLM:
         check_dtype_name(dtype)  # before a model is fetched or converted for it
 
         dev = resolve_device(device)
+        eager_asked = enforce_eager
         if tp_size > 1:
             dev = _rank_device(dev, rank, tp_size)
             if dev.type == "cuda" and not enforce_eager:
@@ -166,9 +167,16 @@ class LLM:
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must "
                               f"be 1 (the whole draft on every rank) or tensor_parallel_size={tp_size}")
         if spec is not None and spec.enforce_eager is False and enforce_eager:
+            if not eager_asked:
+                raise ConfigError(f"speculative_config.enforce_eager=False is not supported with tensor_parallel_size="
+                                  f"{tp_size} on CUDA, which runs eagerly (no CUDA graphs around collectives yet); "
+                                  "leave speculative_config.enforce_eager out")
             raise ConfigError("speculative_config.enforce_eager=False with enforce_eager=True is not supported: the "
                               "draft's CUDA graphs are captured with the target's; leave speculative_config."
                               "enforce_eager out or drop enforce_eager=True")
+        if per_request_spec_decode_metrics != "none" and spec is None:
+            raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} needs a draft "
+                              "model (speculative_config); leave it out, or set 'none'")
         if spec is not None and spec.adaptive and tp_size > 1:
             raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size=\"auto\" is not supported "
                               "with tensor_parallel_size > 1 (its choice rests on step times one rank measures); "

@@ -19,6 +19,7 @@ one-program-per-request walk took 115 us at batch 1 (k = 4, 128256 tokens, H200)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -227,39 +228,48 @@ def _rejection_kernel(
         tl.store(tokens_ptr + start + jj, -1)
 
 
-class _Common:
-    """What both fused samplers start with: their arguments checked, the outputs allocated, the
-    rows that sample marked, and (when there are requests) `_block_stats_kernel` launched into
-    stats [num_rows, 4, nb] and argmax [num_rows, nb]."""
+def _check(p_logits: Tensor, row_draft: Tensor, row_is_bonus: Tensor, row_greedy: Tensor, q_logits: Tensor | None,
+           seeds: Tensor, positions: Tensor, row_req: Tensor, row_index: Tensor) -> None:
+    """The layout both fused samplers take (tandem.spec.rejection's arguments, rows in order)."""
+    num_rows = p_logits.shape[0]
+    assert p_logits.dtype == torch.float32 and p_logits.stride(1) == 1
+    for t in (row_draft, seeds, positions, row_req, row_index):
+        assert t.shape == (num_rows,) and t.dtype == torch.int64
+    assert row_is_bonus.shape == row_greedy.shape == (num_rows,)
+    assert row_is_bonus.dtype == row_greedy.dtype == torch.bool
+    if q_logits is not None:
+        assert q_logits.shape == p_logits.shape and q_logits.dtype == torch.float32 and q_logits.stride(1) == 1
 
-    def __init__(self, p_logits: Tensor, row_draft: Tensor, row_is_bonus: Tensor, row_greedy: Tensor,
-                 sampled_idx: Tensor | None, q_logits: Tensor | None, seeds: Tensor, positions: Tensor,
-                 row_req: Tensor, row_index: Tensor, num_reqs: int):
-        self.num_rows, self.vocab = num_rows, vocab = p_logits.shape
-        self.dev = dev = p_logits.device
-        assert p_logits.dtype == torch.float32 and p_logits.stride(1) == 1
-        for t in (row_draft, seeds, positions, row_req, row_index):
-            assert t.shape == (num_rows,) and t.dtype == torch.int64
-        assert row_is_bonus.shape == row_greedy.shape == (num_rows,)
-        assert row_is_bonus.dtype == row_greedy.dtype == torch.bool
-        if q_logits is not None:
-            assert q_logits.shape == p_logits.shape and q_logits.dtype == torch.float32 and q_logits.stride(1) == 1
-        self.row_tokens = torch.empty(num_rows, dtype=torch.int64, device=dev)
-        self.num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
-        if num_reqs == 0:
-            return
-        self.row_sampled = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
-        if sampled_idx is not None:
-            self.row_sampled.index_fill_(0, sampled_idx, 1)
-        self.q = q = q_logits if q_logits is not None else p_logits
-        self.has_q, self.pdl = q_logits is not None, pdl_flags(p_logits)
-        self.nb = nb = triton.cdiv(vocab, _BLOCK_V)
-        self.stats = torch.empty(num_rows, 4, nb, dtype=torch.float32, device=dev)
-        self.argmax = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
-        _block_stats_kernel[(num_rows, nb)](
-            p_logits, q, p_logits.stride(0), q.stride(0), self.stats, self.argmax, vocab, nb,
-            HAS_Q=self.has_q, BLOCK_V=_BLOCK_V, num_warps=4, **self.pdl,
-        )
+
+@dataclass(frozen=True)
+class _BlockStats:
+    """Both fused samplers' first launch, `_block_stats_kernel`, and what their later launches share."""
+
+    q: Tensor  # the draft's logits, or p standing in for them (has_q false)
+    has_q: bool
+    pdl: dict
+    nb: int  # vocabulary blocks of _BLOCK_V
+    stats: Tensor  # [num_rows, 4, nb] fp32: max and sum of exp of p, then of q, per block
+    argmax: Tensor  # [num_rows, nb] int32: p's first argmax per block
+    row_sampled: Tensor  # [num_rows] uint8: the rows that sample (sampled_idx)
+
+
+def _block_stats(p_logits: Tensor, q_logits: Tensor | None, sampled_idx: Tensor | None) -> _BlockStats:
+    num_rows, vocab = p_logits.shape
+    dev = p_logits.device
+    row_sampled = torch.zeros(num_rows, dtype=torch.uint8, device=dev)
+    if sampled_idx is not None:
+        row_sampled.index_fill_(0, sampled_idx, 1)
+    q = q_logits if q_logits is not None else p_logits
+    has_q, pdl = q_logits is not None, pdl_flags(p_logits)
+    nb = triton.cdiv(vocab, _BLOCK_V)
+    stats = torch.empty(num_rows, 4, nb, dtype=torch.float32, device=dev)
+    argmax = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    _block_stats_kernel[(num_rows, nb)](
+        p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, vocab, nb,
+        HAS_Q=has_q, BLOCK_V=_BLOCK_V, num_warps=4, **pdl,
+    )
+    return _BlockStats(q, has_q, pdl, nb, stats, argmax, row_sampled)
 
 
 def rejection_sample(
@@ -284,14 +294,17 @@ def rejection_sample(
     program scans row_req for its rows (num_reqs x num_rows int64 reads from L2, ~5 MB at 256
     requests of k = 8).
     """
+    _check(p_logits, row_draft, row_is_bonus, row_greedy, q_logits, seeds, positions, row_req, row_index)
     if synthetic_rates is not None:
         assert synthetic_rates.dim() == 1 and synthetic_rates.shape[0] >= 1
-    c = _Common(p_logits, row_draft, row_is_bonus, row_greedy, sampled_idx, q_logits, seeds, positions, row_req,
-                row_index, num_reqs)
+    num_rows, vocab = p_logits.shape
+    dev = p_logits.device
+    row_tokens = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
     if num_reqs == 0:
-        return c.row_tokens, c.num_emitted
-    num_rows, vocab, dev, nb, q, has_q, pdl = c.num_rows, c.vocab, c.dev, c.nb, c.q, c.has_q, c.pdl
-    stats, argmax, row_sampled = c.stats, c.argmax, c.row_sampled
+        return row_tokens, num_emitted
+    b = _block_stats(p_logits, q_logits, sampled_idx)
+    q, has_q, pdl, nb, stats, argmax, row_sampled = b.q, b.has_q, b.pdl, b.nb, b.stats, b.argmax, b.row_sampled
     rates = synthetic_rates.float().contiguous() if synthetic_rates is not None else p_logits
     cand_val = torch.empty(num_rows, nb, dtype=torch.float32, device=dev)
     cand_idx = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
@@ -306,11 +319,11 @@ def rejection_sample(
         p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, cand_val, cand_idx,
         row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), row_sampled,
         seeds, positions, row_index, rates, rates.shape[0] if synthetic_rates is not None else 1,
-        row_req, num_rows, c.row_tokens, c.num_emitted, vocab, nb,
+        row_req, num_rows, row_tokens, num_emitted, vocab, nb,
         HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, ANY_SAMPLED=sampled_idx is not None,
         NB_POW2=triton.next_power_of_2(nb), ACCEPT=ACCEPT_SALT, SCAN=1024, num_warps=4, **pdl,
     )
-    return c.row_tokens, c.num_emitted
+    return row_tokens, num_emitted
 
 
 # ----------------------------------------------------------------------------- block verification
@@ -468,12 +481,15 @@ def block_rejection_sample(
     threshold can go the other way. Same layout rules as rejection_sample."""
     if synthetic_rates is not None:
         raise ValueError("block verification does not take synthetic acceptance rates")
-    c = _Common(p_logits, row_draft, row_is_bonus, row_greedy, sampled_idx, q_logits, seeds, positions, row_req,
-                row_index, num_reqs)
+    _check(p_logits, row_draft, row_is_bonus, row_greedy, q_logits, seeds, positions, row_req, row_index)
+    num_rows, vocab = p_logits.shape
+    dev = p_logits.device
+    row_tokens = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    num_emitted = torch.empty(num_reqs, dtype=torch.int64, device=dev)
     if num_reqs == 0:
-        return c.row_tokens, c.num_emitted
-    num_rows, vocab, dev, nb, q, has_q, pdl = c.num_rows, c.vocab, c.dev, c.nb, c.q, c.has_q, c.pdl
-    stats, argmax, row_sampled = c.stats, c.argmax, c.row_sampled
+        return row_tokens, num_emitted
+    b = _block_stats(p_logits, q_logits, sampled_idx)
+    q, has_q, pdl, nb, stats, argmax, row_sampled = b.q, b.has_q, b.pdl, b.nb, b.stats, b.argmax, b.row_sampled
     nb2 = triton.next_power_of_2(nb)
     ratio = torch.ones(num_rows, dtype=torch.float32, device=dev)
     rho = torch.zeros(num_rows, nb, dtype=torch.float32, device=dev)
@@ -487,7 +503,7 @@ def block_rejection_sample(
     )
     _block_verify_kernel[(num_reqs,)](
         p_logits, p_logits.stride(0), stats, argmax, ratio, rho, cand_val, cand_idx, row_draft, bonus, greedy,
-        row_sampled, seeds, positions, row_req, num_rows, c.row_tokens, c.num_emitted, vocab, nb,
+        row_sampled, seeds, positions, row_req, num_rows, row_tokens, num_emitted, vocab, nb,
         NB_POW2=nb2, BLOCK=BLOCK_SALT, SCAN=1024, num_warps=4, **pdl,
     )
-    return c.row_tokens, c.num_emitted
+    return row_tokens, num_emitted

@@ -286,7 +286,7 @@ class Scheduler:
                 continue
             num_accepted = len(tokens) - 1 if item.num_drafts else 0
             req.num_computed_tokens += len(item.input_token_ids) + num_accepted
-            if item.num_counted_drafts:
+            if item.num_counted_drafts and tokens:
                 self._count_acceptance(req, item.num_counted_drafts, min(num_accepted, item.num_counted_drafts))
             req.num_pending_drafts = num_proposed
             if not item.draft_skip:

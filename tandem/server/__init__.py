@@ -48,7 +48,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
                        help="tokenizer path (default: the model's)")
     model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),
-                       help="name clients use for the model (repeatable; default: --model)")
+                       help="name clients use for the model (repeatable; default: the model as given)")
     model.add_argument("--dtype", default="auto")
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -97,7 +97,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="responses carry vLLM's `metrics` object: time to first token, generation and queue "
                              "time, mean inter-token latency and tokens/s of the request (n = 1, one prompt)")
     server.add_argument("--per-request-spec-decode-metrics", choices=list(SPEC_DECODE_METRICS_LEVELS), default=None,
-                        help="with --draft, responses carry the request's acceptance figures as vLLM's "
+                        help="with a draft, responses carry the request's acceptance figures as vLLM's "
                              "metrics.speculative_decoding: 'summary' (counts, acceptance histograms) or 'detailed' "
                              "(and each round's accepted and drafted counts); default none")
     server.add_argument("--enable-force-include-usage", action="store_true",

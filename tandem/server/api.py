@@ -262,15 +262,21 @@ class _Renderer:
         return chunks
 
     def counted(self, chunk: BaseModel) -> BaseModel:
-        """chunk, with the usage so far when every chunk carries it (the tokens its choices have sent)."""
-        if self.continuous_usage:
-            prompt, completion = sum(len(p.token_ids) for p in self.prompts), self.shown_tokens()
+        """chunk, with its choice's usage so far when every chunk carries it (vLLM's: that choice's
+        prompt tokens and the tokens it has streamed)."""
+        if self.continuous_usage and chunk.choices:
+            idx = chunk.choices[0].index
+            prompt, completion = len(self.prompts[idx // self.n].token_ids), self.shown_tokens(idx)
             chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         return chunk
 
-    def shown_tokens(self) -> int:
-        """The completion tokens streamed so far."""
-        return sum(self.sent_tokens)
+    def shown_tokens(self, idx: int) -> int:
+        """The completion tokens choice idx has streamed so far."""
+        return self.sent_tokens[idx]
+
+    def metrics(self, outputs: list[RequestOutput]) -> dict:
+        """The response's `metrics` field, where the server reports one (ResponseMetrics.extra)."""
+        return self.report.extra(outputs)
 
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -281,7 +287,7 @@ class _Renderer:
         if not self.include_usage:
             return []
         outputs = [self.finals[i] for i in sorted(self.finals)]
-        return [self.chunk([], usage=self.usage(outputs), **self.report.extra(outputs))]
+        return [self.chunk([], usage=self.usage(outputs), **self.metrics(outputs))]
 
     def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel:
         raise NotImplementedError
@@ -341,8 +347,12 @@ class CompletionRenderer(_Renderer):
         head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
         return _joined(head, completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first)))
 
-    def shown_tokens(self) -> int:
-        return 0 if self.prompt_only else super().shown_tokens()
+    def shown_tokens(self, idx: int) -> int:
+        return 0 if self.prompt_only else super().shown_tokens(idx)
+
+    def metrics(self, outputs: list[RequestOutput]) -> dict:
+        extra = super().metrics(outputs)
+        return {"metrics": None} if extra and self.prompt_only else extra  # no generation to report on
 
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         usage = super().usage(outputs)
@@ -379,7 +389,7 @@ class CompletionRenderer(_Renderer):
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage(outputs), **self.report.extra(outputs))
+                                  usage=self.usage(outputs), **self.metrics(outputs))
 
 
 class ChatRenderer(_Renderer):
@@ -449,7 +459,7 @@ class ChatRenderer(_Renderer):
             choices.append(ChatChoice(index=seq.index, message=message,
                                       logprobs=logprobs, finish_reason=finish, stop_reason=seq.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage(outputs), **self.report.extra(outputs),
+                                      usage=self.usage(outputs), **self.metrics(outputs),
                                       prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
 
 
@@ -613,7 +623,7 @@ class OpenAIServer:
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
         renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, self._include_usage(body),
-                                      self.report, body.continuous_usage, echo=body.echo,
+                                      self.report, self._continuous_usage(body), echo=body.echo,
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
@@ -642,7 +652,7 @@ class OpenAIServer:
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
         renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, self._include_usage(body), self.report,
-                                body.continuous_usage, role=role,
+                                self._continuous_usage(body), role=role,
                                 echo_text=echo_text, tools=tools if tools.makes_calls else None,
                                 reasoning=self.reasoning, include_reasoning=body.include_reasoning)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
@@ -651,6 +661,10 @@ class OpenAIServer:
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
         return body.stream and (body.include_usage or self.force_include_usage)
+
+    def _continuous_usage(self, body) -> bool:
+        """vLLM's rule: continuous_usage_stats only where the stream reports usage at all."""
+        return self._include_usage(body) and body.continuous_usage
 
     def _check_model(self, name: str | None) -> str:
         model = name or self.model_names[0]
@@ -881,9 +895,10 @@ def build_app(
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
     tool_call_parser: enables "auto" tool choice with that parser (`tools.TOOL_CALL_PARSERS`);
-    enable_per_request_metrics: responses carry vLLM's `metrics` object of timing figures (and, with the
-    engine's per_request_spec_decode_metrics "summary" or "detailed", `metrics.speculative_decoding`);
-    enable_force_include_usage: every stream ends with the usage chunk (where the metrics ride).
+    enable_per_request_metrics: responses carry vLLM's `metrics` object with timing figures; the
+    engine's per_request_spec_decode_metrics "summary" or "detailed" puts `metrics.speculative_decoding`
+    in it (either alone is enough for the object); enable_force_include_usage: every stream ends with
+    the usage chunk (where the metrics ride).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """

@@ -117,6 +117,7 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     watermarking: bool | None = None  # False opts out of the server's --watermark-config (vLLM's field)
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args (for plugins; read by none)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (StructuredOutputsParams'
     # fields) or its older guided_* fields; one of them per request.
     response_format: dict[str, Any] | None = None
@@ -171,6 +172,7 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            extra_args=self.vllm_xargs,
             watermarking=self.watermarking,
         )
 

@@ -66,7 +66,9 @@ def timing_metrics(m: RequestMetrics) -> dict[str, float | None]:
 def spec_decode_metrics(m: RequestMetrics, k: int, detailed: bool) -> dict[str, Any]:
     """vLLM's metrics.speculative_decoding: acceptance_histogram[j] counts the rounds that accepted j
     of their drafts (dense, k + 1 long); acceptance_histogram_by_draft_length the same by the number
-    of drafts a round proposed (keys as strings, as JSON has them)."""
+    of drafts a round counted (keys as strings, as JSON has them). A round's counted drafts are
+    those that could become output: drafts verified past max_tokens are left out, as everywhere in
+    the acceptance figures (vLLM likewise leaves out drafts a grammar invalidated)."""
     steps, accepted, drafted = m.num_draft_rounds, m.num_accepted_tokens, m.num_draft_tokens
     out: dict[str, Any] = {
         "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,

@@ -513,9 +513,10 @@ def test_streaming_completion(live, reference):
     assert usage.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
-def test_continuous_usage_stats(live):
-    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (the
-    tokens its choices have sent), growing to the final usage chunk's."""
+def test_continuous_usage_stats(live, reference):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far
+    (its prompt's tokens, the tokens it has streamed), growing to the final usage chunk's totals;
+    only in a stream that reports usage at all (include_usage), as in vLLM."""
     opts = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
                                                       stream=True, stream_options=opts))
@@ -523,20 +524,32 @@ def test_continuous_usage_stats(live):
     assert all(c.usage is not None for c in chunks) and len({c.usage.prompt_tokens for c in chunks}) == 1
     assert used[0] == 0 and used == sorted(used) and used[-2] == used[-1] == 12  # the last content chunk: all 12
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
-    two = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0.7, n=2,
-                                              seed=1, stream=True, stream_options=opts))
-    assert [c.usage.completion_tokens for c in two][-1] == 10  # both choices
-    plain = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
-                                                stream=True))
-    assert all(c.usage is None for c in plain)
+    prompts = [PROMPTS[2], PROMPTS[3] + " and more words here"]
+    lengths = [len(o.prompt_token_ids) for o in offline(reference, prompts, max_tokens=1)]
+    assert lengths[0] != lengths[1]
+    many = list(live.client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0.7, n=2,
+                                               seed=1, stream=True, stream_options=opts))
+    seen: dict[int, list[int]] = {}
+    for c in many[:-1]:
+        (choice,) = c.choices
+        assert c.usage.prompt_tokens == lengths[choice.index // 2]  # the choice's own prompt
+        seen.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3] and all(counts[-1] == 5 and counts == sorted(counts) for counts in seen.values())
+    assert many[-1].choices == [] and many[-1].usage.completion_tokens == 20  # prompts counted once each:
+    assert many[-1].usage.prompt_tokens == sum(lengths)
+    alone = list(live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
+                                                stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)  # no include_usage: no usage anywhere
 
 
 def test_detokenization_fields_reach_the_sampling_params():
     from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 
     p = CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False,
-                                          "spaces_between_special_tokens": False}).to_sampling_params()
+                                          "spaces_between_special_tokens": False,
+                                          "vllm_xargs": {"plugin": 1}}).to_sampling_params()
     assert p.skip_special_tokens is False and p.spaces_between_special_tokens is False
+    assert p.extra_args == {"plugin": 1}  # vLLM's vllm_xargs
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     assert chat.to_sampling_params().spaces_between_special_tokens is True  # vLLM's default
 
@@ -1183,7 +1196,8 @@ def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
     `metrics` object has vLLM's timing fields and `speculative_decoding` block. Its acceptance
     figures are the offline engine's for the same greedy request, agree with each other, and sum to
     the Prometheus counters' moves; a stream carries them on its usage chunk (forced here, as
-    --enable-force-include-usage); n > 1 and several prompts get null, as in vLLM."""
+    --enable-force-include-usage); n > 1 and several prompts get null, as in vLLM, and so does
+    echo's prompt scoring (max_tokens 0)."""
     server = LiveServer(_llm(model_dirs, per_request_spec_decode_metrics="detailed"),
                         enable_per_request_metrics=True, enable_force_include_usage=True)
     names = ("tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
@@ -1202,7 +1216,12 @@ def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
                                                             temperature=0, stream=True))  # no stream_options
         several = [server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0.8,
                                                     n=2),
-                   server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=4, temperature=0)]
+                   server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=4, temperature=0),
+                   list(server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, n=2,
+                                                         temperature=0.8, stream=True,
+                                                         stream_options={"include_usage": True}))[-1],
+                   # echo with max_tokens 0 scores the prompt: no generation to report on
+                   server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True)]
     finally:
         server.stop()
     assert moved == want
@@ -1234,6 +1253,44 @@ def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
     assert all("metrics" not in c.model_extra for c in stream[:-1])
     for resp in several:  # figures of one generation only
         assert "metrics" in resp.model_extra and resp.model_extra["metrics"] is None
+
+
+def test_response_metrics_shapes():
+    """What each setting puts in a response's `metrics` (vLLM's shapes): nothing when off or without
+    a draft; the timing fields alone; speculative_decoding alone (summary: no per-step arrays;
+    detailed: with them); null for more than one generation; a request that never drafted reads a
+    mean acceptance length of 1.0 and an all-zero histogram."""
+    from tandem.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from tandem.server.response_metrics import ResponseMetrics
+
+    m = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, last_token_time=3.0,
+                       num_generation_tokens=5, num_draft_rounds=2, num_draft_tokens=6, num_accepted_tokens=4,
+                       acceptance_histogram=[0, 1, 0, 1], acceptance_by_num_drafts={3: [0, 1, 0, 1]},
+                       per_step_accepted=[1, 3], per_step_drafted=[3, 3])
+
+    def outputs(metrics, n=1, prompts=1):
+        seqs = [CompletionOutput(i, "x", [1] * 5, None, None, "length") for i in range(n)]
+        return [RequestOutput(str(p), "p", [1], seqs, True, metrics) for p in range(prompts)]
+
+    one = outputs(m)
+    assert ResponseMetrics().extra(one) == {}
+    assert ResponseMetrics(spec_decode="summary", num_spec_tokens=0).extra(one) == {}  # no draft model
+    timing = ResponseMetrics(timing=True).extra(one)["metrics"]
+    assert timing == {"time_to_first_token_ms": 500.0, "generation_time_ms": 1000.0, "queue_time_ms": 500.0,
+                      "mean_itl_ms": 250.0, "tokens_per_second": 5 / 1.5}
+    summary = ResponseMetrics(spec_decode="summary", num_spec_tokens=3).extra(one)["metrics"]
+    assert summary == {"speculative_decoding": {
+        "mean_acceptance_length": 3.0, "draft_acceptance_rate": 4 / 6, "acceptance_histogram": [0, 1, 0, 1],
+        "acceptance_histogram_by_draft_length": {"3": [0, 1, 0, 1]}, "num_spec_steps": 2,
+        "num_accepted_draft_tokens": 4, "num_draft_tokens": 6, "num_spec_tokens": 3}}
+    detailed = ResponseMetrics(spec_decode="detailed", num_spec_tokens=3).extra(one)["metrics"]["speculative_decoding"]
+    assert detailed == {**summary["speculative_decoding"], "per_step_accepted": [1, 3], "per_step_drafted": [3, 3]}
+    both = ResponseMetrics(timing=True, spec_decode="summary", num_spec_tokens=3)
+    assert both.extra(one)["metrics"] == {**timing, **summary}
+    assert both.extra(outputs(m, n=2)) == both.extra(outputs(m, prompts=2)) == {"metrics": None}
+    never = both.extra(outputs(RequestMetrics(arrival_time=1.0)))["metrics"]["speculative_decoding"]
+    assert never["mean_acceptance_length"] == 1.0 and never["draft_acceptance_rate"] == 0.0
+    assert never["acceptance_histogram"] == [0, 0, 0, 0] and never["num_spec_steps"] == 0
 
 
 def test_watermarked_serving_and_the_opt_out(model_dirs):

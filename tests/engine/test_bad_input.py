@@ -319,6 +319,7 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(seed=2**70), "seed"),
         (dict(per_request_spec_decode_metrics="full"), "per_request_spec_decode_metrics"),
         (dict(per_request_spec_decode_metrics=None), "per_request_spec_decode_metrics"),
+        (dict(per_request_spec_decode_metrics="summary"), "per_request_spec_decode_metrics='summary' needs a draft"),
     ],
     ids=lambda v: repr(v) if not isinstance(v, str) else v,
 )

@@ -416,3 +416,31 @@ def test_spaces_between_special_tokens_reach_the_tokenizer(spaces):
     assert set(tok.calls) == {spaces}
     with pytest.raises(RequestError, match=r"^SamplingParams.spaces_between_special_tokens=1 is invalid"):
         SamplingParams(spaces_between_special_tokens=1)
+
+
+def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
+    """A request's first_scheduled_time is taken before its first step is planned and launched (on a
+    CPU the forward runs inside the launch): the time to first token holds the step, the queue time
+    does not; vLLM's per-request timing fields follow from them (tandem/server/response_metrics.py)."""
+    import time
+
+    from tandem.server.response_metrics import timing_metrics
+
+    launch = llm.engine.runner.launch
+
+    def slow(plan):
+        time.sleep(0.05)
+        return launch(plan)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", slow)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    m = llm.generate({"prompt_token_ids": [8, 9]}, params, use_tqdm=False)[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.last_token_time
+    t = timing_metrics(m)
+    assert t["time_to_first_token_ms"] >= 50 and t["queue_time_ms"] < 50
+    assert t["generation_time_ms"] >= 100  # two more steps
+    assert t["mean_itl_ms"] == pytest.approx(t["generation_time_ms"] / 2)
+    assert t["tokens_per_second"] == pytest.approx(3 / (m.last_token_time - m.first_scheduled_time))
+    one = timing_metrics(llm.generate({"prompt_token_ids": [8, 9]}, params.clone(max_tokens=1),
+                                      use_tqdm=False)[0].metrics)
+    assert one["mean_itl_ms"] is None and one["generation_time_ms"] == 0.0  # a single token: no gaps
