@@ -174,6 +174,10 @@ class LLM:
             raise ConfigError("speculative_config.enforce_eager=False with enforce_eager=True is not supported: the "
                               "draft's CUDA graphs are captured with the target's; leave speculative_config."
                               "enforce_eager out or drop enforce_eager=True")
+        if spec is not None and spec.draft_confidence_threshold is not None and dev.type != "cpu":
+            raise ConfigError("speculative_config.draft_confidence_threshold is supported on the CPU only: it reads "
+                              "each draft step's confidence on the host, which would stall a GPU between draft steps "
+                              "(vLLM allows it on SM121 alone); leave it out, or run with device='cpu'")
         if per_request_spec_decode_metrics != "none" and spec is None:
             raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} needs a draft "
                               "model (speculative_config); leave it out, or set 'none'")

@@ -62,6 +62,9 @@ class Launched:
     # host after the draft round, the event recorded after that copy)
     drafts: tuple[list[int], Tensor, torch.cuda.Event | None] | None = None
     masked_drafts: bool = False  # its drafting round masked structured-output requests' drafts step by step
+    # plan.reqs index -> drafts proposed, for requests whose round proposed fewer than num_next_drafts
+    # (draft_confidence_threshold's early stop); None: every request its plan's
+    fewer_drafts: dict[int, int] | None = None
 
 
 class ModelRunner:
@@ -165,7 +168,7 @@ class ModelRunner:
         self._record_outputs(batch, row_tokens, num_emitted)
         launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result
-            self.speculator.propose(plan, batch, row_tokens, num_emitted, draft_masks)
+            launched.fewer_drafts = self.speculator.propose(plan, batch, row_tokens, num_emitted, draft_masks)
             launched.drafts = self._copy_constrained_drafts(plan, batch)
             launched.masked_drafts = draft_masks is not None
         return launched
@@ -324,6 +327,8 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
+        for i, count in (launched.fewer_drafts or {}).items():
+            proposed[i] = count
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
                           prompt_logprobs=_prompt_results(launched))
 

@@ -61,6 +61,12 @@ class SpeculativeConfig:
     # None (tandem's default): wherever it applies; False: the logits gathered instead (A/B); True: as
     # None, and refused with probabilistic drafts (as vLLM refuses it).
     use_local_argmax_reduction: bool | None = None
+    # vLLM's confidence-based early stop (tau): a request's chain of drafts ends at its first draft
+    # whose top-1 probability under the draft model is below tau (that draft still verified; the
+    # first draft always drafted), and a round stops drafting once every chain has ended. The stop
+    # reads only the draft's distributions, so the output keeps the target's. CPU only (on a GPU
+    # the readback after each draft step would stall the draft graphs; vLLM allows it on SM121).
+    draft_confidence_threshold: float | None = None
 
     @property
     def k(self) -> int:
@@ -112,6 +118,10 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
+        if "draft_confidence_fallback_depth" in spec:
+            raise ConfigError("speculative_config.draft_confidence_fallback_depth is not needed: tandem ends each "
+                              "request's chain of drafts on its own, in a batch of any size, so no round falls back "
+                              "to a fixed depth; leave it out")
         if "tensor_parallel_size" in spec:  # vLLM's trap for the same mistake
             raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
                               "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
@@ -178,6 +188,10 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.use_local_argmax_reduction=True needs draft_sample_method='greedy': "
                               "probabilistic drafts are drawn from the whole distribution, which no rank's best token "
                               "gives; drop one of them")
+        tau = self.draft_confidence_threshold
+        if tau is not None and (not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0 < tau < 1):
+            raise ConfigError(f"speculative_config.draft_confidence_threshold={tau!r} must be a number in (0, 1): "
+                              "the draft's top-1 probability below which a request stops drafting")
         if not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:

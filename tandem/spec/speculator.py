@@ -46,6 +46,7 @@ from tandem.sampling.gumbel import DRAFT_SALT
 from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw, process_logits
 from tandem.sampling.state import SamplingState
+from tandem.spec.confidence import ConfidenceStop
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
 from tandem.spec.rejection import block_rejection_sample, force_target_tokens, rejection_sample
@@ -97,6 +98,7 @@ class DraftSpeculator:
         self.head_cols = len(hot_ids) if hot_ids is not None else self.draft_vocab  # the logits a draft step reads
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.local_argmax = spec.use_local_argmax_reduction is not False
+        self.confidence_threshold = spec.draft_confidence_threshold  # None: every round drafts its plan's number
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
         s = sched.max_num_seqs
         # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
@@ -209,13 +211,16 @@ class DraftSpeculator:
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor,
-                masks: DraftMasks | None = None) -> None:
+                masks: DraftMasks | None = None) -> dict[int, int] | None:
         """Catch the draft up on this step's tokens (and any it skipped before), then draft
         num_next_drafts tokens for every sampling request that does not skip the draft.
 
         masks: the structured-output requests' grammars (grammar-aware drafting), whose rows mask
         their draft logits before each draft is taken. The round then runs step by step, each
-        step's drafts of those requests brought to the host (a wait) while the next forward runs."""
+        step's drafts of those requests brought to the host (a wait) while the next forward runs.
+
+        -> the requests (plan.reqs indices) that propose fewer drafts than their plan's, and how
+        many (draft_confidence_threshold's early stop, tandem/spec/confidence.py); None: none."""
         k = max((plan.reqs[i].num_next_drafts for i in batch.sampling), default=0)
         drafting = [n for n, i in enumerate(batch.sampling) if plan.reqs[i].num_next_drafts]  # into batch.sampling
         if masks is not None:
@@ -225,14 +230,19 @@ class DraftSpeculator:
                                               self.attn_backend.upload))
             finally:
                 masks.finish()
-            return
-        self._propose(plan, batch, row_tokens, num_emitted, k, drafting, None)
+            return None
+        counts = self._propose(plan, batch, row_tokens, num_emitted, k, drafting, None)
+        if counts is None:
+            return None
+        planned = [plan.reqs[batch.sampling[n]].num_next_drafts for n in drafting]
+        return {batch.sampling[n]: c for n, c, p in zip(drafting, counts, planned) if c < p} or None
 
     def _propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor, k: int,
-                 drafting: list[int], constrained: _Constrained | None) -> None:
+                 drafting: list[int], constrained: _Constrained | None) -> list[int] | None:
+        """-> each drafting request's number of drafts when the confidence stop ran (None: the plan's)."""
         layout = _catchup_layout(plan, batch.input_ids.shape[0], extra=k > 0)
         if not layout.lens:
-            return  # every request skips the draft
+            return None  # every request skips the draft
         sampling = [plan.reqs[batch.sampling[n]] for n in drafting]
         positions_host = [p for st, n in zip(layout.starts, layout.lens) for p in range(st, st + n)]
         max_kv = max((r.start_pos + r.num_new_tokens + k for r in sampling), default=0)
@@ -250,7 +260,7 @@ class DraftSpeculator:
         meta = self.attn_backend.prefill(layout.starts, layout.lens, layout.tables, rowwise=False)  # draft: batched is fine
         if not sampling:
             self._forward(ids, positions, meta)
-            return
+            return None
         # The token the target emitted goes right after the accepted drafts: base + num_accepted.
         num_accepted = (num_emitted[picked] if some else num_emitted) - 1  # [num_drafting]
         new_tokens = row_tokens[row_base + num_accepted]  # [num_drafting]
@@ -261,13 +271,13 @@ class DraftSpeculator:
         table = table.view(len(sampling), max_blocks)
         if self._local_argmax(sampling, constrained):
             self._greedy_round(ids, positions, meta, new_rows, slots, table, max_kv, k)
-            return
+            return None
         catchup = self._catchup_graph(plan, batch)
         graphs = self.graphs.get(k) if constrained is None else None  # constrained: step by step
         if catchup is graphs and graphs is not None and self._greedy(sampling):  # the whole round in one replay
             graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, new_rows, slots, table)
-            return
+            return None
         if catchup is not None:
             logits = catchup.catchup.replay(len(plan.reqs), ids, positions, meta.slot_mapping,
                                             meta.block_tables, meta.seq_lens)[new_rows]
@@ -277,10 +287,16 @@ class DraftSpeculator:
         mask = None
         if constrained is not None:  # the masks are made while the catch-up runs
             mask = constrained.first()
+        # A structured-output round keeps its plan's drafts: its masks and draft copies follow them.
+        stop = None
+        if self.confidence_threshold is not None and constrained is None:  # (CPU only: LLM refuses it on CUDA)
+            stop = ConfidenceStop(self.confidence_threshold, [r.num_next_drafts for r in sampling])
         self._draft_step(0, logits, slots, pos + 1, sampling, mask)
+        if stop is not None and stop.after(0, logits[:, : self.head_cols]):
+            return stop.counts
         if graphs is not None and graphs.loops and self._greedy(sampling) and graphs.bucket(len(sampling)) is not None:
             graphs.run_loop(slots, pos, table)
-            return
+            return None
         for step in range(1, k):
             if constrained is not None:
                 constrained.copy_drafts(self.drafts, slots, step - 1)  # before the forward: it waits for the copy only
@@ -291,12 +307,16 @@ class DraftSpeculator:
             if constrained is not None:  # the masks are made while the forward runs
                 mask = constrained.next()
             self._draft_step(step, logits, slots, pos + 1, sampling, mask)
+            if stop is not None and stop.after(step, logits[:, : self.head_cols]):
+                break
+        return stop.counts if stop is not None else None
 
     def _local_argmax(self, sampling, constrained: _Constrained | None) -> bool:
         """Whether a round's drafts are argmaxes a tensor-parallel draft can take from each rank's
         best token alone (CausalLM.top_tokens): greedy, free of grammars, over a draft vocabulary no
         larger than the target's (a pruned head is never sharded: SpeculatorFactory)."""
-        return (self.local_argmax and self.model.tp is not None and constrained is None and self._greedy(sampling)
+        return (self.local_argmax and self.confidence_threshold is None and self.model.tp is not None
+                and constrained is None and self._greedy(sampling)
                 and self.model.arch.vocab_size == self.draft_vocab and self.hot_ids is None)
 
     def _greedy_round(self, ids: Tensor, positions: Tensor, meta, new_rows: Tensor, slots: Tensor, table: Tensor,

@@ -148,6 +148,15 @@ def test_draft_enforce_eager_keeps_the_targets_graphs(models):
     assert llm_eager.engine.spec_metrics.num_accepted_tokens == llm.engine.spec_metrics.num_accepted_tokens
 
 
+def test_confidence_stop_is_refused_on_gpu(models):
+    """draft_confidence_threshold reads each draft step's confidence on the host: on a GPU that wait
+    would stall the draft graphs, so LLM refuses it there (vLLM allows it on SM121 alone)."""
+    target, draft = models
+    with pytest.raises(ConfigError, match="^speculative_config.draft_confidence_threshold is supported on the CPU only"):
+        LLM(str(target), device="cuda", speculative_config=dict(model=str(draft), num_speculative_tokens=3,
+                                                                draft_confidence_threshold=0.5))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_watermarked_speculation_on_gpu(models, dtype):
     """The keyed draws (the Triton sampler with the watermark's keys) survive speculation on the

@@ -109,6 +109,9 @@ def test_greedy_two_ranks_match_one(models):
                # vLLM's use_local_argmax_reduction=False: the sharded draft's logits gathered instead
                dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3,
                                         "use_local_argmax_reduction": False}),
+               # the confidence stop: every rank ends the same chains (the logits gathered whole)
+               dict(speculative_config={"model": str(models["near"]), "num_speculative_tokens": 3,
+                                        "draft_confidence_threshold": 0.3}),
                dict(speculative_config={"model": str(models["other"]), "num_speculative_tokens": 2,
                                         "draft_tensor_parallel_size": 1, "draft_vocab_size": 200})):
         spec = kw.get("speculative_config", {})

@@ -1,0 +1,92 @@
+"""Confidence-based early stop on the real Qwen2.5-Coder pair (CPU): drafts, acceptance and speed, side by side.
+
+    python bench/confidence_stop.py                                   # k = 4: no stop, tau 0.3 and 0.5
+    python bench/confidence_stop.py --thresholds none,0.2,0.4 --k 6 --repeats 5
+
+Every variant is a speculative engine (greedy, batch 1: one prompt at a time, the 5 code and 5 chat
+prompts of bench/real_pair.py) whose rounds end each request's chain of drafts at its first draft
+with a top-1 draft probability below tau (speculative_config draft_confidence_threshold), or never
+("none"). All engines are loaded first, then timed round-robin (one pass over the prompts each,
+--repeats times after a warm-up), so a shared machine's drift hits each alike; medians are
+reported, wall and CPU time (the CPU time of this process, the steadier figure on a shared box).
+"drafts a round": the drafts verified per round (k without a stop, less max_tokens' cuts).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tandem  # noqa: F401,E402  (before torch: it sets the OpenMP wait policy)
+
+from bench.common import environment, print_table, run_interleaved, write_json  # noqa: E402
+from bench.real_pair import DRAFT, TARGET, prompt_ids  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--thresholds", default="none,0.3,0.5", help="comma list of draft_confidence_threshold")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=5, help="prompts per class")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench/results/confidence_stop.json")
+    args = p.parse_args(argv)
+    from tandem import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    engines, prompts = {}, None
+    for value in args.thresholds.split(","):
+        tau = None if value == "none" else float(value)
+        spec = dict(model=DRAFT, num_speculative_tokens=args.k, draft_confidence_threshold=tau)
+        llm = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, speculative_config=spec)
+        prompts = prompts or prompt_ids(llm.get_tokenizer(), args.prompts)
+        engines[f"tau {tau}" if tau else "no stop"] = llm
+
+    outputs = {}
+
+    def one_pass(name):
+        def run(i):
+            outputs[name] = [engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                             for _, ids in prompts]
+        return run
+
+    series = run_interleaved([(name, one_pass(name)) for name in engines], args.repeats,
+                             log=lambda line: print(line, flush=True))
+    first = next(iter(engines))
+    ref = [o.outputs[0].token_ids for o in outputs[first]]
+    tokens = args.tokens * len(prompts)
+    base = series[first].summary()
+    results = {"env": environment(), "config": vars(args), "runs": []}
+    for name in engines:
+        outs = outputs[name]
+        row = {"config": name}
+        for cls in ("code", "chat"):
+            sel = [o.metrics for (c, _), o in zip(prompts, outs) if c == cls]
+            rounds, drafts = sum(m.num_draft_rounds for m in sel), sum(m.num_draft_tokens for m in sel)
+            accepted = sum(m.num_accepted_tokens for m in sel)
+            row |= {f"{cls}_drafts_per_round": drafts / rounds, f"{cls}_acceptance_rate": accepted / drafts,
+                    f"{cls}_mean_acceptance_length": 1 + accepted / rounds}
+        s = series[name].summary()
+        row |= dict(tok_s=tokens / s["median_s"], cpu_ms_per_token=1e3 * s["cpu_median_s"] / tokens,
+                    spread=s["spread"], speedup=base["median_s"] / s["median_s"],
+                    cpu_speedup=base["cpu_median_s"] / s["cpu_median_s"],
+                    identical=[o.outputs[0].token_ids for o in outs] == ref, timing=s)
+        results["runs"].append(row)
+        print(row | {"timing": None}, flush=True)
+    write_json(args.out, results)
+    print_table(["variant", "tok/s", "CPU ms/token", "spread", f"x {first}", f"CPU x {first}", "code drafts/round",
+                 "code acc", "code AL", "chat drafts/round", "chat acc", "chat AL", "same tokens"],
+                [(r["config"], f"{r['tok_s']:.2f}", f"{r['cpu_ms_per_token']:.1f}", f"{r['spread']:.2f}",
+                  f"{r['speedup']:.3f}", f"{r['cpu_speedup']:.3f}", f"{r['code_drafts_per_round']:.2f}",
+                  f"{r['code_acceptance_rate']:.3f}", f"{r['code_mean_acceptance_length']:.2f}",
+                  f"{r['chat_drafts_per_round']:.2f}", f"{r['chat_acceptance_rate']:.3f}",
+                  f"{r['chat_mean_acceptance_length']:.2f}", "yes" if r["identical"] else "NO")
+                 for r in results["runs"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
