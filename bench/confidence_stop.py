@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tandem  # noqa: F401,E402  (before torch: it sets the OpenMP wait policy)
 
-from bench.common import environment, print_table, run_interleaved, write_json  # noqa: E402
-from bench.real_pair import DRAFT, TARGET, prompt_ids  # noqa: E402
+from bench.common import environment, print_table, write_json  # noqa: E402
+from bench.real_pair import DRAFT, time_variants  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,27 +34,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/results/confidence_stop.json")
     args = p.parse_args(argv)
-    from tandem import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    engines, prompts = {}, None
+    specs = {}
     for value in args.thresholds.split(","):
         tau = None if value == "none" else float(value)
-        spec = dict(model=DRAFT, num_speculative_tokens=args.k, draft_confidence_threshold=tau)
-        llm = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, speculative_config=spec)
-        prompts = prompts or prompt_ids(llm.get_tokenizer(), args.prompts)
-        engines[f"tau {tau}" if tau else "no stop"] = llm
-
-    outputs = {}
-
-    def one_pass(name):
-        def run(i):
-            outputs[name] = [engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-                             for _, ids in prompts]
-        return run
-
-    series = run_interleaved([(name, one_pass(name)) for name in engines], args.repeats,
-                             log=lambda line: print(line, flush=True))
+        specs[f"tau {tau}" if tau else "no stop"] = dict(model=DRAFT, num_speculative_tokens=args.k,
+                                                         draft_confidence_threshold=tau)
+    engines, prompts, series, outputs = time_variants(specs, args.tokens, args.prompts, args.repeats)
     first = next(iter(engines))
     ref = [o.outputs[0].token_ids for o in outputs[first]]
     tokens = args.tokens * len(prompts)

@@ -73,6 +73,32 @@ def run_tandem(llm, prompts, tokens, temperature=0.0, seeds=1):
     return rows
 
 
+def time_variants(specs: dict, tokens: int, num_prompts: int, repeats: int):
+    """One batch-1 speculative engine per speculative_config (name -> spec), all loaded first, then
+    timed round-robin (bench.common.run_interleaved: one greedy pass over the prompts each, `tokens`
+    new tokens a prompt), so a shared machine's drift hits each alike -> (engines, prompts, series
+    by name, each engine's outputs of its last pass)."""
+    from bench.common import run_interleaved
+    from tandem import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engines, prompts = {}, None
+    for name, spec in specs.items():
+        engines[name] = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, speculative_config=spec)
+        prompts = prompts or prompt_ids(engines[name].get_tokenizer(), num_prompts)
+    outputs = {}
+
+    def one_pass(name):
+        def run(i):
+            outputs[name] = [engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                             for _, ids in prompts]
+        return run
+
+    series = run_interleaved([(name, one_pass(name)) for name in engines], repeats,
+                             log=lambda line: print(line, flush=True))
+    return engines, prompts, series, outputs
+
+
 def run_hf(model, prompts, tokens, assistant=None):
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
     if assistant is not None:
