@@ -2,6 +2,7 @@
 
     python bench/confidence_stop.py                                   # k = 4: no stop, tau 0.3 and 0.5
     python bench/confidence_stop.py --thresholds none,0.2,0.4 --k 6 --repeats 5
+    python bench/confidence_stop.py --k 6 --adaptive --thresholds none,0.6 --fixed-k 4   # with "auto" speculation
 
 Every variant is a speculative engine (greedy, batch 1: one prompt at a time, the 5 code and 5 chat
 prompts of bench/real_pair.py) whose rounds end each request's chain of drafts at its first draft
@@ -29,16 +30,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--thresholds", default="none,0.3,0.5", help="comma list of draft_confidence_threshold")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--adaptive", action="store_true",
+                   help="every variant drafts 0..k a step, chosen as num_speculative_tokens_per_batch_size='auto'")
+    p.add_argument("--fixed-k", type=int, default=None, help="also (first) a variant drafting this k, without a stop")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=5, help="prompts per class")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/results/confidence_stop.json")
     args = p.parse_args(argv)
     specs = {}
+    if args.fixed_k is not None:
+        specs[f"k={args.fixed_k}, no stop"] = dict(model=DRAFT, num_speculative_tokens=args.fixed_k)
+    auto = dict(num_speculative_tokens_per_batch_size="auto") if args.adaptive else {}
     for value in args.thresholds.split(","):
         tau = None if value == "none" else float(value)
         specs[f"tau {tau}" if tau else "no stop"] = dict(model=DRAFT, num_speculative_tokens=args.k,
-                                                         draft_confidence_threshold=tau)
+                                                         draft_confidence_threshold=tau, **auto)
     engines, prompts, series, outputs = time_variants(specs, args.tokens, args.prompts, args.repeats)
     first = next(iter(engines))
     ref = [o.outputs[0].token_ids for o in outputs[first]]
