@@ -66,6 +66,9 @@ def main(argv=None) -> int:
                     spread=s["spread"], speedup=base["median_s"] / s["median_s"],
                     cpu_speedup=base["cpu_median_s"] / s["cpu_median_s"],
                     identical=[o.outputs[0].token_ids for o in outs] == ref, timing=s)
+        adaptive = engines[name].engine.adaptive
+        if adaptive is not None:  # what "auto" chose and believed, its step costs measured at start-up
+            row["adaptive"] = adaptive.summary() | {"expected_costs_b1": adaptive.expected_costs(1)}
         results["runs"].append(row)
         print(row | {"timing": None}, flush=True)
     write_json(args.out, results)

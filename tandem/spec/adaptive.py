@@ -12,6 +12,11 @@ for a batch of n requests each verifying K drafts and proposing K more. Every re
 step gets the same K (uniform batches replay the CUDA graphs). K = 0 switches the draft model
 off; the scheduler then has it catch up when drafting resumes.
 
+Under the confidence stop (tandem/spec/confidence.py) a round planned with K drafts may propose
+fewer: S_j then counts a draft never proposed as rejected (the stop's yield), and the cost of
+planning K is the measured one scaled by how often the stop lets some chain of the batch draft
+that far (`AdaptiveDrafts.expected_costs`; the costs are measured with the stop off).
+
 A position that is never verified is never observed: while K stays below k, the estimate of
 S_K goes stale. So when S_K has not been observed for `probe_interval` steps, the policy
 drafts K + 1 until an observation arrives (a probe), which also lets it climb back from K = 0
@@ -117,11 +122,29 @@ class AdaptiveDrafts:
         self.estimator = estimator if estimator is not None else AcceptanceEstimator(k)
         self.probe_interval = probe_interval
         self.num_steps_by_k = [0] * (k + 1)  # steps that proposed K drafts, K = 0..k (observe)
+        # Under the confidence stop: R_j = P(a chain proposes more than j drafts | it planned more),
+        # the same survival estimate over (drafts planned, drafts proposed); 1 without the stop.
+        self.proposals = AcceptanceEstimator(k)
+        # req id -> the drafts its next round planned, for rounds the confidence stop cut short
+        self.planned_by_req: dict[int, int] = {}
+
+    def expected_costs(self, num_reqs: int) -> list[float]:
+        """The expected ms of a step planning K = 0..k drafts. A round's draft steps end once every
+        chain has (the confidence stop), so planning K costs cost(1) plus, for each further draft
+        step j, its share cost(j + 1) - cost(j) times P(some chain of the batch is still alive),
+        1 - (1 - R_j)^n; without the stop every R_j is 1 and this is the measured cost(K)."""
+        row = self.costs.at(num_reqs)
+        alive = self.proposals.survival()
+        out = list(row[:2])
+        for j in range(1, self.k):
+            step = row[j + 1] - row[j] if not math.isinf(row[j + 1]) else math.inf  # inf: K = j + 1 does not fit
+            out.append(math.inf if math.isinf(step) else out[j] + (1.0 - (1.0 - alive[j]) ** num_reqs) * step)
+        return out[: self.k + 1]
 
     def best(self, num_reqs: int) -> int:
         """The K in 0..k with the most expected tokens per millisecond at this batch size."""
         survival = self.estimator.survival()
-        row = self.costs.at(num_reqs)
+        row = self.expected_costs(num_reqs)
         best, best_rate, tokens = 0, -1.0, 1.0
         for K in range(self.k + 1):
             if K:
@@ -142,16 +165,29 @@ class AdaptiveDrafts:
         return K
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
-        rounds = [(item.num_drafts, len(tokens) - 1)
-                  for item, tokens in zip(plan.reqs, result.sampled_token_ids) if item.num_drafts and tokens]
-        self.estimator.observe(rounds)
+        """One step's verified rounds. A round the confidence stop (tandem/spec/confidence.py) cut
+        short counts its unproposed positions as rejected, not as unobserved: they yield no token,
+        and left out they would be seen only in the rounds the draft was sure of, so the estimate
+        of deep positions would rise with the stop and steer K up for nothing. Counted this way
+        S_j is the yield of the policy in force: P(draft j is proposed and the first j + 1 are
+        accepted). The same rounds teach `proposals` how long the stop lets a chain run, which
+        prices a plan of K drafts (expected_costs)."""
+        planned = self.planned_by_req
+        verified = [(item, max(item.num_drafts, planned.get(item.req_id, 0)), len(tokens) - 1)
+                    for item, tokens in zip(plan.reqs, result.sampled_token_ids) if item.num_drafts and tokens]
+        self.estimator.observe([(num_planned, num_accepted) for _, num_planned, num_accepted in verified])
+        self.proposals.observe([(num_planned, item.num_drafts) for item, num_planned, _ in verified])
+        # Rebuilt every step: a request verifies its drafts the step after it proposes them.
+        self.planned_by_req = {item.req_id: item.num_next_drafts
+                               for item, num_proposed in zip(plan.reqs, result.num_drafts_proposed)
+                               if num_proposed < item.num_next_drafts}
         proposed = max((item.num_next_drafts for item in plan.reqs), default=0)
         self.num_steps_by_k[proposed] += 1
 
     def summary(self) -> dict:
         """What it chose and believes, as plain data (the benchmarks' JSON)."""
         return dict(steps_by_drafts=list(self.num_steps_by_k), estimated_survival=self.estimator.survival(),
-                    step_costs=self.costs.table())
+                    estimated_proposals=self.proposals.survival(), step_costs=self.costs.table())
 
     def log_line(self) -> str:
         s = ", ".join(f"{v:.2f}" for v in self.estimator.survival())

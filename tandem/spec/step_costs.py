@@ -60,6 +60,25 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     blocks = list(range(min(-(-span // cfg.cache.block_size), cfg.cache.num_blocks)))
     params = SamplingParams()
     t0 = time.monotonic()
+    # The costs of rounds that draft all their K: the confidence stop would cut the dummy rounds
+    # anywhere; AdaptiveDrafts prices its cuts from how long real chains run.
+    threshold, runner.speculator.confidence_threshold = runner.speculator.confidence_threshold, None
+    try:
+        rows = _measure(runner, cfg, sizes, blocks, params, context, warmups, reps, graphs)
+    finally:
+        runner.speculator.confidence_threshold = threshold
+    for slot in range(n_max):
+        runner.state.remove(slot)
+    costs = StepCosts.from_measured(sizes[: len(rows)], rows)
+    logger.info("adaptive speculation: step ms by batch size (K = 0..%d drafts), measured in %.1f s: %s",
+                k, time.monotonic() - t0, costs.table())
+    return costs
+
+
+def _measure(runner: ModelRunner, cfg: EngineConfig, sizes: list[int], blocks: list[int], params: SamplingParams,
+             context: int, warmups: int, reps: int, graphs: bool) -> list[list[float]]:
+    """The rows of profile_step_costs: ms by K for each size, up to the first that is too slow."""
+    sched, k = cfg.sched, cfg.spec.num_speculative_tokens
     # One request prefills the context, in chunks of the token budget; every request shares its
     # block table, so each attends to that context (of both models).
     for start in range(0, context, sched.max_num_batched_tokens):
@@ -82,9 +101,4 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
         rows.append(row)
         if not graphs and max((t for t in row if not math.isinf(t)), default=0.0) > EAGER_MAX_STEP_MS:
             break
-    for slot in range(n_max):
-        runner.state.remove(slot)
-    costs = StepCosts.from_measured(sizes[: len(rows)], rows)
-    logger.info("adaptive speculation: step ms by batch size (K = 0..%d drafts), measured in %.1f s: %s",
-                k, time.monotonic() - t0, costs.table())
-    return costs
+    return rows

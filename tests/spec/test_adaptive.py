@@ -114,3 +114,56 @@ def test_observe_counts_the_steps_by_drafts_proposed():
     assert policy.estimator.weight == pytest.approx([3, 3], abs=0.01)  # prior 2 + one round
     assert policy.estimator.hits == pytest.approx([3, 2], abs=0.01)  # accepted 1 of 2 drafts
     assert "steps by drafts proposed {1: 1}" in policy.log_line()
+
+
+def test_a_round_cut_by_the_confidence_stop_counts_its_unproposed_drafts_as_rejected():
+    policy = AdaptiveDrafts(4, costs(k=4))
+    # Step 1 plans 4 drafts for request 7 and 4 for request 8; the stop lets 7 propose only 2.
+    step1 = [ScheduledReq(7, 0, 5, [1], 0, [0], True, 0, num_next_drafts=4),
+             ScheduledReq(8, 1, 5, [1], 0, [0], True, 0, num_next_drafts=4)]
+    policy.observe(StepPlan([], step1), StepResult([[3], [3]], [None, None], [2, 4]))
+    assert policy.planned_by_req == {7: 4}
+    # Step 2 verifies them: 7 accepts both of its 2 drafts, 8 accepts 2 of its 4.
+    step2 = [ScheduledReq(7, 0, 6, [3], 2, [0], True, 1, num_next_drafts=4),
+             ScheduledReq(8, 1, 6, [3], 4, [0], True, 1, num_next_drafts=4)]
+    before = list(policy.estimator.weight)
+    policy.observe(StepPlan([], step2), StepResult([[4, 5, 6], [4, 5, 6]], [None, None], [4, 4]))
+    # Every position 0..3 saw both rounds (7's positions 2 and 3 as rejections, not as unobserved).
+    assert [w - b for w, b in zip(policy.estimator.weight, before)] == pytest.approx([2, 2, 2, 2], abs=0.01)
+    assert policy.estimator.hits == pytest.approx([4, 4, 2, 2], abs=0.01)  # the prior 2 each, then 2, 2, 0, 0
+    assert policy.planned_by_req == {}
+    # How far the chains ran: request 7 planned 4 and proposed 2 (positions 2, 3 cut), 8 all 4.
+    assert policy.proposals.hits == pytest.approx([4, 4, 3, 3], abs=0.01)
+
+
+def test_without_the_stop_a_plan_costs_what_was_measured():
+    policy = AdaptiveDrafts(4, costs(k=4))
+    for _ in range(50):
+        policy.observe(StepPlan([], [ScheduledReq(1, 0, 9, [1], 4, [0], True, 1, num_next_drafts=4)]),
+                       StepResult([[1, 2]], [None], [4]))
+    for n in (1, 8, 64):
+        assert policy.expected_costs(n) == pytest.approx(list(policy.costs.at(n)))
+
+
+def test_under_the_stop_a_plan_costs_the_draft_steps_its_chains_run():
+    table = StepCosts((1, 8), ((4.0, 5.0, 6.0, 7.0), (4.0, 6.0, 8.0, math.inf)))
+    policy = AdaptiveDrafts(3, table, estimator=AcceptanceEstimator(3), probe_interval=10**9)
+    policy.proposals = AcceptanceEstimator(3, prior_weight=1e-9)
+    policy.proposals.observe([(3, 1), (3, 3)])  # half the chains stop after one draft: R = 1, 0.5, 0.5
+    assert policy.expected_costs(1) == pytest.approx([4.0, 5.0, 5.5, 6.0])
+    p8 = 1 - 0.5**8  # P(one of 8 chains still drafts)
+    assert policy.expected_costs(8) == pytest.approx([4.0, 6.0, 6.0 + 2 * p8, math.inf])
+    # Survival 0.9 / 0.3 / 0.2: at the measured costs one draft pays best (1.9 / 5 tokens a ms
+    # against 2.2 / 6 and 2.4 / 7); with chains that mostly stop after one, the deepest plan does.
+    policy.estimator = AcceptanceEstimator(3, prior_weight=1e-9)
+    policy.estimator.observe([(3, 3)] * 2 + [(3, 2)] + [(3, 1)] * 6 + [(3, 0)])
+    assert policy.estimator.survival() == pytest.approx([0.9, 0.3, 0.2])
+    policy.proposals = AcceptanceEstimator(3, prior_weight=1e-9)
+    assert policy(1) == 1
+    policy.proposals.observe([(3, 1)] * 9 + [(3, 3)])  # R = 1, 0.1, 0.1
+    assert policy.expected_costs(1) == pytest.approx([4.0, 5.0, 5.1, 5.2])
+    assert policy(1) == 3
+    # Chains that all stop after one draft: a deeper plan costs nothing more.
+    policy.proposals = AcceptanceEstimator(3, prior_weight=1e-9)
+    policy.proposals.observe([(3, 1)])
+    assert policy.expected_costs(1) == pytest.approx([4.0, 5.0, 5.0, 5.0])

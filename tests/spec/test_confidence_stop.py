@@ -69,6 +69,20 @@ def test_greedy_output_is_the_targets_and_unsure_rounds_are_cut(models):
     assert rates[0.9] > rates[0.3] > rates[None]  # the drafts left out were the likely rejections
 
 
+def test_adaptive_speculation_prices_the_stop_from_the_chains_it_saw(models):
+    """Under "auto" the step costs are measured with the stop off (whole rounds), and the rounds the
+    stop cut teach the policy how far chains run (a sure-of-nothing draft: one draft a round)."""
+    llm = _llm(models, draft_confidence_threshold=0.9, num_speculative_tokens_per_batch_size="auto")
+    adaptive, speculator = llm.engine.adaptive, llm.engine.runner.speculator
+    assert speculator.confidence_threshold == 0.9  # back on after the profile
+    outs = llm.generate(_prompts()[:2], PARAMS, use_tqdm=False)
+    assert all(d == 1 for o in outs for d in o.metrics.per_step_drafted)
+    alive = adaptive.proposals.survival()
+    assert alive[0] == 1.0 and max(alive[1:]) < 0.5
+    costs = adaptive.expected_costs(1)
+    assert costs[4] - costs[1] <= 0.5 * (adaptive.costs.at(1)[4] - adaptive.costs.at(1)[1])
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(draft_confidence_threshold=0), "draft_confidence_threshold=0 must be a number in (0, 1)"),
     (dict(draft_confidence_threshold=1.0), "draft_confidence_threshold=1.0 must be a number in (0, 1)"),
