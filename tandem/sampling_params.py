@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,18 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What the engine's outputs of an unfinished request carry (vLLM's values).
+
+    CUMULATIVE: every output holds everything so far. DELTA: each holds only what is new since the
+    request's previous output (tokens, text, logprobs; the prompt logprobs with the first), the
+    final one too. FINAL_ONLY: the request yields one output, when it finishes (LLM.generate's)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters, named as in vLLM.
@@ -126,8 +139,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: arbitrary arguments for plugins and custom samplers; carried with the request, read by none.
     extra_args: dict[str, Any] | None = None
+    # What each output of the request carries: a RequestOutputKind, or its value or name.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self.output_kind = _output_kind(self.output_kind)
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if isinstance(self.stop, str):
@@ -260,3 +276,14 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _output_kind(value) -> RequestOutputKind:
+    """A RequestOutputKind from itself, its value (0, 1, 2) or its name (any case)."""
+    if isinstance(value, str) and value.upper() in RequestOutputKind.__members__:
+        return RequestOutputKind[value.upper()]
+    if _is_int(value) and value in set(RequestOutputKind):
+        return RequestOutputKind(value)
+    names = ", ".join(k.name for k in RequestOutputKind)
+    raise RequestError(f"SamplingParams.output_kind={value!r} is invalid: give a RequestOutputKind ({names}), "
+                       "its value or its name")

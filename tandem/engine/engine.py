@@ -30,7 +30,7 @@ from tandem.reasoning import reasoning_format
 from tandem.oom import OutOfMemoryGuard, release_failed_step
 from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
 from tandem.runner.model_runner import Launched
-from tandem.sampling_params import MAX_SEED, SamplingParams
+from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
 from tandem.scheduler.request import Request
 from tandem.scheduler.scheduler import Scheduler
 
@@ -51,6 +51,10 @@ class SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, token 1's, ...] as they arrive
+    # What the request's outputs have shown: tokens, characters of text, and its finish (DELTA's offsets).
+    num_shown_tokens: int = 0
+    num_shown_chars: int = 0
+    shown_finish: bool = False
 
 
 @dataclass
@@ -61,6 +65,7 @@ class RequestState:
     params: SamplingParams
     seqs: list[SeqState]
     metrics: RequestMetrics
+    shown_prompt_logprobs: bool = False  # an output carried them (DELTA sends them once)
 
     @property
     def finished(self) -> bool:
@@ -347,7 +352,9 @@ class Engine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of every request that progressed.
+        """Run one engine step; return the outputs of the requests that progressed, as each one's
+        SamplingParams.output_kind asks (CUMULATIVE: everything so far; DELTA: what is new;
+        FINAL_ONLY: only once it finished).
 
         A step that fails (a CUDA out-of-memory error, a bug) ends the requests it ran, whose
         device state it may have left half-written, and raises StepError naming them; the engine
@@ -361,7 +368,7 @@ class Engine:
                 scheduled = time.monotonic()  # a step's start: before its planning and its launch
                 plan = self.scheduler.schedule()
                 if plan.is_empty:
-                    return [self._output(s) for s in touched.values()]
+                    return self._outputs(touched)
                 running.append(plan)
                 if self.grammars.active:  # the masks are made while the device runs the forward
                     fwd = self.runner.forward(plan)
@@ -438,7 +445,20 @@ class Engine:
                 for request_id in list(self._requests):  # nothing can run them any more
                     self.abort_request(request_id)
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
-        return [self._output(s) for s in touched.values()]
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """The outputs of the requests that progressed, as each one's output_kind asks: every one
+        (CUMULATIVE), those with something new (DELTA), the finished (FINAL_ONLY)."""
+        outs = []
+        for state in touched.values():
+            kind = state.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+                continue
+            out = self._output(state, delta=kind == RequestOutputKind.DELTA)
+            if out is not None:
+                outs.append(out)
+        return outs
 
     def _draft_masks(self, plan: StepPlan):
         """The grammars a step's drafting round masks its drafts with, or None (a free round)."""
@@ -566,7 +586,42 @@ class Engine:
         if len(reqs) == 1 and reqs[0].per_step_accepted is not None:
             m.per_step_accepted, m.per_step_drafted = list(reqs[0].per_step_accepted), list(reqs[0].per_step_drafted)
 
-    def _output(self, state: RequestState) -> RequestOutput:
+    @staticmethod
+    def _shown_text_end(seq: SeqState, params: SamplingParams) -> int:
+        """How much of seq's text an output may show: all of it once the sequence finished, else
+        all but the characters that could still turn out to be the start of a stop string (the
+        stop and what follows it are then cut from the text, which must not take back what an
+        output showed; as vLLM, nothing is held back when the stop string stays in the output).
+        A stop string found ends at or after the end shown before, so the text never shrinks."""
+        text = seq.detok.text
+        if seq.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+            return len(text)
+        hold = max(len(stop) for stop in params.stop) - 1
+        return max(seq.num_shown_chars, len(text) - hold)
+
+    def _completion(self, seq: SeqState, params: SamplingParams, delta: bool) -> CompletionOutput | None:
+        """seq's output: all of it, or (delta) what is new since its previous output (None: nothing)."""
+        end = self._shown_text_end(seq, params)
+        first_token, first_char = (seq.num_shown_tokens, seq.num_shown_chars) if delta else (0, 0)
+        if delta and first_token == len(seq.token_ids) and first_char == end \
+                and (seq.finish_reason is None or seq.shown_finish):
+            return None
+        seq.num_shown_tokens, seq.num_shown_chars = len(seq.token_ids), end
+        seq.shown_finish = seq.finish_reason is not None
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.detok.text[first_char:end],
+            token_ids=seq.token_ids[first_token:],
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs[first_token:] if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _output(self, state: RequestState, delta: bool = False) -> RequestOutput | None:
+        """The request's output: everything so far, or (delta) only what is new since the last one
+        (its sequences with nothing new left out, the prompt logprobs in the first alone; None when
+        nothing is new and it has not finished)."""
         m = state.metrics
         reqs = [s.req for s in state.seqs]
         m.num_generation_tokens = sum(len(s.token_ids) for s in state.seqs)
@@ -581,18 +636,12 @@ class Engine:
         ]
         if state.finished:  # the histograms and each round's counts: on the final output alone
             self._final_acceptance(m, reqs)
-        outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detok.text,
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in state.seqs
-        ]
+        outputs = [c for c in (self._completion(s, state.params, delta) for s in state.seqs) if c is not None]
+        if not outputs and not state.finished:
+            return None
         prompt_lps = self._prompt_logprobs_of(state)
+        if prompt_lps is not None and delta and state.shown_prompt_logprobs:
+            prompt_lps = None
+        state.shown_prompt_logprobs = state.shown_prompt_logprobs or prompt_lps is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m,
                              prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None)

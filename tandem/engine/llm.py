@@ -37,7 +37,7 @@ from tandem.parallel.shard import check_shardable
 from tandem.parallel.workers import ReplicatedEngine, Workers, is_transport_error, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
-from tandem.sampling_params import MAX_SEED, SamplingParams
+from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -388,9 +388,14 @@ class LLM:
 
     def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
+        final_only: dict[int, SamplingParams] = {}  # id of a caller's params -> its FINAL_ONLY copy
         for (token_ids, text), p in zip(items, params):
             request_id = str(self._counter)
             self._counter += 1
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:  # only the final outputs are read (as vLLM)
+                if id(p) not in final_only:
+                    final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                p = final_only[id(p)]
             self.engine.add_request(request_id, token_ids, p, prompt=text)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}

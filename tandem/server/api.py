@@ -225,8 +225,6 @@ class _Renderer:
         self.sent_chars, self.sent_tokens, self.done = [0] * size, [0] * size, [False] * size
         self.started = [False] * size
         self.finals: dict[int, RequestOutput] = {}
-        # Streamed text holds back what could still turn out to be the start of a stop string.
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
     def preamble(self) -> list[BaseModel]:
         return []
@@ -247,7 +245,7 @@ class _Renderer:
                 first = self.opening(idx, out)
                 if first is not None:
                     chunks.append(self.counted(first))
-            end = len(seq.text) if seq.finish_reason else max(self.sent_chars[idx], len(seq.text) - self.holdback)
+            end = len(seq.text)  # the engine holds back what could be the start of a stop string
             delta = seq.text[self.sent_chars[idx]:end]
             if not delta and seq.finish_reason is None:
                 continue

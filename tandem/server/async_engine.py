@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.engine.engine import Engine
-from tandem.errors import ConfigError, StepError
+from tandem.errors import ConfigError, RequestError, StepError
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.server")
@@ -185,6 +185,10 @@ class AsyncEngine:
         """
         if not self._accepting or not self.is_running:
             raise EngineStopped("the server is shutting down and takes no new requests")
+        if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the newest output only
+            raise RequestError(f"SamplingParams.output_kind={params.output_kind.name} is not served here: a request "
+                               "stream holds each request's newest output, which must be cumulative; leave "
+                               "output_kind as CUMULATIVE (the default)")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self._commands.put(_Add(stream, prompt_token_ids, params, prompt))
         try:
