@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import logging
 import re
 import time
@@ -64,6 +65,8 @@ from tandem.server.protocol import (
     random_id,
 )
 from tandem.server.response_metrics import ResponseMetrics
+from tandem.server.responses import ResponseBuilder, ResponsesRequest, ResponsesRequestError, chat_request
+from tandem.server.responses import renamed as responses_names
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (
     ToolChoice,
@@ -287,6 +290,20 @@ class _Renderer:
         outputs = [self.finals[i] for i in sorted(self.finals)]
         return [self.chunk([], usage=self.usage(outputs), **self.metrics(outputs))]
 
+    def sse(self, chunk: BaseModel) -> str:
+        """One server-sent event."""
+        return _sse(chunk)
+
+    def error_sse(self, err: APIError) -> str:
+        """The event that ends a stream the engine could not finish."""
+        return _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)))
+
+    end_of_stream = "data: [DONE]\n\n"
+
+    def body(self, outputs: list[RequestOutput]) -> dict:
+        """The whole (non-streamed) answer's JSON."""
+        return self.response(outputs).model_dump(mode="json")
+
     def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel:
         raise NotImplementedError
 
@@ -461,6 +478,39 @@ class ChatRenderer(_Renderer):
                                       prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
 
 
+class ResponsesRenderer(ChatRenderer):
+    """/v1/responses: the chat path's rendering told as the Responses API (tandem/server/responses.py):
+    a stream of typed events (no usage chunks, no [DONE]) and the Response object."""
+
+    end_of_stream = ""
+
+    def __init__(self, *args, builder: ResponseBuilder, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.builder = builder
+
+    def preamble(self) -> list[dict]:
+        return self.builder.start()
+
+    def counted(self, chunk):
+        return chunk
+
+    def on_output(self, i: int, out: RequestOutput) -> list[dict]:
+        return [event for chunk in super().on_output(i, out) for event in self.builder.on_chunk(chunk)]
+
+    def final_chunks(self) -> list[dict]:
+        outputs = [self.finals[i] for i in sorted(self.finals)]
+        return self.builder.finish(self.usage(outputs), outputs[0].num_cached_tokens or 0)
+
+    def body(self, outputs: list[RequestOutput]) -> dict:
+        return self.builder.from_chat(self.response(outputs), outputs[0].num_cached_tokens or 0)
+
+    def sse(self, event: dict) -> str:
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    def error_sse(self, err: APIError) -> str:
+        return self.sse(self.builder.error(err.message, err.code, err.param))
+
+
 def _joined_deltas(parts: list[DeltaMessage]) -> DeltaMessage:
     """One delta holding the pieces' content (joined) and tool calls, in order."""
     content = "".join(p.content for p in parts if p.content is not None)
@@ -629,6 +679,30 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         model = self._check_common(body)
+        return await self._chat(request, body, model, random_id("chatcmpl"), ChatRenderer)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: the request as a chat completion, told back as the Responses API."""
+        body = await _parse(request, ResponsesRequest)
+        model = self._check_common(body)
+        refused = body.refused_field()
+        if refused is not None:
+            raise APIError(400, f"'{refused[0]}': {refused[1]}", param=refused[0])
+        try:
+            chat = chat_request(body)
+        except ResponsesRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValidationError as e:
+            raise APIError(400, f"'input': {e.errors()[0]['msg']}", param="input") from None
+        builder = ResponseBuilder(body, model)
+        try:
+            return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder)
+        except APIError as e:
+            e.message, e.param = responses_names(e.message, e.param)
+            raise
+
+    async def _chat(self, request: Request, body: ChatCompletionRequest, model: str, response_id: str,
+                    renderer_class: type[ChatRenderer], **renderer_kwargs) -> Response:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if body.prompt_logprobs is not None and body.stream:
@@ -649,10 +723,11 @@ class OpenAIServer:
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
-        renderer = ChatRenderer(random_id("chatcmpl"), model, prompts, params, self._include_usage(body), self.report,
-                                self._continuous_usage(body), role=role,
-                                echo_text=echo_text, tools=tools if tools.makes_calls else None,
-                                reasoning=self.reasoning, include_reasoning=body.include_reasoning)
+        renderer = renderer_class(response_id, model, prompts, params, self._include_usage(body), self.report,
+                                  self._continuous_usage(body), role=role,
+                                  echo_text=echo_text, tools=tools if tools.makes_calls else None,
+                                  reasoning=self.reasoning, include_reasoning=body.include_reasoning,
+                                  **renderer_kwargs)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field, "tools" if constraint is not None else None)
 
@@ -764,7 +839,7 @@ class OpenAIServer:
             release()
         if outputs is None:
             return Response(status_code=499)  # the client is gone; its requests were aborted
-        return JSONResponse(renderer.response(outputs).model_dump(mode="json"))
+        return JSONResponse(renderer.body(outputs))
 
     def _check_context(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
                        max_tokens_param: str) -> None:
@@ -833,19 +908,19 @@ class OpenAIServer:
     async def _events(self, streams: list[RequestStream], renderer: _Renderer) -> AsyncIterator[str]:
         try:
             for chunk in renderer.preamble():
-                yield _sse(renderer.counted(chunk))
+                yield renderer.sse(renderer.counted(chunk))
             async for i, out in _merge(streams):
                 for chunk in renderer.on_output(i, out):
-                    yield _sse(chunk)
+                    yield renderer.sse(chunk)
             for chunk in renderer.final_chunks():
-                yield _sse(chunk)
+                yield renderer.sse(chunk)
         except Exception as e:  # the engine stopped or failed mid-stream: report it in-band
             logger.warning("stream %s ended with an error: %r", renderer.id, e)
             err = _api_error(e)
             self.metrics.on_error(err.status)
-            body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code))
-            yield _sse(body)
-        yield "data: [DONE]\n\n"
+            yield renderer.error_sse(err)
+        if renderer.end_of_stream:
+            yield renderer.end_of_stream
 
 
 def _copy_tokenizer(tokenizer):
@@ -947,6 +1022,7 @@ def build_app(
 
     route("/v1/completions", server.completions)
     route("/v1/chat/completions", server.chat_completions)
+    route("/v1/responses", server.responses)
     route("/v1/models", server.models, "GET")
     route("/health", server.health, "GET")
     route("/metrics", server.prometheus, "GET")

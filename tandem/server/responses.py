@@ -1,0 +1,373 @@
+"""OpenAI's Responses API (POST /v1/responses, as vLLM serves it) as a translation of chat completions.
+
+A request becomes a ChatCompletionRequest (`chat_request`): `instructions` a system message,
+`input` (a string, or items: messages, and the `function_call` / `function_call_output` items of
+earlier turns) the messages, `max_output_tokens`, `tools` (function tools, given flat),
+`tool_choice`, `text.format` (the response_format) and `top_logprobs`; vLLM's extra sampling
+fields pass through. It then runs as a chat completion, and `ResponseBuilder` tells the result
+as a Response: the chat reply as output items (`reasoning`, `message` with one `output_text`
+part, `function_call`), the chat stream's chunks as the Responses stream's typed events, each
+with its sequence number. Nothing is stored: `previous_response_id` and `background` are
+refused, and `store` is answered false. Plain data: no FastAPI, no engine.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
+    ChatLogprobs, UsageInfo, _SamplingRequest
+
+# Fields of the Responses API that tandem refuses -> why (each a 400 naming the field when set).
+REFUSED_FIELDS = {
+    "previous_response_id": "this server stores no responses; send the whole conversation in 'input'",
+    "background": "background responses are not supported; leave it out",
+    "conversation": "conversations are not stored here; send the whole conversation in 'input'",
+    "prompt": "prompt templates are not supported; send the text in 'input'",
+    "max_tool_calls": "a cap on tool calls is not supported; leave it out",
+}
+# Text content part types that carry text, in input messages.
+TEXT_PARTS = ("input_text", "output_text", "text")
+# A chat field's name in errors -> the Responses field it came from.
+FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format"}
+
+
+class ResponsesRequestError(ValueError):
+    """A Responses request that cannot be served; param names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ResponsesRequest(_SamplingRequest):
+    """POST /v1/responses. vLLM's extra sampling fields (top_k, seed, stop, ...) are taken as in chat."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None  # the output text's logprobs with this many alternatives
+    include: list[str] | None = None  # "message.output_text.logprobs" asks for the logprobs too
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict[str, Any] | None = None  # echoed; the model's template decides how it thinks
+    store: bool | None = None  # answered false: nothing is stored
+    truncation: str | None = None  # "disabled" (OpenAI's default); "auto" is refused
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field set that tandem does not serve."""
+        for name, why in REFUSED_FIELDS.items():
+            if getattr(self, name) not in (None, False):
+                return name, why
+        if self.truncation not in (None, "disabled"):
+            return "truncation", f"truncation {self.truncation!r} is not supported; leave it out or give 'disabled'"
+        if self.n != 1:
+            return "n", "a response has one output; leave 'n' out"
+        return None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion that serves the request (ResponsesRequestError names a bad field)."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages += _input_messages(body.input)
+    if not messages:
+        raise ResponsesRequestError("'input' is empty: give a string or at least one message", "input")
+    payload = {name: getattr(body, name) for name in _SamplingRequest.model_fields}
+    payload.update(messages=messages, max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls,
+                   tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice))
+    fmt = _response_format(body.text)
+    if fmt is not None:  # vLLM's response_format and friends, when given instead, stay as they are
+        payload["response_format"] = fmt
+    if body.wants_logprobs:
+        payload.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
+    return ChatCompletionRequest.model_validate(payload)
+
+
+def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is one user message; items are messages (developer as
+    system), function calls (joined into one assistant message per turn) and their outputs (tool
+    messages); reasoning items are dropped (the template writes its own thinking)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ResponsesRequestError(f"'{where}.role' is {role!r}; give 'user', 'system', 'developer' or "
+                                            "'assistant'", f"{where}.role")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # parallel calls of one turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                        "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+        elif kind != "reasoning":
+            raise ResponsesRequestError(f"'{where}' is a {kind!r} item; this server takes 'message', 'function_call',"
+                                        " 'function_call_output' and 'reasoning' items", f"{where}.type")
+    return out
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ResponsesRequestError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined by newlines (as chat joins its parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise ResponsesRequestError(f"'{where}' must be a string or text parts ({{'type': 'input_text', 'text': ...}}); "
+                                "this server takes text only", where)
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools, flat in the Responses API, as chat's {"type": "function", "function": {...}}."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise ResponsesRequestError(f"'tools.{i}' is a {tool.get('type')!r} tool; this server calls function "
+                                        "tools ('type': 'function') only", f"tools.{i}.type")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                           "strict") if tool.get(k) is not None}})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ResponsesRequestError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': "
+                                "...}", "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format (None: free text)."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema", {}),
+                                                       "strict": fmt.get("strict")}}
+    raise ResponsesRequestError(f"'text.format' type {fmt.get('type')!r} is not one of 'text', 'json_object', "
+                                "'json_schema'", "text.format")
+
+
+def renamed(message: str, param: str | None) -> tuple[str, str | None]:
+    """An error of the chat path in the Responses API's names ('messages' -> 'input', ...)."""
+    for chat, name in FIELD_NAMES.items():
+        message = message.replace(f"'{chat}'", f"'{name}'")
+    if param is not None:
+        head = param.split(".")[0]
+        param = "input" if head == "messages" else FIELD_NAMES.get(param, param)
+    return message, param
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """One response: the Response object and, when streaming, its events from the chat chunks."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.id, self.model, self.body = _id("resp"), model, body
+        self.created_at = int(time.time())
+        self.sequence_number = 0
+        self.items: list[dict[str, Any]] = []  # the output items streamed, in order
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its function_call item
+        self.finish_reason: str | None = None
+
+    # ------------------------------------------------------------ the Response object
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+            "status": status, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata, "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
+            "reasoning": body.reasoning, "truncation": body.truncation or "disabled", "store": False,
+            "background": False, "previous_response_id": None, "user": body.user,
+        }
+
+    @staticmethod
+    def usage(usage: UsageInfo, cached_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens}
+
+    def status(self, finish_reason: str | None) -> str:
+        return "incomplete" if finish_reason == "length" else "completed"
+
+    def from_chat(self, chat: ChatCompletionResponse, cached_tokens: int) -> dict[str, Any]:
+        """The whole response from the chat reply."""
+        choice = chat.choices[0]
+        message, output = choice.message, []
+        if message.reasoning:
+            output.append(_reasoning_item(_id("rs"), message.reasoning, "completed"))
+        if message.content or not message.tool_calls:
+            output.append(_message_item(_id("msg"), message.content or "", _logprobs(choice.logprobs), "completed"))
+        for call in message.tool_calls:
+            output.append(_call_item(_id("fc"), call.id, call.function.name, call.function.arguments, "completed"))
+        return self.response(self.status(choice.finish_reason), output, self.usage(chat.usage, cached_tokens))
+
+    # ------------------------------------------------------------ streaming
+    def event(self, kind: str, **fields) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self.event("response.created", response=self.response("in_progress", [])),
+                self.event("response.in_progress", response=self.response("in_progress", []))]
+
+    def on_chunk(self, chunk: ChatCompletionChunk) -> list[dict[str, Any]]:
+        """The events of one chat chunk: thinking, then text, then tool calls (a chunk holds them in that order)."""
+        events: list[dict[str, Any]] = []
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.reasoning:
+                events += self._text_delta("reasoning", delta.reasoning, [])
+            if delta.content:
+                events += self._text_delta("message", delta.content, _logprobs(choice.logprobs))
+            for call in delta.tool_calls:
+                if call.index not in self.calls:
+                    events += self._close()
+                    item = _call_item(_id("fc"), call.id or _id("call"), call.function.name or "", "", "in_progress")
+                    self.calls[call.index] = item
+                    events += self._open(item)
+                item = self.calls[call.index]
+                if call.function.arguments:
+                    item["arguments"] += call.function.arguments
+                    events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                             output_index=self._index(item), delta=call.function.arguments))
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+        return events
+
+    def finish(self, usage: UsageInfo, cached_tokens: int) -> list[dict[str, Any]]:
+        """The last events: the open item closed, then the whole response."""
+        events = self._close()
+        status = self.status(self.finish_reason)
+        response = self.response(status, self.items, self.usage(usage, cached_tokens))
+        return events + [self.event(f"response.{status}", response=response)]
+
+    def error(self, message: str, code: str | None, param: str | None) -> dict[str, Any]:
+        return self.event("error", message=message, code=code, param=param)
+
+    def _index(self, item: dict[str, Any]) -> int:
+        return next(i for i, it in enumerate(self.items) if it is item)
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self.open = item
+        shown = {**item, "content": []} if "content" in item else dict(item)
+        events = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=shown)]
+        if "content" in item:
+            events.append(self.event("response.content_part.added", item_id=item["id"],
+                                     output_index=len(self.items) - 1, content_index=0, part=_empty(item)))
+        return events
+
+    def _text_delta(self, kind: str, text: str, logprobs: list) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            item = _reasoning_item(_id("rs"), "", "in_progress") if kind == "reasoning" \
+                else _message_item(_id("msg"), "", [], "in_progress")
+            events += self._open(item)
+        part = self.open["content"][0]
+        part["text"] += text
+        fields = dict(item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0, delta=text)
+        if kind == "message":
+            part["logprobs"] += logprobs
+            events.append(self.event("response.output_text.delta", logprobs=logprobs, **fields))
+        else:
+            events.append(self.event("response.reasoning_text.delta", **fields))
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self._index(item)
+        item["status"] = "completed"
+        events = []
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                     arguments=item["arguments"], name=item["name"]))
+        else:
+            part = item["content"][0]
+            where = dict(item_id=item["id"], output_index=index, content_index=0)
+            if item["type"] == "message":
+                events.append(self.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"],
+                                         **where))
+            else:
+                events.append(self.event("response.reasoning_text.done", text=part["text"], **where))
+            events.append(self.event("response.content_part.done", part=part, **where))
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def _message_item(item_id: str, text: str, logprobs: list, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _empty(item: dict[str, Any]) -> dict[str, Any]:
+    """The item's content part before any text."""
+    part = item["content"][0]
+    return {**part, "text": "", **({"logprobs": []} if "logprobs" in part else {})}
+
+
+def _logprobs(logprobs: ChatLogprobs | None) -> list[dict[str, Any]]:
+    """Chat's token logprobs in the output_text's shape (the same fields)."""
+    if logprobs is None or not logprobs.content:
+        return []
+    return [lp.model_dump(mode="json") for lp in logprobs.content]

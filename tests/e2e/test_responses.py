@@ -1,0 +1,171 @@
+"""POST /v1/responses, driven by the official openai client (its types check every object and
+event), against the same server's chat completions: a response is the chat reply, told as the
+Responses API."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def live(model_dirs):  # noqa: F811
+    server = LiveServer(_llm(model_dirs))
+    yield server
+    server.stop()
+
+
+def _chat(live, messages, **kw):
+    return live.client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def _events(stream) -> list:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_a_response_is_the_chat_reply(live):
+    r = live.client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=10, temperature=0)
+    chat = _chat(live, ASK, max_tokens=10)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert [item.type for item in r.output] == ["message"]
+    message = r.output[0]
+    assert message.role == "assistant" and message.id.startswith("msg_") and message.status == "completed"
+    assert r.output_text == message.content[0].text == chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "length"  # cut by the token limit:
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 10
+    assert r.usage.total_tokens == chat.usage.total_tokens and r.usage.input_tokens_details.cached_tokens >= 0
+    assert r.max_output_tokens == 10 and r.temperature == 0 and r.store is False
+
+
+def test_instructions_and_input_items_are_the_chat_messages(live):
+    """instructions is a system message; developer messages are system ones; text parts are joined;
+    a function call and its output are the assistant's tool call and the tool message."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 2}'}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+                {"role": "user", "content": "Weather in Paris?\nTwo days."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    items = [{"role": "developer", "content": "Use tools."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"},
+                                                             {"type": "input_text", "text": "Two days."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 2}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    r = live.client.responses.create(model=MODEL, instructions="Be brief.", input=items, max_output_tokens=8,
+                                     temperature=0, tools=[FLAT_WEATHER], tool_choice="none")
+    chat = _chat(live, messages, max_tokens=8, tools=[WEATHER], tool_choice="none")
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_streamed_response_tells_the_same_reply_in_events(live):
+    kw = dict(model=MODEL, input="The quick brown fox", max_output_tokens=12, temperature=0.8, top_p=0.9,
+              extra_body={"seed": 5})
+    whole = live.client.responses.create(**kw)
+    events = _events(live.client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * deltas + [
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert deltas >= 2 and events[0].response.status == "in_progress"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == text and final.status == "incomplete" and final.usage.output_tokens == 12
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events[3:-2] if hasattr(e, "item_id"))
+    assert events[-2].item.id == item_id == final.output[0].id and final.id == events[0].response.id
+
+
+def test_a_named_tool_choice_is_a_function_call_item(live):
+    kw = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=80, temperature=0, tools=[FLAT_WEATHER],
+              tool_choice={"type": "function", "name": "get_weather"})
+    r = live.client.responses.create(**kw)
+    chat = _chat(live, ASK, max_tokens=80, tools=[WEATHER],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    want = chat.choices[0].message.tool_calls[0].function
+    assert [item.type for item in r.output] == ["function_call"] and r.status == "completed"
+    call = r.output[0]
+    assert (call.name, call.arguments) == (want.name, want.arguments) and json.loads(call.arguments)["city"]
+    assert call.call_id and call.id.startswith("fc_") and r.output_text == ""
+    events = _events(live.client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert args == done.arguments == want.arguments and done.item_id == events[2].item.id
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert events[-1].response.output[0].arguments == want.arguments
+
+
+def test_reasoning_is_its_own_item(live):
+    """With a reasoning parser the thinking is a reasoning item before the message (set on the
+    server here, so a regex can force the whole reply)."""
+    from tandem.reasoning import REASONING_PARSERS
+
+    server = live.app.state.server
+    reply = "<think>Paris is in France.</think>\n\nIt is sunny."
+    kw = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=99, temperature=0,
+              extra_body={"guided_regex": re.escape(reply)})
+    server.reasoning = REASONING_PARSERS["qwen3"]
+    try:
+        r = live.client.responses.create(**kw)
+        events = _events(live.client.responses.create(**kw, stream=True))
+    finally:
+        server.reasoning = None
+    assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "completed"
+    assert r.output[0].content[0].text == "Paris is in France." and r.output_text == "\n\nIt is sunny."
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thinking, text) == ("Paris is in France.", "\n\nIt is sunny.")
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"] and [i.type for i in events[-1].response.output] == added
+
+
+def test_json_schema_format_and_logprobs(live):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    r = live.client.responses.create(model=MODEL, input="Where?", max_output_tokens=30, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "place", "schema": schema}},
+                                     top_logprobs=2)
+    assert json.loads(r.output_text)["city"] in ("Paris", "Rome")
+    chat = _chat(live, [{"role": "user", "content": "Where?"}], max_tokens=30, logprobs=True, top_logprobs=2,
+                 response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert r.output_text == chat.choices[0].message.content
+    got, want = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
+    assert [(lp.token, len(lp.top_logprobs)) for lp in got] == [(lp.token, 2) for lp in want]
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-3)  # other batches
+
+
+@pytest.mark.parametrize("kw, param, says", [
+    (dict(previous_response_id="resp_1"), "previous_response_id", "stores no responses"),
+    (dict(background=True), "background", "not supported"),
+    (dict(truncation="auto"), "truncation", "'auto' is not supported"),
+    (dict(tools=[{"type": "web_search"}]), "tools.0.type", "function tools"),
+    (dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+     "input.0.content", "text only"),
+    (dict(input=[{"type": "item_reference", "id": "x"}]), "input.0.type", "'item_reference' item"),
+    (dict(input=[{"role": "critic", "content": "x"}]), "input.0.role", "'critic'"),
+    (dict(input=[]), "input", "empty"),
+    (dict(max_output_tokens=500), "max_output_tokens", "'max_output_tokens'"),
+    (dict(text={"format": {"type": "yaml"}}), "text.format", "'yaml'"),
+    (dict(tool_choice={"type": "web_search"}, tools=[FLAT_WEATHER]), "tool_choice", "'tool_choice' must be"),
+])
+def test_bad_requests_name_the_responses_field(live, kw, param, says):
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.responses.create(**body)
+    assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
