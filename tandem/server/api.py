@@ -508,7 +508,8 @@ class ResponsesRenderer(ChatRenderer):
         return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
     def error_sse(self, err: APIError) -> str:
-        return self.sse(self.builder.error(err.message, err.code, err.param))
+        message, param = responses_names(err.message, err.param)
+        return "".join(self.sse(event) for event in self.builder.failed(message, err.code, param))
 
 
 def _joined_deltas(parts: list[DeltaMessage]) -> DeltaMessage:
@@ -692,8 +693,10 @@ class OpenAIServer:
             chat = chat_request(body)
         except ResponsesRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        except ValidationError as e:
-            raise APIError(400, f"'input': {e.errors()[0]['msg']}", param="input") from None
+        except ValidationError as e:  # a field passed on to the chat request (a tool's, tool_choice)
+            err = validation_error(e)
+            err.message, err.param = responses_names(err.message, err.param)
+            raise err from None
         builder = ResponseBuilder(body, model)
         try:
             return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder)

@@ -12,6 +12,7 @@ refused, and `store` is answered false. Plain data: no FastAPI, no engine.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -63,6 +64,9 @@ class ResponsesRequest(_SamplingRequest):
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
+    # vLLM's chat extras, taken here too
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
+    include_reasoning: bool = True  # with a reasoning parser: the thinking as a reasoning item (False: dropped)
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set that tandem does not serve."""
@@ -73,6 +77,8 @@ class ResponsesRequest(_SamplingRequest):
             return "truncation", f"truncation {self.truncation!r} is not supported; leave it out or give 'disabled'"
         if self.n != 1:
             return "n", "a response has one output; leave 'n' out"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "a response carries no prompt logprobs; ask /v1/completions for them"
         return None
 
     @property
@@ -87,8 +93,13 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise ResponsesRequestError("'input' is empty: give a string or at least one message", "input")
     payload = {name: getattr(body, name) for name in _SamplingRequest.model_fields}
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:  # as vLLM: the template decides what an effort means (most ignore it)
+        kwargs.setdefault("reasoning_effort", effort)
     payload.update(messages=messages, max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls,
-                   tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice))
+                   tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
+                   chat_template_kwargs=kwargs or None, include_reasoning=body.include_reasoning)
     fmt = _response_format(body.text)
     if fmt is not None:  # vLLM's response_format and friends, when given instead, stay as they are
         payload["response_format"] = fmt
@@ -104,6 +115,19 @@ def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ResponsesRequestError("'input' must be a string or a list of items (objects)", "input")
+    thinking: str | None = None  # a reasoning item's text, for the assistant turn it precedes
+
+    def assistant() -> dict[str, Any]:
+        """The assistant message of this turn: the one just before, or a new one."""
+        nonlocal thinking
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": None})
+        if thinking is not None:  # Qwen3's template prints it inside a tool-calling turn
+            out[-1]["reasoning_content"], thinking = thinking, None
+        return out[-1]
+
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input.{i}"
         if kind == "message":
@@ -111,20 +135,24 @@ def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ResponsesRequestError(f"'{where}.role' is {role!r}; give 'user', 'system', 'developer' or "
                                             "'assistant'", f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{where}.content")})
+            text = _text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                message = assistant()
+                message["content"] = text if message["content"] is None else message["content"] + text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)  # parallel calls of one turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            assistant().setdefault("tool_calls", []).append(call)  # with the turn's text and its other calls
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thinking = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+        else:
             raise ResponsesRequestError(f"'{where}' is a {kind!r} item; this server takes 'message', 'function_call',"
                                         " 'function_call_output' and 'reasoning' items", f"{where}.type")
     return out
@@ -138,12 +166,15 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts joined by newlines (as chat joins its parts)."""
+    """A message's content: a string, or text parts joined by newlines (as chat joins its parts;
+    a refusal part is its text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "\n".join(p["text"] for p in content)
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = [p.get("text") if p.get("type") in TEXT_PARTS else p.get("refusal") if p.get("type") == "refusal"
+                 else None for p in content]
+        if all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)
     raise ResponsesRequestError(f"'{where}' must be a string or text parts ({{'type': 'input_text', 'text': ...}}); "
                                 "this server takes text only", where)
 
@@ -174,11 +205,18 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as chat's response_format (None: free text)."""
     fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ResponsesRequestError("'text.format' must be an object: {'type': 'text' | 'json_object' | "
+                                    "'json_schema', ...}", "text.format")
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema", {}), dict):
+            raise ResponsesRequestError("'text.format.schema' must be a JSON schema (an object)", "text.format.schema")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema", {}),
                                                        "strict": fmt.get("strict")}}
     raise ResponsesRequestError(f"'text.format' type {fmt.get('type')!r} is not one of 'text', 'json_object', "
@@ -186,12 +224,18 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def renamed(message: str, param: str | None) -> tuple[str, str | None]:
-    """An error of the chat path in the Responses API's names ('messages' -> 'input', ...)."""
+    """An error of the chat path in the Responses API's names: 'messages' (and 'messages.3', whose
+    index counts chat messages, not input items) -> 'input', 'max_tokens' -> 'max_output_tokens',
+    'response_format' -> 'text.format', 'tools.0.function.name' -> 'tools.0.name'."""
+    message = re.sub(r"\bmessages(\.\d+)?\b", "input", message)
     for chat, name in FIELD_NAMES.items():
-        message = message.replace(f"'{chat}'", f"'{name}'")
+        if chat != "messages":
+            message = re.sub(rf"\b{chat}\b", name, message)
+    message = re.sub(r"\b(tools\.\d+)\.function\b", r"\1", message)
     if param is not None:
         head = param.split(".")[0]
         param = "input" if head == "messages" else FIELD_NAMES.get(param, param)
+        param = re.sub(r"^(tools\.\d+)\.function\b", r"\1", param)
     return message, param
 
 
@@ -221,7 +265,7 @@ class ResponseBuilder:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata, "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
-            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
             "reasoning": body.reasoning, "truncation": body.truncation or "disabled", "store": False,
             "background": False, "previous_response_id": None, "user": body.user,
@@ -229,7 +273,8 @@ class ResponseBuilder:
 
     @staticmethod
     def usage(usage: UsageInfo, cached_tokens: int) -> dict[str, Any]:
-        return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+        return {"input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage.total_tokens}
 
@@ -242,11 +287,14 @@ class ResponseBuilder:
         message, output = choice.message, []
         if message.reasoning:
             output.append(_reasoning_item(_id("rs"), message.reasoning, "completed"))
-        if message.content or not message.tool_calls:
+        if message.content or not (message.tool_calls or message.reasoning):  # an empty reply: an empty message
             output.append(_message_item(_id("msg"), message.content or "", _logprobs(choice.logprobs), "completed"))
         for call in message.tool_calls:
             output.append(_call_item(_id("fc"), call.id, call.function.name, call.function.arguments, "completed"))
-        return self.response(self.status(choice.finish_reason), output, self.usage(chat.usage, cached_tokens))
+        status = self.status(choice.finish_reason)
+        if status == "incomplete":
+            output[-1]["status"] = "incomplete"  # the item the limit cut
+        return self.response(status, output, self.usage(chat.usage, cached_tokens))
 
     # ------------------------------------------------------------ streaming
     def event(self, kind: str, **fields) -> dict[str, Any]:
@@ -283,14 +331,23 @@ class ResponseBuilder:
         return events
 
     def finish(self, usage: UsageInfo, cached_tokens: int) -> list[dict[str, Any]]:
-        """The last events: the open item closed, then the whole response."""
-        events = self._close()
+        """The last events: the open item closed (an empty message when the reply had nothing), then
+        the whole response."""
         status = self.status(self.finish_reason)
+        events = [] if self.items else self._open(_message_item(_id("msg"), "", [], "in_progress"))
+        events += self._close("incomplete" if status == "incomplete" else "completed")
         response = self.response(status, self.items, self.usage(usage, cached_tokens))
         return events + [self.event(f"response.{status}", response=response)]
 
-    def error(self, message: str, code: str | None, param: str | None) -> dict[str, Any]:
-        return self.event("error", message=message, code=code, param=param)
+    def failed(self, message: str, code: str | None, param: str | None) -> list[dict[str, Any]]:
+        """A stream the engine could not finish: the error, then the response as failed (its items
+        as far as they went)."""
+        if self.open is not None:
+            self.open["status"] = "incomplete"
+        response = self.response("failed", self.items)
+        response["error"] = {"code": code or "server_error", "message": message}
+        return [self.event("error", message=message, code=code, param=param),
+                self.event("response.failed", response=response)]
 
     def _index(self, item: dict[str, Any]) -> int:
         return next(i for i, it in enumerate(self.items) if it is item)
@@ -322,12 +379,12 @@ class ResponseBuilder:
             events.append(self.event("response.reasoning_text.delta", **fields))
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.open = self.open, None
         if item is None:
             return []
         index = self._index(item)
-        item["status"] = "completed"
+        item["status"] = status
         events = []
         if item["type"] == "function_call":
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

@@ -1,15 +1,20 @@
-"""POST /v1/responses, driven by the official openai client (its types check every object and
-event), against the same server's chat completions: a response is the chat reply, told as the
-Responses API."""
+"""POST /v1/responses, driven by the official openai client, against the same server's chat
+completions: a response is the chat reply, told as the Responses API. The client builds its
+objects without checking them, so the raw JSON is validated against its types apart."""
 from __future__ import annotations
 
 import json
 import re
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
+
+from tandem.server.responses import ResponseBuilder, ResponsesRequest, chat_request  # noqa: E402
 from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
 
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
@@ -38,13 +43,52 @@ def test_a_response_is_the_chat_reply(live):
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert [item.type for item in r.output] == ["message"]
     message = r.output[0]
-    assert message.role == "assistant" and message.id.startswith("msg_") and message.status == "completed"
+    assert message.role == "assistant" and message.id.startswith("msg_") and message.status == "incomplete"
     assert r.output_text == message.content[0].text == chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "length"  # cut by the token limit:
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 10
     assert r.usage.total_tokens == chat.usage.total_tokens and r.usage.input_tokens_details.cached_tokens >= 0
     assert r.max_output_tokens == 10 and r.temperature == 0 and r.store is False
+
+
+def test_the_raw_json_is_what_the_openai_types_say(live):
+    body = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": 6, "temperature": 0}
+    raw = httpx.post(live.url + "/v1/responses", json=body, timeout=60).json()
+    assert Response.model_validate(raw).output_text
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", live.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert names == [d["type"] for d in data] and "[DONE]" not in lines
+    assert [events.validate_python(d).type for d in data][-1] == "response.incomplete"
+    builder = ResponseBuilder(ResponsesRequest.model_validate({"input": "x"}), MODEL)
+    failed = builder.start() + builder.failed("the engine stopped", None, None)
+    assert [events.validate_python(e).type for e in failed][-2:] == ["error", "response.failed"]
+    assert failed[-1]["response"]["status"] == "failed" and failed[-1]["response"]["error"]["code"] == "server_error"
+
+
+def test_a_previous_output_passed_back_is_one_assistant_turn():
+    """The output items of a turn (its reasoning, message and calls), given back as input, are one
+    assistant message with its text, its tool calls and its thinking, as chat would hold it."""
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+             {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+             {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}",
+              "status": "completed"},
+             {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": "g", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "1"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]}]
+    chat = chat_request(ResponsesRequest.model_validate({"input": items, "instructions": "Be brief."}))
+    got = [m.template_dict() for m in chat.messages]
+    assert [m["role"] for m in got] == ["system", "user", "assistant", "tool", "tool"]
+    turn = got[2]
+    assert turn["content"] == "Checking." and turn["reasoning_content"] == "Use the tool."
+    assert [(c["id"], c["function"]["name"]) for c in turn["tool_calls"]] == [("c1", "f"), ("c2", "g")]
+    assert (got[3]["tool_call_id"], got[4]["content"]) == ("c1", "2")
 
 
 def test_instructions_and_input_items_are_the_chat_messages(live):
@@ -88,6 +132,7 @@ def test_a_streamed_response_tells_the_same_reply_in_events(live):
     item_id = events[2].item.id
     assert all(e.item_id == item_id for e in events[3:-2] if hasattr(e, "item_id"))
     assert events[-2].item.id == item_id == final.output[0].id and final.id == events[0].response.id
+    assert events[-2].item.status == whole.output[0].status == "incomplete"  # the item the limit cut
 
 
 def test_a_named_tool_choice_is_a_function_call_item(live):
@@ -124,8 +169,10 @@ def test_reasoning_is_its_own_item(live):
     try:
         r = live.client.responses.create(**kw)
         events = _events(live.client.responses.create(**kw, stream=True))
+        hidden = live.client.responses.create(**{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}})
     finally:
         server.reasoning = None
+    assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "\n\nIt is sunny."
     assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "completed"
     assert r.output[0].content[0].text == "Paris is in France." and r.output_text == "\n\nIt is sunny."
     thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
@@ -163,6 +210,12 @@ def test_json_schema_format_and_logprobs(live):
     (dict(max_output_tokens=500), "max_output_tokens", "'max_output_tokens'"),
     (dict(text={"format": {"type": "yaml"}}), "text.format", "'yaml'"),
     (dict(tool_choice={"type": "web_search"}, tools=[FLAT_WEATHER]), "tool_choice", "'tool_choice' must be"),
+    (dict(text={"format": "json"}), "text.format", "must be an object"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": "{}"}}), "text.format.schema", "schema"),
+    (dict(tools=[{"type": "function", "parameters": {}}]), "tools.0.name", "'tools.0.name' is required"),
+    (dict(max_output_tokens=-1), "max_output_tokens", "max_output_tokens=-1 is invalid"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "/v1/completions"),
+    (dict(extra_body={"n": 2}), "n", "one output"),
 ])
 def test_bad_requests_name_the_responses_field(live, kw, param, says):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **kw}
