@@ -103,6 +103,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="every stream ends with the usage chunk (and the metrics object), as if each request "
                              "set stream_options.include_usage")
+    server.add_argument("--responses-store-size", type=int_in(0), default=0,
+                        help="keep the last N /v1/responses responses (those not sent with store false), for "
+                             "previous_response_id and GET / DELETE /v1/responses/{id}; default 0: none kept, and "
+                             "previous_response_id is refused")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

@@ -65,7 +65,8 @@ from tandem.server.protocol import (
     random_id,
 )
 from tandem.server.response_metrics import ResponseMetrics
-from tandem.server.responses import ResponseBuilder, ResponsesRequest, ResponsesRequestError, chat_request
+from tandem.server.responses import ResponseBuilder, ResponsesRequest, ResponsesRequestError, ResponseStore, \
+    chat_request, input_items
 from tandem.server.responses import renamed as responses_names
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (
@@ -580,8 +581,10 @@ class OpenAIServer:
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
-                 force_include_usage: bool = False):
+                 force_include_usage: bool = False, responses_store_size: int = 0):
         engine = client.engine
+        # the last responses of /v1/responses, for previous_response_id and GET (None: none kept)
+        self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
         self.report = report  # what a response's `metrics` object carries (none of it by default)
         self.force_include_usage = force_include_usage  # streams end with the usage chunk, asked or not
         self.client = client
@@ -689,20 +692,53 @@ class OpenAIServer:
         refused = body.refused_field()
         if refused is not None:
             raise APIError(400, f"'{refused[0]}': {refused[1]}", param=refused[0])
+        previous = None
+        if body.previous_response_id is not None:
+            if self.responses_store is None:
+                raise APIError(400, "'previous_response_id': this server stores no responses (start it with "
+                               "--responses-store-size N); send the whole conversation in 'input'",
+                               param="previous_response_id")
+            previous = self._stored(body.previous_response_id, "previous_response_id")[1]
+        items = input_items(body, previous)
         try:
-            chat = chat_request(body)
+            chat = chat_request(body, items)
         except ResponsesRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except ValidationError as e:  # a field passed on to the chat request (a tool's, tool_choice)
             err = validation_error(e)
             err.message, err.param = responses_names(err.message, err.param)
             raise err from None
-        builder = ResponseBuilder(body, model)
+        store = self.responses_store if body.store is not False else None
+        on_done = None
+        if store is not None:
+            def on_done(response: dict) -> None:  # the conversation so far, for a request that continues it
+                store.put(response, items + response["output"])
+        builder = ResponseBuilder(body, model, on_done=on_done, stored=store is not None)
         try:
             return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder)
         except APIError as e:
             e.message, e.param = responses_names(e.message, e.param)
             raise
+
+    def _stored(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        entry = self.responses_store.get(response_id) if self.responses_store is not None else None
+        if entry is None:
+            kept = (f"this server keeps the last {self.responses_store.size}" if self.responses_store is not None
+                    else "this server stores none (--responses-store-size)")
+            raise APIError(404, f"no stored response has the id '{response_id}' ({kept})", param=param,
+                           type="invalid_request_error", code="response_not_found")
+        return entry
+
+    async def get_response(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}: a stored response."""
+        return JSONResponse(self._stored(request.path_params["response_id"])[0])
+
+    async def delete_response(self, request: Request) -> Response:
+        """DELETE /v1/responses/{response_id}: drop a stored response."""
+        response_id = request.path_params["response_id"]
+        self._stored(response_id)
+        self.responses_store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def _chat(self, request: Request, body: ChatCompletionRequest, model: str, response_id: str,
                     renderer_class: type[ChatRenderer], **renderer_kwargs) -> Response:
@@ -967,6 +1003,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_per_request_metrics: bool = False,
     enable_force_include_usage: bool = False,
+    responses_store_size: int = 0,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -974,7 +1011,8 @@ def build_app(
     enable_per_request_metrics: responses carry vLLM's `metrics` object with timing figures; the
     engine's per_request_spec_decode_metrics "summary" or "detailed" puts `metrics.speculative_decoding`
     in it (either alone is enough for the object); enable_force_include_usage: every stream ends with
-    the usage chunk (where the metrics ride).
+    the usage chunk (where the metrics ride); responses_store_size: the /v1/responses kept for
+    previous_response_id and GET /v1/responses/{id} (0: none).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -993,7 +1031,7 @@ def build_app(
     report = ResponseMetrics(timing=enable_per_request_metrics, spec_decode=engine.cfg.per_request_spec_decode_metrics,
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
-                          report, enable_force_include_usage)
+                          report, enable_force_include_usage, responses_store_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1026,6 +1064,8 @@ def build_app(
     route("/v1/completions", server.completions)
     route("/v1/chat/completions", server.chat_completions)
     route("/v1/responses", server.responses)
+    route("/v1/responses/{response_id}", server.get_response, "GET")
+    route("/v1/responses/{response_id}", server.delete_response, "DELETE")
     route("/v1/models", server.models, "GET")
     route("/health", server.health, "GET")
     route("/metrics", server.prometheus, "GET")
@@ -1078,7 +1118,8 @@ def run_server(args: argparse.Namespace) -> int:
                     trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     enable_per_request_metrics=args.enable_per_request_metrics,
-                    enable_force_include_usage=args.enable_force_include_usage)
+                    enable_force_include_usage=args.enable_force_include_usage,
+                    responses_store_size=args.responses_store_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
     DrainingServer(config, app).run()

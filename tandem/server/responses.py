@@ -7,14 +7,18 @@ earlier turns) the messages, `max_output_tokens`, `tools` (function tools, given
 fields pass through. It then runs as a chat completion, and `ResponseBuilder` tells the result
 as a Response: the chat reply as output items (`reasoning`, `message` with one `output_text`
 part, `function_call`), the chat stream's chunks as the Responses stream's typed events, each
-with its sequence number. Nothing is stored: `previous_response_id` and `background` are
-refused, and `store` is answered false. Plain data: no FastAPI, no engine.
+with its sequence number. `background` is refused. A server started with
+`--responses-store-size N` keeps the last N responses in a `ResponseStore` (`store` true, the
+default): `previous_response_id` continues one, and GET / DELETE /v1/responses/{id} read and drop
+one; without it nothing is stored (`store` answered false) and `previous_response_id` is refused.
+Plain data: no FastAPI, no engine.
 """
 from __future__ import annotations
 
 import re
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
@@ -22,7 +26,6 @@ from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, C
 
 # Fields of the Responses API that tandem refuses -> why (each a 400 naming the field when set).
 REFUSED_FIELDS = {
-    "previous_response_id": "this server stores no responses; send the whole conversation in 'input'",
     "background": "background responses are not supported; leave it out",
     "conversation": "conversations are not stored here; send the whole conversation in 'input'",
     "prompt": "prompt templates are not supported; send the text in 'input'",
@@ -86,10 +89,43 @@ class ResponsesRequest(_SamplingRequest):
         return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion that serves the request (ResponsesRequestError names a bad field)."""
+class ResponseStore:
+    """The last `size` stored responses (least recently stored or read dropped first): each one's
+    Response object and its conversation as input items (its own input, after those of the
+    responses it continued, then its output), which a request continuing it puts before its input.
+    A previous response's instructions are not carried over (OpenAI's rule)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        self._entries[response["id"]] = (response, items)
+        self._entries.move_to_end(response["id"])
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+
+def input_items(body: ResponsesRequest, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The conversation the request continues (previous: a stored response's items) and its input, as items."""
+    mine = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    return (previous or []) + list(mine)
+
+
+def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion that serves the request (ResponsesRequestError names a bad field);
+    items: the input items to use instead of body.input (input_items)."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += _input_messages(body.input)
+    messages += _input_messages(body.input if items is None else items)
     if not messages:
         raise ResponsesRequestError("'input' is empty: give a string or at least one message", "input")
     payload = {name: getattr(body, name) for name in _SamplingRequest.model_fields}
@@ -246,8 +282,10 @@ def _id(prefix: str) -> str:
 class ResponseBuilder:
     """One response: the Response object and, when streaming, its events from the chat chunks."""
 
-    def __init__(self, body: ResponsesRequest, model: str):
+    def __init__(self, body: ResponsesRequest, model: str, on_done=None, stored: bool = False):
+        """on_done: called with the final Response object (a store's put); stored: whether it will be."""
         self.id, self.model, self.body = _id("resp"), model, body
+        self.on_done, self.stored = on_done, stored
         self.created_at = int(time.time())
         self.sequence_number = 0
         self.items: list[dict[str, Any]] = []  # the output items streamed, in order
@@ -267,8 +305,8 @@ class ResponseBuilder:
             "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
-            "reasoning": body.reasoning, "truncation": body.truncation or "disabled", "store": False,
-            "background": False, "previous_response_id": None, "user": body.user,
+            "reasoning": body.reasoning, "truncation": body.truncation or "disabled", "store": self.stored,
+            "background": False, "previous_response_id": body.previous_response_id, "user": body.user,
         }
 
     @staticmethod
@@ -294,7 +332,12 @@ class ResponseBuilder:
         status = self.status(choice.finish_reason)
         if status == "incomplete":
             output[-1]["status"] = "incomplete"  # the item the limit cut
-        return self.response(status, output, self.usage(chat.usage, cached_tokens))
+        return self._done(self.response(status, output, self.usage(chat.usage, cached_tokens)))
+
+    def _done(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.on_done is not None:
+            self.on_done(response)
+        return response
 
     # ------------------------------------------------------------ streaming
     def event(self, kind: str, **fields) -> dict[str, Any]:
@@ -336,7 +379,7 @@ class ResponseBuilder:
         status = self.status(self.finish_reason)
         events = [] if self.items else self._open(_message_item(_id("msg"), "", [], "in_progress"))
         events += self._close("incomplete" if status == "incomplete" else "completed")
-        response = self.response(status, self.items, self.usage(usage, cached_tokens))
+        response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens)))
         return events + [self.event(f"response.{status}", response=response)]
 
     def failed(self, message: str, code: str | None, param: str | None) -> list[dict[str, Any]]:

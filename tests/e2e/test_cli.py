@@ -283,7 +283,7 @@ def test_generate_with_vllms_speculative_config(tmp_path, capsys):
 
 def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):
     """`tandem serve MODEL --speculative-config JSON` with the per-request metrics flags: the engine
-    gets the JSON's draft settings and the app reports what the flags ask (uvicorn not started)."""
+    gets the JSON's draft settings and the app reports (and stores) what the flags ask (uvicorn not started)."""
     from tandem.server.api import DrainingServer
 
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
@@ -294,13 +294,14 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "rejection_sample_method": "block"}
     assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
-                 "--enable-per-request-metrics"]) == 0
+                 "--enable-per-request-metrics", "--responses-store-size", "7"]) == 0
     (app,) = apps
     engine = app.state.engine_client.engine
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"
     assert engine.cfg.per_request_spec_decode_metrics == "detailed" and engine.scheduler.record_spec_steps
     report = app.state.server.report
     assert report.timing and report.spec_decode == "detailed" and report.num_spec_tokens == 2
+    assert app.state.server.responses_store.size == 7
 
 
 def test_async_engine_bad_queue_limit_is_a_config_error():

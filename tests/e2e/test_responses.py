@@ -222,3 +222,37 @@ def test_bad_requests_name_the_responses_field(live, kw, param, says):
     with pytest.raises(openai.BadRequestError) as e:
         live.client.responses.create(**body)
     assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
+
+
+def test_a_store_keeps_responses_to_continue_read_and_drop(model_dirs):  # noqa: F811
+    """--responses-store-size 2: previous_response_id puts the stored conversation (not its
+    instructions) before the input; GET and DELETE read and drop; store false keeps nothing; the
+    least recently used response goes first."""
+    server = LiveServer(_llm(model_dirs), responses_store_size=2)
+    client = server.client
+    try:
+        kw = dict(model=MODEL, max_output_tokens=6, temperature=0)
+        first = client.responses.create(input="Weather in Paris?", instructions="Be long.", **kw)
+        assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(input="And Rome?", previous_response_id=first.id, instructions="Be brief.",
+                                         **kw)
+        chat = _chat(server, [{"role": "system", "content": "Be brief."}, *ASK,
+                              {"role": "assistant", "content": first.output_text},
+                              {"role": "user", "content": "And Rome?"}], max_tokens=6)
+        assert second.output_text == chat.choices[0].message.content
+        assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+        unstored = client.responses.create(input="Hi", store=False, **kw)
+        assert unstored.store is False
+        streamed = _events(client.responses.create(input="Hi", stream=True, **kw))[-1].response
+        assert client.responses.retrieve(streamed.id).output_text == streamed.output_text  # first is dropped
+        for gone in (first.id, unstored.id):
+            with pytest.raises(openai.NotFoundError, match="no stored response has the id"):
+                client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.create(input="x", previous_response_id=first.id, **kw)
+        assert e.value.body["param"] == "previous_response_id"
+        client.responses.delete(second.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(second.id)
+    finally:
+        server.stop()
