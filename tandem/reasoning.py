@@ -55,6 +55,19 @@ class ReasoningFormat:
         answer = "".join(p[1] for p in parts)
         return (thinking if split.thought else None), (answer or None)
 
+    def thinking_tokens(self, text: str, token_ids: list[int], opens: bool | None, tag_tokens: dict[str, int]) -> int:
+        """How many of a reply's tokens (token_ids, whose text is `text`) are its thinking: those up
+        to and with the `</think>` token, all of them when the reply is cut short in the thinking, 0
+        when it does not think. A reply that closes its thinking with `</think>` spelt in text
+        (not one token of its own) counts 0: where the thinking ends among its tokens is not known."""
+        thinking, _ = self.split(text, opens)
+        if thinking is None:
+            return 0
+        if END not in text:
+            return len(token_ids)
+        end = tag_tokens.get(END)
+        return token_ids.index(end) + 1 if end is not None and end in token_ids else 0
+
     def gate(self, grammar: str, opens: bool | None, tag_tokens: dict[str, int]) -> str:
         """The grammar of a constrained reply that thinks first: free text up to `</think>`, then
         `grammar` (any llguidance grammar: Lark, or a JSON list of grammars) from there on. A reply

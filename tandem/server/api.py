@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.chat import template_kwargs
 from tandem.errors import RequestError
 from tandem.outputs import Logprob, RequestOutput
-from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format
+from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format, reasoning_tag_tokens
 from tandem.sampling_params import SamplingParams
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
 from tandem.server.metrics import ServerMetrics
@@ -485,9 +485,21 @@ class ResponsesRenderer(ChatRenderer):
 
     end_of_stream = ""
 
-    def __init__(self, *args, builder: ResponseBuilder, **kwargs):
+    def __init__(self, *args, builder: ResponseBuilder, reasoning_tags: dict[str, int] | None = None, **kwargs):
+        """reasoning_tags: the thinking's tags that are tokens of their own (reasoning_tag_tokens), which
+        count the reasoning tokens."""
         super().__init__(*args, **kwargs)
         self.builder = builder
+        self.reasoning_tags = reasoning_tags or {}
+
+    def _counts(self, outputs: list[RequestOutput]) -> tuple[int, int]:
+        """(cached prompt tokens, reasoning tokens) of the reply."""
+        out = outputs[0]
+        seq = out.outputs[0]
+        thinking = 0
+        if self.reasoning is not None and self.include_reasoning:
+            thinking = self.reasoning.thinking_tokens(seq.text, seq.token_ids, self.opens, self.reasoning_tags)
+        return out.num_cached_tokens or 0, thinking
 
     def preamble(self) -> list[dict]:
         return self.builder.start()
@@ -500,10 +512,10 @@ class ResponsesRenderer(ChatRenderer):
 
     def final_chunks(self) -> list[dict]:
         outputs = [self.finals[i] for i in sorted(self.finals)]
-        return self.builder.finish(self.usage(outputs), outputs[0].num_cached_tokens or 0)
+        return self.builder.finish(self.usage(outputs), *self._counts(outputs))
 
     def body(self, outputs: list[RequestOutput]) -> dict:
-        return self.builder.from_chat(self.response(outputs), outputs[0].num_cached_tokens or 0)
+        return self.builder.from_chat(self.response(outputs), *self._counts(outputs))
 
     def sse(self, event: dict) -> str:
         return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
@@ -599,6 +611,7 @@ class OpenAIServer:
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
         self.tool_tags = tag_tokens(self.tokenizer, tool_call_parser) if tool_call_parser else {}
+        self.reasoning_tags = reasoning_tag_tokens(self.tokenizer)  # the thinking's tags that are tokens
         self.model_names = model_names
         self.metrics = metrics
         self.max_model_len = engine.cfg.sched.max_model_len
@@ -715,7 +728,8 @@ class OpenAIServer:
                 store.put(response, items + response["output"])
         builder = ResponseBuilder(body, model, on_done=on_done, stored=store is not None)
         try:
-            return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder)
+            return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder,
+                                    reasoning_tags=self.reasoning_tags)
         except APIError as e:
             e.message, e.param = responses_names(e.message, e.param)
             raise

@@ -310,16 +310,16 @@ class ResponseBuilder:
         }
 
     @staticmethod
-    def usage(usage: UsageInfo, cached_tokens: int) -> dict[str, Any]:
+    def usage(usage: UsageInfo, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
         return {"input_tokens": usage.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": usage.total_tokens}
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": usage.total_tokens}
 
     def status(self, finish_reason: str | None) -> str:
         return "incomplete" if finish_reason == "length" else "completed"
 
-    def from_chat(self, chat: ChatCompletionResponse, cached_tokens: int) -> dict[str, Any]:
+    def from_chat(self, chat: ChatCompletionResponse, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
         """The whole response from the chat reply."""
         choice = chat.choices[0]
         message, output = choice.message, []
@@ -332,7 +332,7 @@ class ResponseBuilder:
         status = self.status(choice.finish_reason)
         if status == "incomplete":
             output[-1]["status"] = "incomplete"  # the item the limit cut
-        return self._done(self.response(status, output, self.usage(chat.usage, cached_tokens)))
+        return self._done(self.response(status, output, self.usage(chat.usage, cached_tokens, reasoning_tokens)))
 
     def _done(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.on_done is not None:
@@ -373,13 +373,13 @@ class ResponseBuilder:
                 self.finish_reason = choice.finish_reason
         return events
 
-    def finish(self, usage: UsageInfo, cached_tokens: int) -> list[dict[str, Any]]:
+    def finish(self, usage: UsageInfo, cached_tokens: int, reasoning_tokens: int) -> list[dict[str, Any]]:
         """The last events: the open item closed (an empty message when the reply had nothing), then
         the whole response."""
         status = self.status(self.finish_reason)
         events = [] if self.items else self._open(_message_item(_id("msg"), "", [], "in_progress"))
         events += self._close("incomplete" if status == "incomplete" else "completed")
-        response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens)))
+        response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens, reasoning_tokens)))
         return events + [self.event(f"response.{status}", response=response)]
 
     def failed(self, message: str, code: str | None, param: str | None) -> list[dict[str, Any]]:

@@ -72,6 +72,19 @@ def test_streaming_holds_back_only_a_possible_tag():
     assert undecided.feed("nk>hm") == ("hm", "")
 
 
+def test_thinking_tokens_count_up_to_the_end_tag():
+    tags = {"<think>": 7, "</think>": 8}
+    # A reply that thinks: its tokens up to and with </think>; cut short in the thinking: all of them.
+    assert QWEN3.thinking_tokens("<think>a b</think>c", [7, 1, 2, 8, 3], None, tags) == 4
+    assert R1.thinking_tokens("a b</think>c d", [1, 2, 8, 3, 4], True, tags) == 3
+    assert R1.thinking_tokens("a b c", [1, 2, 3], True, tags) == 3
+    # No thinking: 0 (the prompt closed it, or a Qwen3 reply that does not open it).
+    assert R1.thinking_tokens("a</think>b", [1, 8, 2], False, tags) == 0
+    assert QWEN3.thinking_tokens("a</think>b", [1, 8, 2], None, tags) == 0
+    # </think> spelt in text, not a token: where the thinking ends among the tokens is unknown.
+    assert R1.thinking_tokens("a b</think>c", [1, 2, 5, 6, 3], True, {}) == 0
+
+
 def _tokenizer(tmp_path, tags: bool):
     from tests.helpers import save_tokenizer
 

@@ -170,9 +170,15 @@ def test_reasoning_is_its_own_item(live):
         r = live.client.responses.create(**kw)
         events = _events(live.client.responses.create(**kw, stream=True))
         hidden = live.client.responses.create(**{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}})
+        cut = live.client.responses.create(**{**kw, "max_output_tokens": 15})
     finally:
         server.reasoning = None
     assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "\n\nIt is sunny."
+    # Cut short in the thinking: every output token is a reasoning token. (This tokenizer spells
+    # </think> in text, so a finished thinking's tokens are not counted: the unit test counts them.)
+    assert [item.type for item in cut.output] == ["reasoning"] and cut.status == "incomplete"
+    assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 15
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
     assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "completed"
     assert r.output[0].content[0].text == "Paris is in France." and r.output_text == "\n\nIt is sunny."
     thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
