@@ -137,8 +137,10 @@ class AdaptiveDrafts:
         alive = self.proposals.survival()
         out = list(row[:2])
         for j in range(1, self.k):
-            step = row[j + 1] - row[j] if not math.isinf(row[j + 1]) else math.inf  # inf: K = j + 1 does not fit
-            out.append(math.inf if math.isinf(step) else out[j] + (1.0 - (1.0 - alive[j]) ** num_reqs) * step)
+            if math.isinf(row[j + 1]):  # K = j + 1 does not fit
+                out.append(math.inf)
+            else:
+                out.append(out[j] + (1.0 - (1.0 - alive[j]) ** num_reqs) * (row[j + 1] - row[j]))
         return out[: self.k + 1]
 
     def best(self, num_reqs: int) -> int:

@@ -11,6 +11,7 @@ overwritten by the first requests that get those blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -62,11 +63,29 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     t0 = time.monotonic()
     # The costs of rounds that draft all their K: the confidence stop would cut the dummy rounds
     # anywhere; AdaptiveDrafts prices its cuts from how long real chains run.
-    threshold, runner.speculator.confidence_threshold = runner.speculator.confidence_threshold, None
-    try:
-        rows = _measure(runner, cfg, sizes, blocks, params, context, warmups, reps, graphs)
-    finally:
-        runner.speculator.confidence_threshold = threshold
+    with _whole_rounds(runner.speculator):
+        # One request prefills the context, in chunks of the token budget; every request shares its
+        # block table, so each attends to that context (of both models).
+        for start in range(0, context, sched.max_num_batched_tokens):
+            chunk = min(sched.max_num_batched_tokens, context - start)
+            dummy_step(runner, [1] * chunk, [0], k, blocks, params, start_pos=start)
+        rows = []
+        for n in sizes:
+            dummy_step(runner, [1], [0] * n, k, blocks, params, start_pos=context)  # slots 0..n - 1, drafts pending
+            row = []
+            for K in range(k + 1):
+                if n * (1 + K) > sched.max_num_batched_tokens:
+                    row.append(math.inf)  # the scheduler cannot give every request K drafts
+                    continue
+                times = []
+                for _ in range(warmups + reps):
+                    t = time.perf_counter()
+                    dummy_step(runner, [1], [K] * n, K, blocks, params, start_pos=context, admit=False)
+                    times.append((time.perf_counter() - t) * 1e3)
+                row.append(statistics.median(times[warmups:]))
+            rows.append(row)
+            if not graphs and max((t for t in row if not math.isinf(t)), default=0.0) > EAGER_MAX_STEP_MS:
+                break
     for slot in range(n_max):
         runner.state.remove(slot)
     costs = StepCosts.from_measured(sizes[: len(rows)], rows)
@@ -75,30 +94,11 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     return costs
 
 
-def _measure(runner: ModelRunner, cfg: EngineConfig, sizes: list[int], blocks: list[int], params: SamplingParams,
-             context: int, warmups: int, reps: int, graphs: bool) -> list[list[float]]:
-    """The rows of profile_step_costs: ms by K for each size, up to the first that is too slow."""
-    sched, k = cfg.sched, cfg.spec.num_speculative_tokens
-    # One request prefills the context, in chunks of the token budget; every request shares its
-    # block table, so each attends to that context (of both models).
-    for start in range(0, context, sched.max_num_batched_tokens):
-        chunk = min(sched.max_num_batched_tokens, context - start)
-        dummy_step(runner, [1] * chunk, [0], k, blocks, params, start_pos=start)
-    rows = []
-    for n in sizes:
-        dummy_step(runner, [1], [0] * n, k, blocks, params, start_pos=context)  # slots 0..n - 1, drafts pending
-        row = []
-        for K in range(k + 1):
-            if n * (1 + K) > sched.max_num_batched_tokens:
-                row.append(math.inf)  # the scheduler cannot give every request K drafts
-                continue
-            times = []
-            for _ in range(warmups + reps):
-                t = time.perf_counter()
-                dummy_step(runner, [1], [K] * n, K, blocks, params, start_pos=context, admit=False)
-                times.append((time.perf_counter() - t) * 1e3)
-            row.append(statistics.median(times[warmups:]))
-        rows.append(row)
-        if not graphs and max((t for t in row if not math.isinf(t)), default=0.0) > EAGER_MAX_STEP_MS:
-            break
-    return rows
+@contextlib.contextmanager
+def _whole_rounds(speculator):
+    """The speculator's rounds draft their plan's number, the confidence stop off for the while."""
+    threshold, speculator.confidence_threshold = speculator.confidence_threshold, None
+    try:
+        yield
+    finally:
+        speculator.confidence_threshold = threshold
