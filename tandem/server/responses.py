@@ -58,8 +58,8 @@ class ResponsesRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    reasoning: dict[str, Any] | None = None  # echoed; the model's template decides how it thinks
-    store: bool | None = None  # answered false: nothing is stored
+    reasoning: dict[str, Any] | None = None  # its effort reaches the template as reasoning_effort
+    store: bool | None = None  # False: not kept (kept only on a server with --responses-store-size)
     truncation: str | None = None  # "disabled" (OpenAI's default); "auto" is refused
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
