@@ -90,9 +90,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
     def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(mode="json"), status_code=self.status)
+        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
@@ -297,7 +299,7 @@ class _Renderer:
 
     def error_sse(self, err: APIError) -> str:
         """The event that ends a stream the engine could not finish."""
-        return _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)))
+        return _sse(err.body())
 
     end_of_stream = "data: [DONE]\n\n"
 
