@@ -113,6 +113,12 @@ class SchedulerConfig:
     # Plan and launch the next decode step before the current one's result reaches the host
     # (Scheduler.schedule_ahead), so host work overlaps device work. Target-only.
     async_scheduling: bool = False
+    # "fcfs": requests run in arrival order; "priority": by Request.priority (lower first), then
+    # arrival, and a waiting request preempts running ones of a strictly lower priority.
+    scheduling_policy: str = "fcfs"
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)

@@ -265,14 +265,27 @@ class Engine:
                            "request and later greedy ones run as ordinary greedy decoding")
             self._warned.add("watermark")
 
+    def validate_priority(self, priority) -> None:
+        """RequestError unless priority is an integer this engine's scheduling_policy honours."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority={priority!r} must be an integer (lower values run first)")
+        if priority != 0 and self.cfg.sched.scheduling_policy != "priority":
+            raise RequestError(f"priority={priority} needs an engine started with scheduling_policy='priority' "
+                               "(--scheduling-policy priority); this one schedules first come, first served: "
+                               "leave priority at 0")
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request. priority (scheduling_policy="priority" only): lower values are
+        scheduled first, and may preempt running requests of a higher value."""
         if self._dead is not None:
             raise StepError(f"the engine stopped after a device error ({self._dead}); restart the process", [],
                             fatal=True)
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        self.validate_priority(priority)
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
@@ -297,6 +310,7 @@ class Engine:
                 seed=(base_seed + i * 0x9E3779B97F4A7C15) % (MAX_SEED + 1),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
+                priority=priority,
             )
             self._next_id += 1
             detok = self.detokenizer.new_state(

@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import (
     LOGPROBS_MODES,
+    SCHEDULING_POLICIES,
     SPEC_DECODE_METRICS_LEVELS,
     CacheConfig,
     EngineConfig,
@@ -81,6 +82,7 @@ class LLM:
         reasoning_parser: str | None = None,
         structured_outputs_config: dict | None = None,
         per_request_spec_decode_metrics: str = "none",
+        scheduling_policy: str = "fcfs",
         _rank: tuple[int, int] | None = None,
     ):
         """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
@@ -111,6 +113,9 @@ class LLM:
         if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
             raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
                               f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; use one of "
+                              f"{list(SCHEDULING_POLICIES)}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
@@ -227,6 +232,7 @@ class LLM:
                 max_model_len=max_len,
                 num_lookahead_tokens=k,
                 async_scheduling=async_scheduling,
+                scheduling_policy=scheduling_policy,
             ),
             device=dev,
             spec=spec,
@@ -296,8 +302,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in order."""
+        """Generate for every prompt; returns one RequestOutput per prompt, in order. priority:
+        one integer per prompt (lower first), for an LLM built with scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -316,13 +324,20 @@ class LLM:
                 raise RequestError(
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
                 )
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise RequestError(f"priority must be a list of one integer per prompt ({len(prompts)}), got "
+                               f"{priority!r}")
+        for value in priority:
+            self.engine.validate_priority(value)
         items = []
         for prompt, p in zip(prompts, params):
             ids, text, from_text = self._tokenize(prompt)
             items.append((self.engine.truncate_text_prompt(text, ids, p) if from_text else ids, text))
         for (ids, _), p in zip(items, params):
             self.engine.validate_request(ids, p)  # every request checked before any work starts
-        return self._run(items, params, use_tqdm)
+        return self._run(items, params, use_tqdm, priority)
 
     def chat(
         self,
@@ -386,17 +401,17 @@ class LLM:
         raise RequestError("a prompt must be a string, a {'prompt': str} dict or a {'prompt_token_ids': [...]} "
                            f"dict, got {type(prompt).__name__}")
 
-    def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items, params, use_tqdm: bool, priority: Sequence[int]) -> list[RequestOutput]:
         ids = []
         final_only: dict[int, SamplingParams] = {}  # id of a caller's params -> its FINAL_ONLY copy
-        for (token_ids, text), p in zip(items, params):
+        for (token_ids, text), p, rank in zip(items, params, priority):
             request_id = str(self._counter)
             self._counter += 1
             if p.output_kind != RequestOutputKind.FINAL_ONLY:  # only the final outputs are read (as vLLM)
                 if id(p) not in final_only:
                     final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 p = final_only[id(p)]
-            self.engine.add_request(request_id, token_ids, p, prompt=text)
+            self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}
         bar = None

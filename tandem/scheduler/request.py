@@ -24,6 +24,7 @@ class Request:
     seed: int
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # scheduling_policy="priority": lower runs first (ties: lower req_id, i.e. arrival)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -48,6 +49,11 @@ class Request:
     # (per_request_spec_decode_metrics="detailed"); None otherwise.
     per_step_accepted: list[int] | None = None
     per_step_drafted: list[int] | None = None
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """The priority policy's order: lower priority value first, then arrival."""
+        return self.priority, self.req_id
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,13 @@ its blocks are freed and it recomputes later from its tokens, so its output does
 (with a draft model, a sampled request's draws after that point come from other noise streams,
 because its pending drafts are dropped: still the target's distribution, not the same tokens).
 
+scheduling_policy="priority" orders by Request.sort_key (priority, then arrival) instead: the
+waiting queue is kept in that order, the running requests take the budget in it (decodes
+still before prefills of the same priority), a block shortage preempts the running request
+that comes last in it, and a waiting request that finds no slot or no blocks preempts running
+requests of a strictly lower priority (a larger value) until it fits. Equal priorities never
+preempt each other, so two requests cannot take a slot back and forth.
+
 With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
 speculative_config.num_speculative_tokens_per_batch_size; under "auto", tandem.spec.adaptive
 also weighs the measured acceptance and step costs). Decode steps that draft nothing skip
@@ -18,6 +25,7 @@ Plain Python: no torch, no device.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
@@ -38,6 +46,7 @@ class Scheduler:
         record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         self.cfg = sched
+        self.by_priority = sched.scheduling_policy == "priority"
         self.k = num_speculative_tokens
         self.k_for_batch = k_for_batch
         self.record_spec_steps = record_spec_steps
@@ -54,7 +63,10 @@ class Scheduler:
         if self.record_spec_steps:
             req.per_step_accepted, req.per_step_drafted = [], []
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if self.by_priority:
+            self._wait_in_order(req)
+        else:
+            self.waiting.append(req)
 
     def abort(self, req_id: int) -> Request | None:
         req = self.requests.get(req_id)
@@ -87,29 +99,38 @@ class Scheduler:
         new_reqs: list[NewReq] = []
         k_next = self._num_next_drafts()
 
-        # Running requests: decodes first, then unfinished prefills, each in admission order.
-        decodes = [r for r in self.running if not r.is_prefilling]
-        order = decodes + [r for r in self.running if r.is_prefilling]
+        # Running requests: decodes first, then unfinished prefills, each in admission order
+        # (by priority first, under the priority policy: the sort is stable).
+        order = [r for r in self.running if not r.is_prefilling] + [r for r in self.running if r.is_prefilling]
+        if self.by_priority:
+            order.sort(key=lambda r: r.priority)
+        decodes_after = [0] * len(order)  # decodes later in the order than each request
+        for i in range(len(order) - 2, -1, -1):
+            decodes_after[i] = decodes_after[i + 1] + (not order[i + 1].is_prefilling)
         for i, req in enumerate(order):
             if budget <= 0:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             # A draft's backfill leaves room for the decodes after it (1 + k_next tokens each).
-            reserve = max(0, len(decodes) - i - 1) * (1 + k_next)
+            reserve = decodes_after[i] * (1 + k_next)
             item = self._schedule_running(req, budget, scheduled, k_next, reserve)
             if item is not None:
                 scheduled[req.req_id] = item
                 budget -= item.num_new_tokens + len(item.draft_backfill)
 
-        # Waiting requests, in arrival order, while budget, slots and blocks last. No preemption
-        # happened this step, or the freed room is left to the running requests.
+        # Waiting requests, in arrival (or priority) order, while budget, slots and blocks last.
+        # No preemption happened this step, or the freed room is left to the running requests.
         preempted = any(r.status == Status.WAITING for r in order)
-        while self.waiting and budget > 0 and self.free_slots and not preempted:
+        while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            item = self._admit(req, budget, k_next)
+            item = self._admit(req, budget, k_next) if self.free_slots else None
             if item is None:
-                break
+                freed_budget = self._preempt_for(req, scheduled)
+                if freed_budget is None:
+                    break
+                budget += freed_budget
+                continue
             self.waiting.popleft()
             new_reqs.append(item[0])
             scheduled[req.req_id] = item[1]
@@ -176,10 +197,24 @@ class Scheduler:
             if self.blocks.allocate(req, self._blocks_span(req, item)):
                 item.block_ids = list(req.block_ids)
                 return item
-            victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
+            unscheduled = [r for r in self.running if r.req_id not in scheduled]  # req among them
+            victim = max(unscheduled, key=lambda r: r.sort_key) if self.by_priority else unscheduled[-1]
             self._preempt(victim)
             if victim is req:
                 return None
+
+    def _preempt_for(self, req: Request, scheduled: dict[int, ScheduledReq]) -> int | None:
+        """Under the priority policy, preempt the last running request in priority order if
+        waiting req outranks it strictly (a smaller priority value), taking it out of this
+        step's plan; returns the token budget that gives back. None: nothing to preempt."""
+        if not self.by_priority or not self.running:
+            return None
+        victim = max(self.running, key=lambda r: r.sort_key)
+        if victim.priority <= req.priority:
+            return None
+        item = scheduled.pop(victim.req_id, None)
+        self._preempt(victim)
+        return 0 if item is None else item.num_new_tokens + len(item.draft_backfill)
 
     def _admit(self, req: Request, budget: int, k_next: int) -> tuple[NewReq, ScheduledReq] | None:
         # Prompt logprobs need the logits of every prompt position: no cached prefix skips them.
@@ -266,7 +301,14 @@ class Scheduler:
         req.draft_start = None  # recomputed from the start, by both models
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._wait_in_order(req)
+        else:
+            self.waiting.appendleft(req)
+
+    def _wait_in_order(self, req: Request) -> None:
+        """Queue req by its sort key (the priority policy's waiting order)."""
+        self.waiting.insert(bisect.bisect(self.waiting, req.sort_key, key=lambda r: r.sort_key), req)
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req)

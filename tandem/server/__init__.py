@@ -69,6 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory-bytes", type=int_in(1), default=None)
     engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                        help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "
+                             "field (lower first, then arrival), a waiting request preempting running ones of a "
+                             "lower priority")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     server = parser.add_argument_group("server")

@@ -693,7 +693,8 @@ class OpenAIServer:
                                       self.report, self._continuous_usage(body), echo=body.echo,
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
-        return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens")
+        return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
+                                    priority=body.priority)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -784,7 +785,8 @@ class OpenAIServer:
                                   reasoning=self.reasoning, include_reasoning=body.include_reasoning,
                                   **renderer_kwargs)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
-                                    body.max_tokens_field, "tools" if constraint is not None else None)
+                                    body.max_tokens_field, "tools" if constraint is not None else None,
+                                    priority=body.priority)
 
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
@@ -808,6 +810,10 @@ class OpenAIServer:
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
+        try:
+            self.client.engine.validate_priority(body.priority)
+        except RequestError as e:
+            raise APIError(400, f"'priority': {e}", param="priority") from None
         return model
 
     def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:
@@ -875,12 +881,12 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
-                        constraint_param: str | None = None) -> Response:
+                        constraint_param: str | None = None, priority: int = 0) -> Response:
         """constraint_param: the field that set params' structured output, when not one of the
         structured-output fields (a tool choice's: 'tools')."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
-        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param)
+        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority)
 
         def release() -> None:
             for s in streams:
@@ -924,7 +930,8 @@ class OpenAIServer:
                            else engine.truncate_prompt(p.token_ids, params))
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                      prompt_param: str, constraint_param: str | None = None) -> list[RequestStream]:
+                      prompt_param: str, constraint_param: str | None = None,
+                      priority: int = 0) -> list[RequestStream]:
         capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
         if len(prompts) * params.n > capacity:  # a 503 would say "retry later", and no retry could fit
             param = "n" if params.n > 1 else prompt_param
@@ -934,7 +941,8 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.client.add_request(f"{response_id}-{i}", p.token_ids, params, p.text))
+                streams.append(await self.client.add_request(f"{response_id}-{i}", p.token_ids, params, p.text,
+                                                             priority))
         except BaseException as e:
             for s in streams:
                 self.client.release(s)
@@ -1128,6 +1136,7 @@ def run_server(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_config=args.structured_outputs_config,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
+        scheduling_policy=args.scheduling_policy,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

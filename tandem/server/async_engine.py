@@ -113,6 +113,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    priority: int = 0
 
 
 @dataclass
@@ -177,7 +178,8 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- event-loop API
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it.
 
@@ -190,7 +192,7 @@ class AsyncEngine:
                                "stream holds each request's newest output, which must be cumulative; leave "
                                "output_kind as CUMULATIVE (the default)")
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._commands.put(_Add(stream, prompt_token_ids, params, prompt))
+        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority))
         try:
             await stream.accepted()
         except asyncio.CancelledError:
@@ -262,7 +264,8 @@ class AsyncEngine:
             ))
             return
         try:
-            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
+            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
+                                    priority=cmd.priority)
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)
             return

@@ -42,6 +42,8 @@ class ServerMetrics:
         self.kv_usage = Gauge("tandem_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", m, registry=r)
         self.kv_free = Gauge("tandem_kv_cache_free_blocks", "KV blocks free or evictable", m, registry=r)
         self.kv_total = Gauge("tandem_kv_cache_total_blocks", "KV blocks in the pool", m, registry=r)
+        self.preemptions = Counter("tandem_num_preemptions", "Sequences preempted (their KV freed, recomputed later)",
+                                   m, registry=r)
         self.draft_rounds = Counter("tandem_spec_decode_num_drafts", "Verified draft rounds", m, registry=r)
         self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted",
@@ -61,6 +63,8 @@ class ServerMetrics:
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(model_name, str(pos))
         self._spec_seen = (0, 0, 0, [0] * num_speculative_tokens)
+        self._preemptions_seen = 0
+        self.preemptions.labels(model_name)
 
     # ---------------------------------------------------------------- called by the loop thread
     def on_accepted(self, num_prompt_tokens: int) -> None:
@@ -90,6 +94,8 @@ class ServerMetrics:
         self.kv_usage.labels(name).set(sched.blocks.usage)
         self.kv_free.labels(name).set(sched.blocks.num_free_blocks)
         self.kv_total.labels(name).set(sched.blocks.num_blocks)
+        self.preemptions.labels(name).inc(sched.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sched.num_preemptions
         spec = engine.spec_metrics
         if spec is None:
             return

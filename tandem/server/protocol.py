@@ -117,6 +117,7 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     watermarking: bool | None = None  # False opts out of the server's --watermark-config (vLLM's field)
+    priority: int = 0  # vLLM's: lower is scheduled first (needs --scheduling-policy priority)
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args (for plugins; read by none)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (StructuredOutputsParams'
     # fields) or its older guided_* fields; one of them per request.

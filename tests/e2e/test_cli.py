@@ -294,9 +294,11 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "rejection_sample_method": "block"}
     assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
-                 "--enable-per-request-metrics", "--responses-store-size", "7"]) == 0
+                 "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
+                 "priority"]) == 0
     (app,) = apps
     engine = app.state.engine_client.engine
+    assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"
     assert engine.cfg.per_request_spec_decode_metrics == "detailed" and engine.scheduler.record_spec_steps
     report = app.state.server.report

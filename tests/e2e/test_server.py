@@ -675,6 +675,33 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
     _wait_until_aborted_and_freed(live, before)  # the connection closed mid-stream
 
 
+def test_priority_scheduling_over_the_api(model_dirs, reference):
+    """--scheduling-policy priority with one batch slot: a request of a higher priority (a lower
+    value) takes the slot of a long one already streaming, which resumes after it; neither
+    output changes."""
+    server = LiveServer(_llm(model_dirs, max_num_seqs=1, max_model_len=512, scheduling_policy="priority"))
+    try:
+        low = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True, "temperature": 0,
+               "priority": 5}
+        text, urgent = "", None
+        with httpx.stream("POST", server.url + "/v1/completions", json={**low, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if urgent is None:  # the long request holds the slot: now the urgent one comes
+                        urgent = server.post("/v1/completions", json={
+                            "model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "priority": -1})
+        assert urgent.status_code == 200, urgent.text
+        assert urgent.json()["choices"][0]["text"] == offline(reference, [PROMPTS[1]], **greedy(max_tokens=8))[0] \
+            .outputs[0].text
+        assert server.metrics()[("tandem_num_preemptions_total", ())] == 1
+        alone = server.post("/v1/completions", json=low)  # the slot to itself this time
+        assert text == alone.json()["choices"][0]["text"]
+        assert server.metrics()[("tandem_num_preemptions_total", ())] == 1
+    finally:
+        server.stop()
+
+
 def test_tensor_parallel_serving(model_dirs, reference):
     """A server over two ranks (each step run on both, in rank 0's order): concurrent streams give
     the one-rank offline tokens, a bad request is refused and a client that disconnects frees its
@@ -852,6 +879,8 @@ BAD_INPUTS = [
     ("chat-template-untrusted", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
     ("continue-and-generation-prompt", CH, {"continue_final_message": True}, 400, "continue_final_message"),
     ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
+    ("priority-without-the-policy", C, {"priority": 1}, 400, "priority"),
+    ("chat-priority-type", CH, {"priority": "high"}, 400, "priority"),
     ("chat-guided-choice-type", CH, {"guided_choice": "yes"}, 400, "guided_choice"),
 ]
 

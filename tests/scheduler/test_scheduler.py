@@ -36,6 +36,7 @@ class SchedCfg:
     max_model_len: int = 256
     num_lookahead_tokens: int = 0
     async_scheduling: bool = False
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Harness:
         self._next_id = 0
 
     # ------------------------------------------------------------ requests
-    def add(self, prompt, max_tokens=16, eos=(EOS,), **params) -> Request:
+    def add(self, prompt, max_tokens=16, eos=(EOS,), priority=0, **params) -> Request:
         params.setdefault("max_tokens", max_tokens)
         req = Request(
             req_id=self._next_id,
@@ -86,6 +87,7 @@ class Harness:
             seed=self._next_id,
             max_tokens=max_tokens,
             eos_token_ids=tuple(eos),
+            priority=priority,
         )
         self._next_id += 1
         self.reqs[req.req_id] = req
@@ -1074,3 +1076,153 @@ def test_empty_schedule():
     plan = h.s.schedule()
     assert plan.is_empty and plan.new_reqs == [] and plan.freed_slots == [] and plan.num_tokens == 0
     assert not h.s.has_unfinished
+
+
+# ---------------------------------------------------------------- priority scheduling
+
+
+def by_priority(**kw) -> SchedCfg:
+    return SchedCfg(scheduling_policy="priority", **kw)
+
+
+def admissions(h: Harness) -> list[int]:
+    """Request ids in the order they were admitted (re-admissions included)."""
+    return [n.req_id for plan in h.plans for n in plan.new_reqs]
+
+
+def test_priority_orders_the_waiting_queue():
+    h = Harness(by_priority(max_num_seqs=1))
+    a = h.add(prompt(3), max_tokens=2, priority=5)
+    b = h.add(prompt(3, base=20), max_tokens=2, priority=0)
+    c = h.add(prompt(3, base=40), max_tokens=2, priority=0)
+    d = h.add(prompt(3, base=60), max_tokens=2, priority=-1)
+    assert list(h.s.waiting) == [d, b, c, a]  # lower value first, then arrival
+    h.run()
+    assert admissions(h) == [d.req_id, b.req_id, c.req_id, a.req_id]
+    assert h.s.num_preemptions == 0
+    for r in (a, b, c, d):
+        assert r.output_token_ids == expected_output(r, 2)
+    h.check_no_leaks()
+
+
+def test_fcfs_ignores_priority():
+    h = Harness(SchedCfg(max_num_seqs=1))
+    reqs = [h.add(prompt(3, base=20 * i), max_tokens=2, priority=p) for i, p in enumerate((5, 0, -1))]
+    h.run()
+    assert admissions(h) == [r.req_id for r in reqs] and h.s.num_preemptions == 0
+
+
+def test_a_waiting_request_preempts_a_lower_priority_one_for_its_slot():
+    h = Harness(by_priority(max_num_seqs=2))
+    a = h.add(prompt(4), max_tokens=10, priority=1)
+    b = h.add(prompt(4, base=30), max_tokens=10, priority=2)
+    for _ in range(3):
+        h.step()
+    out_b, slot_b = list(b.output_token_ids), b.slot
+    c = h.add(prompt(4, base=60), max_tokens=4, priority=0)
+    plan, _, _ = h.step()
+    # b, the lowest priority, gives its slot to c in the same step; a runs on.
+    assert [n.req_id for n in plan.new_reqs] == [c.req_id] and plan.new_reqs[0].slot == slot_b
+    assert plan.freed_slots == [slot_b]
+    assert {r.req_id for r in plan.reqs} == {a.req_id, c.req_id}
+    assert b.status == Status.WAITING and b.num_preemptions == 1 and b.output_token_ids == out_b
+    assert a.num_preemptions == 0 and list(h.s.waiting) == [b]
+    h.run()
+    assert admissions(h)[-1] == b.req_id  # back once a slot is free
+    for r in (a, b, c):
+        assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
+@pytest.mark.parametrize("late_priority", [0, 1])
+def test_equal_or_lower_priority_never_preempts(late_priority):
+    h = Harness(by_priority(max_num_seqs=1))
+    a = h.add(prompt(4), max_tokens=6, priority=0)
+    h.step()
+    b = h.add(prompt(4, base=30), max_tokens=3, priority=late_priority)
+    h.run()
+    assert admissions(h) == [a.req_id, b.req_id] and h.s.num_preemptions == 0
+
+
+def test_a_waiting_request_preempts_lower_priorities_for_blocks():
+    # 8 blocks of 2 tokens: a and b hold 3 each after their prompts; c needs 4 for its first chunk.
+    h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
+    a = h.add(prompt(5), max_tokens=3, priority=1)
+    b = h.add(prompt(5, base=30), max_tokens=3, priority=2)
+    h.step()
+    c = h.add(prompt(7, base=60), max_tokens=2, priority=0)
+    plan, _, _ = h.step()
+    assert [n.req_id for n in plan.new_reqs] == [c.req_id]
+    assert b.status == Status.WAITING and b.num_preemptions == 1  # the lowest priority goes first ...
+    assert a.status == Status.RUNNING and a.num_preemptions == 0  # ... and only as many as c needs
+    h.run()
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
+def test_a_block_shortage_preempts_the_lowest_priority_not_the_newest():
+    # As test_preemption_by_recompute_keeps_outputs, but a (admitted first) has the lower priority.
+    h = Harness(by_priority(max_num_batched_tokens=32, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=10, enable_prefix_caching=False))
+    a = h.add(prompt(4), max_tokens=12, priority=1)
+    h.step()
+    b = h.add(prompt(4, base=50), max_tokens=12, priority=0)
+    h.run()
+    assert a.num_preemptions >= 1 and b.num_preemptions == 0
+    for r in (a, b):
+        assert r.output_token_ids == expected_output(r, 12)
+    h.check_no_leaks()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_decides_who_gets_the_budget(policy):
+    h = Harness(SchedCfg(max_num_batched_tokens=4, scheduling_policy=policy))
+    a = h.add(prompt(2), max_tokens=8, priority=1)
+    h.step()
+    b = h.add(prompt(10, base=30), max_tokens=2, priority=0)
+    plan, _, _ = h.step()  # a's decode, then b's first chunk in what is left
+    assert [(r.req_id, r.num_new_tokens) for r in plan.reqs] == [(a.req_id, 1), (b.req_id, 3)]
+    plan, _, _ = h.step()
+    # fcfs: decodes first; priority: b's prefill outranks a's decode.
+    expected = [(a.req_id, 1), (b.req_id, 3)] if policy == "fcfs" else [(b.req_id, 4)]
+    assert sorted((r.req_id, r.num_new_tokens) for r in plan.reqs) == expected
+    h.run()
+    assert a.output_token_ids == expected_output(a, 8) and b.output_token_ids == expected_output(b, 2)
+    h.check_no_leaks()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_priority_under_random_load_keeps_outputs(k, monkeypatch):
+    """Arrivals of random priorities over a scarce pool, with and without drafts: every output is
+    the request's own, whatever preempted it, and nothing leaks."""
+    rng = random.Random({0: 17, 3: 20}[k])
+    h = spec_harness(k=k, sched=by_priority(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                                            num_lookahead_tokens=k),
+                     cache=CacheCfg(block_size=4, num_blocks=16),
+                     accept_fn=lambda req, item: rng.randint(0, item.num_drafts))
+    for_waiting = []  # (waiting, victim) of the preemptions made for a waiting request
+    preempt_for = h.s._preempt_for
+
+    def recorded(req, scheduled):
+        running = list(h.s.running)
+        freed = preempt_for(req, scheduled)
+        if freed is not None:
+            (victim,) = [r for r in running if r not in h.s.running]
+            for_waiting.append((req, victim))
+        return freed
+
+    monkeypatch.setattr(h.s, "_preempt_for", recorded)
+    reqs = []
+    for step in bounded(lambda: len(reqs) < 30 or h.s.has_unfinished, limit=5000):
+        if len(reqs) < 30 and rng.random() < 0.5:
+            reqs.append(h.add(prompt(rng.randint(1, 30), base=rng.randint(2, 40)), max_tokens=rng.randint(1, 16),
+                              priority=rng.randint(0, 3)))
+        if h.s.has_unfinished:
+            h.step()
+    assert 0 < len(for_waiting) < h.s.num_preemptions  # both kinds happened
+    assert all(victim.priority > req.priority for req, victim in for_waiting)
+    for r in reqs:
+        assert r.finish_reason == "length" and r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()

@@ -155,6 +155,23 @@ def test_preemption(models, baseline):
             assert [x[t].logprob for t in x] == pytest.approx([y[t].logprob for t in x], abs=1e-4)
 
 
+def test_priority_scheduling_keeps_outputs(models, baseline):
+    """Priorities against arrival order, in a pool too small for all: requests preempt one
+    another, and each output is still the target's greedy one."""
+    target_arch = read_arch_config(models["target"])
+    draft_arch = read_arch_config(models["near"])
+    per_block = KVCache.bytes_per_block(target_arch, 8, torch.float32) + KVCache.bytes_per_block(
+        draft_arch, 8, torch.float32
+    )
+    llm = _llm(models, "near", 4, max_model_len=176, kv_cache_memory_bytes=per_block * 24, max_num_seqs=3,
+               scheduling_policy="priority")
+    priority = [5, 4, 3, 2, 1, 0]  # the last to arrive first
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=priority)
+    assert _tokens(outs) == baseline
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+
+
 def test_prefix_cache_hits(models):
     shared = _prompts([40])[0]["prompt_token_ids"]
     prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in _prompts([3, 9, 17], seed=5)]

@@ -1,0 +1,100 @@
+"""Priority scheduling through the engine: who runs first, what a preemption keeps, and the errors.
+
+The scheduler's own tests (tests/scheduler) cover the policy step by step; these check that the
+engine and LLM pass priorities through, and that outputs do not depend on them.
+"""
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.errors import ConfigError, RequestError
+from tests.helpers import make_hf_model
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("priority") / "m", init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(str(model), dtype="float32", max_model_len=128, block_size=8, max_num_seqs=2,
+               scheduling_policy="priority")
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each prompt's greedy tokens, from an engine that runs first come, first served."""
+    fcfs = LLM(str(model), dtype="float32", max_model_len=128, block_size=8)
+    return [o.outputs[0].token_ids for o in fcfs.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS,
+                                                          use_tqdm=False)]
+
+
+def _drain(engine) -> list[str]:
+    """Step until idle; the request ids in the order they finished."""
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    return done
+
+
+def test_generate_takes_one_priority_a_prompt(llm, alone):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False, priority=[3, 2, 1, 0])
+    assert [o.outputs[0].token_ids for o in outs] == alone  # in the prompts' order, each its own tokens
+
+
+def test_a_later_higher_priority_request_preempts_the_lowest(llm, alone):
+    engine = llm.engine
+    engine.add_request("low-a", PROMPTS[0], PARAMS, priority=2)
+    engine.add_request("low-b", PROMPTS[1], PARAMS, priority=3)
+    engine.step()
+    engine.step()
+    engine.add_request("urgent", PROMPTS[2], PARAMS, priority=0)
+    outs = {}
+    order = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+                order.append(o.request_id)
+    # Two slots: "urgent" takes low-b's (the lowest priority); low-a runs on and finishes first.
+    assert order == ["low-a", "urgent", "low-b"]
+    assert outs["low-b"].metrics.num_preemptions == 1
+    assert outs["low-a"].metrics.num_preemptions == outs["urgent"].metrics.num_preemptions == 0
+    for rid, i in (("low-a", 0), ("low-b", 1), ("urgent", 2)):
+        assert outs[rid].outputs[0].token_ids == alone[i]
+
+
+def test_equal_priorities_run_first_come_first_served(llm):
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, PARAMS.clone(max_tokens=3 + i), priority=1)
+    assert _drain(engine) == ["r0", "r1", "r2", "r3"]
+    assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
+
+
+def test_priority_errors(model, llm):
+    with pytest.raises(ConfigError, match="scheduling_policy='lifo' is not supported"):
+        LLM(str(model), dtype="float32", max_model_len=128, scheduling_policy="lifo")
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(RequestError, match="priority=.* must be an integer"):
+            llm.engine.add_request("bad", PROMPTS[0], PARAMS, priority=bad)
+    assert not llm.engine.has_unfinished_requests() and "bad" not in llm.engine._requests
+    with pytest.raises(RequestError, match="one integer per prompt"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False, priority=[0])
+    with pytest.raises(RequestError, match="must be an integer"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[0.5])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_fcfs_refuses_a_priority(model):
+    fcfs = LLM(str(model), dtype="float32", max_model_len=128)
+    with pytest.raises(RequestError, match="scheduling_policy='priority'"):
+        fcfs.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[1])
+    with pytest.raises(RequestError, match="scheduling_policy='priority'"):
+        fcfs.engine.add_request("x", PROMPTS[0], PARAMS, priority=-1)
+    assert not fcfs.engine.has_unfinished_requests()
+    out = fcfs.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[0])  # 0 is fine
+    assert len(out[0].outputs[0].token_ids) == 12
