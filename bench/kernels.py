@@ -164,7 +164,8 @@ def row_gumbel(n: int) -> dict:
                 bytes=logits.numel() * 4, eager_us=t_eager * 1e6)
 
 
-def row_rejection(num_reqs: int, k: int) -> dict:
+def row_rejection(num_reqs: int, k: int, greedy_drafts: bool = False) -> dict:
+    """greedy_drafts: the draft's argmax, verified with q one-hot (the coupled test)."""
     from tandem.kernels.rejection import rejection_sample
     from tandem.sampling.gumbel import DRAFT_SALT, gumbel_argmax
     from tandem.spec.rejection import rejection_sample as torch_rejection
@@ -177,18 +178,20 @@ def row_rejection(num_reqs: int, k: int) -> dict:
     bonus = row_index == k
     seeds = torch.randint(0, 2**62, (num_reqs,), device=DEV)[row_req]
     pos = torch.randint(0, 4096, (num_reqs,), device=DEV)[row_req] + row_index
-    drafts = torch.where(bonus, -1, gumbel_argmax(q, seeds, pos, DRAFT_SALT))
+    drafts = torch.where(bonus, -1, q.argmax(-1) if greedy_drafts else gumbel_argmax(q, seeds, pos, DRAFT_SALT))
     greedy = torch.zeros(rows, dtype=torch.bool, device=DEV)
     sampled = torch.arange(rows, device=DEV)
-    args = (p, drafts, bonus, greedy, sampled, q, seeds, pos, row_req, row_index, num_reqs)
+    args = (p, drafts, bonus, greedy, sampled, None if greedy_drafts else q, seeds, pos, row_req, row_index, num_reqs)
     tri = lambda: rejection_sample(*args)  # noqa: E731
     t_tri, t_eager = bench(tri), eager(tri)
     t_ref = bench(lambda: torch_rejection(*args))
     _, emitted = rejection_sample(*args)
     # Rows a request reaches are read (p and q) once, and the stop row once more.
     reached = float(emitted.sum())
-    nbytes = int((reached * 2 + num_reqs * 2) * VOCAB * 4)
-    return dict(kernel="rejection_sample", case=f"reqs={num_reqs} k={k} V={VOCAB} (acc {reached / num_reqs - 1:.1f})",
+    nbytes = int((reached * (1 if greedy_drafts else 2) + num_reqs * 2) * VOCAB * 4)
+    drafts_kind = "greedy" if greedy_drafts else "sampled"
+    return dict(kernel="rejection_sample", case=f"reqs={num_reqs} k={k} V={VOCAB} {drafts_kind} drafts "
+                                                 f"(acc {reached / num_reqs - 1:.1f})",
                 triton_us=t_tri * 1e6, torch_us=t_ref * 1e6, bytes=nbytes, eager_us=t_eager * 1e6)
 
 
@@ -506,6 +509,7 @@ def main() -> None:
         rows.append(row_gumbel(n))
     for b in (1, 32):
         rows.append(row_rejection(b, 4))
+        rows.append(row_rejection(b, 4, greedy_drafts=True))
 
     if args.sweep:
         print_table(["batch", "(BLOCK_N, warps, stages)", "us", "of 4.3 TB/s"], sweep_decode(),

@@ -6,7 +6,8 @@ materialised and no host sync, in up to three launches:
 2. `_block_draw_kernel` (only when some row samples), same grid: for each sampled row the block's
    best Gumbel score and index of the draw a request makes where it stops (over
    log(max(p - q, 0)) with the RECOVER salt on a draft row, over the raw logits with the TARGET
-   salt on the bonus row: the same draw a non-speculative step makes);
+   salt on the bonus row: the same draw a non-speculative step makes; with greedy drafts every
+   row draws the latter, the coupled test of the torch sampler);
 3. `_rejection_kernel`, one program per request: walks its rows in order, combines each row's block
    statistics into p(x) and q(x) for the draft x, applies the accept test of the torch sampler and
    stops at the first row that does not accept: its token is the best of that row's block
@@ -107,18 +108,19 @@ def _block_draw_kernel(
     draft_ptr, bonus_ptr, sampled_ptr, seeds_ptr, positions_ptr,
     cand_val_ptr,  # [num_rows, NB] fp32 out: the block's best Gumbel score
     cand_idx_ptr,  # [num_rows, NB] int32 out: its first index
-    vocab, NB, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, NB_POW2: tl.constexpr,
+    vocab, NB, HAS_Q: tl.constexpr, COUPLED: tl.constexpr, BLOCK_V: tl.constexpr, NB_POW2: tl.constexpr,
     RECOVER: tl.constexpr, TARGET: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, block) of a sampled row: this block's candidate for the row's stop draw, a
-    Gumbel-max over the raw logits (bonus row, TARGET salt) or over log(max(p - q, 0)) (a draft
-    row, RECOVER salt). Every sampled row draws; the walk keeps the one its request stops at."""
+    Gumbel-max over the raw logits (bonus row, or every row when COUPLED; TARGET salt) or over
+    log(max(p - q, 0)) (a draft row, RECOVER salt). Every sampled row draws; the walk keeps the
+    one its request stops at (and, COUPLED, compares each draft with its row's draw)."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.load(sampled_ptr + row) == 0:  # rows that do not sample stop at the argmax
         return
     blk = tl.program_id(1)
-    bonus = tl.load(bonus_ptr + row) != 0
+    bonus = (tl.load(bonus_ptr + row) != 0) | COUPLED
     seed = tl.load(seeds_ptr + row)
     position = tl.load(positions_ptr + row)
     offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -171,6 +173,7 @@ def _rejection_kernel(
     NB,
     HAS_Q: tl.constexpr,
     SYNTHETIC: tl.constexpr,
+    COUPLED: tl.constexpr,  # greedy drafts, not synthetic: a draft stands iff it equals its row's draw
     ANY_SAMPLED: tl.constexpr,
     NB_POW2: tl.constexpr,
     ACCEPT: tl.constexpr,
@@ -203,9 +206,19 @@ def _rejection_kernel(
             q_x = tl.math.div_rn(_exp(tl.load(q_ptr + row * stride_q + draft) - m_q), s_q)
         p_x = tl.math.div_rn(_exp(tl.load(p_ptr + row * stride_p + draft) - m_p), s_p)
         u = _uniform(_noise_key(seed, position, ACCEPT), tl.full((), 0, tl.int32))
+        token = argmax.to(tl.int64)  # the row's stop token: its draw if it samples, else the argmax
+        if ANY_SAMPLED:
+            if tl.load(sampled_ptr + row) != 0:
+                ok = b < NB
+                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
+                top = tl.max(val, 0)
+                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
+                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
         if SYNTHETIC:
             idx = tl.minimum(tl.load(row_index_ptr + row), num_rates - 1)
             accept = u < tl.load(rates_ptr + idx)
+        elif COUPLED:
+            accept = draft == token
         else:
             accept = tl.where(tl.load(greedy_ptr + row) != 0, draft == argmax, u * q_x < p_x)
         accept = accept & (tl.load(bonus_ptr + row) == 0) & (raw_draft >= 0)
@@ -213,13 +226,6 @@ def _rejection_kernel(
             tl.store(tokens_ptr + row, raw_draft)
             j += 1
         else:
-            token = argmax.to(tl.int64)
-            if ANY_SAMPLED and tl.load(sampled_ptr + row) != 0:
-                ok = b < NB
-                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
-                top = tl.max(val, 0)
-                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
-                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
             tl.store(tokens_ptr + row, token)
             running = False
         running = running & (j < num_rows)
@@ -308,19 +314,20 @@ def rejection_sample(
     rates = synthetic_rates.float().contiguous() if synthetic_rates is not None else p_logits
     cand_val = torch.empty(num_rows, nb, dtype=torch.float32, device=dev)
     cand_idx = torch.empty(num_rows, nb, dtype=torch.int32, device=dev)
+    coupled = not has_q and synthetic_rates is None
     if sampled_idx is not None:  # no sampled row: no stop draws
         _block_draw_kernel[(num_rows, nb)](
             p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax,
             row_draft, row_is_bonus.view(torch.uint8), row_sampled, seeds, positions, cand_val, cand_idx, vocab, nb,
-            HAS_Q=has_q, BLOCK_V=_BLOCK_V, NB_POW2=triton.next_power_of_2(nb), RECOVER=RECOVER_SALT,
-            TARGET=TARGET_SALT, num_warps=4, **pdl,
+            HAS_Q=has_q, COUPLED=coupled, BLOCK_V=_BLOCK_V, NB_POW2=triton.next_power_of_2(nb),
+            RECOVER=RECOVER_SALT, TARGET=TARGET_SALT, num_warps=4, **pdl,
         )
     _rejection_kernel[(num_reqs,)](
         p_logits, q, p_logits.stride(0), q.stride(0), stats, argmax, cand_val, cand_idx,
         row_draft, row_is_bonus.view(torch.uint8), row_greedy.view(torch.uint8), row_sampled,
         seeds, positions, row_index, rates, rates.shape[0] if synthetic_rates is not None else 1,
         row_req, num_rows, row_tokens, num_emitted, vocab, nb,
-        HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, ANY_SAMPLED=sampled_idx is not None,
+        HAS_Q=has_q, SYNTHETIC=synthetic_rates is not None, COUPLED=coupled, ANY_SAMPLED=sampled_idx is not None,
         NB_POW2=triton.next_power_of_2(nb), ACCEPT=ACCEPT_SALT, SCAN=1024, num_warps=4, **pdl,
     )
     return row_tokens, num_emitted

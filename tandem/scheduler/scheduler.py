@@ -5,8 +5,9 @@ or its last token plus the drafts pending in its slot. Requests in decode are se
 long prompts never starve them; prefills (running, then waiting) share what is left of
 max_num_batched_tokens. When blocks run out, the most recently admitted request is preempted:
 its blocks are freed and it recomputes later from its tokens, so its output does not change
-(with a draft model, a sampled request's draws after that point come from other noise streams,
-because its pending drafts are dropped: still the target's distribution, not the same tokens).
+(with probabilistic drafts, a sampled request's draws after that point come from other noise
+streams, because its pending drafts are dropped: still the target's distribution, not the same
+tokens; greedy drafts are verified against the target's own seeded draws, which do not change).
 
 scheduling_policy="priority" orders by Request.sort_key (priority, then arrival) instead: the
 waiting queue is kept in that order, the running requests take the budget in it (decodes

@@ -6,10 +6,16 @@ Draft x_i (verified at row i-1 of its request) is accepted with probability min(
 accept iff u_i * q(x) < p(x), with u_i a uniform keyed by (seed, position, ACCEPT salt). At the
 first rejection a "recovered" token is drawn from norm(max(0, p - q)) (RECOVER salt); if all
 drafts survive, a "bonus" token is drawn from p at the last row (TARGET salt, the same key a
-non-speculative step would use). Greedy drafts have one-hot q, so x is accepted with
-probability p(x) and the residual is p with x removed. Requests at temperature 0 accept
-exactly when x equals the target argmax and emit the argmax at the first mismatch. Output per
-request: accepted drafts + 1 token; the emitted sequence is distributed exactly as p.
+non-speculative step would use). Requests at temperature 0 accept exactly when x equals the
+target argmax and emit the argmax at the first mismatch. Output per request: accepted drafts +
+1 token; the emitted sequence is distributed exactly as p.
+
+Greedy drafts (one-hot q) are verified by coupling instead: every row draws the target's token
+as a non-speculative step would (Gumbel-max over p, TARGET salt, keyed by the row's position),
+x is accepted iff it equals that draw, and the first mismatch emits the draw. That accepts x
+with probability p(x) and draws the rest from p without x, as the test above would, but the
+tokens are exactly the ones the target alone emits with the request's seed: speculation (and a
+preemption, which drops the pending drafts) leaves a seeded request's output unchanged.
 
 Synthetic mode (benchmarks only, not lossless): accept draft i iff u_i < c_i, the configured
 conditional rate; the token emitted after the run is drawn as above.
@@ -76,32 +82,39 @@ def rejection_sample(
         q_x = q.gather(1, draft[:, None])[:, 0]
     u = uniform(noise_key(seeds, positions, ACCEPT_SALT), torch.zeros_like(seeds))
     target_argmax = p_logits.argmax(dim=-1)
-    if synthetic_rates is not None:
-        accept = u < synthetic_rates[row_index.clamp(max=synthetic_rates.shape[0] - 1)]
-    else:
-        accept = torch.where(row_greedy, draft == target_argmax, u * q_x < p_x)
-    accept = accept & ~row_is_bonus & (row_draft >= 0)
+    coupled = q is None and synthetic_rates is None  # greedy drafts: the draw decides (module docstring)
 
     # Token to emit if the run stops at this row.
     stop_token = target_argmax.clone()
     if sampled_idx is not None:
         idx = sampled_idx
         bonus = row_is_bonus[idx]
-        if q is None:
-            residual = p[idx].scatter(1, draft[idx][:, None], 0.0)
+        if coupled:
+            scores, keys = p_logits[idx], noise_key(seeds[idx], positions[idx], TARGET_SALT)
         else:
-            residual = (p[idx] - q[idx]).clamp(min=0)
-        # Bonus rows draw from p exactly as a non-speculative step would (same logits, same
-        # key); rejection rows draw from the residual with their own salt.
-        scores = torch.where(bonus[:, None], p_logits[idx], residual.log())
-        keys = torch.where(
-            bonus,
-            noise_key(seeds[idx], positions[idx], TARGET_SALT),
-            noise_key(seeds[idx], positions[idx], RECOVER_SALT),
-        )
+            if q is None:
+                residual = p[idx].scatter(1, draft[idx][:, None], 0.0)
+            else:
+                residual = (p[idx] - q[idx]).clamp(min=0)
+            # Bonus rows draw from p exactly as a non-speculative step would (same logits, same
+            # key); rejection rows draw from the residual with their own salt.
+            scores = torch.where(bonus[:, None], p_logits[idx], residual.log())
+            keys = torch.where(
+                bonus,
+                noise_key(seeds[idx], positions[idx], TARGET_SALT),
+                noise_key(seeds[idx], positions[idx], RECOVER_SALT),
+            )
         salt_noise = gumbel_from_keys(keys, vocab)
         # An all-zero residual (p == q exactly) can only follow an acceptance; any token will do.
         stop_token[idx] = (scores + salt_noise).argmax(dim=-1)
+
+    if synthetic_rates is not None:
+        accept = u < synthetic_rates[row_index.clamp(max=synthetic_rates.shape[0] - 1)]
+    elif coupled:  # a sampled row's stop token is the target's draw; a greedy row's, its argmax
+        accept = draft == stop_token
+    else:
+        accept = torch.where(row_greedy, draft == target_argmax, u * q_x < p_x)
+    accept = accept & ~row_is_bonus & (row_draft >= 0)
 
     # num_accepted per request = leading accepted rows.
     first_reject = torch.full((num_reqs,), 1 << 30, dtype=torch.int64, device=p.device)

@@ -78,7 +78,9 @@ class DraftSpeculator:
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = attn_backend
-        block = spec.rejection_sample_method == "block"
+        # Greedy drafts gain nothing from the block test (README), and the coupled test keeps the
+        # target-only tokens: they are verified as under "standard".
+        block = spec.rejection_sample_method == "block" and spec.draft_sample_method == "probabilistic"
         if attn_backend.use_triton:
             from tandem.kernels import rejection as fused
 

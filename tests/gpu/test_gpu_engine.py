@@ -286,6 +286,23 @@ def test_head_dim_80_on_gpu_matches_cpu(tmp_path):
         LLM(str(odd), dtype="float32", device="cuda", max_model_len=512)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_sampling_with_greedy_drafts_equals_target_on_gpu(models, dtype):
+    """The fused sampler's coupled test: with greedy drafts a seeded sampled request emits the
+    tokens target-only decoding emits with that seed (graphs or not, through rejections)."""
+    target, draft = models
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=48, ignore_eos=True, seed=7)
+    base, _ = _run(target, dtype, params=params)
+    eager, _ = _run(target, dtype, params=params, enforce_eager=True)
+    assert eager == base
+    for spec_model, k in ((draft, 3), (target, 4)):
+        spec = dict(model=str(spec_model), num_speculative_tokens=k)
+        out, llm = _run(target, dtype, spec, params=params)
+        assert out == base
+        m = llm.engine.spec_metrics  # a greedy draft stands with probability p(x): some do, some do not
+        assert 0 < m.num_accepted_tokens < m.num_draft_tokens, (k, m.num_accepted_tokens, m.num_draft_tokens)
+
+
 def test_sampled_speculation_runs_on_gpu(models):
     target, draft = models
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, ignore_eos=True, seed=5)

@@ -349,6 +349,7 @@ def near_tie(args, row, token_a, token_b) -> bool:
     from tandem.sampling.gumbel import gumbel_from_keys, noise_key, uniform
 
     p_logits, drafts, bonus, greedy, _, q_logits, seeds, positions = args[:8]
+    coupled = q_logits is None and args[11] is None  # greedy drafts: each row's draw is the target's own
     pl = p_logits[row : row + 1]
     p = pl.softmax(-1)[0]
     q = q_logits[row : row + 1].softmax(-1)[0] if q_logits is not None else None
@@ -357,9 +358,9 @@ def near_tie(args, row, token_a, token_b) -> bool:
     u = float(uniform(noise_key(s, pos, ACCEPT_SALT), torch.zeros_like(s))[0])
     q_x = float(q[x]) if q is not None else 1.0
     lhs, rhs = u * q_x, float(p[x])
-    if not bool(bonus[row]) and not bool(greedy[row]) and abs(lhs - rhs) <= TIE_RTOL * max(lhs, rhs):
+    if not (bool(bonus[row]) or bool(greedy[row]) or coupled) and abs(lhs - rhs) <= TIE_RTOL * max(lhs, rhs):
         return True
-    if bool(bonus[row]):
+    if bool(bonus[row]) or coupled:
         scores = pl[0] + gumbel_from_keys(noise_key(s, pos, TARGET_SALT), pl.shape[1])[0]
     else:
         resid = (p - q).clamp(min=0) if q is not None else p.scatter(0, torch.tensor([x], device=p.device), 0.0)

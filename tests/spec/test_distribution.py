@@ -317,7 +317,9 @@ def test_block_uniforms_keyed_by_position_alone_are_caught(models, monkeypatch):
     """Negative control for block verification's keying: uniforms keyed by (seed, position) alone,
     as vLLM keys them, are read again by the next round at the positions past the block, already
     known to exceed their thresholds; the output then leaves the target's distribution, and this
-    test sees it (the same run with the uniforms fresh every round passes above)."""
+    test sees it (the same run with the uniforms fresh every round passes above). Greedy drafts
+    show it most; the engine verifies them with the coupled test, so the block sampler is put in
+    its place here."""
     import tandem.spec.rejection as rejection_mod
     from tandem.sampling.gumbel import BLOCK_SALT, noise_key, uniform
 
@@ -325,6 +327,7 @@ def test_block_uniforms_keyed_by_position_alone_are_caught(models, monkeypatch):
                         lambda seeds, positions, row_index: uniform(noise_key(seeds, positions, BLOCK_SALT), 0 * row_index))
     cfg = dict(temperature=1.5)
     llm = _llm(models, "near", k=2, method="greedy", rejection_sample_method="block")
+    llm.engine.runner.speculator.rejection_sample = rejection_mod.block_rejection_sample
     tokens = sample_tokens(llm, [cfg], 12_000, seed_base=95_000_000)
     assert min(fit_pvalues(tokens[0], exact_joint(models["target"], cfg)).values()) < 1e-4
 

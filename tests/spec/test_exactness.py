@@ -155,6 +155,30 @@ def test_preemption(models, baseline):
             assert [x[t].logprob for t in x] == pytest.approx([y[t].logprob for t in x], abs=1e-4)
 
 
+SAMPLED = [SamplingParams(temperature=t, top_p=top_p, top_k=top_k, seed=100 + i, max_tokens=40, ignore_eos=True,
+                          presence_penalty=pres)
+           for i, (t, top_p, top_k, pres) in enumerate([(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 20, 0.0),
+                                                        (0.9, 0.95, 0, 0.5), (1.0, 1.0, 0, 0.0), (0.6, 1.0, 5, 0.0)])]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_seeded_sampling_with_greedy_drafts_equals_target_only(models, k):
+    """Greedy drafts are verified by the coupled test: a seeded sampled request emits exactly the
+    tokens target-only decoding emits with that seed, through rejections, penalties and top-k /
+    top-p, and through preemptions (which drop the pending drafts)."""
+    ref = _tokens(_llm(models).generate(PROMPTS, SAMPLED, use_tqdm=False))
+    llm = _llm(models, "near", k)
+    assert _tokens(llm.generate(PROMPTS, SAMPLED, use_tqdm=False)) == ref
+    m = llm.engine.spec_metrics
+    assert 0.05 < m.acceptance_rate < 0.98  # drafts accepted and rejected
+    target_arch, draft_arch = read_arch_config(models["target"]), read_arch_config(models["near"])
+    per_block = KVCache.bytes_per_block(target_arch, 8, torch.float32) + KVCache.bytes_per_block(
+        draft_arch, 8, torch.float32)
+    tight = _llm(models, "near", k, max_model_len=176, kv_cache_memory_bytes=per_block * 24)
+    assert _tokens(tight.generate(PROMPTS, SAMPLED, use_tqdm=False)) == ref
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
 def test_priority_scheduling_keeps_outputs(models, baseline):
     """Priorities against arrival order, in a pool too small for all: requests preempt one
     another, and each output is still the target's greedy one."""

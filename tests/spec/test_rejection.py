@@ -105,8 +105,18 @@ def random_pq(k, vocab, seed, p_scale=1.5, q_noise=1.0, mask=True):
 
 
 def check_against_ref(gr, tokens, emitted, limit=300, one_hot=False):
-    """Each request against rejection_sample_ref with the same uniforms and Gumbel noise."""
+    """Each request against rejection_sample_ref with the same uniforms and Gumbel noise; with
+    one_hot (greedy drafts, q_logits None), against the coupled test: every row emits the target's
+    own draw (TARGET salt at its position), and a draft stands iff it equals that draw."""
     p = gr.p.softmax(-1)
+    if one_hot:
+        for i in range(min(gr.n, limit)):
+            pos = gr.pos0[i] + torch.arange(gr.k + 1)
+            draws = gumbel_argmax(gr.p, gr.seeds[i].expand(gr.k + 1), pos, TARGET_SALT)
+            num_acc = next((j for j in range(gr.k) if int(gr.drafts[i, j]) != int(draws[j])), gr.k)
+            assert int(emitted[i]) == num_acc + 1, i
+            assert tokens[i, : num_acc + 1].tolist() == draws[: num_acc + 1].tolist(), i
+        return
     for i in range(min(gr.n, limit)):
         drafts = gr.drafts[i]
         q = torch.nn.functional.one_hot(drafts, p.shape[1]).float() if one_hot else gr.q.softmax(-1)
@@ -158,7 +168,8 @@ def chisq_pvalue_nozero(samples, probs) -> float:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_one_hot_q_greedy_drafts(k):
-    """q_logits=None: drafts verified as one-hot q, accepted with probability p(x)."""
+    """q_logits=None: drafts verified as one-hot q by the coupled test, accepted with probability
+    p(x), every emitted token the target's own seeded draw."""
     vocab, n = 9, 6000
     p, q = random_pq(k, vocab, seed=20 + k, mask=False)
     p[:, 2] = NEG_INF
