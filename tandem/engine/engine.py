@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
@@ -266,8 +267,8 @@ class Engine:
             self._warned.add("watermark")
 
     def validate_priority(self, priority) -> None:
-        """RequestError unless priority is an integer this engine's scheduling_policy honours."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        """RequestError unless priority is an integer (numpy's too) this engine's scheduling_policy honours."""
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
             raise RequestError(f"priority={priority!r} must be an integer (lower values run first)")
         if priority != 0 and self.cfg.sched.scheduling_policy != "priority":
             raise RequestError(f"priority={priority} needs an engine started with scheduling_policy='priority' "
@@ -286,6 +287,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_priority(priority)
+        priority = int(priority)
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)

@@ -10,11 +10,13 @@ streams, because its pending drafts are dropped: still the target's distribution
 tokens; greedy drafts are verified against the target's own seeded draws, which do not change).
 
 scheduling_policy="priority" orders by Request.sort_key (priority, then arrival) instead: the
-waiting queue is kept in that order, the running requests take the budget in it (decodes
-still before prefills of the same priority), a block shortage preempts the running request
-that comes last in it, and a waiting request that finds no slot or no blocks preempts running
-requests of a strictly lower priority (a larger value) until it fits. Equal priorities never
-preempt each other, so two requests cannot take a slot back and forth.
+waiting queue is kept in that order; decodes still come first, by priority, then the running
+prefills by priority, each after the waiting requests that outrank it; a block shortage
+preempts the running request that comes last in that order; and a waiting request that finds no
+slot or too few blocks preempts running requests of a strictly lower priority (a larger value),
+one by one until it fits, provided that preempting all of them would make room (never for
+nothing), and nothing that does not outrank a request preempted so is admitted in that step.
+Equal priorities never preempt each other, so two requests cannot take a slot back and forth.
 
 With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
 speculative_config.num_speculative_tokens_per_batch_size; under "auto", tandem.spec.adaptive
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from tandem.plan import PENDING_TOKEN, NewReq, ScheduledReq, StepPlan, StepResult
@@ -38,6 +41,18 @@ if TYPE_CHECKING:
     from tandem.config import CacheConfig, SchedulerConfig
 
 
+@dataclass
+class _StepBuild:
+    """A plan while schedule() builds it."""
+
+    budget: int  # tokens left of max_num_batched_tokens
+    k_next: int  # the drafts this step proposes
+    scheduled: dict[int, ScheduledReq] = field(default_factory=dict)  # req_id -> its item
+    new_reqs: list[NewReq] = field(default_factory=list)
+    admitting: bool = True  # False once a running request was preempted for blocks, or a waiting one did not fit
+    ceiling: float = float("inf")  # admit only priorities below this (a victim's, once one was preempted)
+
+
 class Scheduler:
     """Decides what runs each step and applies each step's result to request state."""
 
@@ -46,6 +61,8 @@ class Scheduler:
         """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens);
         record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
+        if sched.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={sched.scheduling_policy!r} is not 'fcfs' or 'priority'")
         self.cfg = sched
         self.by_priority = sched.scheduling_policy == "priority"
         self.k = num_speculative_tokens
@@ -95,51 +112,52 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
-        budget = self.cfg.max_num_batched_tokens
-        scheduled: dict[int, ScheduledReq] = {}
-        new_reqs: list[NewReq] = []
-        k_next = self._num_next_drafts()
-
-        # Running requests: decodes first, then unfinished prefills, each in admission order
-        # (by priority first, under the priority policy: the sort is stable).
-        order = [r for r in self.running if not r.is_prefilling] + [r for r in self.running if r.is_prefilling]
+        step = _StepBuild(self.cfg.max_num_batched_tokens, self._num_next_drafts())
+        # Running requests: decodes first, then unfinished prefills, each in admission order (by
+        # priority first under the priority policy; the sort is stable). Under the priority policy
+        # a waiting request that outranks a running prefill is admitted before it.
+        decodes = [r for r in self.running if not r.is_prefilling]
+        prefills = [r for r in self.running if r.is_prefilling]
         if self.by_priority:
-            order.sort(key=lambda r: r.priority)
-        decodes_after = [0] * len(order)  # decodes later in the order than each request
-        for i in range(len(order) - 2, -1, -1):
-            decodes_after[i] = decodes_after[i + 1] + (not order[i + 1].is_prefilling)
-        for i, req in enumerate(order):
-            if budget <= 0:
+            decodes.sort(key=lambda r: r.priority)
+            prefills.sort(key=lambda r: r.priority)
+        for i, req in enumerate(decodes + prefills):
+            if step.budget > 0 and self.by_priority and i >= len(decodes):
+                self._admit_waiting(step, outranking=req.priority)
+            if step.budget <= 0:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
             # A draft's backfill leaves room for the decodes after it (1 + k_next tokens each).
-            reserve = decodes_after[i] * (1 + k_next)
-            item = self._schedule_running(req, budget, scheduled, k_next, reserve)
+            reserve = max(0, len(decodes) - i - 1) * (1 + step.k_next)
+            item = self._schedule_running(req, step, reserve)
             if item is not None:
-                scheduled[req.req_id] = item
-                budget -= item.num_new_tokens + len(item.draft_backfill)
+                step.scheduled[req.req_id] = item
+                step.budget -= item.num_new_tokens + len(item.draft_backfill)
+        self._admit_waiting(step)
+        reqs = [step.scheduled[r.req_id] for r in self.running if r.req_id in step.scheduled]
+        freed, self._freed_slots = self._freed_slots, []
+        return StepPlan(new_reqs=step.new_reqs, reqs=reqs, freed_slots=freed)
 
-        # Waiting requests, in arrival (or priority) order, while budget, slots and blocks last.
-        # No preemption happened this step, or the freed room is left to the running requests.
-        preempted = any(r.status == Status.WAITING for r in order)
-        while self.waiting and budget > 0 and not preempted:
+    def _admit_waiting(self, step: _StepBuild, outranking: int | None = None) -> None:
+        """Admit waiting requests, in arrival (or priority) order, while budget, slots and blocks
+        last; outranking: only those of a smaller priority value. Nothing is admitted in a step
+        where a running request was preempted for blocks (the freed room is left to the running
+        requests), nor after a request that does not fit (it keeps its place at the head), nor,
+        once a request was preempted for a waiting one, anything not outranking that victim."""
+        while self.waiting and step.budget > 0 and step.admitting:
             req = self.waiting[0]
-            item = self._admit(req, budget, k_next) if self.free_slots else None
+            if (outranking is not None and req.priority >= outranking) or req.priority >= step.ceiling:
+                return
+            item = self._admit(req, step.budget, step.k_next) if self.free_slots else None
             if item is None:
-                freed_budget = self._preempt_for(req, scheduled)
-                if freed_budget is None:
-                    break
-                budget += freed_budget
+                if not self._preempt_for(req, step):
+                    step.admitting = False
                 continue
             self.waiting.popleft()
-            new_reqs.append(item[0])
-            scheduled[req.req_id] = item[1]
-            budget -= item[1].num_new_tokens
-
-        reqs = [scheduled[r.req_id] for r in self.running if r.req_id in scheduled]
-        freed, self._freed_slots = self._freed_slots, []
-        return StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=freed)
+            step.new_reqs.append(item[0])
+            step.scheduled[req.req_id] = item[1]
+            step.budget -= item[1].num_new_tokens
 
     def _num_next_drafts(self) -> int:
         """The drafts this step proposes: by the batch size, the requests running or waiting (at
@@ -191,31 +209,42 @@ class Scheduler:
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
 
-    def _schedule_running(self, req: Request, budget: int, scheduled: dict, k_next: int,
-                          reserve: int) -> ScheduledReq | None:
+    def _schedule_running(self, req: Request, step: _StepBuild, reserve: int) -> ScheduledReq | None:
         while True:
-            item = self._make_item(req, budget, k_next, reserve)
+            item = self._make_item(req, step.budget, step.k_next, reserve)
             if self.blocks.allocate(req, self._blocks_span(req, item)):
                 item.block_ids = list(req.block_ids)
                 return item
-            unscheduled = [r for r in self.running if r.req_id not in scheduled]  # req among them
+            unscheduled = [r for r in self.running if r.req_id not in step.scheduled]  # req among them
             victim = max(unscheduled, key=lambda r: r.sort_key) if self.by_priority else unscheduled[-1]
             self._preempt(victim)
+            step.admitting = False
             if victim is req:
                 return None
 
-    def _preempt_for(self, req: Request, scheduled: dict[int, ScheduledReq]) -> int | None:
-        """Under the priority policy, preempt the last running request in priority order if
-        waiting req outranks it strictly (a smaller priority value), taking it out of this
-        step's plan; returns the token budget that gives back. None: nothing to preempt."""
-        if not self.by_priority or not self.running:
-            return None
-        victim = max(self.running, key=lambda r: r.sort_key)
-        if victim.priority <= req.priority:
-            return None
-        item = scheduled.pop(victim.req_id, None)
+    def _preempt_for(self, req: Request, step: _StepBuild) -> bool:
+        """Under the priority policy, make room for waiting req, which found no slot or too few
+        blocks: preempt the running request last in priority order if req outranks it strictly
+        (a smaller priority value) and preempting every such request would make room for req's
+        first chunk (else none is preempted, for nothing); the victim leaves this step's plan and
+        gives its budget back. -> whether one was preempted."""
+        if not self.by_priority:
+            return False
+        victims = [r for r in self.running if r.priority > req.priority]
+        if not victims:
+            return False
+        chunk = min(req.num_tokens, step.budget)
+        span = min(chunk + (self.k if chunk == req.num_tokens else 0), self.cfg.max_model_len)
+        held = sum(1 for r in victims for b in r.block_ids if self.blocks.ref_counts[b] == 1)
+        if self.blocks.blocks_needed(req, span) > self.blocks.num_free_blocks + held:  # no prefix hit assumed
+            return False
+        victim = max(victims, key=lambda r: r.sort_key)
+        item = step.scheduled.pop(victim.req_id, None)
         self._preempt(victim)
-        return 0 if item is None else item.num_new_tokens + len(item.draft_backfill)
+        if item is not None:
+            step.budget += item.num_new_tokens + len(item.draft_backfill)
+        step.ceiling = min(step.ceiling, victim.priority)  # its room is not for it, nor its equals
+        return True
 
     def _admit(self, req: Request, budget: int, k_next: int) -> tuple[NewReq, ScheduledReq] | None:
         # Prompt logprobs need the logits of every prompt position: no cached prefix skips them.

@@ -257,7 +257,7 @@ class AsyncEngine:
         if not self._accepting:
             stream.put(EngineStopped("the server is shutting down and takes no new requests"))
             return
-        if self._queued_after(cmd.params.n) > self.max_queued_requests:
+        if self._queued_after(cmd.params.n, cmd.priority) > self.max_queued_requests:
             stream.put(ServerOverloaded(
                 f"the server is overloaded: more than max_queued_requests={self.max_queued_requests} sequences "
                 "would be waiting for a batch slot; retry later"
@@ -274,11 +274,13 @@ class AsyncEngine:
             self.metrics.on_accepted(len(cmd.prompt_token_ids))
         stream.put(_ACCEPTED)
 
-    def _queued_after(self, n: int) -> int:
-        """Sequences that would wait for a batch slot if n more were added now."""
+    def _queued_after(self, n: int, priority: int = 0) -> int:
+        """Sequences that would wait for a batch slot if n more of this priority were added now
+        (under the priority policy, those queued ahead of them: their priority or better)."""
         sched = self.engine.scheduler
         free_slots = max(0, self.engine.cfg.sched.max_num_seqs - len(sched.running))
-        return max(0, len(sched.waiting) + n - free_slots)
+        ahead = sum(r.priority <= priority for r in sched.waiting) if sched.by_priority else len(sched.waiting)
+        return max(0, ahead + n - free_slots)
 
     def _abort(self, request_id: str, error: BaseException | None) -> None:
         tracked = self._live.pop(request_id, None)

@@ -3,6 +3,7 @@
 The scheduler's own tests (tests/scheduler) cover the policy step by step; these check that the
 engine and LLM pass priorities through, and that outputs do not depend on them.
 """
+import numpy as np
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -43,6 +44,9 @@ def _drain(engine) -> list[str]:
 def test_generate_takes_one_priority_a_prompt(llm, alone):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False, priority=[3, 2, 1, 0])
     assert [o.outputs[0].token_ids for o in outs] == alone  # in the prompts' order, each its own tokens
+    # Two slots: the last two prompts (the lowest values) are scheduled first, the first two after.
+    assert max(o.metrics.first_scheduled_time for o in outs[2:]) < min(o.metrics.first_scheduled_time
+                                                                      for o in outs[:2])
 
 
 def test_a_later_higher_priority_request_preempts_the_lowest(llm, alone):
@@ -87,6 +91,8 @@ def test_priority_errors(model, llm):
     with pytest.raises(RequestError, match="must be an integer"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[0.5])
     assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[np.int64(-2)])
+    assert len(out[0].outputs[0].token_ids) == 12  # numpy's integers are integers
 
 
 def test_fcfs_refuses_a_priority(model):
@@ -98,3 +104,23 @@ def test_fcfs_refuses_a_priority(model):
     assert not fcfs.engine.has_unfinished_requests()
     out = fcfs.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, priority=[0])  # 0 is fine
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_the_servers_queue_limit_counts_what_waits_ahead(llm):
+    """max_queued_requests under the priority policy: a new request counts the waiting sequences
+    of its priority or better, so a low-priority backlog does not turn an urgent request away."""
+    from tandem.server.async_engine import AsyncEngine
+
+    engine = llm.engine
+    client = AsyncEngine(engine, max_queued_requests=2)
+    for i in range(4):
+        engine.add_request(f"backlog{i}", PROMPTS[i], PARAMS, priority=5)
+    try:
+        # Two free slots, four waiting: a priority-5 request would be the fifth in line for them.
+        assert client._queued_after(1, priority=5) == 3 > client.max_queued_requests
+        assert client._queued_after(1, priority=0) == 0
+    finally:
+        for i in range(4):
+            engine.abort_request(f"backlog{i}")
+    _drain(engine)
+    assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks

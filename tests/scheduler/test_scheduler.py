@@ -1177,19 +1177,41 @@ def test_a_block_shortage_preempts_the_lowest_priority_not_the_newest():
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_priority_decides_who_gets_the_budget(policy):
+def test_a_waiting_request_goes_ahead_of_a_lower_priority_prefill(policy):
     h = Harness(SchedCfg(max_num_batched_tokens=4, scheduling_policy=policy))
-    a = h.add(prompt(2), max_tokens=8, priority=1)
+    d = h.add(prompt(2), max_tokens=12, priority=2)
     h.step()
-    b = h.add(prompt(10, base=30), max_tokens=2, priority=0)
-    plan, _, _ = h.step()  # a's decode, then b's first chunk in what is left
-    assert [(r.req_id, r.num_new_tokens) for r in plan.reqs] == [(a.req_id, 1), (b.req_id, 3)]
+    a = h.add(prompt(20, base=30), max_tokens=2, priority=1)  # a long prompt, four tokens a step
     plan, _, _ = h.step()
-    # fcfs: decodes first; priority: b's prefill outranks a's decode.
-    expected = [(a.req_id, 1), (b.req_id, 3)] if policy == "fcfs" else [(b.req_id, 4)]
-    assert sorted((r.req_id, r.num_new_tokens) for r in plan.reqs) == expected
+    assert [(r.req_id, r.num_new_tokens) for r in plan.reqs] == [(d.req_id, 1), (a.req_id, 3)]
+    b = h.add(prompt(3, base=60), max_tokens=2, priority=0)
+    plan, _, _ = h.step()
+    got = sorted((r.req_id, r.num_new_tokens) for r in plan.reqs)
+    # Decodes first either way (d, the lowest priority); then fcfs keeps feeding a's prompt while
+    # b waits, and priority admits b ahead of it.
+    assert got == ([(d.req_id, 1), (a.req_id, 3)] if policy == "fcfs" else [(d.req_id, 1), (b.req_id, 3)])
+    assert h.s.num_preemptions == 0
     h.run()
-    assert a.output_token_ids == expected_output(a, 8) and b.output_token_ids == expected_output(b, 2)
+    for r in (a, b, d):
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
+def test_no_preemption_that_cannot_make_room():
+    # 8 blocks of 2 tokens: a (priority 0) holds 5, b (priority 9) 2; c (priority 0) needs 4 for
+    # its prompt, and b's 2 and the free one are not enough: b keeps running, c waits its turn.
+    h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
+    a = h.add(prompt(9), max_tokens=2, priority=0)
+    b = h.add(prompt(3, base=30), max_tokens=6, priority=9)
+    h.step()
+    assert len(a.block_ids) == 5 and len(b.block_ids) == 2
+    c = h.add(prompt(8, base=60), max_tokens=2, priority=0)
+    h.step()
+    assert c.status == Status.WAITING and b.status == Status.RUNNING and h.s.num_preemptions == 0
+    h.run()
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
     h.check_no_leaks()
 
 
@@ -1205,13 +1227,13 @@ def test_priority_under_random_load_keeps_outputs(k, monkeypatch):
     for_waiting = []  # (waiting, victim) of the preemptions made for a waiting request
     preempt_for = h.s._preempt_for
 
-    def recorded(req, scheduled):
+    def recorded(req, step):
         running = list(h.s.running)
-        freed = preempt_for(req, scheduled)
-        if freed is not None:
-            (victim,) = [r for r in running if r not in h.s.running]
-            for_waiting.append((req, victim))
-        return freed
+        if not preempt_for(req, step):
+            return False
+        (victim,) = [r for r in running if r not in h.s.running]
+        for_waiting.append((req, victim))
+        return True
 
     monkeypatch.setattr(h.s, "_preempt_for", recorded)
     reqs = []
@@ -1220,7 +1242,10 @@ def test_priority_under_random_load_keeps_outputs(k, monkeypatch):
             reqs.append(h.add(prompt(rng.randint(1, 30), base=rng.randint(2, 40)), max_tokens=rng.randint(1, 16),
                               priority=rng.randint(0, 3)))
         if h.s.has_unfinished:
-            h.step()
+            before = {r.req_id: r.num_preemptions for r in reqs}
+            plan, _, _ = h.step()
+            # A request preempted in a step is not admitted again in it (its room was for another).
+            assert not [n.req_id for n in plan.new_reqs if h.reqs[n.req_id].num_preemptions > before[n.req_id]]
     assert 0 < len(for_waiting) < h.s.num_preemptions  # both kinds happened
     assert all(victim.priority > req.priority for req, victim in for_waiting)
     for r in reqs:

@@ -179,9 +179,11 @@ def test_seeded_sampling_with_greedy_drafts_equals_target_only(models, k):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_priority_scheduling_keeps_outputs(models, baseline):
-    """Priorities against arrival order, in a pool too small for all: requests preempt one
-    another, and each output is still the target's greedy one."""
+def test_priority_scheduling_keeps_outputs(models, baseline, monkeypatch):
+    """Requests of a higher priority arrive while lower ones run, in a pool too small for all:
+    they preempt them (for slots and for blocks), and every output is still the target's greedy one."""
+    from tandem.scheduler.scheduler import Scheduler
+
     target_arch = read_arch_config(models["target"])
     draft_arch = read_arch_config(models["near"])
     per_block = KVCache.bytes_per_block(target_arch, 8, torch.float32) + KVCache.bytes_per_block(
@@ -189,11 +191,23 @@ def test_priority_scheduling_keeps_outputs(models, baseline):
     )
     llm = _llm(models, "near", 4, max_model_len=176, kv_cache_memory_bytes=per_block * 24, max_num_seqs=3,
                scheduling_policy="priority")
-    priority = [5, 4, 3, 2, 1, 0]  # the last to arrive first
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=priority)
-    assert _tokens(outs) == baseline
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+    for_waiting = []
+    preempt_for = Scheduler._preempt_for
+    monkeypatch.setattr(Scheduler, "_preempt_for",
+                        lambda self, req, step: for_waiting.append(preempt_for(self, req, step)) or for_waiting[-1])
+    engine = llm.engine
+    for i in range(3):  # the first three, at a low priority
+        engine.add_request(str(i), PROMPTS[i]["prompt_token_ids"], PARAMS, priority=5)
+    for _ in range(3):
+        engine.step()
+    for i in range(3, len(PROMPTS)):  # the rest, each more urgent than the one before
+        engine.add_request(str(i), PROMPTS[i]["prompt_token_ids"], PARAMS, priority=5 - i)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [outs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == baseline
+    assert any(for_waiting) and engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
 
 
 def test_prefix_cache_hits(models):
