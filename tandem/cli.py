@@ -153,7 +153,8 @@ def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
 
 
 REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
-                  "(Sun et al. 2024: more drafts accepted with probabilistic drafts; the same output distribution)")
+                  "(Sun et al. 2024: more drafts accepted with probabilistic drafts, the same output distribution; "
+                  "greedy drafts keep the standard, coupled test, which no block test beats)")
 DRAFT_VOCAB_HELP = ("the draft scores only this many of the most frequent token ids (its LM head pruned to them; "
                     "by --draft-token-map's order, else by id); the output stays the target's")
 DRAFT_TOKEN_MAP_HELP = ("a .json or .pt file of token ids, most frequent first (`tandem token-map` writes one): "

@@ -78,6 +78,9 @@ class SpeculatorFactory:
                                      tp_size=draft_tp.size if draft_tp is not None else 1)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
                                 tp=draft_tp, head_ids=self.hot_ids)
+        if spec.rejection_sample_method == "block" and spec.draft_sample_method == "greedy":
+            logger.info("rejection_sample_method='block' gains only with probabilistic drafts: greedy drafts are "
+                        "verified by the standard (coupled) test, which keeps target-only's seeded tokens")
         if spec.synthetic:
             logger.warning(
                 "speculative decoding runs with rejection_sample_method='synthetic' (acceptance rates %s): "

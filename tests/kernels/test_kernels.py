@@ -397,6 +397,7 @@ REJECTION_EDGES = {  # (num_reqs, vocab, k_max, keywords)
     "one-block": (8, 4096, 4, {}),
     "padded-vocab": (8, 5000, 4, dict(pad=24)),
     "sampled-subset": (16, 3000, 4, dict(greedy_frac=0.0, drop_sampled=True)),
+    "sampled-subset-greedy-drafts": (16, 3000, 4, dict(greedy_frac=0.0, drop_sampled=True, with_q=False)),
 }
 
 
@@ -414,7 +415,7 @@ def test_rejection_sample_gpu(mode, vocab):
 @pytest.mark.parametrize("case", list(REJECTION_EDGES))
 def test_rejection_sample_edges_gpu(case):
     """One row; a vocabulary of one block; logits rows wider than the vocabulary; sampled_idx a
-    strict subset of the non-greedy rows."""
+    strict subset of the non-greedy rows (with sampled drafts, and greedy ones: the coupled test)."""
     num_reqs, vocab, k_max, kw = REJECTION_EDGES[case]
     check_rejection(GPU, num_reqs, vocab, k_max, seed=5, **kw)
 

@@ -291,9 +291,15 @@ def test_a_pruned_draft_head(models, method, tmp_path):
 def test_block_verification_matches_target_distribution(models, method):
     """rejection_sample_method="block": the first 4 tokens (k = 2: two rounds or more, so a round
     starts where the last one's block ended, with fresh uniforms) follow the target's joint
-    distribution, every sampling feature included. (The gain in acceptance: test_block_verification.py.)"""
+    distribution, every sampling feature included. (The gain in acceptance: test_block_verification.py.)
+    The engine verifies greedy drafts by the coupled test even under "block"; the block sampler's
+    one-hot branch is put in its place here, so it stays checked."""
+    import tandem.spec.rejection as rejection_mod
+
     configs = [dict(temperature=1.0), dict(temperature=0.8, top_k=8, top_p=0.9)] + EXTRA
     llm = _llm(models, "near", k=2, method=method, rejection_sample_method="block")
+    if method == "greedy":
+        llm.engine.runner.speculator.rejection_sample = rejection_mod.block_rejection_sample
     tokens = sample_tokens(llm, configs, N, seed_base=85_000_000 + 1_000_000 * (method == "greedy"))
     m = llm.engine.spec_metrics
     assert 0.1 < m.num_accepted_tokens / m.num_draft_tokens < 0.9  # blocks kept, cut and emptied
