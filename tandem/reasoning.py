@@ -24,6 +24,7 @@ grammar by id: llguidance treats added tokens as special, and their text does no
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -55,18 +56,30 @@ class ReasoningFormat:
         answer = "".join(p[1] for p in parts)
         return (thinking if split.thought else None), (answer or None)
 
-    def thinking_tokens(self, text: str, token_ids: list[int], opens: bool | None, tag_tokens: dict[str, int]) -> int:
+    def thinking_tokens(self, text: str, token_ids: list[int], opens: bool | None, tag_tokens: dict[str, int],
+                        decode: Callable[[list[int]], str] | None = None) -> int:
         """How many of a reply's tokens (token_ids, whose text is `text`) are its thinking: those up
         to and with the `</think>` token, all of them when the reply is cut short in the thinking, 0
-        when it does not think. A reply that closes its thinking with `</think>` spelt in text
-        (not one token of its own) counts 0: where the thinking ends among its tokens is not known."""
+        when it does not think. Where `</think>` is spelt in text (not one token of its own), the
+        fewest tokens whose text (decode: token ids -> text) holds it; 0 without decode."""
         thinking, _ = self.split(text, opens)
         if thinking is None:
             return 0
         if END not in text:
             return len(token_ids)
         end = tag_tokens.get(END)
-        return token_ids.index(end) + 1 if end is not None and end in token_ids else 0
+        if end is not None and end in token_ids:
+            return token_ids.index(end) + 1
+        if decode is None:
+            return 0
+        lo, hi = 1, len(token_ids)  # the text of token_ids[:hi] holds the tag; find the least such hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if END in decode(token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
 
     def gate(self, grammar: str, opens: bool | None, tag_tokens: dict[str, int]) -> str:
         """The grammar of a constrained reply that thinks first: free text up to `</think>`, then

@@ -487,12 +487,14 @@ class ResponsesRenderer(ChatRenderer):
 
     end_of_stream = ""
 
-    def __init__(self, *args, builder: ResponseBuilder, reasoning_tags: dict[str, int] | None = None, **kwargs):
+    def __init__(self, *args, builder: ResponseBuilder, reasoning_tags: dict[str, int] | None = None,
+                 decode=None, **kwargs):
         """reasoning_tags: the thinking's tags that are tokens of their own (reasoning_tag_tokens), which
-        count the reasoning tokens."""
+        count the reasoning tokens; decode (token ids -> text) finds a `</think>` spelt in text."""
         super().__init__(*args, **kwargs)
         self.builder = builder
         self.reasoning_tags = reasoning_tags or {}
+        self.decode = decode
 
     def _counts(self, outputs: list[RequestOutput]) -> tuple[int, int]:
         """(cached prompt tokens, reasoning tokens) of the reply."""
@@ -500,7 +502,8 @@ class ResponsesRenderer(ChatRenderer):
         seq = out.outputs[0]
         thinking = 0
         if self.reasoning is not None and self.include_reasoning:
-            thinking = self.reasoning.thinking_tokens(seq.text, seq.token_ids, self.opens, self.reasoning_tags)
+            thinking = self.reasoning.thinking_tokens(seq.text, seq.token_ids, self.opens, self.reasoning_tags,
+                                                      self.decode)
         return out.num_cached_tokens or 0, thinking
 
     def preamble(self) -> list[dict]:
@@ -717,7 +720,7 @@ class OpenAIServer:
             previous = self._stored(body.previous_response_id, "previous_response_id")[1]
         items = input_items(body, previous)
         try:
-            chat = chat_request(body, items)
+            chat = chat_request(body, items, len(previous or []))
         except ResponsesRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except ValidationError as e:  # a field passed on to the chat request (a tool's, tool_choice)
@@ -732,7 +735,8 @@ class OpenAIServer:
         builder = ResponseBuilder(body, model, on_done=on_done, stored=store is not None)
         try:
             return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder,
-                                    reasoning_tags=self.reasoning_tags)
+                                    reasoning_tags=self.reasoning_tags,
+                                    decode=self.tokenizer.decode if self.tokenizer is not None else None)
         except APIError as e:
             e.message, e.param = responses_names(e.message, e.param)
             raise

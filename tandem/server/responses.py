@@ -121,11 +121,13 @@ def input_items(body: ResponsesRequest, previous: list[dict[str, Any]] | None = 
     return (previous or []) + list(mine)
 
 
-def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = None,
+                 num_previous: int = 0) -> ChatCompletionRequest:
     """The chat completion that serves the request (ResponsesRequestError names a bad field);
-    items: the input items to use instead of body.input (input_items)."""
+    items: the input items to use instead of body.input (input_items), whose first num_previous
+    come from a stored response (an error names the request's own item: 'input.0' is its first)."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += _input_messages(body.input if items is None else items)
+    messages += _input_messages(body.input if items is None else items, num_previous)
     if not messages:
         raise ResponsesRequestError("'input' is empty: give a string or at least one message", "input")
     payload = {name: getattr(body, name) for name in _SamplingRequest.model_fields}
@@ -144,7 +146,7 @@ def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = No
     return ChatCompletionRequest.model_validate(payload)
 
 
-def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is one user message; items are messages (developer as
     system), function calls (joined into one assistant message per turn) and their outputs (tool
     messages); reasoning items are dropped (the template writes its own thinking)."""
@@ -165,7 +167,7 @@ def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         return out[-1]
 
     for i, item in enumerate(items):
-        kind, where = item.get("type", "message"), f"input.{i}"
+        kind, where = item.get("type", "message"), f"input.{i - num_previous}"
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):

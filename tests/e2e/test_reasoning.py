@@ -81,8 +81,12 @@ def test_thinking_tokens_count_up_to_the_end_tag():
     # No thinking: 0 (the prompt closed it, or a Qwen3 reply that does not open it).
     assert R1.thinking_tokens("a</think>b", [1, 8, 2], False, tags) == 0
     assert QWEN3.thinking_tokens("a</think>b", [1, 8, 2], None, tags) == 0
-    # </think> spelt in text, not a token: where the thinking ends among the tokens is unknown.
+    # </think> spelt in text, not a token: the fewest tokens whose text holds it (unknown without a decoder).
     assert R1.thinking_tokens("a b</think>c", [1, 2, 5, 6, 3], True, {}) == 0
+    pieces = {1: "a", 2: " b", 5: "</th", 6: "ink>", 3: "c"}
+    decode = lambda ids: "".join(pieces[t] for t in ids)  # noqa: E731
+    assert R1.thinking_tokens("a b</think>c", [1, 2, 5, 6, 3], True, {}, decode) == 4
+    assert QWEN3.thinking_tokens("a b</think>c", [1, 2, 5, 6, 3], None, {}, decode) == 0  # never opened
 
 
 def _tokenizer(tmp_path, tags: bool):

@@ -173,12 +173,16 @@ def test_reasoning_is_its_own_item(live):
         cut = live.client.responses.create(**{**kw, "max_output_tokens": 15})
     finally:
         server.reasoning = None
+    chat = _chat(live, [{"role": "user", "content": kw["input"]}], max_tokens=99, logprobs=True,
+                 extra_body=kw["extra_body"])
     assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "\n\nIt is sunny."
-    # Cut short in the thinking: every output token is a reasoning token. (This tokenizer spells
-    # </think> in text, so a finished thinking's tokens are not counted: the unit test counts them.)
+    # Cut short in the thinking: every output token is a reasoning token.
     assert [item.type for item in cut.output] == ["reasoning"] and cut.status == "incomplete"
     assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 15
-    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    # This tokenizer spells </think> in text: the thinking is the fewest tokens whose text holds it.
+    pieces = [t.token for t in chat.choices[0].logprobs.content]
+    spelt = next(n for n in range(1, len(pieces) + 1) if "</think>" in "".join(pieces[:n]))
+    assert r.usage.output_tokens_details.reasoning_tokens == spelt < r.usage.output_tokens
     assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "completed"
     assert r.output[0].content[0].text == "Paris is in France." and r.output_text == "\n\nIt is sunny."
     thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
@@ -257,6 +261,11 @@ def test_a_store_keeps_responses_to_continue_read_and_drop(model_dirs):  # noqa:
         with pytest.raises(openai.NotFoundError) as e:
             client.responses.create(input="x", previous_response_id=first.id, **kw)
         assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.BadRequestError) as e:  # the request's own item, not the stored ones before it
+            client.responses.create(input=[{"type": "message", "role": "user", "content": "ok"},
+                                           {"type": "message", "role": "robot", "content": "x"}],
+                                    previous_response_id=second.id, **kw)
+        assert e.value.body["param"] == "input.1.role" and "'input.1.role'" in e.value.body["message"]
         client.responses.delete(second.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(second.id)
