@@ -32,7 +32,7 @@ from tandem.oom import OutOfMemoryGuard, release_failed_step
 from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
 from tandem.runner.model_runner import Launched
 from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
-from tandem.scheduler.request import Request
+from tandem.scheduler.request import Request, Status
 from tandem.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("tandem")
@@ -348,6 +348,16 @@ class Engine:
             if spaced != plain and len(spaced) == len(plain):
                 out.append(spaced)
         return [w for w in out if w]
+
+    def unstarted_requests(self) -> list[tuple[int, int, str, int]]:
+        """(priority, arrival order, request id, sequences) of each request none of whose sequences
+        has run yet: all waiting for a slot, none ever admitted."""
+        out = []
+        for request_id, state in self._requests.items():
+            reqs = [seq.req for seq in state.seqs]
+            if all(r.status == Status.WAITING and not r.num_preemptions for r in reqs):
+                out.append((reqs[0].priority, reqs[0].req_id, request_id, len(reqs)))
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         state = self._requests.pop(request_id, None)

@@ -50,28 +50,35 @@ class BlockManager:
             req.block_ids.append(self._take())
         return True
 
-    def match_prefix(self, req: Request) -> int:
-        """Attach cached blocks holding a prefix of req's tokens; return the tokens they cover.
-
-        At least one token is always left to compute, so the step that follows has logits.
-        """
+    def prefix_blocks(self, req: Request) -> list[tuple[int, int]]:
+        """(block id, chained hash) of the cached blocks holding a prefix of req's tokens, which
+        match_prefix attaches (nothing changes here). At least one token is always left out, so
+        the step that follows has logits."""
         if not self.enable_prefix_caching or req.block_ids:
-            return 0
+            return []
         bs = self.block_size
         tokens = req.all_token_ids
-        parent = None
+        parent, found = None, []
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             block = self.cached.get(key)
             if block is None:
                 break
+            parent = hash(key)
+            found.append((block, parent))
+        return found
+
+    def match_prefix(self, req: Request) -> int:
+        """Attach the cached blocks holding a prefix of req's tokens (prefix_blocks); return the
+        tokens they cover."""
+        found = self.prefix_blocks(req)
+        for block, chained in found:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
             req.block_ids.append(block)
-            parent = hash(key)
-            req.block_hashes.append(parent)
-        return len(req.block_ids) * bs
+            req.block_hashes.append(chained)
+        return len(found) * self.block_size
 
     def cache_full_blocks(self, req: Request, limit: int | None = None) -> None:
         """Register req's blocks that became full of computed tokens since the last call (a stop

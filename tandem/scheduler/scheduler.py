@@ -12,10 +12,12 @@ tokens; greedy drafts are verified against the target's own seeded draws, which 
 scheduling_policy="priority" orders by Request.sort_key (priority, then arrival) instead: the
 waiting queue is kept in that order; decodes still come first, by priority, then the running
 prefills by priority, each after the waiting requests that outrank it; a block shortage
-preempts the running request that comes last in that order; and a waiting request that finds no
+preempts the running request that comes last in that order (one of a lower priority even if the
+step already planned it: its tokens go back to the budget); and a waiting request that finds no
 slot or too few blocks preempts running requests of a strictly lower priority (a larger value),
-one by one until it fits, provided that preempting all of them would make room (never for
-nothing), and nothing that does not outrank a request preempted so is admitted in that step.
+one by one until it fits, provided that preempting all of them would make room for a chunk of it
+(its prefix-cache hit counted; never for nothing), its chunk then cut to that room; nothing that
+does not outrank a request preempted so is admitted in that step.
 Equal priorities never preempt each other, so two requests cannot take a slot back and forth.
 
 With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
@@ -51,6 +53,7 @@ class _StepBuild:
     new_reqs: list[NewReq] = field(default_factory=list)
     admitting: bool = True  # False once a running request was preempted for blocks, or a waiting one did not fit
     ceiling: float = float("inf")  # admit only priorities below this (a victim's, once one was preempted)
+    cap: float = float("inf")  # the most tokens the waiting head may take (what fits once its victims are out)
 
 
 class Scheduler:
@@ -149,11 +152,12 @@ class Scheduler:
             req = self.waiting[0]
             if (outranking is not None and req.priority >= outranking) or req.priority >= step.ceiling:
                 return
-            item = self._admit(req, step.budget, step.k_next) if self.free_slots else None
+            item = self._admit(req, min(step.budget, step.cap), step.k_next) if self.free_slots else None
             if item is None:
                 if not self._preempt_for(req, step):
                     step.admitting = False
                 continue
+            step.cap = float("inf")
             self.waiting.popleft()
             step.new_reqs.append(item[0])
             step.scheduled[req.req_id] = item[1]
@@ -215,36 +219,72 @@ class Scheduler:
             if self.blocks.allocate(req, self._blocks_span(req, item)):
                 item.block_ids = list(req.block_ids)
                 return item
-            unscheduled = [r for r in self.running if r.req_id not in step.scheduled]  # req among them
-            victim = max(unscheduled, key=lambda r: r.sort_key) if self.by_priority else unscheduled[-1]
+            unplanned = [r for r in self.running if r.req_id not in step.scheduled]  # req among them
+            if self.by_priority:
+                # The last in priority order: one of a lower priority even if already planned (a
+                # decode, which gives its tokens back), else the last unplanned one, req at worst.
+                # (Requests admitted this step outrank every running prefill after them.)
+                lower = [r for r in self.running if r.priority > req.priority]
+                victim = max(lower or unplanned, key=lambda r: r.sort_key)
+            else:
+                victim = unplanned[-1]
+            self._unplan(victim, step)
             self._preempt(victim)
             step.admitting = False
             if victim is req:
                 return None
 
+    def _unplan(self, req: Request, step: _StepBuild) -> None:
+        """Take req's item (if any) out of the plan being built; its tokens go back to the budget."""
+        item = step.scheduled.pop(req.req_id, None)
+        if item is not None:
+            step.budget += item.num_new_tokens + len(item.draft_backfill)
+
     def _preempt_for(self, req: Request, step: _StepBuild) -> bool:
         """Under the priority policy, make room for waiting req, which found no slot or too few
         blocks: preempt the running request last in priority order if req outranks it strictly
-        (a smaller priority value) and preempting every such request would make room for req's
-        first chunk (else none is preempted, for nothing); the victim leaves this step's plan and
-        gives its budget back. -> whether one was preempted."""
+        (a smaller priority value) and preempting every such request would make room for a chunk
+        of req (else none is preempted, for nothing); the victim leaves this step's plan, and
+        req's chunk is capped to what fits. -> whether one was preempted."""
         if not self.by_priority:
             return False
         victims = [r for r in self.running if r.priority > req.priority]
         if not victims:
             return False
-        chunk = min(req.num_tokens, step.budget)
-        span = min(chunk + (self.k if chunk == req.num_tokens else 0), self.cfg.max_model_len)
-        held = sum(1 for r in victims for b in r.block_ids if self.blocks.ref_counts[b] == 1)
-        if self.blocks.blocks_needed(req, span) > self.blocks.num_free_blocks + held:  # no prefix hit assumed
+        step.cap = self._room_after(req, victims, step)
+        if step.cap < 1:
+            step.cap = float("inf")
             return False
         victim = max(victims, key=lambda r: r.sort_key)
-        item = step.scheduled.pop(victim.req_id, None)
+        self._unplan(victim, step)
         self._preempt(victim)
-        if item is not None:
-            step.budget += item.num_new_tokens + len(item.draft_backfill)
         step.ceiling = min(step.ceiling, victim.priority)  # its room is not for it, nor its equals
         return True
+
+    def _room_after(self, req: Request, victims: list[Request], step: _StepBuild) -> int:
+        """The most tokens waiting req could compute this step (as _admit would: after its prefix
+        hit, its lookahead included) once every victim is preempted; 0: not one."""
+        bs, blocks = self.blocks.block_size, self.blocks
+        hit = [] if req.params.prompt_logprobs is not None else [b for b, _ in blocks.prefix_blocks(req)]
+        holders: dict[int, int] = {}
+        for r in victims:
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        freed = {b for b, n in holders.items() if n == blocks.ref_counts[b]}  # held by victims alone
+        reused = sum(1 for b in hit if blocks.ref_counts[b] == 0 or b in freed)  # attached, not free for new ones
+        cover = (len(hit) + blocks.num_free_blocks + len(freed) - reused) * bs  # positions the blocks would hold
+        start, remaining = len(hit) * bs, req.num_tokens - len(hit) * bs
+        budget = step.budget + sum(step.scheduled[r.req_id].num_new_tokens + len(step.scheduled[r.req_id].draft_backfill)
+                                   for r in victims if r.req_id in step.scheduled)
+
+        def fits(chunk: int) -> bool:
+            lookahead = self.k if chunk == remaining else 0
+            return min(start + chunk + lookahead, self.cfg.max_model_len) <= cover
+
+        chunk = min(remaining, budget, max(0, cover - start))
+        if chunk and not fits(chunk):  # the whole rest fits, its lookahead does not: stop one short
+            chunk -= 1
+        return chunk if chunk >= 1 and fits(chunk) else 0
 
     def _admit(self, req: Request, budget: int, k_next: int) -> tuple[NewReq, ScheduledReq] | None:
         # Prompt logprobs need the logits of every prompt position: no cached prefix skips them.

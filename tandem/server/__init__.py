@@ -80,7 +80,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--port", type=int_in(0, 65535), default=8000)
     server.add_argument("--max-queued-requests", type=int_in(0), default=256,
                         help="sequences allowed to wait for a batch slot before requests get 503 (default 256; "
-                             "with --scheduling-policy priority, those of the request's priority or better)")
+                             "with --scheduling-policy priority, what waits ahead of a request counts, and the "
+                             "latest unstarted requests of the lowest priority are refused to make way)")
     server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
     server.add_argument("--trust-request-chat-template", action="store_true",

@@ -187,6 +187,7 @@ class AsyncEngine:
         """
         if not self._accepting or not self.is_running:
             raise EngineStopped("the server is shutting down and takes no new requests")
+        self.engine.validate_priority(priority)  # before the queue's counts compare it
         if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the newest output only
             raise RequestError(f"SamplingParams.output_kind={params.output_kind.name} is not served here: a request "
                                "stream holds each request's newest output, which must be cumulative; leave "
@@ -273,14 +274,34 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.on_accepted(len(cmd.prompt_token_ids))
         stream.put(_ACCEPTED)
+        if self.engine.scheduler.by_priority:
+            self._shed(cmd.priority)
 
-    def _queued_after(self, n: int, priority: int = 0) -> int:
-        """Sequences that would wait for a batch slot if n more of this priority were added now
-        (under the priority policy, those queued ahead of them: their priority or better)."""
+    def _queued_after(self, n: int, priority: int | None = None) -> int:
+        """Sequences that would wait for a batch slot if n more were added now. Given a priority
+        (under the priority policy), only those that would wait ahead of them: the waiting ones of
+        that priority or better, for the slots not held by running ones as good (the rest it
+        would preempt)."""
         sched = self.engine.scheduler
-        free_slots = max(0, self.engine.cfg.sched.max_num_seqs - len(sched.running))
-        ahead = sum(r.priority <= priority for r in sched.waiting) if sched.by_priority else len(sched.waiting)
-        return max(0, ahead + n - free_slots)
+        running, waiting = sched.running, sched.waiting
+        if priority is not None and sched.by_priority:
+            running = [r for r in running if r.priority <= priority]
+            waiting = [r for r in waiting if r.priority <= priority]
+        free_slots = max(0, self.engine.cfg.sched.max_num_seqs - len(running))
+        return max(0, len(waiting) + n - free_slots)
+
+    def _shed(self, priority: int) -> None:
+        """Keep the whole queue within max_queued_requests once a request of `priority` was let in
+        ahead of others: refuse (503) the requests of a lower priority that have not started yet,
+        the lowest and latest first."""
+        over = self._queued_after(0) - self.max_queued_requests
+        for rank, _, request_id, num_seqs in sorted(self.engine.unstarted_requests(), reverse=True):
+            if over <= 0 or rank <= priority:
+                return
+            self._abort(request_id, ServerOverloaded(
+                f"the server is overloaded: requests of a higher priority took this one's place among the "
+                f"max_queued_requests={self.max_queued_requests} sequences waiting for a batch slot; retry later"))
+            over -= num_seqs
 
     def _abort(self, request_id: str, error: BaseException | None) -> None:
         tracked = self._live.pop(request_id, None)

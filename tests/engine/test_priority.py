@@ -106,21 +106,35 @@ def test_fcfs_refuses_a_priority(model):
     assert len(out[0].outputs[0].token_ids) == 12
 
 
-def test_the_servers_queue_limit_counts_what_waits_ahead(llm):
-    """max_queued_requests under the priority policy: a new request counts the waiting sequences
-    of its priority or better, so a low-priority backlog does not turn an urgent request away."""
-    from tandem.server.async_engine import AsyncEngine
+def test_the_servers_queue_makes_way_for_a_higher_priority(llm):
+    """max_queued_requests under the priority policy: a request counts what would wait ahead of
+    it, so a low-priority backlog does not turn an urgent one away; the queue stays within the
+    limit by refusing (503) the latest request of the lowest priority that has not started."""
+    import asyncio
 
-    engine = llm.engine
-    client = AsyncEngine(engine, max_queued_requests=2)
-    for i in range(4):
-        engine.add_request(f"backlog{i}", PROMPTS[i], PARAMS, priority=5)
+    from tandem.server.async_engine import AsyncEngine, RequestStream, ServerOverloaded, _Add
+
+    engine, loop = llm.engine, asyncio.new_event_loop()
+    client = AsyncEngine(engine, max_queued_requests=2)  # two batch slots, two more waiting
+
+    def submit(name: str, priority: int) -> RequestStream:
+        stream = RequestStream(name, loop)
+        client._handle(_Add(stream, PROMPTS[0], PARAMS, None, priority))
+        loop.run_until_complete(asyncio.sleep(0))  # deliver what the engine side put
+        return stream
+
     try:
-        # Two free slots, four waiting: a priority-5 request would be the fifth in line for them.
-        assert client._queued_after(1, priority=5) == 3 > client.max_queued_requests
-        assert client._queued_after(1, priority=0) == 0
+        low = [submit(f"low{i}", 5) for i in range(5)]
+        assert [s._accepted for s in low] == [True] * 4 + [False]  # the fifth would be the third waiting
+        assert isinstance(low[4]._error, ServerOverloaded)
+        urgent = submit("urgent", 0)
+        assert urgent._accepted and urgent._error is None  # nothing of its priority waits ahead of it
+        assert isinstance(low[3]._error, ServerOverloaded) and "took this one's place" in str(low[3]._error)
+        assert all(s._error is None for s in low[:3])
+        assert sorted(engine._requests) == ["low0", "low1", "low2", "urgent"]
     finally:
-        for i in range(4):
-            engine.abort_request(f"backlog{i}")
+        for name in list(engine._requests):
+            engine.abort_request(name)
+        loop.close()
     _drain(engine)
     assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks

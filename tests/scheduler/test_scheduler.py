@@ -1197,9 +1197,10 @@ def test_a_waiting_request_goes_ahead_of_a_lower_priority_prefill(policy):
     h.check_no_leaks()
 
 
-def test_no_preemption_that_cannot_make_room():
-    # 8 blocks of 2 tokens: a (priority 0) holds 5, b (priority 9) 2; c (priority 0) needs 4 for
-    # its prompt, and b's 2 and the free one are not enough: b keeps running, c waits its turn.
+def test_a_preemption_for_a_waiting_request_admits_what_fits():
+    # 8 blocks of 2 tokens: a (priority 0) holds 5, b (priority 9) 2; c (priority 0) would need 4
+    # for its whole prompt, but b's 2 and the free one hold 6 of its 8 tokens: b goes, c starts
+    # with a chunk of 6 in the same step.
     h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
                 CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
     a = h.add(prompt(9), max_tokens=2, priority=0)
@@ -1207,10 +1208,27 @@ def test_no_preemption_that_cannot_make_room():
     h.step()
     assert len(a.block_ids) == 5 and len(b.block_ids) == 2
     c = h.add(prompt(8, base=60), max_tokens=2, priority=0)
-    h.step()
-    assert c.status == Status.WAITING and b.status == Status.RUNNING and h.s.num_preemptions == 0
+    plan, _, _ = h.step()
+    assert b.status == Status.WAITING and b.num_preemptions == 1
+    assert [n.req_id for n in plan.new_reqs] == [c.req_id]
+    assert next(r for r in plan.reqs if r.req_id == c.req_id).num_new_tokens == 6
     h.run()
     for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
+def test_a_block_shortage_takes_a_planned_lower_priority_decode():
+    # d (priority 9) decodes and is planned first; hi (priority 0) prefills a long prompt in chunks
+    # and runs short of blocks: d goes (its tokens back to the budget), not hi.
+    h = Harness(by_priority(max_num_batched_tokens=4, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
+    d = h.add(prompt(2), max_tokens=12, priority=9)
+    h.step()
+    hi = h.add(prompt(14, base=40), max_tokens=2, priority=0)
+    h.run()
+    assert hi.num_preemptions == 0 and d.num_preemptions >= 1
+    for r in (d, hi):
         assert r.output_token_ids == expected_output(r, r.max_tokens)
     h.check_no_leaks()
 
@@ -1243,9 +1261,13 @@ def test_priority_under_random_load_keeps_outputs(k, monkeypatch):
                               priority=rng.randint(0, 3)))
         if h.s.has_unfinished:
             before = {r.req_id: r.num_preemptions for r in reqs}
+            num_for_waiting = len(for_waiting)
             plan, _, _ = h.step()
-            # A request preempted in a step is not admitted again in it (its room was for another).
-            assert not [n.req_id for n in plan.new_reqs if h.reqs[n.req_id].num_preemptions > before[n.req_id]]
+            # A request preempted in a step is not admitted again in it (its room was for another),
+            # and one that preempted others for its room is admitted in it (never for nothing).
+            admitted = {n.req_id for n in plan.new_reqs}
+            assert not [i for i in admitted if h.reqs[i].num_preemptions > before[i]]
+            assert {w.req_id for w, _ in for_waiting[num_for_waiting:]} <= admitted
     assert 0 < len(for_waiting) < h.s.num_preemptions  # both kinds happened
     assert all(victim.priority > req.priority for req, victim in for_waiting)
     for r in reqs:
