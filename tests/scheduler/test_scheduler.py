@@ -1089,6 +1089,14 @@ def admissions(h: Harness) -> list[int]:
     """Request ids in the order they were admitted (re-admissions included)."""
     return [n.req_id for plan in h.plans for n in plan.new_reqs]
 
+def run_and_check(h: Harness, *reqs: Request) -> None:
+    """Run to the end: each request's output is its own, and nothing leaks."""
+    h.run()
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r, r.max_tokens)
+    h.check_no_leaks()
+
+
 
 def test_priority_orders_the_waiting_queue():
     h = Harness(by_priority(max_num_seqs=1))
@@ -1144,38 +1152,6 @@ def test_equal_or_lower_priority_never_preempts(late_priority):
     assert admissions(h) == [a.req_id, b.req_id] and h.s.num_preemptions == 0
 
 
-def test_a_waiting_request_preempts_lower_priorities_for_blocks():
-    # 8 blocks of 2 tokens: a and b hold 3 each after their prompts; c needs 4 for its first chunk.
-    h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
-                CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
-    a = h.add(prompt(5), max_tokens=3, priority=1)
-    b = h.add(prompt(5, base=30), max_tokens=3, priority=2)
-    h.step()
-    c = h.add(prompt(7, base=60), max_tokens=2, priority=0)
-    plan, _, _ = h.step()
-    assert [n.req_id for n in plan.new_reqs] == [c.req_id]
-    assert b.status == Status.WAITING and b.num_preemptions == 1  # the lowest priority goes first ...
-    assert a.status == Status.RUNNING and a.num_preemptions == 0  # ... and only as many as c needs
-    h.run()
-    for r in (a, b, c):
-        assert r.output_token_ids == expected_output(r, r.max_tokens)
-    h.check_no_leaks()
-
-
-def test_a_block_shortage_preempts_the_lowest_priority_not_the_newest():
-    # As test_preemption_by_recompute_keeps_outputs, but a (admitted first) has the lower priority.
-    h = Harness(by_priority(max_num_batched_tokens=32, max_model_len=64),
-                CacheCfg(block_size=2, num_blocks=10, enable_prefix_caching=False))
-    a = h.add(prompt(4), max_tokens=12, priority=1)
-    h.step()
-    b = h.add(prompt(4, base=50), max_tokens=12, priority=0)
-    h.run()
-    assert a.num_preemptions >= 1 and b.num_preemptions == 0
-    for r in (a, b):
-        assert r.output_token_ids == expected_output(r, 12)
-    h.check_no_leaks()
-
-
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_a_waiting_request_goes_ahead_of_a_lower_priority_prefill(policy):
     h = Harness(SchedCfg(max_num_batched_tokens=4, scheduling_policy=policy))
@@ -1191,46 +1167,46 @@ def test_a_waiting_request_goes_ahead_of_a_lower_priority_prefill(policy):
     # b waits, and priority admits b ahead of it.
     assert got == ([(d.req_id, 1), (a.req_id, 3)] if policy == "fcfs" else [(d.req_id, 1), (b.req_id, 3)])
     assert h.s.num_preemptions == 0
-    h.run()
-    for r in (a, b, d):
-        assert r.output_token_ids == expected_output(r, r.max_tokens)
-    h.check_no_leaks()
+    run_and_check(h, a, b, d)
 
 
-def test_a_preemption_for_a_waiting_request_admits_what_fits():
-    # 8 blocks of 2 tokens: a (priority 0) holds 5, b (priority 9) 2; c (priority 0) would need 4
-    # for its whole prompt, but b's 2 and the free one hold 6 of its 8 tokens: b goes, c starts
-    # with a chunk of 6 in the same step.
+@pytest.mark.parametrize("a,b,c,chunk", [
+    # a and b hold 3 blocks each after their prompts; c needs 4 for its whole prompt: b, the lower
+    # of the two, makes room enough, and a stays.
+    ((prompt(5), 3, 1), (prompt(5, base=30), 3, 2), (prompt(7, base=60), 2, 0), 7),
+    # a (of c's priority) holds 5 blocks, b 2: b's and the free one hold 6 of c's 8 tokens, so b
+    # goes and c starts with a chunk of 6 in the same step.
+    ((prompt(9), 2, 0), (prompt(3, base=30), 6, 9), (prompt(8, base=60), 2, 0), 6),
+], ids=["whole-prompt", "a-chunk-of-it"])
+def test_a_waiting_request_preempts_a_lower_priority_for_blocks(a, b, c, chunk):
     h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
                 CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
-    a = h.add(prompt(9), max_tokens=2, priority=0)
-    b = h.add(prompt(3, base=30), max_tokens=6, priority=9)
+    a, b = (h.add(p, max_tokens=m, priority=q) for p, m, q in (a, b))
     h.step()
-    assert len(a.block_ids) == 5 and len(b.block_ids) == 2
-    c = h.add(prompt(8, base=60), max_tokens=2, priority=0)
+    c = h.add(c[0], max_tokens=c[1], priority=c[2])
     plan, _, _ = h.step()
-    assert b.status == Status.WAITING and b.num_preemptions == 1
     assert [n.req_id for n in plan.new_reqs] == [c.req_id]
-    assert next(r for r in plan.reqs if r.req_id == c.req_id).num_new_tokens == 6
-    h.run()
-    for r in (a, b, c):
-        assert r.output_token_ids == expected_output(r, r.max_tokens)
-    h.check_no_leaks()
+    assert next(r for r in plan.reqs if r.req_id == c.req_id).num_new_tokens == chunk
+    assert b.status == Status.WAITING and b.num_preemptions == 1  # the lower priority goes ...
+    assert a.status != Status.WAITING and a.num_preemptions == 0  # ... and only as many as c needs
+    run_and_check(h, a, b, c)
 
 
-def test_a_block_shortage_takes_a_planned_lower_priority_decode():
-    # d (priority 9) decodes and is planned first; hi (priority 0) prefills a long prompt in chunks
-    # and runs short of blocks: d goes (its tokens back to the budget), not hi.
-    h = Harness(by_priority(max_num_batched_tokens=4, max_model_len=64),
-                CacheCfg(block_size=2, num_blocks=8, enable_prefix_caching=False))
-    d = h.add(prompt(2), max_tokens=12, priority=9)
+@pytest.mark.parametrize("budget,num_blocks,low,high", [
+    # As test_preemption_by_recompute_keeps_outputs, but the request admitted first is the lower one.
+    (32, 10, (prompt(4), 12, 1), (prompt(4, base=50), 12, 0)),
+    # The lower one decodes, so the step plans it first; the higher one prefills a long prompt in
+    # chunks and runs short of blocks: the decode goes (its tokens back to the budget), not it.
+    (4, 8, (prompt(2), 12, 9), (prompt(14, base=40), 2, 0)),
+], ids=["not-the-newest", "a-planned-decode"])
+def test_a_block_shortage_preempts_the_lowest_priority(budget, num_blocks, low, high):
+    h = Harness(by_priority(max_num_batched_tokens=budget, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=num_blocks, enable_prefix_caching=False))
+    lo = h.add(low[0], max_tokens=low[1], priority=low[2])
     h.step()
-    hi = h.add(prompt(14, base=40), max_tokens=2, priority=0)
-    h.run()
-    assert hi.num_preemptions == 0 and d.num_preemptions >= 1
-    for r in (d, hi):
-        assert r.output_token_ids == expected_output(r, r.max_tokens)
-    h.check_no_leaks()
+    hi = h.add(high[0], max_tokens=high[1], priority=high[2])
+    run_and_check(h, lo, hi)
+    assert lo.num_preemptions >= 1 and hi.num_preemptions == 0
 
 
 @pytest.mark.parametrize("k", [0, 3])
