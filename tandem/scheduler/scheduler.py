@@ -13,7 +13,8 @@ scheduling_policy="priority" orders by Request.sort_key (priority, then arrival)
 waiting queue is kept in that order; decodes still come first, by priority, then the running
 prefills by priority, each after the waiting requests that outrank it; a block shortage
 preempts the running request that comes last in that order (one of a lower priority even if the
-step already planned it: its tokens go back to the budget); and a waiting request that finds no
+step already planned it, its tokens going back to the budget, where preempting those makes room);
+and a waiting request that finds no
 slot or too few blocks preempts running requests of a strictly lower priority (a larger value),
 one by one until it fits, provided that preempting all of them would make room for a chunk of it
 (its prefix-cache hit counted; never for nothing), its chunk then cut to that room; nothing that
@@ -214,25 +215,37 @@ class Scheduler:
         return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
 
     def _schedule_running(self, req: Request, step: _StepBuild, reserve: int) -> ScheduledReq | None:
+        item = self._make_item(req, step.budget, step.k_next, reserve)  # its size kept while room is made
         while True:
-            item = self._make_item(req, step.budget, step.k_next, reserve)
-            if self.blocks.allocate(req, self._blocks_span(req, item)):
+            span = self._blocks_span(req, item)
+            if self.blocks.allocate(req, span):
                 item.block_ids = list(req.block_ids)
                 return item
             unplanned = [r for r in self.running if r.req_id not in step.scheduled]  # req among them
-            if self.by_priority:
-                # The last in priority order: one of a lower priority even if already planned (a
-                # decode, which gives its tokens back), else the last unplanned one, req at worst.
-                # (Requests admitted this step outrank every running prefill after them.)
-                lower = [r for r in self.running if r.priority > req.priority]
-                victim = max(lower or unplanned, key=lambda r: r.sort_key)
-            else:
+            if not self.by_priority:
                 victim = unplanned[-1]
+            else:
+                # The last in priority order: one of a lower priority even if the step already
+                # planned it (a decode; its tokens go back to the budget), where preempting all of
+                # those makes room; else the last unplanned one, req at worst. (Requests admitted
+                # this step outrank every running prefill after them: never among the lower.)
+                lower = [r for r in self.running if r.priority > req.priority]
+                room = self.blocks.num_free_blocks + len(self._freed_by(lower))
+                victim = max(lower if lower and self.blocks.blocks_needed(req, span) <= room else unplanned,
+                             key=lambda r: r.sort_key)
             self._unplan(victim, step)
             self._preempt(victim)
             step.admitting = False
             if victim is req:
                 return None
+
+    def _freed_by(self, victims: list[Request]) -> set[int]:
+        """The blocks that preempting every request of victims would free: those they alone hold."""
+        holders: dict[int, int] = {}
+        for r in victims:
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        return {b for b, n in holders.items() if n == self.blocks.ref_counts[b]}
 
     def _unplan(self, req: Request, step: _StepBuild) -> None:
         """Take req's item (if any) out of the plan being built; its tokens go back to the budget."""
@@ -266,11 +279,7 @@ class Scheduler:
         hit, its lookahead included) once every victim is preempted; 0: not one."""
         bs, blocks = self.blocks.block_size, self.blocks
         hit = [] if req.params.prompt_logprobs is not None else [b for b, _ in blocks.prefix_blocks(req)]
-        holders: dict[int, int] = {}
-        for r in victims:
-            for b in r.block_ids:
-                holders[b] = holders.get(b, 0) + 1
-        freed = {b for b, n in holders.items() if n == blocks.ref_counts[b]}  # held by victims alone
+        freed = self._freed_by(victims)
         reused = sum(1 for b in hit if blocks.ref_counts[b] == 0 or b in freed)  # attached, not free for new ones
         cover = (len(hit) + blocks.num_free_blocks + len(freed) - reused) * bs  # positions the blocks would hold
         start, remaining = len(hit) * bs, req.num_tokens - len(hit) * bs

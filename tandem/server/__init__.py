@@ -81,7 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--max-queued-requests", type=int_in(0), default=256,
                         help="sequences allowed to wait for a batch slot before requests get 503 (default 256; "
                              "with --scheduling-policy priority, what waits ahead of a request counts, and the "
-                             "latest unstarted requests of the lowest priority are refused to make way)")
+                             "latest unstarted requests of a lower priority are refused to make way)")
     server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
     server.add_argument("--trust-request-chat-template", action="store_true",

@@ -291,13 +291,18 @@ class AsyncEngine:
         return max(0, len(waiting) + n - free_slots)
 
     def _shed(self, priority: int) -> None:
-        """Keep the whole queue within max_queued_requests once a request of `priority` was let in
-        ahead of others: refuse (503) the requests of a lower priority that have not started yet,
-        the lowest and latest first."""
+        """Bring the whole queue back within max_queued_requests once a request of `priority` was
+        let in ahead of others: refuse the requests of a lower priority that have not started yet,
+        the lowest and latest first (a 503, or the error event of a stream already answered).
+        Started ones that were preempted stay: the queue can exceed the limit by those."""
         over = self._queued_after(0) - self.max_queued_requests
+        if over <= 0:
+            return
         for rank, _, request_id, num_seqs in sorted(self.engine.unstarted_requests(), reverse=True):
             if over <= 0 or rank <= priority:
                 return
+            if request_id not in self._live:  # not this server's to refuse
+                continue
             self._abort(request_id, ServerOverloaded(
                 f"the server is overloaded: requests of a higher priority took this one's place among the "
                 f"max_queued_requests={self.max_queued_requests} sequences waiting for a batch slot; retry later"))

@@ -1152,6 +1152,22 @@ def test_equal_or_lower_priority_never_preempts(late_priority):
     assert admissions(h) == [a.req_id, b.req_id] and h.s.num_preemptions == 0
 
 
+def test_a_planned_decode_is_preempted_only_to_make_room():
+    # x (priority 0) and d (priority 1) decode, hi (priority 0) prefills in chunks of 4; when hi's
+    # chunk finds no free block, d (planned already) goes and hi gets that chunk in the same step:
+    # d's token, back in the budget, does not grow the chunk beyond the room d left.
+    h = Harness(by_priority(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64),
+                CacheCfg(block_size=4, num_blocks=5, enable_prefix_caching=False))
+    x = h.add(prompt(4, base=70), max_tokens=12, priority=0)
+    d = h.add(prompt(1, base=50), max_tokens=8, priority=1)
+    h.step()
+    hi = h.add(prompt(13, base=3), max_tokens=1, priority=0)
+    for _ in bounded(lambda: d.num_preemptions == 0):
+        plan, _, _ = h.step()
+    assert hi.num_preemptions == 0 and next(r for r in plan.reqs if r.req_id == hi.req_id).num_new_tokens == 4
+    run_and_check(h, x, d, hi)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_a_waiting_request_goes_ahead_of_a_lower_priority_prefill(policy):
     h = Harness(SchedCfg(max_num_batched_tokens=4, scheduling_policy=policy))
