@@ -59,6 +59,11 @@ class ScheduledReq:
         return len(self.input_token_ids) + self.num_drafts
 
     @property
+    def num_budget_tokens(self) -> int:
+        """What the item takes of max_num_batched_tokens: its new tokens and the draft's backfill."""
+        return self.num_new_tokens + len(self.draft_backfill)
+
+    @property
     def num_counted_drafts(self) -> int:
         """The drafts the acceptance metrics count: num_drafts less those past max_tokens."""
         return self.num_drafts if self.num_useful_drafts is None else min(self.num_drafts, self.num_useful_drafts)

@@ -14,12 +14,12 @@ waiting queue is kept in that order; decodes still come first, by priority, then
 prefills by priority, each after the waiting requests that outrank it; a block shortage
 preempts the running request that comes last in that order (one of a lower priority even if the
 step already planned it, its tokens going back to the budget, where preempting those makes room);
-and a waiting request that finds no
-slot or too few blocks preempts running requests of a strictly lower priority (a larger value),
-one by one until it fits, provided that preempting all of them would make room for a chunk of it
-(its prefix-cache hit counted; never for nothing), its chunk then cut to that room; nothing that
-does not outrank a request preempted so is admitted in that step.
-Equal priorities never preempt each other, so two requests cannot take a slot back and forth.
+and a waiting request that finds no slot or too few blocks preempts running requests of a
+strictly lower priority (a larger value), one by one until it fits, provided that preempting all
+of them would make room for a chunk of it (its prefix-cache hit counted; never for nothing), its
+chunk then cut to that room; nothing that does not outrank a request preempted so is admitted in
+that step. Equal priorities never preempt each other, so two requests cannot take a slot back
+and forth.
 
 With a draft model, each step's number of drafts comes from the batch size (`k_for_batch`,
 speculative_config.num_speculative_tokens_per_batch_size; under "auto", tandem.spec.adaptive
@@ -137,7 +137,7 @@ class Scheduler:
             item = self._schedule_running(req, step, reserve)
             if item is not None:
                 step.scheduled[req.req_id] = item
-                step.budget -= item.num_new_tokens + len(item.draft_backfill)
+                step.budget -= item.num_budget_tokens
         self._admit_waiting(step)
         reqs = [step.scheduled[r.req_id] for r in self.running if r.req_id in step.scheduled]
         freed, self._freed_slots = self._freed_slots, []
@@ -251,7 +251,7 @@ class Scheduler:
         """Take req's item (if any) out of the plan being built; its tokens go back to the budget."""
         item = step.scheduled.pop(req.req_id, None)
         if item is not None:
-            step.budget += item.num_new_tokens + len(item.draft_backfill)
+            step.budget += item.num_budget_tokens
 
     def _preempt_for(self, req: Request, step: _StepBuild) -> bool:
         """Under the priority policy, make room for waiting req, which found no slot or too few
@@ -283,8 +283,8 @@ class Scheduler:
         reused = sum(1 for b in hit if blocks.ref_counts[b] == 0 or b in freed)  # attached, not free for new ones
         cover = (len(hit) + blocks.num_free_blocks + len(freed) - reused) * bs  # positions the blocks would hold
         start, remaining = len(hit) * bs, req.num_tokens - len(hit) * bs
-        budget = step.budget + sum(step.scheduled[r.req_id].num_new_tokens + len(step.scheduled[r.req_id].draft_backfill)
-                                   for r in victims if r.req_id in step.scheduled)
+        planned = [step.scheduled[r.req_id] for r in victims if r.req_id in step.scheduled]
+        budget = step.budget + sum(item.num_budget_tokens for item in planned)
 
         def fits(chunk: int) -> bool:
             lookahead = self.k if chunk == remaining else 0
