@@ -40,3 +40,20 @@ def test_cpu_throughput_quick(tmp_path):
         assert m["sequences"] == 2 * r["batch_size"]  # warm-up + 1 timed run
         # fp32 on the same weights: greedy tokens agree exactly.
         assert m["identical_fraction"] == 1.0, m
+
+
+def test_priority_bench_quick(tmp_path):
+    """bench/priority.py on a small load: both policies give the same tokens, and under priority
+    an urgent request starts at the step after it arrives."""
+    out = tmp_path / "priority.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/priority.py", "--dtype", "float32", "--backlog", "6", "--backlog-tokens", "16",
+         "--urgent", "2", "--urgent-tokens", "4", "--every", "6", "--prompt-len", "16", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "same tokens" in proc.stdout
+    fcfs, priority = json.loads(out.read_text())["results"]
+    assert (fcfs["policy"], priority["policy"]) == ("fcfs", "priority")
+    assert priority["urgent_wait_steps"] == [1, 1] and min(fcfs["urgent_wait_steps"]) > 1
+    assert fcfs["preemptions"] == 0 < priority["preemptions"]
