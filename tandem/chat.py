@@ -1,10 +1,28 @@
 """Chat messages -> the chat template's input, prepared as vLLM prepares them (for LLM.chat and the server)."""
 from __future__ import annotations
 
+import codecs
 import json
+import os
 from typing import Any
 
-from tandem.errors import RequestError
+from tandem.errors import ConfigError, RequestError
+
+
+def load_chat_template(value: str, flag: str = "--chat-template") -> str:
+    """A chat template given as a file or as its text (vLLM's --chat-template): a path to an existing
+    file is read; text with template syntax ('{', '}' or a line break) is the template itself, its
+    backslash escapes (\\n) read as in a string literal; anything else is a missing file (ConfigError)."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{flag}: the template file {value!r} could not be read ({e})") from None
+    if not any(c in value for c in "{}\n"):
+        raise ConfigError(f"{flag}: {value!r} is neither a file nor a template's text; give the path of a Jinja "
+                          "template file, or the template itself")
+    return codecs.decode(value, "unicode_escape") if value.isascii() else value
 
 
 def text_message(message: dict) -> dict:

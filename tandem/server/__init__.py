@@ -7,7 +7,9 @@ api (FastAPI app and `run_server`), metrics (Prometheus).
 from __future__ import annotations
 
 import argparse
+import os
 
+from tandem.chat import load_chat_template
 from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
                         draft_flag_conflicts, float_in, int_in, non_empty, speculative_config,
                         structured_outputs_config, watermark_config)
@@ -73,6 +75,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "
                              "field (lower first, then arrival), a waiting request preempting running ones of a "
                              "lower priority")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly: no CUDA graphs (slower; start-up is quicker and takes less memory)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     server = parser.add_argument_group("server")
@@ -84,6 +88,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "latest unstarted requests of a lower priority are refused to make way)")
     server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
+    server.add_argument("--api-key", action="append", default=None, type=non_empty("pass a key"),
+                        help="the /v1 routes answer only requests with 'Authorization: Bearer KEY' (repeatable: any "
+                             "of the keys; default: the TANDEM_API_KEY environment variable, if set; else open)")
+    server.add_argument("--chat-template", default=None, type=non_empty("pass a template file or text"),
+                        help="the chat template to use instead of the tokenizer's: a Jinja file's path, or the "
+                             "template's text")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="run chat templates sent in requests (a template is code; refused by default)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -140,6 +150,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH (or --speculative-config) or drop "
                                   f"{flag.split()[0]}")
+    if args.api_key is None and os.environ.get("TANDEM_API_KEY"):
+        args.api_key = [os.environ["TANDEM_API_KEY"]]
+    if args.chat_template is not None:
+        args.chat_template = load_chat_template(args.chat_template)  # the text; a missing file fails here
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser to find the calls in the model's text; "
                           f"add --tool-call-parser {TOOL_CALL_PARSERS[0]}")

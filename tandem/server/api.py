@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API: `build_app(llm_or_engine, model_name)` and `run_server(args)`.
 
-Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template), /v1/models, /health,
-/metrics, and vLLM's /tokenize, /detokenize and /version. Bodies are parsed here (pydantic, strict
+Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template, or the server's),
+/v1/responses (and GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel), /v1/models,
+/health, /metrics, and vLLM's /tokenize, /detokenize and /version; with api_keys the /v1 routes
+need a key. Bodies are parsed here (pydantic, strict
 types) so every error, malformed JSON included, gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
 responses are server-sent events ending with `data: [DONE]`.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import hmac
 import json
 import logging
 import re
@@ -27,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.chat import template_kwargs
-from tandem.errors import RequestError
+from tandem.errors import ConfigError, RequestError
 from tandem.outputs import Logprob, RequestOutput
 from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format, reasoning_tag_tokens
 from tandem.sampling_params import SamplingParams
@@ -65,8 +68,8 @@ from tandem.server.protocol import (
     random_id,
 )
 from tandem.server.response_metrics import ResponseMetrics
-from tandem.server.responses import ResponseBuilder, ResponsesRequest, ResponsesRequestError, ResponseStore, \
-    chat_request, input_items
+from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, ResponsesRequestError, \
+    ResponseStore, chat_request, input_items
 from tandem.server.responses import renamed as responses_names
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (
@@ -523,7 +526,7 @@ class ResponsesRenderer(ChatRenderer):
         return self.builder.from_chat(self.response(outputs), *self._counts(outputs))
 
     def sse(self, event: dict) -> str:
-        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        return _event_sse(event)
 
     def error_sse(self, err: APIError) -> str:
         message, param = responses_names(err.message, err.param)
@@ -586,6 +589,17 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
+def _event_sse(event: dict) -> str:
+    """A Responses API event as a server-sent event."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+async def _sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A background run's events as server-sent events."""
+    async for event in events:
+        yield _event_sse(event)
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -598,7 +612,7 @@ class OpenAIServer:
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
-                 force_include_usage: bool = False, responses_store_size: int = 0):
+                 force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None):
         engine = client.engine
         # the last responses of /v1/responses, for previous_response_id and GET (None: none kept)
         self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
@@ -615,6 +629,9 @@ class OpenAIServer:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
         # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
         self.tokenizer = _copy_tokenizer(tokenizer)
+        self.chat_template = chat_template  # the server's own (--chat-template), or None: the tokenizer's
+        if chat_template is not None:
+            _check_chat_template(self.tokenizer, chat_template)
         self.tool_tags = tag_tokens(self.tokenizer, tool_call_parser) if tool_call_parser else {}
         self.reasoning_tags = reasoning_tag_tokens(self.tokenizer)  # the thinking's tags that are tokens
         self.model_names = model_names
@@ -629,6 +646,8 @@ class OpenAIServer:
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False)
+        for run in self.responses_store.running() if self.responses_store is not None else []:
+            run.task.cancel()  # what the engine's drain left running (its requests were aborted)
 
     # ---------------------------------------------------------------- simple routes
     async def health(self, request: Request) -> Response:
@@ -718,6 +737,10 @@ class OpenAIServer:
                                "--responses-store-size N); send the whole conversation in 'input'",
                                param="previous_response_id")
             previous = self._stored(body.previous_response_id, "previous_response_id")[1]
+            if previous is None:
+                raise APIError(400, f"'previous_response_id': the response '{body.previous_response_id}' is still "
+                               "being made in the background; continue it once it ended (GET /v1/responses/"
+                               f"{body.previous_response_id} says when)", param="previous_response_id")
         items = input_items(body, previous)
         try:
             chat = chat_request(body, items, len(previous or []))
@@ -728,14 +751,21 @@ class OpenAIServer:
             err.message, err.param = responses_names(err.message, err.param)
             raise err from None
         store = self.responses_store if body.store is not False else None
-        on_done = None
-        if store is not None:
-            def on_done(response: dict) -> None:  # the conversation so far, for a request that continues it
-                store.put(response, items + response["output"])
-        builder = ResponseBuilder(body, model, on_done=on_done, stored=store is not None)
+        if body.background and store is None:
+            why = ("'store' is false" if self.responses_store is not None
+                   else "this server stores no responses (start it with --responses-store-size N)")
+            raise APIError(400, f"'background': a background response is kept to be read later, and {why}; drop "
+                           "'background' or store the response", param="background")
+
+        def keep(response: dict) -> None:  # the conversation so far, for a request that continues it
+            store.put(response, items + response["output"])
+
+        builder = ResponseBuilder(body, model, on_done=keep if store is not None and not body.background else None,
+                                  stored=store is not None)
+        run = BackgroundRun(builder, on_finish=keep) if body.background else None
         try:
             return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder,
-                                    reasoning_tags=self.reasoning_tags,
+                                    reasoning_tags=self.reasoning_tags, background=run,
                                     decode=self.tokenizer.decode if self.tokenizer is not None else None)
         except APIError as e:
             e.message, e.param = responses_names(e.message, e.param)
@@ -751,18 +781,49 @@ class OpenAIServer:
         return entry
 
     async def get_response(self, request: Request) -> Response:
-        """GET /v1/responses/{response_id}: a stored response."""
-        return JSONResponse(self._stored(request.path_params["response_id"])[0])
+        """GET /v1/responses/{response_id}: a stored response (a background one as far as it went).
+        ?stream=true replays a background response's events, after ?starting_after=N if given, and
+        follows it until it ends."""
+        response_id = request.path_params["response_id"]
+        response = self._stored(response_id)[0]
+        query = request.query_params
+        if query.get("stream", "false").lower() not in ("true", "1"):
+            return JSONResponse(response)
+        run = self.responses_store.run(response_id)
+        if run is None:
+            raise APIError(400, f"'stream': the response '{response_id}' was not made in the background, so it "
+                           "has no events to stream again; leave 'stream' out", param="stream")
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1:
+            raise APIError(400, f"'starting_after' must be an event's sequence number (an integer >= 0); got "
+                           f"{after!r}", param="starting_after")
+        return _EventStream(_sse_events(run.follow(int(after))), lambda: None)
 
-    async def delete_response(self, request: Request) -> Response:
-        """DELETE /v1/responses/{response_id}: drop a stored response."""
+    async def cancel_response(self, request: Request) -> Response:
+        """POST /v1/responses/{response_id}/cancel: stop a background response -> it, cancelled (or
+        as it ended, if it ended first)."""
         response_id = request.path_params["response_id"]
         self._stored(response_id)
+        run = self.responses_store.run(response_id)
+        if run is None:
+            raise APIError(400, f"the response '{response_id}' was not made in the background; only background "
+                           "responses can be cancelled", param="response_id")
+        return JSONResponse(await run.cancel())
+
+    async def delete_response(self, request: Request) -> Response:
+        """DELETE /v1/responses/{response_id}: drop a stored response (a background one still
+        running is cancelled first)."""
+        response_id = request.path_params["response_id"]
+        self._stored(response_id)
+        run = self.responses_store.run(response_id)
+        if run is not None:
+            await run.cancel()
         self.responses_store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def _chat(self, request: Request, body: ChatCompletionRequest, model: str, response_id: str,
-                    renderer_class: type[ChatRenderer], **renderer_kwargs) -> Response:
+                    renderer_class: type[ChatRenderer], background: BackgroundRun | None = None,
+                    **renderer_kwargs) -> Response:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if body.prompt_logprobs is not None and body.stream:
@@ -790,7 +851,7 @@ class OpenAIServer:
                                   **renderer_kwargs)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field, "tools" if constraint is not None else None,
-                                    priority=body.priority)
+                                    priority=body.priority, background=background)
 
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
@@ -874,8 +935,9 @@ class OpenAIServer:
                 conversation.append(m.template_dict())
             except RequestError as e:
                 raise APIError(400, f"'messages.{i}': {e}", param=f"messages.{i}") from None
-        kwargs = template_kwargs(body.chat_template, body.add_generation_prompt, body.continue_final_message,
-                                 tools=tools_for_template(body), extra=chat_kwargs)  # the text is tokenized here
+        kwargs = template_kwargs(body.chat_template or self.chat_template, body.add_generation_prompt,
+                                 body.continue_final_message, tools=tools_for_template(body),
+                                 extra=chat_kwargs)  # the text is tokenized here
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template
@@ -885,9 +947,12 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
-                        constraint_param: str | None = None, priority: int = 0) -> Response:
+                        constraint_param: str | None = None, priority: int = 0,
+                        background: BackgroundRun | None = None) -> Response:
         """constraint_param: the field that set params' structured output, when not one of the
-        structured-output fields (a tool choice's: 'tools')."""
+        structured-output fields (a tool choice's: 'tools'); background: generate apart from this
+        request (a Responses renderer's run), which is answered at once: the response queued, or
+        its events as they come (the client going away does not stop it)."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority)
@@ -896,6 +961,16 @@ class OpenAIServer:
             for s in streams:
                 self.client.release(s)
 
+        if background is not None:
+            async def work() -> None:
+                async for _ in self._events(streams, renderer):
+                    pass  # the builder hands each event to the run
+
+            self.responses_store.start(background)
+            background.start(work())
+            background.task.add_done_callback(lambda _: release())  # even if cancelled before it ran
+            return _EventStream(_sse_events(background.follow()), lambda: None) if stream \
+                else JSONResponse(background.snapshot())
         if stream:
             return _EventStream(self._events(streams, renderer), release)
         try:
@@ -990,6 +1065,54 @@ class OpenAIServer:
             yield renderer.end_of_stream
 
 
+def _check_chat_template(tokenizer, chat_template: str) -> None:
+    """Refuse (ConfigError) a server chat template that cannot run: no tokenizer, or a syntax error
+    (found by rendering one user message; what the template raises for that message is its business)."""
+    from jinja2 import TemplateSyntaxError
+
+    if tokenizer is None:
+        raise ConfigError("--chat-template needs a tokenizer to encode the text it makes; this model has none "
+                          "(give --tokenizer)")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template,
+                                      tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    except Exception:
+        pass
+
+
+class RequireApiKey:
+    """ASGI middleware: a request to a /v1 route must carry `Authorization: Bearer KEY` with one of
+    keys, or it is answered 401 (the OpenAI error body, code invalid_api_key) and goes no further.
+    The other routes (/health, /metrics, /tokenize, /version, ...) stay open, as vLLM's --api-key
+    leaves them."""
+
+    def __init__(self, app, keys: list[str], on_refused: Callable[[], None] = lambda: None):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.on_refused = on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
+                (scope["path"] == "/v1" or scope["path"].startswith("/v1/")) and not self._allowed(scope):
+            self.on_refused()
+            err = APIError(401, "this server needs an API key: send 'Authorization: Bearer KEY' with a key it was "
+                           "started with (--api-key)", code="invalid_api_key")
+            response = err.response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        # compare_digest on every key: the time taken does not tell how much of a key matched
+        return scheme.lower() == b"bearer" and sum(hmac.compare_digest(token, k) for k in self.keys) > 0
+
+
 def _copy_tokenizer(tokenizer):
     if tokenizer is None:
         return None
@@ -1032,6 +1155,8 @@ def build_app(
     enable_per_request_metrics: bool = False,
     enable_force_include_usage: bool = False,
     responses_store_size: int = 0,
+    api_keys: list[str] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1040,7 +1165,10 @@ def build_app(
     engine's per_request_spec_decode_metrics "summary" or "detailed" puts `metrics.speculative_decoding`
     in it (either alone is enough for the object); enable_force_include_usage: every stream ends with
     the usage chunk (where the metrics ride); responses_store_size: the /v1/responses kept for
-    previous_response_id and GET /v1/responses/{id} (0: none).
+    previous_response_id and GET /v1/responses/{id} (0: none); api_keys: the /v1 routes answer only
+    requests that carry one of them (`Authorization: Bearer KEY`; None or empty: open to all);
+    chat_template: the template's text, used instead of the tokenizer's (a request's own, where
+    trusted, still wins).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1059,7 +1187,7 @@ def build_app(
     report = ResponseMetrics(timing=enable_per_request_metrics, spec_decode=engine.cfg.per_request_spec_decode_metrics,
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
-                          report, enable_force_include_usage, responses_store_size)
+                          report, enable_force_include_usage, responses_store_size, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1071,6 +1199,8 @@ def build_app(
             server.close()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(RequireApiKey, keys=api_keys, on_refused=lambda: metrics.on_error(401))
     app.state.engine_client = client
     app.state.drain = lambda: client.shutdown(drain_timeout_s)  # DrainingServer runs it first
     app.state.metrics = metrics
@@ -1094,6 +1224,7 @@ def build_app(
     route("/v1/responses", server.responses)
     route("/v1/responses/{response_id}", server.get_response, "GET")
     route("/v1/responses/{response_id}", server.delete_response, "DELETE")
+    route("/v1/responses/{response_id}/cancel", server.cancel_response)
     route("/v1/models", server.models, "GET")
     route("/health", server.health, "GET")
     route("/metrics", server.prometheus, "GET")
@@ -1140,7 +1271,7 @@ def run_server(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_config=args.structured_outputs_config,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,
@@ -1148,7 +1279,8 @@ def run_server(args: argparse.Namespace) -> int:
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     enable_per_request_metrics=args.enable_per_request_metrics,
                     enable_force_include_usage=args.enable_force_include_usage,
-                    responses_store_size=args.responses_store_size)
+                    responses_store_size=args.responses_store_size, api_keys=args.api_key,
+                    chat_template=args.chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
     DrainingServer(config, app).run()

@@ -2,6 +2,7 @@
 errors for bad flags (generate and serve), each naming the flag."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -284,7 +285,7 @@ def test_generate_with_vllms_speculative_config(tmp_path, capsys):
 def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):
     """`tandem serve MODEL --speculative-config JSON` with the per-request metrics flags: the engine
     gets the JSON's draft settings and the app reports (and stores) what the flags ask (uvicorn not started)."""
-    from tandem.server.api import DrainingServer
+    from tandem.server.api import DrainingServer, RequireApiKey
 
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
@@ -292,11 +293,17 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     monkeypatch.setattr(DrainingServer, "run", lambda self: apps.append(self._app))
     monkeypatch.setattr(DrainingServer, "__init__", lambda self, config, app: setattr(self, "_app", app))
     spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "rejection_sample_method": "block"}
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                  "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
-                 "priority"]) == 0
+                 "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2",
+                 "--chat-template", str(tmp_path / "t.jinja")]) == 0
     (app,) = apps
+    assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
+    (auth,) = [m for m in app.user_middleware if m.cls is RequireApiKey]
+    assert auth.kwargs["keys"] == ["sk-1", "sk-2"]
+    assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
     engine = app.state.engine_client.engine
     assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"
@@ -304,6 +311,24 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     report = app.state.server.report
     assert report.timing and report.spec_decode == "detailed" and report.num_spec_tokens == 2
     assert app.state.server.responses_store.size == 7
+
+
+def test_serve_api_key_from_the_environment_and_inline_chat_templates(tmp_path, monkeypatch, capsys):
+    """TANDEM_API_KEY stands in for --api-key; --chat-template takes the template's text too (its
+    backslash escapes read as vLLM reads them), and a value that is neither is named before the model loads."""
+    from tandem.server import add_serve_args, check_serve_args
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    monkeypatch.setenv("TANDEM_API_KEY", "sk-env")
+    args = parser.parse_args(["M", "--chat-template", "{{ messages[0]['content'] }}\\n"])
+    check_serve_args(args)
+    assert args.api_key == ["sk-env"] and args.chat_template == "{{ messages[0]['content'] }}\n"
+    args = parser.parse_args(["M", "--api-key", "sk-flag"])
+    check_serve_args(args)
+    assert args.api_key == ["sk-flag"]
+    assert main(["serve", "M", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --chat-template: '{tmp_path / 'missing.jinja'}' is neither "
+                                              "a file nor a template's text")
 
 
 def test_async_engine_bad_queue_limit_is_a_config_error():

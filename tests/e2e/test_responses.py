@@ -3,8 +3,10 @@ completions: a response is the chat reply, told as the Responses API. The client
 objects without checking them, so the raw JSON is validated against its types apart."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -14,7 +16,7 @@ pytest.importorskip("uvicorn")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
-from tandem.server.responses import ResponseBuilder, ResponsesRequest, chat_request  # noqa: E402
+from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, chat_request  # noqa: E402
 from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
 
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
@@ -209,7 +211,7 @@ def test_json_schema_format_and_logprobs(live):
 
 @pytest.mark.parametrize("kw, param, says", [
     (dict(previous_response_id="resp_1"), "previous_response_id", "stores no responses"),
-    (dict(background=True), "background", "not supported"),
+    (dict(background=True), "background", "stores no responses"),
     (dict(truncation="auto"), "truncation", "'auto' is not supported"),
     (dict(tools=[{"type": "web_search"}]), "tools.0.type", "function tools"),
     (dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
@@ -271,3 +273,124 @@ def test_a_store_keeps_responses_to_continue_read_and_drop(model_dirs):  # noqa:
             client.responses.retrieve(second.id)
     finally:
         server.stop()
+
+
+def _kinds(events) -> list[str]:
+    """The events' types, a run of deltas as one (how many the text takes depends on the engine's steps)."""
+    kinds = [e.type for e in events]
+    return [kind for i, kind in enumerate(kinds) if not (kind.endswith(".delta") and kinds[i - 1] == kind)]
+
+
+def _finished(client, response_id: str, timeout: float = 60):
+    """The response, polled until it is neither queued nor in progress."""
+    deadline = time.monotonic() + timeout
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {r.status}"
+        time.sleep(0.02)
+    return r
+
+
+def test_background_responses_are_read_followed_and_cancelled(model_dirs):  # noqa: F811
+    """background: the request is answered at once and the response made apart: GET reads it (as far
+    as it went), a background stream carries the same events as a plain one and GET ?stream=true
+    replays them from any sequence number; cancel stops it and aborts its engine request; one still
+    running cannot be continued yet, and does not hold up the server's shutdown."""
+    server = LiveServer(_llm(model_dirs), responses_store_size=16)
+    client = server.client
+    kw = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=12, temperature=0)
+    try:
+        plain = client.responses.create(**kw)
+        started = client.responses.create(background=True, **kw)
+        assert started.background is True and started.status in ("queued", "in_progress") and started.store is True
+        done = _finished(client, started.id)
+        assert (done.status, done.output_text, done.usage.output_tokens) == \
+               (plain.status, plain.output_text, plain.usage.output_tokens)
+        assert done.background is True and done.output[0].status == plain.output[0].status
+
+        events = _events(client.responses.create(background=True, stream=True, **kw))
+        assert _kinds(events) == _kinds(_events(client.responses.create(stream=True, **kw)))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+        assert events[-1].response.output_text == plain.output_text and events[-1].response.background is True
+        rid = events[0].response.id
+        again = list(client.responses.retrieve(rid, stream=True, starting_after=3))
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
+        assert [e.model_dump() for e in client.responses.retrieve(rid, stream=True)] == \
+               [e.model_dump() for e in events]
+        follow_up = dict(kw, input="And Rome?")  # a finished background response is continued as any other
+        assert client.responses.create(previous_response_id=rid, **follow_up).output_text == \
+               client.responses.create(previous_response_id=plain.id, **follow_up).output_text
+
+        with pytest.raises(openai.BadRequestError) as e:  # only background responses are cancelled or replayed
+            client.responses.cancel(plain.id)
+        assert "only background responses" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.retrieve(plain.id, stream=True)
+        assert e.value.body["param"] == "stream"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(background=True, store=False, **kw)
+        assert e.value.body["param"] == "background" and "'store' is false" in e.value.body["message"]
+
+        engine = server.llm.engine
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.05), step())[1]  # slow steps: the run is caught mid-way
+        long = dict(kw, max_output_tokens=60, extra_body={"ignore_eos": True})
+        running = client.responses.create(background=True, **long)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(previous_response_id=running.id, **kw)
+        assert e.value.body["param"] == "previous_response_id" and "still" in e.value.body["message"]
+        follower = iter(client.responses.retrieve(running.id, stream=True))
+        seen = [next(follower)]
+        while seen[-1].type != "response.output_text.delta":
+            seen.append(next(follower))
+        cancelled = client.responses.cancel(running.id)
+        assert cancelled.status == "cancelled" and 0 < len(cancelled.output_text)
+        assert cancelled.output[0].status == "incomplete" and cancelled.usage is None
+        rest = list(follower)  # the follower ends with the run, without a last event
+        assert not {e.type for e in rest} & {"response.completed", "response.incomplete", "response.failed"}
+        assert client.responses.retrieve(running.id).status == "cancelled"
+        assert client.responses.cancel(running.id).status == "cancelled"  # again: as it is
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished_requests():  # its request was aborted, not left to run out
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        left = client.responses.create(background=True, **long)  # still running when the server stops
+        assert left.status in ("queued", "in_progress")
+    finally:
+        server.stop()
+
+
+def test_a_background_run_cancelled_before_it_ran_or_failing_outside_its_stream():
+    """A run cancelled before its task ran is cancelled all the same (its task's done callbacks,
+    where the server releases the engine requests, still run); one whose work raises ends failed."""
+    async def scenario() -> None:
+        finished: list[dict] = []
+        run = BackgroundRun(ResponseBuilder(ResponsesRequest(input="hi", background=True), MODEL, stored=True),
+                            on_finish=finished.append)
+        ran, released = [], []
+
+        async def work() -> None:
+            ran.append(True)
+
+        run.start(work())
+        run.task.add_done_callback(lambda _: released.append(True))
+        assert run.snapshot()["status"] == "queued" and run.snapshot()["background"] is True
+        follower = run.follow()
+        response = await run.cancel()
+        await asyncio.sleep(0)
+        assert response["status"] == "cancelled" and finished == [response] and not ran and released == [True]
+        assert [e async for e in follower] == [] and await run.cancel() is response
+
+        failing = BackgroundRun(ResponseBuilder(ResponsesRequest(input="hi", background=True), MODEL),
+                                on_finish=finished.append)
+
+        async def broken() -> None:
+            failing.builder.start()
+            raise RuntimeError("boom")
+
+        failing.start(broken())
+        events = [e["type"] async for e in failing.follow()]
+        assert events == ["response.created", "response.in_progress"]
+        assert failing.final["status"] == "failed" and "boom" in failing.final["error"]["message"]
+        assert finished[-1] is failing.final
+
+    asyncio.run(scenario())

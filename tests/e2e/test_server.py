@@ -372,6 +372,44 @@ def test_chat_template_and_its_kwargs(live, reference):
     assert r.status_code == 200, r.text
 
 
+def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
+    """api_keys (--api-key): a /v1 request without one of the keys is a 401 that reaches no handler,
+    the other routes stay open; chat_template (--chat-template): the server's template is what chat
+    and /tokenize render, a request's own (when trusted) still winning; a broken one fails at start."""
+    from tandem.errors import ConfigError
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    server = LiveServer(_llm(model_dirs), api_keys=["sk-one", "sk-two"], chat_template=template)
+    try:
+        hi = [{"role": "user", "content": "hi"}]
+        for key in ("unused", "sk-one-more", "sk-on"):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.chat.completions.create(model=MODEL, messages=hi, max_tokens=1)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key", e.value.body
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "sk-two"}).status_code == 401
+        for path in ("/health", "/version", "/metrics"):
+            assert httpx.get(server.url + path).status_code == 200, path
+        assert server.metrics()[("tandem_request_errors_total", (("status", "401"),))] == 5
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-two", max_retries=0)
+        chat = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4, temperature=0)
+        text = "<user>hi\n<assistant>"
+        tok = reference.get_tokenizer()
+        want = reference.generate([text], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        assert chat.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
+        assert chat.choices[0].message.content == want.outputs[0].text
+        assert server.post("/tokenize", json={"messages": hi}).json()["tokens"] == \
+               tok(text, add_special_tokens=False).input_ids
+        server.app.state.server.trust_request_chat_template = True
+        own = server.post("/tokenize", json={"messages": hi, "chat_template": "{{ messages[0]['content'] }}!"})
+        assert own.json()["tokens"] == tok("hi!", add_special_tokens=False).input_ids
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="--chat-template is not a valid Jinja template"):
+        build_app(server.llm, MODEL, chat_template="{% for m in messages %}")
+
+
 def test_chat_continue_final_message_echo_and_special_tokens(live, reference):
     """vLLM's chat fields: continue_final_message (the reply continues the last message), echo (the
     reply starts with that message, in the role it continues) and add_special_tokens."""
