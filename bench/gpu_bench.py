@@ -73,6 +73,13 @@ def weight_bytes(shape: dict) -> int:
     return 2 * (n * layer + h + shape["vocab_size"] * h)
 
 
+def kv_bytes_per_token(shape: dict, kv_cache_dtype: str) -> int:
+    """Bytes of K and V one token keeps in the cache (bf16, or 1 a value in fp8)."""
+    d = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    elem = 1 if kv_cache_dtype.startswith("fp8") else 2
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * d * elem
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -91,12 +98,13 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / statistics.median(times)
 
 
-def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None):
+def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None,
+             kv_cache_dtype: str = "auto"):
     from tandem import LLM
 
     return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False,
-               watermark_config=watermark_config)
+               watermark_config=watermark_config, kv_cache_dtype=kv_cache_dtype)
 
 
 def free(*objs) -> None:
@@ -213,8 +221,9 @@ def draft_graph_times(sp, b: int) -> tuple[float, float]:
 
 def target_only(root, shapes, batches, args, bw, results) -> dict:
     base = {}
-    for name, shape in shapes:
-        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len)
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    for (name, shape), kv_dtype in [(s, kv) for s in shapes for kv in kv_dtypes]:
+        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len, kv_cache_dtype=kv_dtype)
         wb = weight_bytes(shape)
         engine = llm.engine
         for b in batches:
@@ -243,10 +252,14 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                       f"({v['graph_ms']:.2f} graph)", flush=True)
             r["roofline_frac"] = wb / (r["ms_per_step"] / 1e3) / bw
             r["roofline_frac_graph"] = wb / (r["graph_ms"] / 1e3) / bw
-            r.update(model=name, batch=b, weight_gb=wb / 1e9)
+            # the cache a step reads, at least (every request's prompt; the steps add to it)
+            kv = b * args.prompt_len * kv_bytes_per_token(shape, kv_dtype)
+            r.update(model=name, batch=b, weight_gb=wb / 1e9, kv_cache_dtype=kv_dtype, kv_read_gb=kv / 1e9,
+                     roofline_frac_with_kv=(wb + kv) / (r["ms_per_step"] / 1e3) / bw)
             results["target_only"].append(r)
-            base[(name, b)] = r
-            print(f"[target-only] {name} b={b}: {r['ms_per_step']:.2f} ms/step ({r['graph_ms']:.2f} graph, "
+            if kv_dtype == kv_dtypes[0]:
+                base[(name, b)] = r
+            print(f"[target-only] {name} (kv {kv_dtype}) b={b}: {r['ms_per_step']:.2f} ms/step ({r['graph_ms']:.2f} graph, "
                   f"{r.get('sync_ms_per_step', float('nan')):.2f} without async scheduling), "
                   f"{r['tok_s']:.1f} tok/s, roofline {r['roofline_frac']:.2f} ({r['roofline_frac_graph']:.2f})",
                   flush=True)
@@ -625,6 +638,8 @@ def main(argv=None) -> int:
                    help="timed steps per synthetic configuration (default --steps); more steps, less "
                         "sampling noise in the realised acceptance")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="the target section's KV cache dtypes, comma-separated (auto,fp8: both, side by side)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--hf-repeats", type=int, default=3,
@@ -720,9 +735,12 @@ def main(argv=None) -> int:
             serving_batches = [int(b) for b in args.serving_batches.split(",")]
             serving(root, target, draft, serving_batches, args, results)
     write_json(args.out, results)
-    rows = [(r["model"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r.get('sync_ms_per_step', float('nan')):.2f}",
-             f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['roofline_frac']:.2f}") for r in results["target_only"]]
-    print_table(["model", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "roofline"], rows)
+    rows = [(r["model"], r["kv_cache_dtype"], r["batch"], f"{r['ms_per_step']:.2f}",
+             f"{r.get('sync_ms_per_step', float('nan')):.2f}", f"{r['graph_ms']:.2f}", f"{r['tok_s']:.0f}",
+             f"{r['kv_read_gb']:.2f}", f"{r['roofline_frac']:.2f}", f"{r['roofline_frac_with_kv']:.2f}")
+            for r in results["target_only"]]
+    print_table(["model", "kv cache", "batch", "ms/step", "sync ms/step", "graph ms", "tok/s", "kv GB read",
+                 "roofline", "with kv"], rows)
     rows = [(f"{r['target']} / {r['draft']}", r["k"], r["batch"], r["profile"],
              " ".join(filter(None, [r.get("draft_quantization"),
                                     r.get("draft_vocab_size") and f"head {r['draft_vocab_size']}"])) or "-",

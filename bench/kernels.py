@@ -420,6 +420,39 @@ def sweep_short_attention() -> list[list]:
     return rows
 
 
+def sweep_fp8_attention() -> list[list]:
+    """Decode attention over an fp8 KV cache (kv_cache_dtype='fp8') against the bf16 cache, D = 128,
+    short and long contexts: the bf16 cache's built-in choice, then the fp8 cache's tiles (BLOCK_N, warps, stages;
+    None = built-in) x num_splits (None = built-in); bandwidth counts the bytes each cache holds."""
+    from tandem.kernels.attention import paged_attention
+    from tandem.layers.attention import to_cache
+
+    tiles = [None, (128, 4, 1), (128, 4, 3), (128, 4, 6), (128, 8, 4), (256, 4, 3), (256, 8, 3), (64, 4, 6)]
+    splits = [None, 1, 2, 4, 8]
+    rows = []
+    for b, ctx in ((1, 500), (1, 4096), (8, 4096), (16, 4096), (64, 4096)):
+        q, kc, vc, bt, sl, cu, _ = paged_setup([1] * b, [ctx - 1] * b)
+        k8, v8 = to_cache(kc, torch.float8_e4m3fn), to_cache(vc, torch.float8_e4m3fn)
+        out = torch.empty_like(q)
+        nbytes = b * ctx * HKV * D * 2  # K and V, one byte a value
+        t_bf16 = bench(lambda: paged_attention(q, kc, vc, bt, sl, cu, 1, D**-0.5, out))
+        res = {}
+        for tile in tiles:
+            for ns in splits:
+                try:
+                    res[(tile, ns)] = bench(lambda: paged_attention(q, k8, v8, bt, sl, cu, 1, D**-0.5, out,
+                                                                    num_splits=ns, tile_override=tile))
+                except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
+                    print(f"tile {tile} splits {ns}: {type(e).__name__}", flush=True)
+        res = {key: t for key, t in res.items() if t == t}
+        best = sorted(res, key=res.get)[:3]
+        rows.append([f"B={b} ctx={ctx}", f"{t_bf16 * 1e6:.1f} ({100 * 2 * nbytes / t_bf16 / COPY_BW:.0f}%)",
+                     f"{res[(None, None)] * 1e6:.1f} ({100 * nbytes / res[(None, None)] / COPY_BW:.0f}%)"]
+                    + [f"{t}, {ns}: {res[(t, ns)] * 1e6:.1f} ({100 * nbytes / res[(t, ns)] / COPY_BW:.0f}%)"
+                       for t, ns in best])
+    return rows
+
+
 def sweep_batch_attention() -> list[list]:
     """Decode / verification attention at serving batch sizes (8B: D = 128, 1B: D = 64; 32 query
     and 8 KV heads), short and longer contexts: tile (BLOCK_N, warps, stages; None = built-in)
@@ -457,6 +490,7 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMV sweep against cuBLAS")
     ap.add_argument("--short-attn", action="store_true", help="only the short-context batch-1 attention sweep")
     ap.add_argument("--batch-attn", action="store_true", help="only the serving-batch attention sweep")
+    ap.add_argument("--fp8-attn", action="store_true", help="only the decode attention over an fp8 KV cache, per tile")
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
@@ -481,6 +515,10 @@ def main() -> None:
         print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",
                      "norm inside, other tiles", "", ""],
                     sweep_gemv_fused(), title="one-row GEMV fusions, bf16, cold weights, CUDA graphs")
+        return
+    if args.fp8_attn:
+        print_table(["case", "bf16 cache us", "fp8 built-in us", "best fp8 (tile, splits)", "2nd", "3rd"],
+                    sweep_fp8_attention(), title="decode attention, fp8 KV cache, cold L2, CUDA graphs")
         return
     if args.batch_attn:
         print_table(["case", "KV MB", "built-in us", "best (tile, splits)", "2nd", "3rd"], sweep_batch_attention(),

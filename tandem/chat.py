@@ -22,7 +22,11 @@ def load_chat_template(value: str, flag: str = "--chat-template") -> str:
     if not any(c in value for c in "{}\n"):
         raise ConfigError(f"{flag}: {value!r} is neither a file nor a template's text; give the path of a Jinja "
                           "template file, or the template itself")
-    return codecs.decode(value, "unicode_escape") if value.isascii() else value
+    try:  # characters past latin-1 pass through as escapes of their own
+        return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag}: the template's text has a broken backslash escape ({e.reason}); write a "
+                          "backslash as \\\\, or give the template as a file") from None
 
 
 def text_message(message: dict) -> dict:

@@ -100,6 +100,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # None until the engine sizes the pool
+    # "auto": K/V kept in the model's dtype; "fp8" (or "fp8_e4m3"): in float8 e4m3, saturated to
+    # +-448 with no scale (vLLM's fp8 cache without calibrated scales), half the bytes a block
+    cache_dtype: str = "auto"
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the K/V tensors of a model of model_dtype are kept in."""
+        return torch.float8_e4m3fn if self.cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class Engine:
         # the sampler's min_tokens mask must hold back the same ids the stop check ends on.
         arch = dataclasses.replace(cfg.model.arch, eos_token_ids=tuple(eos_token_ids))
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch))
-        draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache.block_size) if speculator_factory else 0
+        draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache) if speculator_factory else 0
         draft_model = speculator_factory.model if speculator_factory is not None else None
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
         use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)

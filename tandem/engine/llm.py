@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import (
     LOGPROBS_MODES,
+    KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
     SPEC_DECODE_METRICS_LEVELS,
     CacheConfig,
@@ -61,6 +62,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
         seed: int = 0,
@@ -113,6 +115,9 @@ class LLM:
         if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
             raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
                               f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {list(KV_CACHE_DTYPES)} "
+                              "('fp8': keys and values in float8 e4m3, half the memory a token takes)")
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; use one of "
                               f"{list(SCHEDULING_POLICIES)}")
@@ -162,6 +167,9 @@ class LLM:
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
+        if kv_cache_dtype != "auto" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with float8 (compute capability 8.9 or "
+                              f"newer: Ada, Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it 'auto'")
         if tp_size > 1:
             check_shardable(arch, tp_size)
         self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir))
@@ -225,6 +233,7 @@ class LLM:
                 gpu_memory_utilization=float(gpu_memory_utilization),
                 enable_prefix_caching=bool(enable_prefix_caching),
                 num_blocks=num_gpu_blocks_override,
+                cache_dtype=kv_cache_dtype,
             ),
             sched=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -59,9 +59,8 @@ def _attn_tile(
         else:
             k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
             v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)  # fp32 under UPCAST_DOT; an fp8 cache's keys and values widened
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
             s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, -float("inf"))
@@ -132,6 +131,11 @@ def _paged_attention_kernel(
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    elif k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        # An fp8 cache's tiles widen to fp16 in one conversion (to bf16 it takes three, and they
+        # bound the loop: bench/kernels.py --fp8-attn), so the dots run in fp16: q's values in
+        # fp16 (more mantissa than bf16; attention queries stay far inside its range), fp32 sums.
+        q = q.to(tl.float16)
     q_pos = ctx + qi
 
     # Keys [0, hi) cover the tile's last query; keys below `diag` are visible to every query.
@@ -278,7 +282,7 @@ def paged_attention(
     """Causal paged attention over a batch of requests; writes and returns out.
 
     q, out [num_tokens, H, D] bf16 / fp16 / fp32 (last dim contiguous); k_cache, v_cache
-    [num_blocks, block_size, Hkv, D] with H % Hkv == 0; block_tables [num_reqs, max_blocks]
+    [num_blocks, block_size, Hkv, D] with H % Hkv == 0, q's dtype or float8 e4m3 (read widened); block_tables [num_reqs, max_blocks]
     int32 / int64; seq_lens [num_reqs] int32 / int64, each request's keys including this
     step's (stored before the call); cu_q_lens [num_reqs + 1] int32 / int64, query offsets
     (q_len = 0 is allowed and skipped); max_q_len >= every q_len (host-known bound, no sync).
@@ -295,7 +299,8 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     assert out.shape == q.shape and out.dtype == q.dtype and q.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert k_cache.dtype == v_cache.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32)
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert num_heads % num_kv_heads == 0
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs and block_tables.stride(1) == 1
@@ -319,7 +324,14 @@ def paged_attention(
     assert 1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
         "num_splits must be a power of two, at most MAX_SPLITS"
     block_m = block_q * group_pad
-    if tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if tile_override is None and fp8 and block_m <= 64 and block_d <= 128 and 1 < num_splits <= 4:
+        # Decode / verify over an fp8 cache with 2-4 splits (B = 8-16 at D = 128): its loop is bound
+        # by widening the tiles, not by their bytes, and a deeper pipeline (6 x 32 KB of K and V
+        # tiles) keeps the loads ahead of it (H200, bench/kernels.py --fp8-attn, ctx 4096: B=16
+        # 72.3 -> 60.6 us). More splits (B=1) keep the rule below; none (B=64), the built-in tile.
+        num_stages = 6
+    elif tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
         # Small decode / verify batches (split-K on): no software pipelining, whose prologue costs
         # more than it hides over a split's few key tiles (H200, bench/kernels.py --short-attn and
         # --sweep: 10.1 -> 8.4 us at 150 keys, 26.4 -> 23.7 at 4096, B=8 50.4 -> 49.9; without

@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from tandem.kernels.kv_store import to_cache
 from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -207,11 +208,11 @@ def _rotary_kernel(
             slot = tl.load(slot_ptr + token).to(tl.int64)
             if slot >= 0:
                 row = slot * (NUM_K * 2 * HALF) + heads[:, None].to(tl.int64) * (2 * HALF) + offs_d[None, :]
-                tl.store(k_cache_ptr + row, k1, mask=mask)
-                tl.store(k_cache_ptr + row + HALF, k2, mask=mask)
+                tl.store(k_cache_ptr + row, to_cache(k1, k_cache_ptr), mask=mask)
+                tl.store(k_cache_ptr + row + HALF, to_cache(k2, k_cache_ptr), mask=mask)
                 v_src = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh + offs_d[None, :]
-                tl.store(v_cache_ptr + row, tl.load(v_src, mask=mask), mask=mask)
-                tl.store(v_cache_ptr + row + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + row, to_cache(tl.load(v_src, mask=mask), v_cache_ptr), mask=mask)
+                tl.store(v_cache_ptr + row + HALF, to_cache(tl.load(v_src + HALF, mask=mask), v_cache_ptr), mask=mask)
 
 
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
@@ -221,7 +222,7 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: 
 
     store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged
     cache in the same launch (as kernels.kv_store.kv_store would): v like k; caches
-    [num_blocks, block_size, Hkv, D] contiguous, same dtype; slot_mapping [T] int32 / int64
+    [num_blocks, block_size, Hkv, D] contiguous, k's dtype or float8 e4m3 (saturated); slot_mapping [T] int32 / int64
     (-1 = padding, not written).
 
     positions [T] int32 / int64 (each < max_pos; not checked); q [T, H, D], k [T, Hkv, D]
@@ -241,7 +242,8 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: 
         v, k_cache, v_cache, slot_mapping = store
         assert v.shape == k.shape and v.dtype == k.dtype and v.stride(2) == 1
         assert k_cache.shape == v_cache.shape and k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim)
-        assert k_cache.dtype == v_cache.dtype == k.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
         assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused

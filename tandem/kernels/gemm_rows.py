@@ -70,6 +70,7 @@ from torch import Tensor
 
 from tandem.kernels.fused import _numerics, _round
 from tandem.kernels.gemv import _check_weight, _mul_rn, _silu_mul
+from tandem.kernels.kv_store import to_cache
 from tandem.kernels.pdl import pdl_enabled, release_next, wait_only
 
 MAX_ROWS = 32
@@ -288,15 +289,15 @@ def _rows_qkv_rope_kernel(
         if head >= NUM_Q:
             kv = slot[None, :] * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + dim[:, None]
             ok = (slot >= 0)[None, :] & m_ok[None, :]
-            tl.store(k_cache_ptr + kv, o1, mask=ok)
-            tl.store(k_cache_ptr + kv + HALF, o2, mask=ok)
+            tl.store(k_cache_ptr + kv, to_cache(o1, k_cache_ptr), mask=ok)
+            tl.store(k_cache_ptr + kv + HALF, to_cache(o2, k_cache_ptr), mask=ok)
     else:
         tl.store(out_ptr + row_base + rows1[:, None], x1, mask=m_ok[None, :])
         tl.store(out_ptr + row_base + rows2[:, None], x2, mask=m_ok[None, :])
         kv = slot[None, :] * (NUM_KV * HEAD_DIM) - V0
         ok = (slot >= 0)[None, :] & m_ok[None, :]
-        tl.store(v_cache_ptr + kv + rows1[:, None], x1, mask=ok)
-        tl.store(v_cache_ptr + kv + rows2[:, None], x2, mask=ok)
+        tl.store(v_cache_ptr + kv + rows1[:, None], to_cache(x1, v_cache_ptr), mask=ok)
+        tl.store(v_cache_ptr + kv + rows2[:, None], to_cache(x2, v_cache_ptr), mask=ok)
 
 
 def _launch_flags(x: Tensor) -> dict:
@@ -375,7 +376,7 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
     the paged cache at slot_mapping[m] (-1: not written). -> [M, (H + 2 Hkv) D] contiguous.
 
     positions, slot_mapping [M] int32 / int64; cos, sin [max_pos, D] fp32; k_cache, v_cache
-    [num_blocks, block_size, Hkv, D] contiguous, x's dtype; D % 32 == 0.
+    [num_blocks, block_size, Hkv, D] contiguous, x's dtype or float8 e4m3 (saturated); D % 32 == 0.
     config: (BLOCK_K, num_warps, num_stages)."""
     n, k = weight.shape
     m = x.shape[0]
@@ -383,7 +384,8 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and rope_fusable(head_dim)
     _check_x(x, k, weight, w_scale)
     assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
-    assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (x.dtype, torch.float8_e4m3fn)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert positions.shape == (m,) and slot_mapping.shape == (m,)
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim and cos.stride(1) == 1 and sin.stride(1) == 1
     if bias is not None:

@@ -52,6 +52,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from tandem.kernels.fused import _numerics, _round
+from tandem.kernels.kv_store import to_cache
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 
 
@@ -278,11 +279,12 @@ def _gemv_qkv_rope_kernel(
         y = tl.reshape(tl.trans(tl.join(o1, o2)), [2 * PAIRS])
         tl.store(out_ptr + rows, y)
         if head >= NUM_Q and slot >= 0:
-            tl.store(k_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + dim, y)
+            tl.store(k_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + dim, to_cache(y, k_cache_ptr))
     else:
         tl.store(out_ptr + rows, x)
         if slot >= 0:
-            tl.store(v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + rows - (NUM_Q + NUM_KV) * HEAD_DIM, x)
+            tl.store(v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + rows - (NUM_Q + NUM_KV) * HEAD_DIM,
+                     to_cache(x, v_cache_ptr))
 
 
 def gemv_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -399,14 +401,16 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
     written into the paged cache at slot_mapping[0] (-1: not written). -> [1, (H + 2 Hkv) D].
 
     positions, slot_mapping [1] int32 / int64; cos, sin [max_pos, D] fp32 (RotaryEmbedding's
-    tables); k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, x's dtype; D % 8 == 0."""
+    tables); k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, x's dtype or float8 e4m3
+    (saturated: kv_store.to_cache); D % 8 == 0."""
     n, k = weight.shape
     head_dim = k_cache.shape[-1]
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 8 == 0
     assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
     _check_weight(x, weight, w_scale)
     assert k_cache.shape == v_cache.shape and k_cache.shape[-2] == num_kv_heads
-    assert k_cache.dtype == v_cache.dtype == x.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (x.dtype, torch.float8_e4m3fn)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert positions.shape == (1,) and slot_mapping.shape == (1,)
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim and cos.stride(1) == 1 and sin.stride(1) == 1
     if bias is not None:

@@ -10,6 +10,15 @@ from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x as the cache at cache_ptr keeps it: a float8 (e4m3) cache saturates at +-448, as
+    tandem.layers.attention.to_cache does (an outlier clipped, never NaN); others a plain cast."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _kv_store_kernel(
     k_ptr,  # [num_tokens, Hkv, D], heads and dims contiguous
     v_ptr,
@@ -30,8 +39,8 @@ def _kv_store_kernel(
         mask = offs < ROW
         k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
         v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, to_cache(k, k_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, to_cache(v, v_cache_ptr), mask=mask)
 
 
 def kv_store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -39,13 +48,13 @@ def kv_store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
     k, v [num_tokens, Hkv, D] (each token's [Hkv, D] contiguous; the token stride is free, so
     slices of a fused qkv output work); k_cache, v_cache [num_blocks, block_size, Hkv, D]
-    contiguous, same dtype; slot_mapping [num_tokens] int32 / int64, flat
-    block * block_size + offset.
+    contiguous, k's dtype or float8 e4m3 (kv_cache_dtype 'fp8': saturated, to_cache); slot_mapping
+    [num_tokens] int32 / int64, flat block * block_size + offset.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and k_cache.shape == v_cache.shape
     assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim)
-    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     for t in (k, v):
         assert t.stride(2) == 1 and t.stride(1) == head_dim, "each token's [Hkv, D] must be contiguous"

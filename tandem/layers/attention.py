@@ -154,16 +154,37 @@ def _kv_slots(block_table: list[int], kv_len: int, block_size: int) -> Tensor:
     return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:kv_len]
 
 
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def to_cache(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in a KV cache's dtype: float8 (kv_cache_dtype 'fp8') saturates at +-FP8_MAX, as vLLM's
+    unscaled fp8 cache stores, so an outlier is clipped rather than made NaN."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """A float8 tensor viewed as uint8 (index_copy_ has no float8 form on the CPU); others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter new K/V rows [num_tokens, Hkv, D] into the paged cache [num_blocks, block_size, Hkv, D]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Scatter new K/V rows [num_tokens, Hkv, D] into the paged cache [num_blocks, block_size, Hkv, D]
+    (in the cache's dtype: to_cache)."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        as_bytes(cache.view(-1, *new.shape[1:])).index_copy_(0, slot_mapping, as_bytes(to_cache(new, cache.dtype)))
 
 
 def paged_attention(
     q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttnMetadata, scale: float
 ) -> Tensor:
-    """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D].
+    """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D]. Cached
+    keys and values are read in q's dtype (an fp8 cache's widened); a prompt with no cached prefix
+    attends its own k and v as computed.
 
     GQA without copying keys: the rep = H / Hkv query heads of a KV head are folded into the
     query-length dim, [G, Hkv, rep * q_len, D], with the causal mask repeated along them.
@@ -199,8 +220,9 @@ def paged_attention(
         mask = g.mask
         if mask is not None and rep > 1:
             mask = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(n, 1, rep * q_len, mask.shape[-1])
+        keys, values = flat_k[g.kv_slots].to(q.dtype), flat_v[g.kv_slots].to(q.dtype)  # [G, max_kv, Hkv, D]
         og = F.scaled_dot_product_attention(
-            qg, flat_k[g.kv_slots].transpose(1, 2), flat_v[g.kv_slots].transpose(1, 2), attn_mask=mask, scale=scale
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
         )  # [G, Hkv, rep * q_len, D]
         og = og.view(n, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(
             n, q_len, num_heads, head_dim
@@ -214,8 +236,8 @@ def paged_attention(
 def _attend_rows(q: Tensor, flat_k: Tensor, flat_v: Tensor, g: RowGroup, scale: float, out: Tensor) -> None:
     """Each token of g as a one-token query against exactly its keys: [1, Hkv, rep, D] x [1, Hkv, L, D]."""
     num_kv_heads, head_dim = flat_k.shape[1:]
-    keys = flat_k[g.kv_slots].transpose(0, 1)  # [Hkv, start + n, D]
-    values = flat_v[g.kv_slots].transpose(0, 1)
+    keys = flat_k[g.kv_slots].to(q.dtype).transpose(0, 1)  # [Hkv, start + n, D]
+    values = flat_v[g.kv_slots].to(q.dtype).transpose(0, 1)
     for t in range(g.n):
         row = g.first + t
         visible = g.start + t + 1

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem.layers.attention import as_bytes, to_cache
+
 
 def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -82,16 +84,15 @@ class TableAttnMetadata:
 
 
 def store_kv_masked(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter k/v rows into the cache; rows with slot -1 write into a scratch row that is
-    never read (no data-dependent control flow, so it can be captured)."""
-    flat_k = k_cache.view(-1, *k.shape[1:])
-    flat_v = v_cache.view(-1, *v.shape[1:])
+    """Scatter k/v rows into the cache (in its dtype: to_cache); rows with slot -1 write into a
+    scratch row that is never read (no data-dependent control flow, so it can be captured)."""
     valid = slot_mapping >= 0
     # Padding rows rewrite slot 0 with its own current value.
     safe = torch.where(valid, slot_mapping, 0)
     keep = valid[:, None, None]
-    flat_k.index_copy_(0, safe, torch.where(keep, k, flat_k[safe]))
-    flat_v.index_copy_(0, safe, torch.where(keep, v, flat_v[safe]))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat = as_bytes(cache.view(-1, *new.shape[1:]))
+        flat.index_copy_(0, safe, torch.where(keep, as_bytes(to_cache(new, cache.dtype)), flat[safe]))
 
 
 def dense_paged_attention(
@@ -106,8 +107,8 @@ def dense_paged_attention(
     num_kv = k_cache.shape[2]
     max_kv = max_blocks * bs
     tables = block_tables.long()
-    keys = k_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim)  # [R, max_kv, Hkv, D]
-    vals = v_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim)
+    keys = k_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim).to(q.dtype)  # [R, max_kv, Hkv, D]
+    vals = v_cache[tables].reshape(num_reqs, max_kv, num_kv, head_dim).to(q.dtype)
     cu = cu_q_lens.long()
     q_lens = cu[1:] - cu[:-1]  # [R]
     # Token -> (request, index in request), computed on the device.

@@ -95,7 +95,8 @@ def after_pool_bytes(device: torch.device, build: Callable[[], object], scratch_
 def bytes_per_block(cfg: EngineConfig, draft_bytes_per_block: int = 0) -> int:
     """KV bytes of one block id: the target's and the draft's together."""
     arch = shard_arch(cfg.model.arch, cfg.model.tp_size)  # this rank's key / value heads
-    return KVCache.bytes_per_block(arch, cfg.cache.block_size, cfg.model.dtype) + draft_bytes_per_block
+    return KVCache.bytes_per_block(arch, cfg.cache.block_size, cfg.cache.kv_dtype(cfg.model.dtype)) \
+        + draft_bytes_per_block
 
 
 def budget_setting(cfg: EngineConfig) -> str:
@@ -118,7 +119,7 @@ def _profile_forward(cfg: EngineConfig, model) -> None:
     n = min(cfg.sched.max_num_batched_tokens, cfg.sched.max_model_len)
     bs = cfg.cache.block_size
     num_blocks = -(-n // bs)
-    kv = KVCache(model.arch, num_blocks, bs, model.model.embed_tokens.weight.dtype, cfg.device)
+    kv = KVCache(model.arch, num_blocks, bs, cfg.cache.kv_dtype(model.model.embed_tokens.weight.dtype), cfg.device)
     meta = AttnBackend(bs, cfg.device).prefill([0], [n], [list(range(num_blocks))])
     ids = torch.zeros(n, dtype=torch.int64, device=cfg.device)
     hidden = model(ids, torch.arange(n, device=cfg.device), meta, kv)

@@ -83,7 +83,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = AttnBackend(cache.block_size, device)
-        self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, model_cfg.dtype, device)
+        self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, cache.kv_dtype(model_cfg.dtype), device)
         self.vocab_size = model_cfg.arch.vocab_size
         self.logprobs_mode = model_cfg.logprobs_mode
         self.state = SamplingState(sched.max_num_seqs, self.vocab_size, model_cfg.arch.eos_token_ids, device,

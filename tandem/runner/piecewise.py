@@ -73,7 +73,7 @@ class PiecewiseGraphs:
     def __init__(self, model, kv, *, max_tokens: int, device: torch.device):
         self.model, self.kv = model, kv
         arch = model.arch
-        dtype = kv.k[0].dtype
+        dtype = model.model.embed_tokens.weight.dtype  # the activations' (an fp8 cache's is not)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)

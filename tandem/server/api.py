@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import hashlib
 import hmac
 import json
 import logging
@@ -787,17 +788,24 @@ class OpenAIServer:
         response_id = request.path_params["response_id"]
         response = self._stored(response_id)[0]
         query = request.query_params
-        if query.get("stream", "false").lower() not in ("true", "1"):
+        stream = query.get("stream", "false").lower()
+        if stream not in ("true", "false", "1", "0"):
+            raise APIError(400, f"'stream' must be true or false; got {query['stream']!r}", param="stream")
+        if stream in ("false", "0"):
             return JSONResponse(response)
         run = self.responses_store.run(response_id)
         if run is None:
             raise APIError(400, f"'stream': the response '{response_id}' was not made in the background, so it "
                            "has no events to stream again; leave 'stream' out", param="stream")
-        after = query.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or int(after) < -1:
+        after = query.get("starting_after")
+        try:
+            start = -1 if after is None else int(after)
+        except ValueError:
+            start = -2
+        if start < -1:
             raise APIError(400, f"'starting_after' must be an event's sequence number (an integer >= 0); got "
                            f"{after!r}", param="starting_after")
-        return _EventStream(_sse_events(run.follow(int(after))), lambda: None)
+        return _EventStream(_sse_events(run.follow(start)), lambda: None)
 
     async def cancel_response(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel: stop a background response -> it, cancelled (or
@@ -817,7 +825,7 @@ class OpenAIServer:
         self._stored(response_id)
         run = self.responses_store.run(response_id)
         if run is not None:
-            await run.cancel()
+            await run.cancel(keep=False)  # not stored on the way out (it would push an older response out)
         self.responses_store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -918,7 +926,9 @@ class OpenAIServer:
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
-        chat_kwargs = body.chat_template_kwargs or {}
+        # a null chat_template among the kwargs would unset the server's template: dropped (vLLM's rule)
+        chat_kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
+                       if not (k == "chat_template" and v is None)}
         if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
             for param, value in (("chat_template", body.chat_template),
                                  ("chat_template_kwargs", chat_kwargs.get("chat_template"))):
@@ -1090,7 +1100,7 @@ class RequireApiKey:
 
     def __init__(self, app, keys: list[str], on_refused: Callable[[], None] = lambda: None):
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        self.keys = [hashlib.sha256(k.encode()).digest() for k in keys]
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
@@ -1109,8 +1119,9 @@ class RequireApiKey:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
         token = token.strip()
-        # compare_digest on every key: the time taken does not tell how much of a key matched
-        return scheme.lower() == b"bearer" and sum(hmac.compare_digest(token, k) for k in self.keys) > 0
+        # digests compared, every one: the time taken tells neither how much of a key matched nor its length
+        digest = hashlib.sha256(token).digest()
+        return scheme.lower() == b"bearer" and any([hmac.compare_digest(digest, k) for k in self.keys])
 
 
 def _copy_tokenizer(tokenizer):
@@ -1265,6 +1276,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,

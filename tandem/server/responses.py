@@ -18,6 +18,7 @@ No FastAPI, no engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -92,6 +93,9 @@ class ResponsesRequest(_SamplingRequest):
         return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
 
 
+logger = logging.getLogger(__name__)
+# The Response's error codes OpenAI defines that a server's errors map to (others: server_error).
+RESPONSE_ERROR_CODES = {"queue_full": "rate_limit_exceeded"}
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -132,9 +136,11 @@ class BackgroundRun:
             return self.final
         return self.builder.response("in_progress" if self.events else "queued", list(self.builder.items))
 
-    async def cancel(self) -> dict[str, Any]:
+    async def cancel(self, keep: bool = True) -> dict[str, Any]:
         """Stop the run (its engine requests are aborted) -> the Response object: cancelled, or how
-        it ended if it ended first."""
+        it ended if it ended first. keep False: on_finish is not told (the response is being dropped)."""
+        if not keep:
+            self._on_finish = lambda response: None
         if self.task is not None and not self.task.done():
             self.task.cancel()
             await asyncio.wait([self.task])
@@ -163,6 +169,7 @@ class BackgroundRun:
         """The task ended without a last event (it failed outside the stream, or was cancelled)."""
         if self.final is None and not task.cancelled():
             error = task.exception()
+            logger.error("background response %s failed outside its stream: %r", self.id, error)
             response = self._cut("failed")
             message = f"internal error: {error!r}" if error is not None else "the response ended without its last event"
             response["error"] = {"code": "server_error", "message": message}
@@ -503,7 +510,7 @@ class ResponseBuilder:
         if self.open is not None:
             self.open["status"] = "incomplete"
         response = self.response("failed", self.items)
-        response["error"] = {"code": code or "server_error", "message": message}
+        response["error"] = {"code": RESPONSE_ERROR_CODES.get(code, "server_error"), "message": message}
         return [self.event("error", message=message, code=code, param=param),
                 self.event("response.failed", response=response)]
 

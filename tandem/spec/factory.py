@@ -118,9 +118,9 @@ class SpeculatorFactory:
                 "the shared part matches"
             )
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return KVCache.bytes_per_block(shard_arch(self.draft_cfg.arch, self.draft_cfg.tp_size), block_size,
-                                       self.draft_cfg.dtype)
+    def kv_bytes_per_block(self, cache: CacheConfig) -> int:
+        return KVCache.bytes_per_block(shard_arch(self.draft_cfg.arch, self.draft_cfg.tp_size), cache.block_size,
+                                       cache.kv_dtype(self.draft_cfg.dtype))
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> DraftSpeculator:
         return DraftSpeculator(

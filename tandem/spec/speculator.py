@@ -101,7 +101,7 @@ class DraftSpeculator:
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.local_argmax = spec.use_local_argmax_reduction is not False
         self.confidence_threshold = spec.draft_confidence_threshold  # None: every round drafts its plan's number
-        self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, draft_cfg.dtype, device)
+        self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, cache.kv_dtype(draft_cfg.dtype), device)
         s = sched.max_num_seqs
         # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
         self.drafts = torch.zeros(s + 1, self.k, dtype=torch.int64, device=device)

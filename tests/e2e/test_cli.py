@@ -6,12 +6,13 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from tandem.cli import main
 from tests.helpers import make_hf_model
 
 
-@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"],
+@pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"], ["--kv-cache-dtype", "fp8"],
                                    ["--rejection-sample-method", "block", "--temperature", "0.8", "--seed", "3"]])
 def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
     import tandem.models.loader as loader
@@ -297,13 +298,14 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                  "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
-                 "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2",
+                 "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2", "--kv-cache-dtype", "fp8",
                  "--chat-template", str(tmp_path / "t.jinja")]) == 0
     (app,) = apps
     assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
     (auth,) = [m for m in app.user_middleware if m.cls is RequireApiKey]
     assert auth.kwargs["keys"] == ["sk-1", "sk-2"]
     assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
+    assert app.state.engine_client.engine.runner.kv.k[0].dtype == torch.float8_e4m3fn
     engine = app.state.engine_client.engine
     assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"
@@ -329,6 +331,11 @@ def test_serve_api_key_from_the_environment_and_inline_chat_templates(tmp_path, 
     assert main(["serve", "M", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert capsys.readouterr().err.startswith(f"error: --chat-template: '{tmp_path / 'missing.jinja'}' is neither "
                                               "a file nor a template's text")
+    assert main(["serve", "M", "--chat-template", "{{ 'C:\\x' }}"]) == 2  # a broken escape, not a traceback
+    assert capsys.readouterr().err.startswith("error: --chat-template: the template's text has a broken backslash")
+    args = parser.parse_args(["M", "--chat-template", "{{ '\\u2211 ∑ é' }}"])
+    check_serve_args(args)
+    assert args.chat_template == "{{ '∑ ∑ é' }}"
 
 
 def test_async_engine_bad_queue_limit_is_a_config_error():

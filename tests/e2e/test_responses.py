@@ -16,7 +16,8 @@ pytest.importorskip("uvicorn")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
-from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, chat_request  # noqa: E402
+from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, ResponseStore, \
+    chat_request  # noqa: E402
 from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
 
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
@@ -316,6 +317,11 @@ def test_background_responses_are_read_followed_and_cancelled(model_dirs):  # no
         assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
         assert [e.model_dump() for e in client.responses.retrieve(rid, stream=True)] == \
                [e.model_dump() for e in events]
+        for bad, param in (("--1", "starting_after"), ("x", "starting_after"), ("-2", "starting_after")):
+            r = httpx.get(f"{server.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.get(f"{server.url}/v1/responses/{rid}", params={"stream": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
         follow_up = dict(kw, input="And Rome?")  # a finished background response is continued as any other
         assert client.responses.create(previous_response_id=rid, **follow_up).output_text == \
                client.responses.create(previous_response_id=plain.id, **follow_up).output_text
@@ -361,7 +367,8 @@ def test_background_responses_are_read_followed_and_cancelled(model_dirs):  # no
 
 def test_a_background_run_cancelled_before_it_ran_or_failing_outside_its_stream():
     """A run cancelled before its task ran is cancelled all the same (its task's done callbacks,
-    where the server releases the engine requests, still run); one whose work raises ends failed."""
+    where the server releases the engine requests, still run); one whose work raises ends failed;
+    one deleted while running is not stored on its way out (it would push an older response out)."""
     async def scenario() -> None:
         finished: list[dict] = []
         run = BackgroundRun(ResponseBuilder(ResponsesRequest(input="hi", background=True), MODEL, stored=True),
@@ -393,4 +400,24 @@ def test_a_background_run_cancelled_before_it_ran_or_failing_outside_its_stream(
         assert failing.final["status"] == "failed" and "boom" in failing.final["error"]["message"]
         assert finished[-1] is failing.final
 
+        # A running response deleted: cancelled without being stored, so nothing older is pushed out.
+        store = ResponseStore(1)
+        older = ResponseBuilder(ResponsesRequest(input="hi"), MODEL).response("completed", [])
+        store.put(older, [])
+        doomed = BackgroundRun(ResponseBuilder(ResponsesRequest(input="hi", background=True), MODEL),
+                               on_finish=lambda response: store.put(response, []))
+        doomed.start(asyncio.Event().wait())
+        store.start(doomed)
+        assert store.get(doomed.id)[0]["status"] == "queued" and store.get(doomed.id)[1] is None
+        assert (await doomed.cancel(keep=False))["status"] == "cancelled"
+        assert store.delete(doomed.id) and store.get(doomed.id) is None and store.get(older["id"])[0] is older
+
     asyncio.run(scenario())
+
+
+def test_a_failed_responses_error_code_is_one_openai_defines():
+    for code, want in (("queue_full", "rate_limit_exceeded"), ("shutting_down", "server_error"), (None, "server_error")):
+        builder = ResponseBuilder(ResponsesRequest(input="hi"), MODEL)
+        error, failed = builder.failed("it stopped", code, None)
+        assert error["code"] == code and failed["response"]["error"]["code"] == want
+        Response.model_validate(failed["response"])

@@ -401,6 +401,8 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
         assert chat.choices[0].message.content == want.outputs[0].text
         assert server.post("/tokenize", json={"messages": hi}).json()["tokens"] == \
                tok(text, add_special_tokens=False).input_ids
+        unset = server.post("/tokenize", json={"messages": hi, "chat_template_kwargs": {"chat_template": None}})
+        assert unset.json()["tokens"] == tok(text, add_special_tokens=False).input_ids  # not the tokenizer's
         server.app.state.server.trust_request_chat_template = True
         own = server.post("/tokenize", json={"messages": hi, "chat_template": "{{ messages[0]['content'] }}!"})
         assert own.json()["tokens"] == tok("hi!", add_special_tokens=False).input_ids

@@ -315,6 +315,8 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(load_format="pt"), "load_format"),
         (dict(load_format="safetensors"), "load_format"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
+        (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
         (dict(seed=-1), "seed"),
         (dict(seed=2**70), "seed"),
         (dict(per_request_spec_decode_metrics="full"), "per_request_spec_decode_metrics"),

@@ -48,6 +48,7 @@ class CacheCfg:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks: int | None = 256
+    cache_dtype: str = "auto"
 
 
 def default_token(req: Request, index: int) -> int:
