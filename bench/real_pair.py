@@ -161,6 +161,9 @@ def main(argv=None) -> int:
                    help="comma list of speculative_config draft_vocab_size: none (the whole head) or a number of ids")
     p.add_argument("--tensor-parallel-sizes", default="1",
                    help="comma list of LLM(tensor_parallel_size=...) to compare (ranks share the CPU's cores)")
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="comma list of LLM(kv_cache_dtype=...) to compare (auto,fp8: the fp8 cache's trajectories "
+                        "against the model dtype's, and speculation's against target-only's over it)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench/results/real_pair.json")
     args = p.parse_args(argv)
@@ -172,11 +175,13 @@ def main(argv=None) -> int:
     results = {"env": environment(), "config": vars(args) | {"default_k": default_k}, "runs": []}
     matmuls = args.cpu_matmuls.split(",")
     tps = [int(n) for n in args.tensor_parallel_sizes.split(",")]
+    kvs = args.kv_cache_dtypes.split(",")
     first = None  # the first kernel's target-only rows
-    for matmul, tp in [(m, n) for m in matmuls for n in tps]:
-        tag = "".join([f" [{matmul}]" if len(matmuls) > 1 else "", f" [tp={tp}]" if len(tps) > 1 else ""])
+    for matmul, tp, kv in [(m, n, c) for m in matmuls for n in tps for c in kvs]:
+        tag = "".join([f" [{matmul}]" if len(matmuls) > 1 else "", f" [tp={tp}]" if len(tps) > 1 else "",
+                       f" [kv {kv}]" if len(kvs) > 1 else ""])
         common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, cpu_matmul=matmul,
-                      tensor_parallel_size=tp)
+                      tensor_parallel_size=tp, kv_cache_dtype=kv)
         t0 = time.perf_counter()
         llm = LLM(TARGET, **common)
         load_s = time.perf_counter() - t0
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
         base = rows  # speculative runs are compared with this kernel's target-only tokens
         first = first or rows
         run = summarize("tandem target-only" + tag, rows, first) | {"load_s": load_s}
-        if rows is not first:  # another kernel (or rank count) rounds otherwise: bf16 near-ties may flip
+        if rows is not first:  # another kernel, rank count or cache dtype rounds otherwise: near-ties may flip
             run["identical_to_first_kernel"] = run.pop("identical_to_target")
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
