@@ -164,12 +164,13 @@ class LLM:
                 logger.info("tensor_parallel_size=%d runs eagerly: CUDA graphs around collectives are not built",
                             tp_size)
                 enforce_eager = True
+        if kv_cache_dtype != "auto" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with float8 (compute capability 8.9 or "
+                              f"newer; measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
+                              "'auto'")
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
-        if kv_cache_dtype != "auto" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
-            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with float8 (compute capability 8.9 or "
-                              f"newer: Ada, Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it 'auto'")
         if tp_size > 1:
             check_shardable(arch, tp_size)
         self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir))

@@ -258,6 +258,14 @@ def _tile_config(max_q_len: int, group_pad: int, block_d: int, elem_bytes: int) 
     return block_q, block_n, num_warps, stages
 
 
+@functools.cache
+def _max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may take on the device (0 where torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
 def _default_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, a power of two, at most MAX_SPLITS."""
     programs = max(1, num_reqs * num_kv_heads)
@@ -325,11 +333,13 @@ def paged_attention(
         "num_splits must be a power of two, at most MAX_SPLITS"
     block_m = block_q * group_pad
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if tile_override is None and fp8 and block_m <= 64 and block_d <= 128 and 1 < num_splits <= 4:
+    if (tile_override is None and fp8 and block_m <= 64 and block_d <= 128 and 1 < num_splits <= 4
+            and q.element_size() == 2 and _max_shared_memory(q.device) >= 200 << 10):
         # Decode / verify over an fp8 cache with 2-4 splits (B = 8-16 at D = 128): its loop is bound
         # by widening the tiles, not by their bytes, and a deeper pipeline (6 x 32 KB of K and V
         # tiles) keeps the loads ahead of it (H200, bench/kernels.py --fp8-attn, ctx 4096: B=16
         # 72.3 -> 60.6 us). More splits (B=1) keep the rule below; none (B=64), the built-in tile.
+        # (6 stages take ~192 KB of shared memory: Hopper's 227 KB a block, not Ada's 99.)
         num_stages = 6
     elif tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
         # Small decode / verify batches (split-K on): no software pipelining, whose prologue costs

@@ -12,9 +12,10 @@ from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 @triton.jit
 def to_cache(x, cache_ptr):
     """x as the cache at cache_ptr keeps it: a float8 (e4m3) cache saturates at +-448, as
-    tandem.layers.attention.to_cache does (an outlier clipped, never NaN); others a plain cast."""
+    tandem.layers.attention.to_cache does (an outlier clipped, never made NaN; a NaN kept); others a
+    plain cast."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
     return x.to(cache_ptr.dtype.element_ty)
 
 

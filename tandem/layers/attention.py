@@ -184,7 +184,8 @@ def paged_attention(
 ) -> Tensor:
     """q [num_tokens, H, D], k/v [num_tokens, Hkv, D] (already stored) -> [num_tokens, H, D]. Cached
     keys and values are read in q's dtype (an fp8 cache's widened); a prompt with no cached prefix
-    attends its own k and v as computed.
+    attends its own k and v, rounded as the cache keeps them, so a request's output does not depend
+    on whether its prefix was cached.
 
     GQA without copying keys: the rep = H / Hkv query heads of a KV head are folded into the
     query-length dim, [G, Hkv, rep * q_len, D], with the causal mask repeated along them.
@@ -205,6 +206,8 @@ def paged_attention(
         if g.kv_slots is None:  # a prompt with no cached prefix: plain causal attention
             src_k = k.view(n, q_len, num_kv_heads, head_dim) if whole else k[g.token_idx]
             src_v = v.view(n, q_len, num_kv_heads, head_dim) if whole else v[g.token_idx]
+            if k_cache.dtype != k.dtype:  # as the cache keeps them (the GPU's prompts read it)
+                src_k, src_v = to_cache(src_k, k_cache.dtype).to(k.dtype), to_cache(src_v, v_cache.dtype).to(v.dtype)
             og = F.scaled_dot_product_attention(
                 qg.transpose(1, 2), src_k.transpose(1, 2), src_v.transpose(1, 2), is_causal=True, scale=scale,
                 enable_gqa=rep > 1,

@@ -60,12 +60,15 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     if num_blocks < blocks_per_req:
         need = blocks_per_req * per_block
         what, fix = f"max_model_len={sched.max_model_len}", "lower max_model_len"
+        if cache.cache_dtype == "auto" and budget_setting(cfg) != "num_gpu_blocks_override":
+            fix += " (or set kv_cache_dtype='fp8': a byte a cached value)"
         raise ConfigError(
             f"KV cache budget from {source} holds {num_blocks} blocks of {cache.block_size} tokens "
             f"({per_block} bytes each), but one request of {what} needs {blocks_per_req} blocks ({need} bytes); "
             f"raise {budget_setting(cfg)} or {fix}"
         )
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, num_blocks * per_block / 2**20)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks, cache.block_size,
+                num_blocks * per_block / 2**20, "float8 e4m3" if cache.cache_dtype != "auto" else "the model's dtype")
     return num_blocks, later
 
 

@@ -363,7 +363,8 @@ def test_bool_engine_argument(model_dir, kwargs, field):
 
 
 def test_kv_budget_too_small_for_one_request(model_dir):
-    with pytest.raises(ConfigError, match="raise kv_cache_memory_bytes or lower max_model_len$") as e:
+    with pytest.raises(ConfigError, match=r"raise kv_cache_memory_bytes or lower max_model_len \(or set "
+                                          r"kv_cache_dtype='fp8': a byte a cached value\)$") as e:
         LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, kv_cache_memory_bytes=10_000)
     assert f"max_model_len={MAX_LEN}" in str(e.value)
 

@@ -27,7 +27,7 @@ def test_to_cache_saturates_instead_of_making_nan():
 def test_attention_reads_an_fp8_cache_as_its_values_widened(dtype):
     """Both torch paths (the grouped reference and the block-table fallback) store into an fp8
     cache what to_cache makes of k and v, and attend exactly as over a cache of q's dtype that
-    holds those values."""
+    holds those values (a prompt's own keys too)."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 12
     start_pos, q_lens = [0, 5, 9], [6, 1, 4]  # a prompt, a decode, a chunk against a cached prefix
@@ -46,9 +46,9 @@ def test_attention_reads_an_fp8_cache_as_its_values_widened(dtype):
     store_kv(to_cache(k, FP8).to(dtype), to_cache(v, FP8).to(dtype), wide_k, wide_v, meta.slot_mapping)
     assert fp8_k.dtype == FP8 and torch.equal(fp8_k.to(dtype), wide_k) and torch.equal(fp8_v.to(dtype), wide_v)
     assert fp8_k.float().abs().max() == FP8_MAX
-    kq, vq = to_cache(k, FP8).to(dtype), to_cache(v, FP8).to(dtype)  # a prompt attends its own k, v as given
+    kq, vq = to_cache(k, FP8).to(dtype), to_cache(v, FP8).to(dtype)  # a prompt's own k, v, as the cache keeps them
     want = paged_attention(q, kq, vq, wide_k, wide_v, meta, 0.25)
-    assert torch.equal(paged_attention(q, kq, vq, fp8_k, fp8_v, meta, 0.25), want)
+    assert torch.equal(paged_attention(q, k, v, fp8_k, fp8_v, meta, 0.25), want)
 
     table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
     seq_lens = torch.tensor([s + m for s, m in zip(start_pos, q_lens)])
@@ -98,6 +98,18 @@ def test_speculative_greedy_equals_target_only_with_an_fp8_cache(pair, dtype):
         assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)] == base
         if spec_model == target:
             assert spec.engine.spec_metrics.acceptance_rate > 0.9
+
+
+def test_a_prefix_cache_hit_changes_nothing(pair):
+    """A prompt attends its own keys as the fp8 cache keeps them, so a request reads the same
+    values whether its prefix was computed now or found cached."""
+    _, model = pair
+    llm = _llm(model, "float32", kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    cold, hit = (llm.generate(PROMPTS[:1], params, use_tqdm=False)[0] for _ in range(2))
+    assert hit.num_cached_tokens > 0 and cold.outputs[0].token_ids == hit.outputs[0].token_ids
+    lp = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in (cold, hit)]
+    assert lp[0] == pytest.approx(lp[1], abs=1e-5)
 
 
 def test_cached_attention_stays_near_the_full_precision_caches(pair):

@@ -55,6 +55,11 @@ def test_kv_store_into_fp8(dtype, num_kv_heads, head_dim):
     assert_stored_alike(k8, k_ref)
     assert_stored_alike(v8, v_ref)
     assert k8.float().abs().max() == 448.0 and not k8.float().isnan().any()
+    row = int((slots >= 0).nonzero()[0])  # a NaN stays NaN (as torch's cast keeps it), never a finite bound
+    k[row, 0, 0] = float("nan")
+    kv_store(k, v, k8, v8, slots)
+    flat = k8.view(-1, num_kv_heads, head_dim).float()
+    assert flat[slots[row], 0, 0].isnan() and flat.isnan().sum() == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -103,15 +108,17 @@ def test_qkv_rope_epilogues_store_into_fp8(heads, kv_heads, head_dim, k, rows, d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("q_lens,ctx_lens,num_splits", [
-    ([1] * 6, [0, 15, 16, 100, 700, 2050], None),  # decodes (split-K picked by the kernel)
-    ([1, 1], [300, 4000], 8),
-    ([5, 5, 5], [12, 250, 1030], None),  # verifications, 1 + k = 5
-    ([40, 1, 130], [100, 33, 0], None),  # prefill chunks beside a decode
+@pytest.mark.parametrize("q_lens,ctx_lens,num_splits,kv_heads", [
+    ([1] * 6, [0, 15, 16, 100, 700, 2050], None, 2),  # decodes (split-K picked by the kernel: 16)
+    ([1, 1], [300, 4000], 8, 2),
+    ([1] * 16, [37 * i + 1000 for i in range(16)], None, 8),  # 2 splits: the fp8 cache's 6-stage tile
+    ([1] * 4, [900, 1500, 4000, 4200], 4, 8),
+    ([5, 5, 5], [12, 250, 1030], None, 2),  # verifications, 1 + k = 5
+    ([40, 1, 130], [100, 33, 0], None, 2),  # prefill chunks beside a decode
 ])
-def test_paged_attention_over_fp8(q_lens, ctx_lens, num_splits, dtype):
-    q, k_cache, v_cache, tables, seq_lens, cu = make_attention_batch(DEV, q_lens, ctx_lens, 8, 2, 128, dtype, 16,
-                                                                     seed=sum(ctx_lens))
+def test_paged_attention_over_fp8(q_lens, ctx_lens, num_splits, kv_heads, dtype):
+    q, k_cache, v_cache, tables, seq_lens, cu = make_attention_batch(DEV, q_lens, ctx_lens, 4 * kv_heads, kv_heads,
+                                                                     128, dtype, 16, seed=sum(ctx_lens))
     k8, v8 = to_cache(k_cache * 30, FP8), to_cache(v_cache, FP8)  # keys of all sizes, some saturated
     wide_k, wide_v = k8.to(dtype), v8.to(dtype)
     scale, n = 128 ** -0.5, sum(q_lens)
