@@ -83,6 +83,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int_in(0, 65535), default=8000)
+    server.add_argument("--root-path", default="", help="the path prefix a proxy serves the app under (ASGI root_path)")
+    server.add_argument("--ssl-keyfile", default=None, type=non_empty("pass a key file"), help="serve HTTPS: the key")
+    server.add_argument("--ssl-certfile", default=None, type=non_empty("pass a certificate file"),
+                        help="serve HTTPS: the certificate (with --ssl-keyfile)")
+    server.add_argument("--allowed-origins", action="append", default=None, type=non_empty("pass an origin"),
+                        help="browser origins allowed to call the API (CORS; repeatable; '*' for any; default none, "
+                             "where vLLM allows any)")
+    server.add_argument("--allowed-methods", action="append", default=None, type=non_empty("pass a method"),
+                        help="with --allowed-origins: the methods allowed (default any)")
+    server.add_argument("--allowed-headers", action="append", default=None, type=non_empty("pass a header"),
+                        help="with --allowed-origins: the request headers allowed (default any)")
+    server.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: allow credentials")
+    server.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="completion and chat usage carry prompt_tokens_details.cached_tokens: the prompt tokens "
+                             "the prefix cache served (as vLLM's flag)")
     server.add_argument("--max-queued-requests", type=int_in(0), default=256,
                         help="sequences allowed to wait for a batch slot before requests get 503 (default 256; "
                              "with --scheduling-policy priority, what waits ahead of a request counts, and the "
@@ -151,6 +167,17 @@ def check_serve_args(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ConfigError(f"{flag} needs a draft model; add --draft PATH (or --speculative-config) or drop "
                                   f"{flag.split()[0]}")
+    cors_only = [("--allowed-methods", args.allowed_methods), ("--allowed-headers", args.allowed_headers),
+                 ("--allow-credentials", args.allow_credentials or None)]
+    for flag, value in cors_only:
+        if value is not None and not args.allowed_origins:
+            raise ConfigError(f"{flag} applies to CORS, which --allowed-origins turns on; add --allowed-origins ORIGIN "
+                              f"or drop {flag}")
+    if args.allow_credentials and "*" in args.allowed_origins:
+        raise ConfigError("--allow-credentials with --allowed-origins '*' lets any site act with a user's credentials "
+                          "(and browsers refuse it); name the origins")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile; give both or neither")
     if args.api_key is None and os.environ.get("TANDEM_API_KEY"):
         args.api_key = [os.environ["TANDEM_API_KEY"]]
     if args.chat_template is not None:

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from tandem.chat import template_kwargs
 from tandem.errors import ConfigError, RequestError
@@ -223,6 +224,8 @@ def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -
 class _Renderer:
     """Turns RequestOutputs (one per prompt) into an endpoint's response or stream chunks."""
 
+    prompt_tokens_details = False  # usage carries prompt_tokens_details.cached_tokens (the server sets it)
+
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
                  include_usage: bool, report: ResponseMetrics = ResponseMetrics(), continuous_usage: bool = False):
         """include_usage: stream a last chunk with the usage (and the metrics object, where report enables it);
@@ -289,7 +292,10 @@ class _Renderer:
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        if self.prompt_tokens_details:  # OpenAI's field: the prompt tokens the prefix cache served
+            usage.prompt_tokens_details = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+        return usage
 
     def final_chunks(self) -> list[BaseModel]:
         if not self.include_usage:
@@ -613,8 +619,10 @@ class OpenAIServer:
     def __init__(self, client: AsyncEngine, tokenizer, model_names: list[str], metrics: ServerMetrics,
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
-                 force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None):
+                 force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
+                 prompt_tokens_details: bool = False):
         engine = client.engine
+        self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
         # the last responses of /v1/responses, for previous_response_id and GET (None: none kept)
         self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
         self.report = report  # what a response's `metrics` object carries (none of it by default)
@@ -965,6 +973,7 @@ class OpenAIServer:
         its events as they come (the client going away does not stop it)."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
+        renderer.prompt_tokens_details = self.prompt_tokens_details
         streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority)
 
         def release() -> None:
@@ -1168,6 +1177,9 @@ def build_app(
     responses_store_size: int = 0,
     api_keys: list[str] | None = None,
     chat_template: str | None = None,
+    enable_prompt_tokens_details: bool = False,
+    cors: dict | None = None,
+    enable_docs: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1179,7 +1191,10 @@ def build_app(
     previous_response_id and GET /v1/responses/{id} (0: none); api_keys: the /v1 routes answer only
     requests that carry one of them (`Authorization: Bearer KEY`; None or empty: open to all);
     chat_template: the template's text, used instead of the tokenizer's (a request's own, where
-    trusted, still wins).
+    trusted, still wins); enable_prompt_tokens_details: completion and chat usage carry
+    prompt_tokens_details.cached_tokens; cors: starlette CORSMiddleware's arguments (allow_origins, ...;
+    None: no CORS headers, so browsers on other origins are refused); enable_docs: FastAPI's /docs,
+    /redoc and /openapi.json.
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1198,7 +1213,8 @@ def build_app(
     report = ResponseMetrics(timing=enable_per_request_metrics, spec_decode=engine.cfg.per_request_spec_decode_metrics,
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
-                          report, enable_force_include_usage, responses_store_size, chat_template)
+                          report, enable_force_include_usage, responses_store_size, chat_template,
+                          enable_prompt_tokens_details)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1209,9 +1225,12 @@ def build_app(
             await client.shutdown(drain_timeout_s)
             server.close()
 
-    app = FastAPI(title="tandem", lifespan=lifespan)
+    docs = {} if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", lifespan=lifespan, **docs)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys, on_refused=lambda: metrics.on_error(401))
+    if cors is not None:  # added last: outermost, so a preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, **cors)
     app.state.engine_client = client
     app.state.drain = lambda: client.shutdown(drain_timeout_s)  # DrainingServer runs it first
     app.state.metrics = metrics
@@ -1292,11 +1311,21 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_per_request_metrics=args.enable_per_request_metrics,
                     enable_force_include_usage=args.enable_force_include_usage,
                     responses_store_size=args.responses_store_size, api_keys=args.api_key,
-                    chat_template=args.chat_template)
+                    chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
+                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, root_path=args.root_path,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     DrainingServer(config, app).run()
     return 0
+
+
+def cors_settings(args: argparse.Namespace) -> dict | None:
+    """CORSMiddleware's arguments from --allowed-origins and friends (None: no origin given, no CORS)."""
+    if not args.allowed_origins:
+        return None
+    return dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods or ["*"],
+                allow_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
 
 
 GRACE_AFTER_DRAIN_S = 5.0  # what the aborted requests' answers get to finish sending

@@ -247,6 +247,10 @@ def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
 @pytest.mark.parametrize("extra, says", [
     (["--enable-auto-tool-choice"], "error: --enable-auto-tool-choice needs --tool-call-parser"),
     (["--tool-call-parser", "hermes"], "error: --tool-call-parser is used only by tool_choice \"auto\""),
+    (["--allowed-methods", "GET"], "error: --allowed-methods applies to CORS, which --allowed-origins turns on"),
+    (["--allow-credentials"], "error: --allow-credentials applies to CORS"),
+    (["--allowed-origins", "*", "--allow-credentials"], "error: --allow-credentials with --allowed-origins '*'"),
+    (["--ssl-keyfile", "k.pem"], "error: HTTPS needs both --ssl-keyfile and --ssl-certfile"),
 ])
 def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
@@ -286,19 +290,29 @@ def test_generate_with_vllms_speculative_config(tmp_path, capsys):
 def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):
     """`tandem serve MODEL --speculative-config JSON` with the per-request metrics flags: the engine
     gets the JSON's draft settings and the app reports (and stores) what the flags ask (uvicorn not started)."""
+    from starlette.middleware.cors import CORSMiddleware
+
     from tandem.server.api import DrainingServer, RequireApiKey
 
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
     apps = []
     monkeypatch.setattr(DrainingServer, "run", lambda self: apps.append(self._app))
-    monkeypatch.setattr(DrainingServer, "__init__", lambda self, config, app: setattr(self, "_app", app))
+    configs = []
+
+    def init(self, config, app) -> None:
+        self._app = app
+        configs.append(config)
+
+    monkeypatch.setattr(DrainingServer, "__init__", init)
     spec = {"model": str(tmp_path / "d"), "num_speculative_tokens": 2, "rejection_sample_method": "block"}
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert main(["serve", str(tmp_path / "t"), "--dtype", "float32", "--max-model-len", "64",
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                  "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
                  "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2", "--kv-cache-dtype", "fp8",
+                 "--allowed-origins", "https://a.example", "--allowed-methods", "POST", "--disable-fastapi-docs",
+                 "--enable-prompt-tokens-details", "--root-path", "/tandem",
                  "--chat-template", str(tmp_path / "t.jinja")]) == 0
     (app,) = apps
     assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
@@ -306,6 +320,11 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert auth.kwargs["keys"] == ["sk-1", "sk-2"]
     assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
     assert app.state.engine_client.engine.runner.kv.k[0].dtype == torch.float8_e4m3fn
+    (cors,) = [m for m in app.user_middleware if m.cls is CORSMiddleware]
+    assert cors.kwargs == dict(allow_origins=["https://a.example"], allow_methods=["POST"], allow_headers=["*"],
+                               allow_credentials=False)
+    assert app.docs_url is None and app.openapi_url is None and app.state.server.prompt_tokens_details
+    assert configs[0].root_path == "/tandem" and configs[0].ssl_keyfile is None
     engine = app.state.engine_client.engine
     assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"

@@ -412,6 +412,36 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
         build_app(server.llm, MODEL, chat_template="{% for m in messages %}")
 
 
+def test_cors_docs_and_prompt_tokens_details(model_dirs, live):
+    """cors (--allowed-origins): a listed origin's preflight and requests get the CORS headers, another
+    origin's preflight is refused; enable_docs=False: no /docs; enable_prompt_tokens_details: usage
+    says how many prompt tokens the prefix cache served (none on a cold prompt, most when repeated)."""
+    server = LiveServer(_llm(model_dirs), cors=dict(allow_origins=["https://ui.example"], allow_methods=["*"],
+                                                    allow_headers=["*"], allow_credentials=False),
+                        enable_docs=False, enable_prompt_tokens_details=True)
+    try:
+        ask = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,content-type"}
+        ok = httpx.options(server.url + CH, headers=ask)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
+        assert httpx.options(server.url + CH, headers={**ask, "Origin": "https://evil.example"}).status_code == 400
+        models = httpx.get(server.url + "/v1/models", headers={"Origin": "https://ui.example"})
+        assert models.headers["access-control-allow-origin"] == "https://ui.example"
+        assert httpx.get(server.url + "/docs").status_code == 404
+        prompt = "The quick brown fox jumps over the lazy dog, " * 4
+        cold, warm = (server.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 2}).json()["usage"]
+                      for _ in range(2))
+        assert cold["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert cold["prompt_tokens"] - 8 <= warm["prompt_tokens_details"]["cached_tokens"] < cold["prompt_tokens"]
+        chat = server.post(CH, json=OK_CH).json()["usage"]
+        assert set(chat["prompt_tokens_details"]) == {"cached_tokens"}
+        assert "prompt_tokens_details" not in live.post(CH, json=OK_CH).json()["usage"]  # only when asked
+        assert httpx.get(live.url + "/docs").status_code == 200 and "access-control-allow-origin" not in \
+            httpx.get(live.url + "/v1/models", headers={"Origin": "https://ui.example"}).headers
+    finally:
+        server.stop()
+
+
 def test_chat_continue_final_message_echo_and_special_tokens(live, reference):
     """vLLM's chat fields: continue_final_message (the reply continues the last message), echo (the
     reply starts with that message, in the role it continues) and add_special_tokens."""
