@@ -37,6 +37,7 @@ from tandem.outputs import Logprob, RequestOutput
 from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format, reasoning_tag_tokens
 from tandem.sampling_params import SamplingParams
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
+from tandem.server.fim import FimError, fim_prompt, fim_sentinels
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatChoice,
@@ -642,6 +643,7 @@ class OpenAIServer:
         if chat_template is not None:
             _check_chat_template(self.tokenizer, chat_template)
         self.tool_tags = tag_tokens(self.tokenizer, tool_call_parser) if tool_call_parser else {}
+        self.fim_sentinels = fim_sentinels(self.tokenizer)  # the model's fill-in-the-middle tokens, if any
         self.reasoning_tags = reasoning_tag_tokens(self.tokenizer)  # the thinking's tags that are tokens
         self.model_names = model_names
         self.metrics = metrics
@@ -705,8 +707,8 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         model = self._check_common(body)
-        if body.suffix:
-            raise APIError(400, "'suffix' is not supported; leave it out", param="suffix")
+        if body.suffix is not None:
+            body = self._fill_in_the_middle(body)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
                            param="best_of")
@@ -911,6 +913,21 @@ class OpenAIServer:
             return self.client.engine.resolve_logprobs(body.to_sampling_params(self.generation_defaults))
         except RequestError as e:
             raise request_error(e, fields, prompt_param) from None
+
+    def _fill_in_the_middle(self, body: CompletionRequest) -> CompletionRequest:
+        """The request with each text prompt wrapped in the model's FIM sentinels around `suffix`."""
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "'suffix' takes text prompts (the code before the gap); give 'prompt' as a string or "
+                           "strings, or leave 'suffix' out", param="suffix")
+        if body.echo:
+            raise APIError(400, "'echo' repeats the prompt, and with 'suffix' the prompt is split around the middle; "
+                           "drop one of them", param="echo")
+        try:
+            filled = [fim_prompt(p, body.suffix, self.fim_sentinels) for p in prompts]
+        except FimError as e:
+            raise APIError(400, f"'suffix': {e}", param="suffix") from None
+        return body.model_copy(update={"prompt": filled if isinstance(body.prompt, list) else filled[0]})
 
     def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):

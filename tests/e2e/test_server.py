@@ -412,6 +412,40 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
         build_app(server.llm, MODEL, chat_template="{% for m in messages %}")
 
 
+def test_fill_in_the_middle(model_dirs, tmp_path):
+    """/v1/completions' suffix on a model whose tokenizer has FIM sentinels (Qwen2.5-Coder's here):
+    the completion of <|fim_prefix|>PROMPT<|fim_suffix|>SUFFIX<|fim_middle|>, streamed or not, for
+    each prompt of a list."""
+    from transformers import AutoTokenizer
+
+    from tandem.server.fim import FIM_SENTINELS, fim_sentinels
+
+    model = tmp_path / "fim"
+    shutil.copytree(model_dirs[0], model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"additional_special_tokens": list(FIM_SENTINELS[0])})
+    tok.save_pretrained(model)
+    assert fim_sentinels(tok) == FIM_SENTINELS[0] and fim_sentinels(AutoTokenizer.from_pretrained(model_dirs[0])) is None
+    llm = LLM(str(model), **LLM_KWARGS)
+    server = LiveServer(llm)
+    try:
+        prompts, suffix = ["def fib(n):", "Paris is"], " the capital"
+        body = {"model": MODEL, "prompt": prompts, "suffix": suffix, "max_tokens": 6, "temperature": 0}
+        got = server.post(C, json=body).json()
+        texts = [f"<|fim_prefix|>{p}<|fim_suffix|>{suffix}<|fim_middle|>" for p in prompts]
+        want = server.llm.get_tokenizer()(texts[0]).input_ids
+        assert want[0] == tok.convert_tokens_to_ids("<|fim_prefix|>")  # each sentinel one token
+        assert want[-1] == tok.convert_tokens_to_ids("<|fim_middle|>")
+        ref = LLM(str(model), **LLM_KWARGS).generate(texts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == [o.outputs[0].text for o in ref]
+        assert got["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in ref)
+        streamed = server.client.completions.create(model=MODEL, prompt=prompts[0], suffix=suffix, max_tokens=6,
+                                                    temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == ref[0].outputs[0].text
+    finally:
+        server.stop()
+
+
 def test_cors_docs_and_prompt_tokens_details(model_dirs, live):
     """cors (--allowed-origins): a listed origin's preflight and requests get the CORS headers, another
     origin's preflight is refused; enable_docs=False: no /docs; enable_prompt_tokens_details: usage
@@ -898,6 +932,9 @@ BAD_INPUTS = [
     ("logit-bias-key", C, {"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
     ("logit-bias-value", C, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("empty-stop", C, {"stop": [""]}, 400, "stop"),
+    ("suffix-without-fim-tokens", C, {"suffix": "x"}, 400, "suffix"),
+    ("suffix-with-token-ids", C, {"prompt": [5, 6], "suffix": "x"}, 400, "suffix"),
+    ("suffix-with-echo", C, {"suffix": "x", "echo": True}, 400, "echo"),
     ("min-tokens", C, {"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ("prompt-too-long", C, {"prompt": [5] * 200}, 400, "prompt"),
     ("token-out-of-vocab", C, {"prompt": [5, 100000]}, 400, "prompt"),

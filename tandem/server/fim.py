@@ -1,0 +1,34 @@
+"""Fill in the middle: /v1/completions' `suffix` (OpenAI's legacy field, which vLLM refuses) for
+code models trained with FIM sentinel tokens. The prompt is the code before the gap and `suffix`
+the code after it; the model writes the middle, in the prefix-suffix-middle order its sentinels
+spell (Qwen2.5-Coder's `<|fim_prefix|>`, StarCoder's `<fim_prefix>`, DeepSeek-Coder's
+`<｜fim▁begin｜>`). A tokenizer with none of them cannot fill a gap: FimError. No FastAPI, no engine."""
+from __future__ import annotations
+
+# (before the prefix, before the suffix, before the middle), as each family's tokenizer spells them
+FIM_SENTINELS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+
+
+class FimError(ValueError):
+    """The model cannot fill in the middle."""
+
+
+def fim_sentinels(tokenizer) -> tuple[str, str, str] | None:
+    """The first family of FIM sentinels whose three tokens the tokenizer has as tokens of their own."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return next((s for s in FIM_SENTINELS if all(t in vocab for t in s)), None)
+
+
+def fim_prompt(prefix: str, suffix: str, sentinels: tuple[str, str, str] | None) -> str:
+    """The text whose continuation is the middle between prefix and suffix."""
+    if sentinels is None:
+        raise FimError("this model has no fill-in-the-middle tokens (such as Qwen2.5-Coder's <|fim_prefix|>), so "
+                       "it cannot write between a prompt and a 'suffix'; leave 'suffix' out")
+    before_prefix, before_suffix, before_middle = sentinels
+    return f"{before_prefix}{prefix}{before_suffix}{suffix}{before_middle}"
