@@ -87,12 +87,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--ssl-keyfile", default=None, type=non_empty("pass a key file"), help="serve HTTPS: the key")
     server.add_argument("--ssl-certfile", default=None, type=non_empty("pass a certificate file"),
                         help="serve HTTPS: the certificate (with --ssl-keyfile)")
-    server.add_argument("--allowed-origins", action="append", default=None, type=non_empty("pass an origin"),
-                        help="browser origins allowed to call the API (CORS; repeatable; '*' for any; default none, "
-                             "where vLLM allows any)")
-    server.add_argument("--allowed-methods", action="append", default=None, type=non_empty("pass a method"),
+    server.add_argument("--allowed-origins", action="extend", default=None, type=name_list("an origin"),
+                        help="browser origins allowed to call the API (CORS; repeatable, or vLLM's JSON list; '*' for "
+                             "any; default none, where vLLM allows any)")
+    server.add_argument("--allowed-methods", action="extend", default=None, type=name_list("a method"),
                         help="with --allowed-origins: the methods allowed (default any)")
-    server.add_argument("--allowed-headers", action="append", default=None, type=non_empty("pass a header"),
+    server.add_argument("--allowed-headers", action="extend", default=None, type=name_list("a header"),
                         help="with --allowed-origins: the request headers allowed (default any)")
     server.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: allow credentials")
     server.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
@@ -145,6 +145,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def name_list(what: str):
+    """argparse type: one name, or vLLM's form, a JSON list of them ('["https://a.example"]')."""
+    import json
+
+    def parse(text: str) -> list[str]:
+        if text.lstrip().startswith("["):
+            try:
+                names = json.loads(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list ({e}); pass {what}, or a JSON list "
+                                                 "of them") from None
+        else:
+            names = [text]
+        if not names or not all(isinstance(n, str) and n.strip() for n in names):
+            raise argparse.ArgumentTypeError(f"pass {what} (a non-empty string), or a JSON list of them")
+        return names
+
+    return parse
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Resolve the model to serve (vLLM's positional MODEL, or --model) into args.model, and refuse
     flag combinations that would be silently ignored (ranges are checked while parsing)."""
@@ -178,6 +198,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
                           "(and browsers refuse it); name the origins")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile; give both or neither")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag}: no file {path!r}; give the path of a PEM file")
     if args.api_key is None and os.environ.get("TANDEM_API_KEY"):
         args.api_key = [os.environ["TANDEM_API_KEY"]]
     if args.chat_template is not None:

@@ -386,7 +386,10 @@ class CompletionRenderer(_Renderer):
     def usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         usage = super().usage(outputs)
         if self.prompt_only:  # the one token generated to get here is not shown, nor counted
+            details = getattr(usage, "prompt_tokens_details", None)
             usage = UsageInfo(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+            if details is not None:
+                usage.prompt_tokens_details = details
         return usage
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> CompletionChunk:
@@ -707,7 +710,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         model = self._check_common(body)
-        if body.suffix is not None:
+        if body.suffix or (body.suffix == "" and self.fim_sentinels is not None):  # "" elsewhere: no gap
             body = self._fill_in_the_middle(body)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
@@ -923,6 +926,10 @@ class OpenAIServer:
         if body.echo:
             raise APIError(400, "'echo' repeats the prompt, and with 'suffix' the prompt is split around the middle; "
                            "drop one of them", param="echo")
+        if body.truncate_prompt_tokens is not None:  # it would cut the sentinels off the front
+            raise APIError(400, "'truncate_prompt_tokens' keeps a prompt's last tokens, and with 'suffix' those are "
+                           "the suffix's; shorten the prefix or the suffix yourself, or drop one of them",
+                           param="truncate_prompt_tokens")
         try:
             filled = [fim_prompt(p, body.suffix, self.fim_sentinels) for p in prompts]
         except FimError as e:
@@ -1118,6 +1125,19 @@ def _check_chat_template(tokenizer, chat_template: str) -> None:
         pass
 
 
+class RootPath:
+    """ASGI middleware: every request's scope names root_path as its root, so the routes answer under
+    it (a proxy that keeps the prefix) and without it (one that strips it), as vLLM's --root-path."""
+
+    def __init__(self, app, root_path: str):
+        self.app, self.root_path = app, root_path.rstrip("/")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 class RequireApiKey:
     """ASGI middleware: a request to a /v1 route must carry `Authorization: Bearer KEY` with one of
     keys, or it is answered 401 (the OpenAI error body, code invalid_api_key) and goes no further.
@@ -1130,8 +1150,12 @@ class RequireApiKey:
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
+        path = scope["path"] if scope["type"] == "http" else ""
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # the route's own path (served under --root-path too)
+            path = path[len(root):]
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
-                (scope["path"] == "/v1" or scope["path"].startswith("/v1/")) and not self._allowed(scope):
+                (path == "/v1" or path.startswith("/v1/")) and not self._allowed(scope):
             self.on_refused()
             err = APIError(401, "this server needs an API key: send 'Authorization: Bearer KEY' with a key it was "
                            "started with (--api-key)", code="invalid_api_key")
@@ -1197,6 +1221,7 @@ def build_app(
     enable_prompt_tokens_details: bool = False,
     cors: dict | None = None,
     enable_docs: bool = True,
+    root_path: str = "",
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1211,7 +1236,8 @@ def build_app(
     trusted, still wins); enable_prompt_tokens_details: completion and chat usage carry
     prompt_tokens_details.cached_tokens; cors: starlette CORSMiddleware's arguments (allow_origins, ...;
     None: no CORS headers, so browsers on other origins are refused); enable_docs: FastAPI's /docs,
-    /redoc and /openapi.json.
+    /redoc and /openapi.json; root_path: the prefix a proxy serves the app under (the routes answer
+    with and without it, as vLLM's).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1246,8 +1272,11 @@ def build_app(
     app = FastAPI(title="tandem", lifespan=lifespan, **docs)
     if api_keys:
         app.add_middleware(RequireApiKey, keys=api_keys, on_refused=lambda: metrics.on_error(401))
-    if cors is not None:  # added last: outermost, so a preflight is answered before the key check
+    if cors is not None:  # added after the key check: outside it, so a preflight is answered first
         app.add_middleware(CORSMiddleware, **cors)
+    if root_path:  # outermost: the key check and the routes read the root it sets
+        app.add_middleware(RootPath, root_path=root_path)
+    app.state.root_path = root_path
     app.state.engine_client = client
     app.state.drain = lambda: client.shutdown(drain_timeout_s)  # DrainingServer runs it first
     app.state.metrics = metrics
@@ -1329,10 +1358,10 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_force_include_usage=args.enable_force_include_usage,
                     responses_store_size=args.responses_store_size, api_keys=args.api_key,
                     chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                    cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs)
+                    cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, root_path=args.root_path,
-                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile)
     DrainingServer(config, app).run()
     return 0
 
@@ -1341,7 +1370,8 @@ def cors_settings(args: argparse.Namespace) -> dict | None:
     """CORSMiddleware's arguments from --allowed-origins and friends (None: no origin given, no CORS)."""
     if not args.allowed_origins:
         return None
-    return dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods or ["*"],
+    methods = [m.upper() for m in args.allowed_methods or ["*"]]  # browsers send them upper-case
+    return dict(allow_origins=args.allowed_origins, allow_methods=methods,
                 allow_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
 
 

@@ -18,17 +18,22 @@ class FimError(ValueError):
 
 
 def fim_sentinels(tokenizer) -> tuple[str, str, str] | None:
-    """The first family of FIM sentinels whose three tokens the tokenizer has as tokens of their own."""
+    """The first family of FIM sentinels that the tokenizer encodes as one token each. (General
+    Qwen2.5 / Qwen3 tokenizers share Qwen2.5-Coder's: the vocabulary cannot tell a model trained to
+    fill gaps from one that was not.)"""
     if tokenizer is None:
         return None
     vocab = tokenizer.get_vocab()
-    return next((s for s in FIM_SENTINELS if all(t in vocab for t in s)), None)
+    return next((s for s in FIM_SENTINELS
+                 if all(t in vocab and tokenizer.encode(t, add_special_tokens=False) == [vocab[t]] for t in s)), None)
 
 
 def fim_prompt(prefix: str, suffix: str, sentinels: tuple[str, str, str] | None) -> str:
     """The text whose continuation is the middle between prefix and suffix."""
     if sentinels is None:
-        raise FimError("this model has no fill-in-the-middle tokens (such as Qwen2.5-Coder's <|fim_prefix|>), so "
-                       "it cannot write between a prompt and a 'suffix'; leave 'suffix' out")
+        known = ", ".join(s[0] for s in FIM_SENTINELS)
+        raise FimError(f"this model's tokenizer has none of the fill-in-the-middle tokens tandem knows ({known}: "
+                       "Qwen2.5-Coder's, StarCoder's, DeepSeek-Coder's), so it cannot write between a prompt and a "
+                       "'suffix'; leave 'suffix' out")
     before_prefix, before_suffix, before_middle = sentinels
     return f"{before_prefix}{prefix}{before_suffix}{suffix}{before_middle}"

@@ -251,6 +251,8 @@ def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     (["--allow-credentials"], "error: --allow-credentials applies to CORS"),
     (["--allowed-origins", "*", "--allow-credentials"], "error: --allow-credentials with --allowed-origins '*'"),
     (["--ssl-keyfile", "k.pem"], "error: HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "error: --ssl-keyfile: no file 'k.pem'"),
+    (["--allowed-origins", '["*"]', "--allow-credentials"], "error: --allow-credentials with --allowed-origins '*'"),
 ])
 def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):
     rc = main(["serve", "--model", str(tmp_path / "missing"), *extra])
@@ -311,7 +313,8 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                  "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
                  "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2", "--kv-cache-dtype", "fp8",
-                 "--allowed-origins", "https://a.example", "--allowed-methods", "POST", "--disable-fastapi-docs",
+                 "--allowed-origins", "https://a.example", "--allowed-origins", '["https://b.example"]',
+                 "--allowed-methods", "post", "--disable-fastapi-docs",
                  "--enable-prompt-tokens-details", "--root-path", "/tandem",
                  "--chat-template", str(tmp_path / "t.jinja")]) == 0
     (app,) = apps
@@ -321,10 +324,10 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
     assert app.state.engine_client.engine.runner.kv.k[0].dtype == torch.float8_e4m3fn
     (cors,) = [m for m in app.user_middleware if m.cls is CORSMiddleware]
-    assert cors.kwargs == dict(allow_origins=["https://a.example"], allow_methods=["POST"], allow_headers=["*"],
-                               allow_credentials=False)
+    assert cors.kwargs == dict(allow_origins=["https://a.example", "https://b.example"], allow_methods=["POST"],
+                               allow_headers=["*"], allow_credentials=False)
     assert app.docs_url is None and app.openapi_url is None and app.state.server.prompt_tokens_details
-    assert configs[0].root_path == "/tandem" and configs[0].ssl_keyfile is None
+    assert app.state.root_path == "/tandem" and configs[0].ssl_keyfile is None
     engine = app.state.engine_client.engine
     assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority
     assert engine.cfg.spec.k == 2 and engine.cfg.spec.rejection_sample_method == "block"

@@ -379,7 +379,7 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
     from tandem.errors import ConfigError
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    server = LiveServer(_llm(model_dirs), api_keys=["sk-one", "sk-two"], chat_template=template)
+    server = LiveServer(_llm(model_dirs), api_keys=["sk-one", "sk-two"], chat_template=template, root_path="/tandem")
     try:
         hi = [{"role": "user", "content": "hi"}]
         for key in ("unused", "sk-one-more", "sk-on"):
@@ -388,10 +388,12 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
                 client.chat.completions.create(model=MODEL, messages=hi, max_tokens=1)
             assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key", e.value.body
         assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.get(server.url + "/tandem/v1/models").status_code == 401  # under --root-path too
+        assert httpx.get(server.url + "/tandem/v1/models", headers={"Authorization": "Bearer sk-one"}).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers={"Authorization": "sk-two"}).status_code == 401
         for path in ("/health", "/version", "/metrics"):
             assert httpx.get(server.url + path).status_code == 200, path
-        assert server.metrics()[("tandem_request_errors_total", (("status", "401"),))] == 5
+        assert server.metrics()[("tandem_request_errors_total", (("status", "401"),))] == 6
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-two", max_retries=0)
         chat = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4, temperature=0)
         text = "<user>hi\n<assistant>"
@@ -442,6 +444,8 @@ def test_fill_in_the_middle(model_dirs, tmp_path):
         streamed = server.client.completions.create(model=MODEL, prompt=prompts[0], suffix=suffix, max_tokens=6,
                                                     temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == ref[0].outputs[0].text
+        cut = server.post(C, json={**body, "truncate_prompt_tokens": 4})  # it would cut the sentinels off
+        assert cut.status_code == 400 and cut.json()["error"]["param"] == "truncate_prompt_tokens", cut.text
     finally:
         server.stop()
 
@@ -470,6 +474,9 @@ def test_cors_docs_and_prompt_tokens_details(model_dirs, live):
         chat = server.post(CH, json=OK_CH).json()["usage"]
         assert set(chat["prompt_tokens_details"]) == {"cached_tokens"}
         assert "prompt_tokens_details" not in live.post(CH, json=OK_CH).json()["usage"]  # only when asked
+        echoed = server.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True}).json()
+        assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a prompt scored, from the cache
+        assert live.post(C, json={"model": MODEL, "prompt": "hi", "suffix": "", "max_tokens": 1}).status_code == 200
         assert httpx.get(live.url + "/docs").status_code == 200 and "access-control-allow-origin" not in \
             httpx.get(live.url + "/v1/models", headers={"Origin": "https://ui.example"}).headers
     finally:
