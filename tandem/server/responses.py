@@ -29,6 +29,8 @@ from typing import Any
 from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
     ChatLogprobs, UsageInfo, _SamplingRequest
 
+logger = logging.getLogger(__name__)
+
 # Fields of the Responses API that tandem refuses -> why (each a 400 naming the field when set).
 REFUSED_FIELDS = {
     "conversation": "conversations are not stored here; send the whole conversation in 'input'",
@@ -93,7 +95,6 @@ class ResponsesRequest(_SamplingRequest):
         return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or [])
 
 
-logger = logging.getLogger(__name__)
 # The Response's error codes OpenAI defines that a server's errors map to (others: server_error).
 RESPONSE_ERROR_CODES = {"queue_full": "rate_limit_exceeded"}
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
