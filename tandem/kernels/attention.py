@@ -39,7 +39,6 @@ def _attn_tile(
     q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, q_pos, start, end, m_i, l_i, acc, scale_log2,
     stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
 ):
     """Online-softmax update of (m_i, l_i, acc) over keys [start, end) in BLOCK_N steps."""
     for n0 in range(start, end, BLOCK_N):
@@ -59,7 +58,7 @@ def _attn_tile(
         else:
             k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
             v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        k = k.to(q.dtype)  # fp32 under UPCAST_DOT; an fp8 cache's keys and values widened
+        k = k.to(q.dtype)  # as q: fp32 where the caller upcast it; an fp8 cache's keys and values widened
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -160,12 +159,12 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attn_tile(
         q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, q_pos, lo, full_end, m_i, l_i, acc, scale_log2,
         stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
-        MASKED=False, BLOCK_N=BLOCK_N, CACHE_BLOCK=CACHE_BLOCK, DOT_PREC=DOT_PREC, UPCAST_DOT=UPCAST_DOT,
+        MASKED=False, BLOCK_N=BLOCK_N, CACHE_BLOCK=CACHE_BLOCK, DOT_PREC=DOT_PREC,
     )
     m_i, l_i, acc = _attn_tile(
         q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, q_pos, full_end, hi, m_i, l_i, acc, scale_log2,
         stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
-        MASKED=True, BLOCK_N=BLOCK_N, CACHE_BLOCK=CACHE_BLOCK, DOT_PREC=DOT_PREC, UPCAST_DOT=UPCAST_DOT,
+        MASKED=True, BLOCK_N=BLOCK_N, CACHE_BLOCK=CACHE_BLOCK, DOT_PREC=DOT_PREC,
     )
 
     if num_active == 1:
@@ -290,8 +289,8 @@ def paged_attention(
     """Causal paged attention over a batch of requests; writes and returns out.
 
     q, out [num_tokens, H, D] bf16 / fp16 / fp32 (last dim contiguous); k_cache, v_cache
-    [num_blocks, block_size, Hkv, D] with H % Hkv == 0, q's dtype or float8 e4m3 (read widened); block_tables [num_reqs, max_blocks]
-    int32 / int64; seq_lens [num_reqs] int32 / int64, each request's keys including this
+    [num_blocks, block_size, Hkv, D] with H % Hkv == 0, q's dtype or float8 e4m3 (read widened);
+    block_tables [num_reqs, max_blocks] int32 / int64; seq_lens [num_reqs] int32 / int64, each request's keys including this
     step's (stored before the call); cu_q_lens [num_reqs + 1] int32 / int64, query offsets
     (q_len = 0 is allowed and skipped); max_q_len >= every q_len (host-known bound, no sync).
     Rows of q past cu_q_lens[-1] are not written; a query with no visible key (a padding
