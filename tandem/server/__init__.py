@@ -96,6 +96,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="with --allowed-origins: the request headers allowed (default any)")
     server.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: allow credentials")
     server.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name each token 'token_id:N' rather than by its text (as vLLM's flag: a token "
+                             "that is only part of a character has no text of its own)")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="completion and chat usage carry prompt_tokens_details.cached_tokens: the prompt tokens "
                              "the prefix cache served (as vLLM's flag)")

@@ -179,46 +179,50 @@ def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
-def _end(lp: CompletionLogprobs) -> int:
-    """The text offset just past lp's last token."""
-    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
-
-
-def _top(lp: dict[int, Logprob], k: int) -> list[Logprob]:
-    return sorted((v for v in lp.values() if v.rank <= k), key=lambda v: v.rank)[:k]
+def _top(lp: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k best (token id, entry) pairs, best first."""
+    return sorted(((t, v) for t, v in lp.items() if v.rank <= k), key=lambda tv: tv[1].rank)[:k]
 
 
 def _token_text(lp: Logprob | None) -> str:
     return lp.decoded_token or "" if lp is not None else ""
 
 
-def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int) -> CompletionLogprobs:
+def _shown(token: int, lp: Logprob | None, as_ids: bool) -> str:
+    """How a logprob entry names its token: its text, or (as_ids, vLLM's
+    --return-tokens-as-token-ids) "token_id:N", which names a token whose text is not whole."""
+    return f"token_id:{token}" if as_ids else _token_text(lp)
+
+
+def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, offset: int,
+                        as_ids: bool = False) -> CompletionLogprobs:
+    """text_offset counts the tokens' text whichever way they are named."""
     out = CompletionLogprobs()
     for token, lp in zip(token_ids, lps):
         chosen = lp.get(token)
-        text = _token_text(chosen)
-        out.tokens.append(text)
+        name = _shown(token, chosen, as_ids)
+        out.tokens.append(name)
         out.token_logprobs.append(_floor(chosen.logprob) if chosen is not None else None)
         out.text_offset.append(offset)
         top: dict[str, float] = {}
-        for v in _top(lp, k):  # tokens that decode alike share a key: keep the likeliest
-            top.setdefault(_token_text(v), _floor(v.logprob))
+        for t, v in _top(lp, k):  # tokens that decode alike share a key: keep the likeliest
+            top.setdefault(_shown(t, v, as_ids), _floor(v.logprob))
         if chosen is not None:  # the sampled token is always among them (up to k + 1 entries), as in OpenAI's
-            top.setdefault(text, _floor(chosen.logprob))
+            top.setdefault(name, _floor(chosen.logprob))
         out.top_logprobs.append(top)
-        offset += len(text)
+        offset += len(_token_text(chosen))
     return out
 
 
-def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
+def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token, lp in zip(token_ids, lps):
         chosen = lp.get(token)
-        text = _token_text(chosen)
-        top = [TopLogprob(token=_token_text(v), logprob=_floor(v.logprob), bytes=list(_token_text(v).encode()))
-               for v in _top(lp, k)]
-        content.append(ChatLogprob(token=text, logprob=_floor(chosen.logprob) if chosen else LOGPROB_FLOOR,
-                                   bytes=list(text.encode()), top_logprobs=top))
+        name = _shown(token, chosen, as_ids)
+        top = [TopLogprob(token=shown, logprob=_floor(v.logprob), bytes=list(shown.encode()))
+               for t, v in _top(lp, k) for shown in [_shown(t, v, as_ids)]]
+        content.append(ChatLogprob(token=name, logprob=_floor(chosen.logprob) if chosen else LOGPROB_FLOOR,
+                                   bytes=list(name.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -226,6 +230,7 @@ class _Renderer:
     """Turns RequestOutputs (one per prompt) into an endpoint's response or stream chunks."""
 
     prompt_tokens_details = False  # usage carries prompt_tokens_details.cached_tokens (the server sets it)
+    tokens_as_ids = False  # logprobs name tokens "token_id:N" (the server sets it)
 
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
                  include_usage: bool, report: ResponseMetrics = ResponseMetrics(), continuous_usage: bool = False):
@@ -361,20 +366,23 @@ class CompletionRenderer(_Renderer):
         text, logprobs = "", None
         if self.echo_logprobs:
             text = self.prompts[idx // self.n].text or ""
-            logprobs = self._prompt_part(out)
-            self.token_offset[idx] = _end(logprobs)  # the completion's offsets go on from the prompt's tokens
+            logprobs, self.token_offset[idx] = self._prompt_part(out)  # the completion's offsets go on from there
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs,
                                             prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs))])
 
     def chunk(self, choices: list, **extra) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
 
-    def _prompt_part(self, out: RequestOutput) -> CompletionLogprobs:
-        """OpenAI's echo with logprobs: the prompt tokens' entries (the first has no logprob)."""
-        ids = out.prompt_token_ids
+    def _prompt_part(self, out: RequestOutput) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's echo with logprobs: the prompt tokens' entries (the first has no logprob), and
+        the text offset just past them."""
+        ids, lps = out.prompt_token_ids, out.prompt_logprobs
         first = self.decode(ids[0]) if self.decode is not None else ""
-        head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
-        return _joined(head, completion_logprobs(ids[1:], out.prompt_logprobs[1:], self.params.logprobs, len(first)))
+        head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], top_logprobs=[None],
+                                  tokens=[f"token_id:{ids[0]}" if self.tokens_as_ids else first])
+        end = len(first) + sum(len(_token_text(lp.get(t))) for t, lp in zip(ids[1:], lps[1:]))
+        return _joined(head, completion_logprobs(ids[1:], lps[1:], self.params.logprobs, len(first),
+                                                 self.tokens_as_ids)), end
 
     def shown_tokens(self, idx: int) -> int:
         return 0 if self.prompt_only else super().shown_tokens(idx)
@@ -397,7 +405,8 @@ class CompletionRenderer(_Renderer):
             text, token_ids, lps, finish, stop = "", [], [] if lps is not None else None, "length", None
         logprobs = None
         if lps is not None:
-            logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx])
+            logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx],
+                                           self.tokens_as_ids)
             self.token_offset[idx] += sum(len(t) for t in logprobs.tokens)
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
                                             stop_reason=stop)])
@@ -414,9 +423,10 @@ class CompletionRenderer(_Renderer):
                     lps = [] if lps is not None else None
                 logprobs = None
                 if lps is not None:
-                    part = self._prompt_part(out) if self.echo else CompletionLogprobs()
+                    part, end = self._prompt_part(out) if self.echo else (CompletionLogprobs(), 0)
                     # the completion's offsets go on from the prompt's tokens
-                    logprobs = _joined(part, completion_logprobs(token_ids, lps, self.params.logprobs, _end(part)))
+                    logprobs = _joined(part, completion_logprobs(token_ids, lps, self.params.logprobs, end,
+                                                                 self.tokens_as_ids))
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + text,
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
                                                 prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
@@ -453,7 +463,7 @@ class ChatRenderer(_Renderer):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
-        logprobs = chat_logprobs(token_ids, lps, self.params.logprobs) if lps is not None else None
+        logprobs = chat_logprobs(token_ids, lps, self.params.logprobs, self.tokens_as_ids) if lps is not None else None
         thinking = ""
         if self.splits is not None:
             split = self.splits[idx]
@@ -476,7 +486,7 @@ class ChatRenderer(_Renderer):
         for seq in outputs[0].outputs:
             logprobs = None
             if seq.logprobs is not None:
-                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs)
+                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, self.tokens_as_ids)
             thinking, content, calls, finish = None, seq.text, [], seq.finish_reason
             if self.reasoning is not None:
                 thinking, content = self.reasoning.split(seq.text, self.opens)
@@ -624,9 +634,10 @@ class OpenAIServer:
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
                  force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False):
         engine = client.engine
         self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N"
         # the last responses of /v1/responses, for previous_response_id and GET (None: none kept)
         self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
         self.report = report  # what a response's `metrics` object carries (none of it by default)
@@ -998,6 +1009,7 @@ class OpenAIServer:
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
+        renderer.tokens_as_ids = self.tokens_as_ids
         streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority)
 
         def release() -> None:
@@ -1222,6 +1234,7 @@ def build_app(
     cors: dict | None = None,
     enable_docs: bool = True,
     root_path: str = "",
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1237,7 +1250,8 @@ def build_app(
     prompt_tokens_details.cached_tokens; cors: starlette CORSMiddleware's arguments (allow_origins, ...;
     None: no CORS headers, so browsers on other origins are refused); enable_docs: FastAPI's /docs,
     /redoc and /openapi.json; root_path: the prefix a proxy serves the app under (the routes answer
-    with and without it, as vLLM's).
+    with and without it, as vLLM's); return_tokens_as_token_ids: logprobs name each token
+    "token_id:N" rather than by its text (vLLM's flag: a token that is part of a character has no text).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1257,7 +1271,7 @@ def build_app(
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
                           report, enable_force_include_usage, responses_store_size, chat_template,
-                          enable_prompt_tokens_details)
+                          enable_prompt_tokens_details, return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1358,7 +1372,8 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_force_include_usage=args.enable_force_include_usage,
                     responses_store_size=args.responses_store_size, api_keys=args.api_key,
                     chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                    cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path)
+                    cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, ssl_keyfile=args.ssl_keyfile,
                             ssl_certfile=args.ssl_certfile)

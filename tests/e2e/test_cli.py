@@ -315,7 +315,7 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
                  "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2", "--kv-cache-dtype", "fp8",
                  "--allowed-origins", "https://a.example", "--allowed-origins", '["https://b.example"]',
                  "--allowed-methods", "post", "--disable-fastapi-docs",
-                 "--enable-prompt-tokens-details", "--root-path", "/tandem",
+                 "--enable-prompt-tokens-details", "--root-path", "/tandem", "--return-tokens-as-token-ids",
                  "--chat-template", str(tmp_path / "t.jinja")]) == 0
     (app,) = apps
     assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
@@ -327,6 +327,7 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert cors.kwargs == dict(allow_origins=["https://a.example", "https://b.example"], allow_methods=["POST"],
                                allow_headers=["*"], allow_credentials=False)
     assert app.docs_url is None and app.openapi_url is None and app.state.server.prompt_tokens_details
+    assert app.state.server.tokens_as_ids
     assert app.state.root_path == "/tandem" and configs[0].ssl_keyfile is None
     engine = app.state.engine_client.engine
     assert engine.cfg.sched.scheduling_policy == "priority" and engine.scheduler.by_priority

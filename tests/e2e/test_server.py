@@ -450,13 +450,14 @@ def test_fill_in_the_middle(model_dirs, tmp_path):
         server.stop()
 
 
-def test_cors_docs_and_prompt_tokens_details(model_dirs, live):
+def test_cors_docs_token_ids_and_prompt_tokens_details(model_dirs, live):
     """cors (--allowed-origins): a listed origin's preflight and requests get the CORS headers, another
     origin's preflight is refused; enable_docs=False: no /docs; enable_prompt_tokens_details: usage
-    says how many prompt tokens the prefix cache served (none on a cold prompt, most when repeated)."""
+    says how many prompt tokens the prefix cache served (none on a cold prompt, most when repeated);
+    return_tokens_as_token_ids: logprobs name tokens "token_id:N", the same tokens at the same offsets."""
     server = LiveServer(_llm(model_dirs), cors=dict(allow_origins=["https://ui.example"], allow_methods=["*"],
                                                     allow_headers=["*"], allow_credentials=False),
-                        enable_docs=False, enable_prompt_tokens_details=True)
+                        enable_docs=False, enable_prompt_tokens_details=True, return_tokens_as_token_ids=True)
     try:
         ask = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
                "Access-Control-Request-Headers": "authorization,content-type"}
@@ -477,6 +478,15 @@ def test_cors_docs_and_prompt_tokens_details(model_dirs, live):
         echoed = server.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True}).json()
         assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a prompt scored, from the cache
         assert live.post(C, json={"model": MODEL, "prompt": "hi", "suffix": "", "max_tokens": 1}).status_code == 200
+        ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True}
+        ids, text = (s.post(C, json=ask).json()["choices"][0]["logprobs"] for s in (server, live))
+        assert ids["text_offset"] == text["text_offset"] and ids["token_logprobs"] == text["token_logprobs"]
+        tok = live.llm.get_tokenizer()
+        assert [tok.decode([int(t.removeprefix("token_id:"))]) for t in ids["tokens"]] == text["tokens"]
+        assert all(all(k.startswith("token_id:") for k in top) for top in ids["top_logprobs"][1:])
+        chat = server.post(CH, json={**OK_CH, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]["logprobs"]
+        assert all(c["token"].startswith("token_id:") and c["bytes"] == list(c["token"].encode())
+                   and all(t["token"].startswith("token_id:") for t in c["top_logprobs"]) for c in chat["content"])
         assert httpx.get(live.url + "/docs").status_code == 200 and "access-control-allow-origin" not in \
             httpx.get(live.url + "/v1/models", headers={"Origin": "https://ui.example"}).headers
     finally:
