@@ -152,6 +152,7 @@ def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
                               f"put it in the JSON object or drop {flag.split()[0]}")
 
 
+KV_CACHE_DTYPE_CHOICES = ["auto", "fp8", "fp8_e4m3"]  # tandem.config.KV_CACHE_DTYPES (not imported: torch)
 KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, saturated, no scale: half the memory a "
                         "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
 REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int_in(1), default=None)
-    gen.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto", help=KV_CACHE_DTYPE_HELP)
+    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                      help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")

@@ -821,12 +821,12 @@ class OpenAIServer:
         if run is None:
             raise APIError(400, f"'stream': the response '{response_id}' was not made in the background, so it "
                            "has no events to stream again; leave 'stream' out", param="stream")
-        after = query.get("starting_after")
+        after = query.get("starting_after", "-1")
         try:
-            start = -1 if after is None else int(after)
+            start = int(after)
         except ValueError:
-            start = -2
-        if start < -1:
+            start = None
+        if start is None or start < -1:
             raise APIError(400, f"'starting_after' must be an event's sequence number (an integer >= 0); got "
                            f"{after!r}", param="starting_after")
         return _EventStream(_sse_events(run.follow(start)), lambda: None)
