@@ -8,8 +8,13 @@
     python bench/real_pair.py --ks 3 --draft-vocab-sizes none,32768,16384 --skip-hf   # a pruned draft head
     python bench/real_pair.py --ks 4 --temperature 1 --draft-sample-method probabilistic \
         --rejection-sample-methods standard,block --skip-hf   # sampled: block verification's acceptance
+    python bench/real_pair.py --classes code,chat,edit --ks 4 --ngram 1:3,2:5 --skip-hf   # n-gram lookup too
 
-Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks,
+Prompt classes (--classes): code (complete a function), chat (answer a question), edit (rewrite
+a given piece of code: the answer copies much of the prompt, where n-gram lookup drafts well).
+
+Configurations: (a) tandem target-only, (b) tandem with the 0.5B draft at each k in --ks (and
+with n-gram lookup, method="ngram", at each --ngram min:max and k),
 (c) transformers `generate` target-only, (d) transformers assisted generation with the same
 draft (its default assistant settings). Greedy, batch 1, exactly --tokens new tokens for every
 prompt (EOS ignored on both sides). Each configuration runs over all prompts after one
@@ -32,6 +37,7 @@ import torch  # noqa: E402
 from bench.common import environment, print_table, write_json  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+CLASSES = ("code", "chat", "edit")
 CODE = [
     "def quicksort(arr):\n",
     "def is_prime(n: int) -> bool:\n",
@@ -47,12 +53,37 @@ CHAT = [
     "Give three tips for writing fast NumPy code.",
 ]
 
+SNIPPETS = [
+    "def total(xs):\n    t = 0\n    for x in xs:\n        t = t + x\n    return t\n\n\n"
+    "def mean(xs):\n    if len(xs) == 0:\n        return 0\n    return total(xs) / len(xs)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n",
+    "import json\n\n\ndef load(path):\n    with open(path) as f:\n        data = json.load(f)\n"
+    "    return data\n\n\ndef save(path, data):\n    with open(path, 'w') as f:\n        json.dump(data, f)\n",
+    "def fib(n):\n    a, b = 0, 1\n    for i in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+    "def fibs(n):\n    out = []\n    for i in range(n):\n        out.append(fib(i))\n    return out\n",
+    "def clamp(x, lo, hi):\n    if x < lo:\n        return lo\n    if x > hi:\n        return hi\n"
+    "    return x\n\n\ndef scale(xs, k):\n    return [clamp(x * k, 0, 100) for x in xs]\n",
+]
+EDITS = ["Add type hints to every function", "Add a docstring to every method", "Add a docstring to every function",
+         "Rename the variable `i` to `step`", "Add a docstring to every function"]
 
-def prompt_ids(tok, n: int):
-    code = [tok(p).input_ids for p in CODE[:n]]
-    chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in CHAT[:n]]
-    return [("code", ids) for ids in code] + [("chat", tok(t, add_special_tokens=False).input_ids) for t in chat]
+
+def prompt_ids(tok, n: int, classes=("code", "chat")):
+    def chat(text):
+        t = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return tok(t, add_special_tokens=False).input_ids
+
+    out = []
+    if "code" in classes:
+        out += [("code", tok(p).input_ids) for p in CODE[:n]]
+    if "chat" in classes:
+        out += [("chat", chat(p)) for p in CHAT[:n]]
+    if "edit" in classes:
+        out += [("edit", chat(f"{e} in this Python code; reply with the whole code only.\n\n```python\n{c}```"))
+                for e, c in zip(EDITS[:n], SNIPPETS)]
+    return out
 
 
 def run_tandem(llm, prompts, tokens, temperature=0.0, seeds=1):
@@ -116,7 +147,7 @@ def run_hf(model, prompts, tokens, assistant=None):
 
 def summarize(name, rows, ref_rows=None):
     out = {"config": name}
-    for cls in ("code", "chat"):
+    for cls in CLASSES:
         sel = [r for r in rows if r["cls"] == cls]
         if not sel:
             continue
@@ -164,9 +195,18 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtypes", default="auto",
                    help="comma list of LLM(kv_cache_dtype=...) to compare (auto,fp8: the fp8 cache's trajectories "
                         "against the model dtype's, and speculation's against target-only's over it)")
+    p.add_argument("--classes", default="code,chat", help=f"comma list of prompt classes: {', '.join(CLASSES)}")
+    p.add_argument("--ngram", default="",
+                   help="comma list of n-gram lookups MIN:MAX (speculative_config method='ngram', "
+                        "prompt_lookup_min:prompt_lookup_max), each run at every k of --ks; none by default")
+    p.add_argument("--skip-draft", action="store_true", help="no draft-model runs (target-only and --ngram only)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench/results/real_pair.json")
     args = p.parse_args(argv)
+    classes = args.classes.split(",")
+    if set(classes) - set(CLASSES):
+        p.error(f"--classes: {sorted(set(classes) - set(CLASSES))} unknown; use {', '.join(CLASSES)}")
+    lookups = [tuple(int(v) for v in x.split(":")) for x in args.ngram.split(",") if x]
     from tandem import LLM
     from tandem.cli import DEFAULT_K
 
@@ -185,7 +225,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         llm = LLM(TARGET, **common)
         load_s = time.perf_counter() - t0
-        prompts = prompt_ids(llm.get_tokenizer(), args.prompts)
+        prompts = prompt_ids(llm.get_tokenizer(), args.prompts, classes)
         rows = run_tandem(llm, prompts, args.tokens, args.temperature, args.seeds)
         base = rows  # speculative runs are compared with this kernel's target-only tokens
         first = first or rows
@@ -195,21 +235,27 @@ def main(argv=None) -> int:
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
         close(llm)
-        variants = [(q, v, r, k) for q in args.draft_quantizations.split(",")
-                    for v in args.draft_vocab_sizes.split(",") for r in args.rejection_sample_methods.split(",")
-                    for k in ks]
+        variants = [] if args.skip_draft else [
+            (q, v, r, k) for q in args.draft_quantizations.split(",") for v in args.draft_vocab_sizes.split(",")
+            for r in args.rejection_sample_methods.split(",") for k in ks]
+        variants += [(lookup, None, None, k) for lookup in lookups for k in ks]
         for quant, vocab, verify, k in variants:
-            quant = None if quant == "none" else quant
-            vocab = None if vocab == "none" else int(vocab)
+            if isinstance(quant, tuple):  # an n-gram lookup (min, max)
+                spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=quant[0],
+                            prompt_lookup_max=quant[1])
+                name = f"tandem ngram {quant[0]}:{quant[1]} k={k}" + tag
+            else:
+                quant = None if quant == "none" else quant
+                vocab = None if vocab == "none" else int(vocab)
+                spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant, draft_vocab_size=vocab,
+                            draft_sample_method=args.draft_sample_method, rejection_sample_method=verify)
+                name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
+                        + (f" {verify}" if verify != "standard" else "") + (" (default)" if k == default_k else "")
+                        + tag)
             t0 = time.perf_counter()
-            spec = dict(model=DRAFT, num_speculative_tokens=k, quantization=quant, draft_vocab_size=vocab,
-                        draft_sample_method=args.draft_sample_method, rejection_sample_method=verify)
             llm = LLM(TARGET, speculative_config=spec, **common)
             load_s = time.perf_counter() - t0
             rows = run_tandem(llm, prompts, args.tokens, args.temperature, args.seeds)
-            name = (f"tandem k={k}" + (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
-                    + (f" {verify}" if verify != "standard" else "") + (" (default)" if k == default_k else "")
-                    + tag)
             results["runs"].append(summarize(name, rows, base) | {"load_s": load_s})
             print(results["runs"][-1], flush=True)
             close(llm)
@@ -232,16 +278,15 @@ def main(argv=None) -> int:
     write_json(args.out, results)
     table = []
     for r in results["runs"]:
-        table.append((r["config"], f"{r.get('code_tok_s', 0):.2f}", f"{r.get('chat_tok_s', 0):.2f}",
-                      f"{r['code_acceptance_rate']:.3f}" if "code_acceptance_rate" in r else "-",
-                      f"{r['code_mean_acceptance_length']:.2f}" if "code_mean_acceptance_length" in r else "-",
-                      f"{r['chat_acceptance_rate']:.3f}" if "chat_acceptance_rate" in r else "-",
-                      f"{r['chat_mean_acceptance_length']:.2f}" if "chat_mean_acceptance_length" in r else "-",
-                      f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else
-                      f"({r['identical_to_first_kernel']:.2f})" if "identical_to_first_kernel" in r else "-",
-                      f"{r['load_s']:.1f}" if "load_s" in r else "-"))
-    print_table(["config", "code tok/s", "chat tok/s", "code acc", "code AL", "chat acc", "chat AL", "same", "load s"],
-                table)
+        table.append([r["config"]] + [f"{r.get(f'{c}_tok_s', 0):.2f}" for c in classes]
+                     + [v for c in classes for v in (
+                         f"{r[f'{c}_acceptance_rate']:.3f}" if f"{c}_acceptance_rate" in r else "-",
+                         f"{r[f'{c}_mean_acceptance_length']:.2f}" if f"{c}_mean_acceptance_length" in r else "-")]
+                     + [f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else
+                        f"({r['identical_to_first_kernel']:.2f})" if "identical_to_first_kernel" in r else "-",
+                        f"{r['load_s']:.1f}" if "load_s" in r else "-"])
+    print_table(["config"] + [f"{c} tok/s" for c in classes] + [h for c in classes for h in (f"{c} acc", f"{c} AL")]
+                + ["same", "load s"], table)
     return 0
 
 

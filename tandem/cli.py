@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, type=non_empty("pass a model path or name, or leave --model out"),
                      help=f"target model path or name (default: {DEFAULT_TARGET})")
     gen.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or use --no-draft"),
-                     help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT})")
+                     help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT}), or ngram: "
+                          "n-gram lookup in the context, no draft model (vLLM's method='ngram', prompt_lookup 5..5; "
+                          "other lookups through --speculative-config)")
     gen.add_argument("--no-draft", action="store_true", help="run the target alone")
     gen.add_argument("--speculative-config", type=speculative_config, default=None, help=SPEC_CONFIG_HELP)
     # The draft-only flags default to None so that giving one without a draft is caught, not ignored.

@@ -47,7 +47,7 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
     max_blocks = -(-(cfg.sched.max_model_len + k) // cfg.cache.block_size)
     pool = torch.cuda.graph_pool_handle()
-    counts = [d for d in cfg.spec.draft_counts if d > 0] if cfg.spec is not None else []
+    counts = cfg.spec.verify_counts if cfg.spec is not None else ()
     tokens_per_req = [1] + [1 + d for d in counts]  # decode, and verification of each number of drafts
     max_pieces = cfg.extra.get("max_cudagraph_tokens", 0)
     sched = cfg.sched

@@ -265,7 +265,7 @@ class LLM:
                 torch.set_num_threads(threads_per_rank(tp_size))
             if rank == 0:  # the other ranks build the same engine from what this one resolved
                 launch["model"] = str(model_dir)
-                if spec is not None:  # fetched once, here
+                if spec is not None and not spec.ngram:  # fetched once, here
                     draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else torch_dtype,
                                                   spec.draft_load_format, "speculative_config.model")
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
@@ -279,7 +279,11 @@ class LLM:
             target = load_model(cfg.model, dev, tp=self.tp)
             eos = eos_token_ids(model_dir, arch, self.tokenizer)
             factory = None
-            if spec is not None:
+            if spec is not None and spec.ngram:
+                from tandem.spec.ngram import NgramFactory
+
+                factory = NgramFactory(spec)
+            elif spec is not None:
                 from tandem.spec.factory import SpeculatorFactory
 
                 factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos)

@@ -65,6 +65,9 @@ class Launched:
     # plan.reqs index -> drafts proposed, for requests whose round proposed fewer than num_next_drafts
     # (draft_confidence_threshold's early stop); None: every request its plan's
     fewer_drafts: dict[int, int] | None = None
+    # Every sampling request's drafts proposed [num_sampling], being copied to the host after a round
+    # that counts them on the device (n-gram lookup), and the event after that copy; None: not counted so
+    draft_counts: tuple[Tensor, torch.cuda.Event | None] | None = None
 
 
 class ModelRunner:
@@ -168,7 +171,11 @@ class ModelRunner:
         self._record_outputs(batch, row_tokens, num_emitted)
         launched = self._copy_results(plan, batch, processed if raw is None else raw, row_tokens, num_emitted, prompt)
         if self.speculator is not None:  # the draft runs while the host applies this result
-            launched.fewer_drafts = self.speculator.propose(plan, batch, row_tokens, num_emitted, draft_masks)
+            fewer = self.speculator.propose(plan, batch, row_tokens, num_emitted, draft_masks)
+            if isinstance(fewer, Tensor):  # counted on the device: collect() waits for them instead
+                launched.draft_counts = to_host(fewer)
+            else:
+                launched.fewer_drafts = fewer
             launched.drafts = self._copy_constrained_drafts(plan, batch)
             launched.masked_drafts = draft_masks is not None
         return launched
@@ -304,8 +311,10 @@ class ModelRunner:
     def collect(self, launched: Launched) -> StepResult:
         """Wait for a launched step's results and read them (host data only: the slot state may
         already belong to a later step)."""
-        if launched.ready is not None:
-            launched.ready.synchronize()  # SYNC: the one wait of a step
+        # SYNC: the one wait of a step (for drafts counted on the device, their copy: queued after the results')
+        ready = launched.draft_counts[1] if launched.draft_counts is not None else launched.ready
+        if ready is not None:
+            ready.synchronize()
         flat = launched.host.tolist()
         plan, num_top = launched.plan, launched.num_top
         n_rows = launched.cu_num_rows[-1]
@@ -329,6 +338,9 @@ class ModelRunner:
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
         for i, count in (launched.fewer_drafts or {}).items():
             proposed[i] = count
+        if launched.draft_counts is not None:
+            for i, count in zip(launched.sampling, launched.draft_counts[0].tolist()):
+                proposed[i] = count
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
                           prompt_logprobs=_prompt_results(launched))
 

@@ -61,9 +61,12 @@ class Scheduler:
     """Decides what runs each step and applies each step's result to request state."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0,
-                 k_for_batch: Callable[[int], int] | None = None, record_spec_steps: bool = False):
+                 k_for_batch: Callable[[int], int] | None = None, record_spec_steps: bool = False,
+                 draft_kv: bool = True):
         """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens);
-        record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*)."""
+        record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*);
+        draft_kv: the proposer keeps a KV cache of its own (a draft model), which must be fed the
+        tokens of steps it skipped before it drafts again (False: n-gram lookup, which sees every token)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         if sched.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={sched.scheduling_policy!r} is not 'fcfs' or 'priority'")
@@ -72,6 +75,7 @@ class Scheduler:
         self.k = num_speculative_tokens
         self.k_for_batch = k_for_batch
         self.record_spec_steps = record_spec_steps
+        self.draft_kv = draft_kv
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -414,7 +418,7 @@ class Scheduler:
                 req.draft_start = None
             elif item.draft_backfill:
                 req.draft_start = item.draft_backfill_start + len(item.draft_backfill)
-            elif req.draft_start is None:
+            elif req.draft_start is None and self.draft_kv:
                 req.draft_start = item.start_pos
             emitted, reason = [], None
             for token in tokens:

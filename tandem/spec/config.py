@@ -1,4 +1,5 @@
-"""SpeculativeConfig: the draft model and how its proposals are drawn and verified."""
+"""SpeculativeConfig: the proposer (a draft model, or n-gram lookup in the context) and how its
+proposals are drawn and verified."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,13 @@ from tandem.errors import ConfigError
 from tandem.layers.quant import QUANTIZATIONS
 from tandem.sampling_params import MAX_SEED
 
-METHODS = ("draft_model",)
+METHODS = ("draft_model", "ngram")
+# vLLM's other names for n-gram lookup (its "ngram_gpu" runs it on the device, as tandem's does)
+NGRAM_ALIASES = ("ngram", "[ngram]", "ngram_gpu")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+# Keys that configure a draft model, refused with method="ngram" when set (their defaults pass)
+DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_parallel_size", "draft_vocab_size",
+                    "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
@@ -21,14 +28,21 @@ REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 class SpeculativeConfig:
     """Accepted by LLM(speculative_config=...) as this object or a dict with the same keys.
 
+    method "draft_model" (the default) proposes with the draft model `model`; "ngram" (vLLM's
+    prompt lookup, tandem/spec/ngram.py) proposes the tokens that followed the latest n tokens'
+    earlier occurrence in the request's own context, n from prompt_lookup_max down to
+    prompt_lookup_min, with no draft model (`model` left out).
+
     synthetic_acceptance_rates are unconditional: a_i = P(the first i+1 drafts are accepted).
     synthetic_acceptance_length L in [1, k+1] is turned into the least-variance rates
     [1] * floor(L - 1) + [frac(L - 1)] + [0] * ... (so E[tokens per round] = L).
     """
 
-    model: str
+    model: str | None
     num_speculative_tokens: int
     method: str = "draft_model"
+    prompt_lookup_max: int | None = None  # method="ngram": the longest n-gram matched (vLLM's key)
+    prompt_lookup_min: int | None = None  # method="ngram": the shortest
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
@@ -73,6 +87,19 @@ class SpeculativeConfig:
         return self.num_speculative_tokens
 
     @property
+    def ngram(self) -> bool:
+        """Proposals by n-gram lookup in the context (no draft model)."""
+        return self.method == "ngram"
+
+    @property
+    def verify_counts(self) -> tuple[int, ...]:
+        """The numbers of drafts a uniform verification step may carry (each gets its CUDA graphs):
+        a draft model's rounds propose draft_counts; a lookup proposes what the context holds, 1..k."""
+        if self.ngram:
+            return tuple(range(1, self.k + 1))
+        return tuple(d for d in self.draft_counts if d > 0)
+
+    @property
     def synthetic(self) -> bool:
         return self.rejection_sample_method == "synthetic"
 
@@ -108,8 +135,14 @@ class SpeculativeConfig:
         spec = dict(spec)
         if "method" in spec and spec["method"] is None:  # vLLM's "detect": a separate draft model here
             del spec["method"]
+        if spec.get("method") in NGRAM_ALIASES or ("method" not in spec and spec.get("model") in NGRAM_ALIASES):
+            return cls._ngram_from_user(spec, target_max_model_len)
         if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
             _one_of("method", spec["method"], METHODS)
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            if spec.get(key) is not None:
+                raise ConfigError(f"speculative_config.{key} sets n-gram lookup, which method='draft_model' does not "
+                                  "use: pass method='ngram' (no draft model), or leave it out")
         tp = spec.get("draft_tensor_parallel_size")
         if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be a positive integer "
@@ -146,6 +179,55 @@ class SpeculativeConfig:
                 synthetic_acceptance_rates=length_to_rates(cfg.synthetic_acceptance_length, cfg.k),
                 synthetic_acceptance_length=None,
             )
+        return cfg
+
+    @classmethod
+    def _ngram_from_user(cls, spec: dict, target_max_model_len: int) -> "SpeculativeConfig":
+        """method="ngram" (or vLLM's "[ngram]" / "ngram_gpu", or model="[ngram]"): a lookup in the
+        context; the draft model's keys are refused."""
+        model = spec.pop("model", None)
+        if model is not None and model not in NGRAM_ALIASES:
+            raise ConfigError(f"speculative_config.model={model!r} is not used by method='ngram', which proposes from "
+                              "the request's own tokens; leave model out (or pass method='draft_model' to draft with it)")
+        spec["method"] = "ngram"
+        if "num_speculative_tokens" not in spec:
+            raise ConfigError("speculative_config.num_speculative_tokens is required (the most tokens a lookup proposes)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        for key in DRAFT_MODEL_KEYS:
+            field = cls.__dataclass_fields__[key]
+            if key in spec and spec[key] != field.default:
+                raise ConfigError(f"speculative_config.{key}={spec[key]!r} configures a draft model, and "
+                                  "method='ngram' has none; leave it out")
+        if spec.get("draft_sample_method", "greedy") != "greedy":
+            raise ConfigError(f"speculative_config.draft_sample_method={spec['draft_sample_method']!r}: n-gram lookup "
+                              "has no draft distribution to sample; its drafts are verified as greedy ones (use "
+                              "'greedy' or leave it out)")
+        if spec.get("rejection_sample_method", "standard") == "synthetic":
+            raise ConfigError("speculative_config.rejection_sample_method='synthetic' measures a draft model's costs "
+                              "at set acceptance rates; with method='ngram' use 'standard'")
+        if spec.get("num_speculative_tokens_per_batch_size") == "auto":
+            raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size='auto' prices a draft model's "
+                              "steps, and method='ngram' has none; give [start, end, K] ranges or leave it out")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            n = spec.get(key)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ConfigError(f"speculative_config.{key}={n!r} must be an integer >= 1 (an n-gram's length)")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if lo is None and hi is None:  # vLLM's defaults; one given sets the other
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ConfigError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}; the lookup "
+                              "tries n from prompt_lookup_max down to prompt_lookup_min")
+        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = lo, hi
+        ranges = spec.get("num_speculative_tokens_per_batch_size")
+        if ranges is not None:
+            spec["num_speculative_tokens_per_batch_size"] = _batch_ranges(ranges)
+        cfg = cls(model=None, **spec)
+        cfg._validate(target_max_model_len)
         return cfg
 
     def _validate(self, target_max_model_len: int) -> None:
@@ -192,7 +274,10 @@ class SpeculativeConfig:
         if tau is not None and (not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0 < tau < 1):
             raise ConfigError(f"speculative_config.draft_confidence_threshold={tau!r} must be a number in (0, 1): "
                               "the draft's top-1 probability below which a request stops drafting")
-        if not isinstance(self.model, (str, os.PathLike)):
+        if self.ngram:
+            if self.model is not None:
+                raise ConfigError("speculative_config.model is not used by method='ngram'; leave it out")
+        elif not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"speculative_config.seed={self.seed!r} must be an integer in [0, {MAX_SEED}]")

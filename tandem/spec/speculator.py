@@ -37,25 +37,25 @@ from torch import Tensor
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.layers.backend import AttnBackend
 from tandem.models.decoder import CausalLM, KVCache
-from tandem.plan import NewReq, StepPlan
+from tandem.plan import StepPlan
 from tandem.runner.graphs import GraphRunner
-from tandem.runner.inputs import Batch, row_prior_drafts
+from tandem.runner.inputs import Batch
 from tandem.runner.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import DRAFT_SALT
 from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
-from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw, process_logits
+from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
+from tandem.spec.base import Speculator
 from tandem.spec.confidence import ConfidenceStop
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.draft_graphs import DraftGraphs
-from tandem.spec.rejection import block_rejection_sample, force_target_tokens, rejection_sample
 
 if TYPE_CHECKING:
     from tandem.engine.grammar import DraftMasks
 
 
-class DraftSpeculator:
+class DraftSpeculator(Speculator):
     """Owns the draft model, its KV cache (same block ids as the target) and the draft buffers."""
 
     def __init__(
@@ -72,24 +72,9 @@ class DraftSpeculator:
     ):
         """hot_ids: the token ids the draft's pruned LM head scores, ascending (tandem/spec/hot_vocab.py), or
         None for its whole vocabulary."""
-        self.k = spec.k
-        self.draft_counts = [d for d in spec.draft_counts if d > 0]  # the numbers of drafts a step may propose
+        super().__init__(spec, sched, state, device, attn_backend)
         self.model = model
-        self.device = device
         self.block_size = cache.block_size
-        self.attn_backend = attn_backend
-        # Greedy drafts gain nothing from the block test (README), and the coupled test keeps the
-        # target-only tokens: they are verified as under "standard".
-        block = spec.rejection_sample_method == "block" and spec.draft_sample_method == "probabilistic"
-        if attn_backend.use_triton:
-            from tandem.kernels import rejection as fused
-
-            self.rejection_sample = fused.block_rejection_sample if block else fused.rejection_sample
-        else:
-            self.rejection_sample = block_rejection_sample if block else rejection_sample
-        self.max_model_len = sched.max_model_len
-        self.state = state
-        self.vocab_size = state.vocab_size  # the target's
         # The draft scores ids below draft_vocab; ids a smaller draft table lacks (padding rows past
         # the tokenizer, factory._check_vocab) get probability zero, and the draft embeds them as its
         # last row when the target emits one.
@@ -98,19 +83,14 @@ class DraftSpeculator:
         # A pruned head's logits [n, H] score hot_ids [H] (ascending); its drafts are hot_ids[argmax].
         self.hot_ids = torch.tensor(hot_ids, dtype=torch.int64, device=device) if hot_ids is not None else None
         self.head_cols = len(hot_ids) if hot_ids is not None else self.draft_vocab  # the logits a draft step reads
-        self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.local_argmax = spec.use_local_argmax_reduction is not False
         self.confidence_threshold = spec.draft_confidence_threshold  # None: every round drafts its plan's number
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, cache.kv_dtype(draft_cfg.dtype), device)
-        s = sched.max_num_seqs
-        # [max_num_seqs + 1, k]; the last row is scratch for padded rows of captured graphs.
-        self.drafts = torch.zeros(s + 1, self.k, dtype=torch.int64, device=device)
         # [max_num_seqs, k, vocab] fp32 pre-temperature (masked) draft logits, for the ratio test.
         self.draft_logits = (
-            torch.zeros(s, self.k, self.vocab_size, dtype=torch.float32, device=device) if self.probabilistic else None
+            torch.zeros(sched.max_num_seqs, self.k, self.vocab_size, dtype=torch.float32, device=device)
+            if self.probabilistic else None
         )
-        rates = spec.conditional_rates() if spec.synthetic else None
-        self.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=device) if rates else None
         self.graphs: dict[int, DraftGraphs] = {}  # number of drafts -> that round's graphs
         # One draft step's forward and logits (CUDA): the rounds that draft step by step (sampled or
         # watermarked drafts, grammar-aware drafting) run their loop steps on it.
@@ -144,71 +124,6 @@ class DraftSpeculator:
         """The draft's forward over a catch-up batch -> hidden [num_tokens, hidden] (pieces of
         graphs where they take it)."""
         return forward(self.model, self.kv, self.piecewise, ids, positions, meta)
-
-    def add(self, new: NewReq) -> None:
-        """Nothing per request: sampling parameters live in the shared SamplingState."""
-
-    def pending_drafts(self, src: Tensor) -> Tensor:
-        """src [n, 2] int64 (slot, draft index) -> draft tokens [n] int64."""
-        return self.drafts[src[:, 0], src[:, 1]]
-
-    # ---------------------------------------------------------------- verify
-    @torch.inference_mode()
-    def verify(self, plan: StepPlan, batch: Batch, logits: Tensor, state: SamplingState,
-               grammar: tuple[Tensor, Tensor] | None = None):
-        """Target logits [num_rows, V] -> (processed [num_rows, V], row_tokens [num_rows], num_emitted [num_reqs]).
-        grammar: (rows, bitmask) the logits were masked with (structured outputs); sampled drafts
-        were drawn under the same rows, and their distribution is restricted to them too."""
-        rows = batch.rows
-        wm = state.watermark
-        marked = [r for r, s in enumerate(rows.slots) if wm is not None and wm.on[s]]  # keyed rows: exact match
-        if state.output_counts or state.recent:  # penalties and bad words see earlier drafts
-            rows.prior_drafts = row_prior_drafts(batch, self.drafts)
-        processed = process_logits(logits, state, rows)
-        row_req, row_index, row_is_bonus = [], [], []
-        for n, i in enumerate(batch.sampling):
-            d = plan.reqs[i].num_drafts
-            row_req += [n] * (d + 1)
-            row_index += list(range(d + 1))
-            row_is_bonus += [False] * d + [True]
-        keyed = set(marked)
-        sampled = [r for r, s in enumerate(rows.slots) if state.params[s].temperature > 0 and r not in keyed]
-        # One pinned, non-blocking upload: torch.tensor(list, device=cuda) would wait for the
-        # verification forward queued just before (a hidden sync that idles the GPU).
-        row_req_t, row_index_t, bonus_t, sampled_t, marked_t = self.attn_backend.upload(
-            row_req, row_index, row_is_bonus, sampled, marked)
-        is_bonus = bonus_t.bool()
-        col = row_index_t.clamp(max=self.k - 1)
-        row_draft = torch.where(is_bonus, -1, self.drafts[rows.slot_ids, col])
-        temperature = state.temperature[rows.slot_ids]
-        q_logits = None
-        if self.probabilistic:
-            q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
-            if grammar is not None:  # the drafts that fit without a repair kept the draft's own logits
-                apply_token_bitmask(q_logits, *grammar)
-        row_tokens, num_emitted = self.rejection_sample(
-            processed,
-            row_draft,
-            is_bonus,
-            temperature == 0,
-            sampled_t if sampled else None,
-            q_logits,
-            state.seeds[rows.slot_ids],
-            rows.positions,
-            row_req_t,
-            row_index_t,
-            len(batch.sampling),
-            self.synthetic_rates,
-        )
-        if marked:  # the target's keyed draw at each row, after the drafts before it
-            slot_m = rows.slot_ids[marked_t]
-            hashes, seen = wm.keys(slot_m, self.drafts, slot_m, row_index_t[marked_t])
-            forced = torch.full_like(row_draft, -1)
-            forced[marked_t] = keyed_draw(processed[marked_t], wm.key, hashes, seen, state.seeds[slot_m],
-                                          rows.positions[marked_t], state.use_triton)
-            row_tokens, num_emitted = force_target_tokens(row_tokens, num_emitted, forced, row_draft, row_req_t,
-                                                          row_index_t, len(batch.sampling))
-        return processed, row_tokens, num_emitted
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()

@@ -289,6 +289,21 @@ def test_generate_with_vllms_speculative_config(tmp_path, capsys):
     assert "error: speculative_config has unknown keys ['bogus']" in capsys.readouterr().err
 
 
+def test_generate_with_ngram_lookup(tmp_path, capsys):
+    """--draft ngram (vLLM's lookup defaults) and --speculative-config with method "ngram": no draft
+    model, the target's own tokens; a draft-model flag beside it is named."""
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    argv = ["generate", "--model", str(tmp_path / "t"), "--dtype", "float32", "--max-tokens", "16", "--ignore-eos"]
+    prompt = "The quick brown fox. The quick brown fox. The quick brown fox."
+    assert main([*argv, "--draft", "ngram", "-k", "3", "--compare", prompt]) == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert main([*argv, "--speculative-config", json.dumps(spec), "--compare", prompt]) == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    assert main([*argv, "--draft", "ngram", "--draft-quantization", "fp8", prompt]) == 2
+    assert "speculative_config.quantization='fp8' configures a draft model" in capsys.readouterr().err
+
+
 def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):
     """`tandem serve MODEL --speculative-config JSON` with the per-request metrics flags: the engine
     gets the JSON's draft settings and the app reports (and stores) what the flags ask (uvicorn not started)."""

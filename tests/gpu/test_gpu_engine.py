@@ -323,6 +323,47 @@ def test_seeded_sampling_with_greedy_drafts_equals_target_on_gpu(models, dtype):
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens, (k, m.num_accepted_tokens, m.num_draft_tokens)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ngram_lookup_on_gpu(models, dtype, tmp_path):
+    """method="ngram": greedy and seeded-sampled output equal target-only's on the GPU (prompts
+    that repeat themselves, so the lookup drafts), every verification (1..k drafts) is captured,
+    graphs equal eager (fp32), and on a target that repeats one token (its LM head zeroed) every
+    draft is accepted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target, _ = models
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    repeated = [{"prompt_token_ids": p["prompt_token_ids"] * 2} for p in _prompts()]
+
+    def run(model, params, spec=None, enforce_eager=False):
+        llm = LLM(str(model), dtype=dtype, max_model_len=512, block_size=16, max_num_seqs=8, speculative_config=spec,
+                  enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20)
+        return [o.outputs[0].token_ids for o in llm.generate(repeated, params, use_tqdm=False)], llm
+
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=48, ignore_eos=True, seed=7)
+    for params in (greedy, sampled):
+        base, _ = run(target, params)
+        out, llm = run(target, params, spec)
+        assert sorted(llm.engine.runner.graphs) == [1, 2, 3, 4, 5]
+        assert out == base
+        assert llm.engine.spec_metrics.num_draft_tokens > 0
+        if dtype == "float32":
+            assert run(target, params, spec, enforce_eager=True)[0] == base
+    constant = tmp_path / "constant"
+    shutil.copytree(target, constant)
+    weights = load_file(str(constant / "model.safetensors"))
+    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    save_file(weights, str(constant / "model.safetensors"), metadata={"format": "pt"})
+    base, _ = run(constant, greedy)
+    out, llm = run(constant, greedy, spec)
+    assert out == base
+    m = llm.engine.spec_metrics
+    assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens
+
+
 def test_sampled_speculation_runs_on_gpu(models):
     target, draft = models
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, ignore_eos=True, seed=5)
@@ -474,13 +515,15 @@ def test_async_scheduling_equals_synchronous(models, dtype):
         assert overlapped == sync
 
 
-@pytest.mark.parametrize("spec_on", [False, True])
+@pytest.mark.parametrize("spec_on", [False, True, "ngram"])
 def test_steady_step_waits_for_the_device_once(models, spec_on):
     """In steady decoding nothing but the step's own result copy waits for the device: any
     hidden synchronisation (.item(), a pageable copy, torch.tensor(list, device=cuda)) raises.
     One request is watermarked (its keyed draws and context windows stay on the device)."""
     target, draft = models
     spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
+    if spec_on == "ngram":
+        spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
     llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, kv_cache_memory_bytes=64 << 20, watermark_config={"key": 1})
     engine = llm.engine

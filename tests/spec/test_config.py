@@ -81,12 +81,13 @@ def test_missing_required_keys():
 
 def test_vllm_keys_that_ask_for_nothing_more():
     """vLLM's method=None ("detect") is this draft model, and draft_tensor_parallel_size=1 a whole
-    draft (LLM checks it against tensor_parallel_size); another method is refused by name before
-    the draft model it does not need."""
+    draft (LLM checks it against tensor_parallel_size); a method tandem lacks is refused by name
+    before the draft model it does not need."""
     assert cfg(method=None).method == "draft_model"
     assert cfg(method="draft_model", draft_tensor_parallel_size=1).k == 3
-    with pytest.raises(ConfigError, match="method='ngram'"):
-        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3}, 128)
+    with pytest.raises(ConfigError, match="method='eagle'"):
+        SpeculativeConfig.from_user({"method": "eagle", "num_speculative_tokens": 3}, 128)
+    assert SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3}, 128).ngram  # test_ngram.py
 
 
 def test_drafts_per_batch_size():

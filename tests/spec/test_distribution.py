@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import tandem.spec.speculator as speculator_mod
+import tandem.spec.base as speculator_base
 from tandem import LLM, SamplingParams
 from tests.stats import ALPHA, chisq_counts_pvalue
 from tests.helpers import hf_model, make_hf_model
@@ -351,13 +351,13 @@ def test_negative_controls_have_power(models, monkeypatch):
     pv = fit_pvalues(tokens, joint)
     assert pv["t2"] < 1e-6 and pv["joint"] < 1e-6, pv
     # 2) A verifier that leaves the temperature out of q (q_logits * T undoes it, T = 0.5).
-    real = speculator_mod.rejection_sample
+    real = speculator_base.rejection_sample
 
     def no_temperature_q(p_logits, row_draft, row_is_bonus, row_greedy, sampled_idx, q_logits, *args):
         return real(p_logits, row_draft, row_is_bonus, row_greedy, sampled_idx,
                     None if q_logits is None else q_logits * cfg["temperature"], *args)
 
-    monkeypatch.setattr(speculator_mod, "rejection_sample", no_temperature_q)
+    monkeypatch.setattr(speculator_base, "rejection_sample", no_temperature_q)
     tokens, = sample_tokens(_llm(models, "near", k=2, method="probabilistic"), [cfg], N, seed_base=40_000_000)
     pv = fit_pvalues(tokens, joint)
     assert min(pv.values()) < 1e-4, pv

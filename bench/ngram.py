@@ -1,0 +1,147 @@
+"""N-gram lookup (speculative_config method="ngram") on the GPU: what the lookup costs, and the
+step times and tokens/s it gives, side by side with target-only in one run.
+
+    python3 bench/ngram.py --out $OUT/ngram.json        # on the H200: the 8B shape, dummy weights
+    python3 bench/ngram.py --quick                      # tiny shapes (a CPU works too)
+
+Sections:
+- lookup: `ngram_drafts` alone over B contexts of L tokens (median of CUDA-event timings), the
+  work each engine step adds for the requests that draft;
+- engine: batch B, k drafts, prompt_lookup 2..5 (vLLM's defaults are 5..5), each measured as
+  bench/gpu_bench.measure_steps does (median step time after warm-up, tokens per step), on
+  * "random": the dummy weights' own output (random text: the lookup rarely finds a match, so
+    this is what lookup costs when it does not pay),
+  * "repeating": the LM head zeroed, so the target emits one token again and again and every
+    draft is accepted (the ceiling: k + 1 tokens a step, each verification as one graph).
+  Speedups are over target-only at the same batch in the same run. Real acceptance comes from
+  real text: bench/real_pair.py --ngram on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, print_table, write_json  # noqa: E402
+from bench.gpu_bench import LLAMA_8B, TINY, free, measure_steps, write_config  # noqa: E402
+
+
+def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device: torch.device, repeats: int) -> float:
+    """Median microseconds of one ngram_drafts call over `batch` random contexts of `length` tokens."""
+    from tandem.spec.ngram import ngram_drafts
+
+    g = torch.Generator().manual_seed(batch * 7919 + length)
+    tokens = torch.randint(0, 32000, (batch, length), generator=g, dtype=torch.int32).to(device)
+    lens = torch.full((batch,), length, dtype=torch.int64, device=device)
+    times = []
+    for i in range(repeats + 3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) * 1e3
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
+            dt = (time.perf_counter() - t0) * 1e6
+        if i >= 3:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[int, int], args, results) -> None:
+    from tandem import LLM
+
+    def make(spec):
+        return LLM(target, dtype="bfloat16" if torch.cuda.is_available() else "float32", load_format="dummy",
+                   max_model_len=args.max_model_len, max_num_seqs=max(batches), kv_cache_memory_bytes=args.kv_gib << 30,
+                   speculative_config=spec, enable_prefix_caching=False)
+
+    configs = [("target-only", None)] + [
+        (f"ngram {lookup[0]}:{lookup[1]} k={k}", dict(method="ngram", num_speculative_tokens=k,
+                                                      prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1]))
+        for k in ks]
+    for name, spec in configs:
+        llm = make(spec)
+        head = llm.engine.runner.model.lm_head.weight
+        original = head.detach().clone()
+        for text in ("random", "repeating"):
+            with torch.no_grad():
+                head.copy_(original if text == "random" else torch.zeros_like(original))
+            for b in batches:
+                m0 = llm.engine.spec_metrics
+                before = (m0.num_draft_tokens, m0.num_accepted_tokens) if m0 is not None else (0, 0)
+                r = measure_steps(llm, b, args.prompt_len, args.steps)
+                drafted = (m0.num_draft_tokens - before[0]) if m0 is not None else 0
+                accepted = (m0.num_accepted_tokens - before[1]) if m0 is not None else 0
+                r.update(config=name, text=text, batch=b, drafted=drafted, accepted=accepted)
+                base = next((x for x in results["engine"] if x["config"] == "target-only" and x["text"] == text
+                             and x["batch"] == b), None)
+                r["speedup"] = r["tok_s"] / base["tok_s"] if base else 1.0
+                results["engine"].append(r)
+                print(f"[engine] {name} {text} b={b}: {r['ms_per_step']:.2f} ms/step, {r['tokens_per_step']:.2f} "
+                      f"tokens/step, {r['tok_s']:.0f} tok/s, x{r['speedup']:.2f}", flush=True)
+                write_json(args.out, results)
+        free(llm, original)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results/ngram.json")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few steps")
+    p.add_argument("--sections", default="lookup,engine")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--ks", default="2,4")
+    p.add_argument("--lookup", default="2:5", help="prompt_lookup_min:prompt_lookup_max")
+    p.add_argument("--lengths", default="1024,8192,32768", help="the lookup section's context lengths")
+    p.add_argument("--lookup-batches", default="1,8,64")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-gib", type=int, default=12)
+    args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    lookup = tuple(int(v) for v in args.lookup.split(":"))
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.quick:
+        batches, ks, lengths, args.steps, args.kv_gib = [1, 4], [2], [256, 1024], 8, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {"env": environment(), "config": vars(args), "lookup": [], "engine": []}
+    if "lookup" in sections:
+        for b in [int(x) for x in args.lookup_batches.split(",")]:
+            for n in lengths:
+                us = time_lookup(b, n, max(ks), lookup, device, repeats=5 if args.quick else 20)
+                results["lookup"].append(dict(batch=b, length=n, k=max(ks), us=us))
+                print(f"[lookup] b={b} L={n}: {us:.1f} us", flush=True)
+        write_json(args.out, results)
+    if "engine" in sections:
+        with tempfile.TemporaryDirectory() as tmp:
+            shape = TINY if args.quick else LLAMA_8B
+            target = write_config(Path(tmp), "tiny" if args.quick else "llama-8b", shape)
+            engine_runs(target, batches, ks, lookup, args, results)
+    write_json(args.out, results)
+    if results["lookup"]:
+        print_table(["lookup batch", "context tokens", "k", "us"],
+                    [(r["batch"], r["length"], r["k"], f"{r['us']:.1f}") for r in results["lookup"]])
+    if results["engine"]:
+        print_table(["config", "text", "batch", "ms/step", "tokens/step", "tok/s", "accepted / drafted", "speedup"],
+                    [(r["config"], r["text"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_step']:.2f}",
+                      f"{r['tok_s']:.0f}", f"{r['accepted']} / {r['drafted']}", f"{r['speedup']:.2f}")
+                     for r in results["engine"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
