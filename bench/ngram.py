@@ -5,11 +5,11 @@ step times and tokens/s it gives, side by side with target-only in one run.
     python3 bench/ngram.py --quick                      # tiny shapes (a CPU works too)
 
 Sections:
-- lookup: `ngram_drafts` alone over B contexts of L tokens (median of CUDA-event timings), the
-  work each engine step adds for the requests that draft;
+- lookup: the lookup alone over B contexts of L tokens (median wall time, device synchronised),
+  as torch ops (`ngram_drafts`, the CPU path) and as the Triton kernel the GPU path runs;
 - engine: batch B, k drafts, prompt_lookup 2..5 (vLLM's defaults are 5..5), each measured as
   bench/gpu_bench.measure_steps does (median step time after warm-up, tokens per step), on
-  * "random": the dummy weights' own output (random text: the lookup rarely finds a match, so
+  * "dummy": the dummy weights' own output (an 8B shape's is random text: the lookup rarely finds a match, so
     this is what lookup costs when it does not pay),
   * "repeating": the LM head zeroed, so the target emits one token again and again and every
     draft is accepted (the ceiling: k + 1 tokens a step, each verification as one graph).
@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -32,30 +33,38 @@ from bench.common import environment, print_table, write_json  # noqa: E402
 from bench.gpu_bench import LLAMA_8B, TINY, free, measure_steps, write_config  # noqa: E402
 
 
-def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device: torch.device, repeats: int) -> float:
-    """Median microseconds of one ngram_drafts call over `batch` random contexts of `length` tokens."""
+def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device: torch.device, repeats: int,
+                kernel: bool) -> float:
+    """Median microseconds of one lookup over `batch` random contexts of `length` tokens: the torch
+    ops (ngram_drafts) or, kernel=True, the Triton kernel (CUDA). Wall time around the call, the
+    device synchronised after it: the torch ops are launch-bound, so their launches count."""
     from tandem.spec.ngram import ngram_drafts
 
     g = torch.Generator().manual_seed(batch * 7919 + length)
     tokens = torch.randint(0, 32000, (batch, length), generator=g, dtype=torch.int32).to(device)
     lens = torch.full((batch,), length, dtype=torch.int64, device=device)
+    slots = torch.arange(batch, device=device)
+    want = torch.full((batch,), k, dtype=torch.int64, device=device)
+    drafts = torch.zeros(batch, k, dtype=torch.int64, device=device)
+
+    def call():
+        if kernel:
+            from tandem.kernels.ngram import ngram_lookup
+
+            ngram_lookup(tokens, lens, slots, want, drafts, lookup[0], lookup[1], length + k)
+        else:
+            ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
+
     times = []
     for i in range(repeats + 3):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
-            end.record()
-            end.synchronize()
-            dt = start.elapsed_time(end) * 1e3
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
-            dt = (time.perf_counter() - t0) * 1e6
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         if i >= 3:
-            times.append(dt)
+            times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
@@ -75,9 +84,9 @@ def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[in
         llm = make(spec)
         head = llm.engine.runner.model.lm_head.weight
         original = head.detach().clone()
-        for text in ("random", "repeating"):
+        for text in ("dummy", "repeating"):
             with torch.no_grad():
-                head.copy_(original if text == "random" else torch.zeros_like(original))
+                head.copy_(original if text == "dummy" else torch.zeros_like(original))
             for b in batches:
                 m0 = llm.engine.spec_metrics
                 before = (m0.num_draft_tokens, m0.num_accepted_tokens) if m0 is not None else (0, 0)
@@ -122,9 +131,11 @@ def main(argv=None) -> int:
     if "lookup" in sections:
         for b in [int(x) for x in args.lookup_batches.split(",")]:
             for n in lengths:
-                us = time_lookup(b, n, max(ks), lookup, device, repeats=5 if args.quick else 20)
-                results["lookup"].append(dict(batch=b, length=n, k=max(ks), us=us))
-                print(f"[lookup] b={b} L={n}: {us:.1f} us", flush=True)
+                r = dict(batch=b, length=n, k=max(ks))
+                for way in ("torch", "kernel") if device.type == "cuda" else ("torch",):
+                    r[f"{way}_us"] = time_lookup(b, n, max(ks), lookup, device, 5 if args.quick else 20, way == "kernel")
+                results["lookup"].append(r)
+                print(f"[lookup] {r}", flush=True)
         write_json(args.out, results)
     if "engine" in sections:
         with tempfile.TemporaryDirectory() as tmp:
@@ -133,8 +144,9 @@ def main(argv=None) -> int:
             engine_runs(target, batches, ks, lookup, args, results)
     write_json(args.out, results)
     if results["lookup"]:
-        print_table(["lookup batch", "context tokens", "k", "us"],
-                    [(r["batch"], r["length"], r["k"], f"{r['us']:.1f}") for r in results["lookup"]])
+        print_table(["lookup batch", "context tokens", "k", "torch ops us", "Triton kernel us"],
+                    [(r["batch"], r["length"], r["k"], f"{r['torch_us']:.1f}",
+                      f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-") for r in results["lookup"]])
     if results["engine"]:
         print_table(["config", "text", "batch", "ms/step", "tokens/step", "tok/s", "accepted / drafted", "speedup"],
                     [(r["config"], r["text"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_step']:.2f}",
