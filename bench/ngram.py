@@ -13,8 +13,9 @@ Sections:
     this is what lookup costs when it does not pay),
   * "repeating": the LM head zeroed, so the target emits one token again and again and every
     draft is accepted (the ceiling: k + 1 tokens a step, each verification as one graph).
-  Speedups are over target-only at the same batch in the same run. Real acceptance comes from
-  real text: bench/real_pair.py --ngram on the CPU.
+  Speedups are over target-only at the same batch in the same run (its steps planned ahead of
+  the previous result, as a lookup's cannot be; "target-only, not planned ahead" shows that
+  share). Real acceptance comes from real text: bench/real_pair.py --ngram on the CPU.
 """
 from __future__ import annotations
 
@@ -71,17 +72,19 @@ def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device
 def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[int, int], args, results) -> None:
     from tandem import LLM
 
-    def make(spec):
+    def make(spec, **kw):
         return LLM(target, dtype="bfloat16" if torch.cuda.is_available() else "float32", load_format="dummy",
                    max_model_len=args.max_model_len, max_num_seqs=max(batches), kv_cache_memory_bytes=args.kv_gib << 30,
-                   speculative_config=spec, enable_prefix_caching=False)
+                   speculative_config=spec, enable_prefix_caching=False, **kw)
 
-    configs = [("target-only", None)] + [
+    # target-only steps are planned ahead of the previous result (async scheduling); a lookup's are
+    # not (its drafts follow that result), so target-only without it shows what the lookup itself costs
+    configs = [("target-only", None), ("target-only, not planned ahead", "sync")] + [
         (f"ngram {lookup[0]}:{lookup[1]} k={k}", dict(method="ngram", num_speculative_tokens=k,
                                                       prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1]))
         for k in ks]
     for name, spec in configs:
-        llm = make(spec)
+        llm = make(None, async_scheduling=False) if spec == "sync" else make(spec)
         head = llm.engine.runner.model.lm_head.weight
         original = head.detach().clone()
         for text in ("dummy", "repeating"):

@@ -147,7 +147,8 @@ class Engine:
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch,
                                    record_spec_steps=cfg.per_request_spec_decode_metrics == "detailed",
                                    draft_kv=cfg.spec is None or not cfg.spec.ngram)
-        self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts)
+        self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts
+                                                                 or cfg.spec.ngram)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected

@@ -208,11 +208,12 @@ class LLM:
         if async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
         # Steps that draft nothing are planned ahead as without a draft; the others overlap the
-        # host's work with the device's drafting instead.
-        undrafted = spec is None or 0 in spec.draft_counts
+        # host's work with the device's drafting instead. A lookup's steps are planned ahead while
+        # it finds nothing (Scheduler.schedule_ahead).
+        undrafted = spec is None or 0 in spec.draft_counts or spec.ngram
         if async_scheduling and not undrafted:
             raise ConfigError(
-                "async_scheduling=True is not supported with speculative_config unless "
+                "async_scheduling=True is not supported with speculative_config unless method='ngram', or "
                 "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" "
                 "(it plans only steps without drafts ahead): with a draft model the host already applies each step while "
                 "the device drafts; leave async_scheduling unset"

@@ -180,21 +180,29 @@ class Scheduler:
         one case whose plan does not depend on that result: without drafts, when every running
         request samples in `prev`, each continues with the one token `prev` samples for it (a
         PENDING_TOKEN the runner reads on the device). With a draft model, only where the batch
-        size turns drafting off (the draft skips the step). None when anything else may happen
-        (requests waiting, drafts, a prefill chunk, the budget, a block shortage, a request near
-        its token limits): the caller then waits for `prev` and calls schedule().
+        size turns drafting off (the draft skips the step). With a lookup (draft_kv=False), also
+        while the last result applied drafted nothing for any running request: the step is planned
+        without drafts and looks up after it (what `prev` looked up is left unverified; once a
+        lookup finds drafts, steps wait for their result again, so a repeating stretch costs one
+        step's delay). None when anything else may happen (requests waiting, drafts, a prefill
+        chunk, the budget, a block shortage, a request near its token limits): the caller then
+        waits for `prev` and calls schedule().
 
         A request that stops at `prev` (EOS, a stop string) has already been given this step:
         update() drops its result, and its KV write lands past its last token."""
         if self.waiting or not self.running or len(self.running) > self.cfg.max_num_batched_tokens:
             return None
+        lookup = 0  # the drafts the planned step looks up after it (a lookup's steps only)
         if self.k and self._num_next_drafts():
-            return None
+            if self.draft_kv or any(req.num_pending_drafts for req in self.running):
+                return None
+            lookup = self._num_next_drafts()
         prev_items = {r.req_id: r for r in prev.reqs}
         for req in self.running:
             p = prev_items.get(req.req_id)
             # prev's tokens are not applied yet: req.output_token_ids lags it by one.
-            if p is None or not p.sample or p.num_drafts or p.num_next_drafts or p.num_output_tokens + 2 > req.max_tokens:
+            if (p is None or not p.sample or p.num_drafts or (p.num_next_drafts and not lookup)
+                    or p.num_output_tokens + 2 > req.max_tokens):
                 return None
             if p.start_pos + p.num_new_tokens + 2 > self.cfg.max_model_len:
                 return None
@@ -213,7 +221,8 @@ class Scheduler:
                 block_ids=list(req.block_ids),
                 sample=True,
                 num_output_tokens=p.num_output_tokens + 1,
-                draft_skip=bool(self.k),
+                num_next_drafts=lookup,
+                draft_skip=bool(self.k) and not lookup,
             ))
         freed, self._freed_slots = self._freed_slots, []
         return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)

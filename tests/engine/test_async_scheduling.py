@@ -114,6 +114,30 @@ def test_steps_without_drafts_are_planned_ahead_with_a_draft(model):
     assert llm.engine._inflight is None and sched.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
 
 
+def test_lookup_steps_are_planned_ahead_while_nothing_matches(model):
+    """method="ngram": while the last applied result drafted nothing, steps are planned ahead (no
+    drafts verified, the lookup after them); once a lookup finds drafts, steps wait for their
+    result and verify them. The output is target-only's, with sampled requests and n = 2 among them."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(str(model), dtype="float32", max_model_len=96, block_size=8, max_num_seqs=6, async_scheduling=True,
+              speculative_config=spec)
+    assert llm.engine.async_scheduling
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i] * (1 + i)} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + 8 * i, ignore_eos=True) for i in range(4)]
+    params.append(SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=40, ignore_eos=True))
+    ahead = []
+    sched = llm.engine.scheduler
+    plan_ahead = sched.schedule_ahead
+    sched.schedule_ahead = lambda prev: ahead.append(plan_ahead(prev)) or ahead[-1]
+    expected = [[c.token_ids for c in o.outputs] for o in _llm(model, False).generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    planned = [p for p in ahead if p is not None]
+    assert len(planned) >= 5 and all(r.num_drafts == 0 and r.num_next_drafts == 3 for p in planned for r in p.reqs)
+    assert llm.engine.spec_metrics.num_draft_tokens > 0  # and the synchronous steps verified drafts
+    assert llm.engine._inflight is None and sched.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
+
+
 def test_async_scheduling_with_a_draft_is_refused(model):
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(str(model), dtype="float32", max_model_len=96, async_scheduling=True,

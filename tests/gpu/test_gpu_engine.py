@@ -326,7 +326,8 @@ def test_seeded_sampling_with_greedy_drafts_equals_target_on_gpu(models, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ngram_lookup_on_gpu(models, dtype, tmp_path):
     """method="ngram": greedy and seeded-sampled output equal target-only's on the GPU (prompts
-    that repeat themselves, so the lookup drafts), every verification (1..k drafts) is captured,
+    that repeat themselves, so the lookup drafts; steps planned ahead while it finds nothing,
+    as async scheduling is on by default), every verification (1..k drafts) is captured,
     graphs equal eager (fp32), and on a target that repeats one token (its LM head zeroed) every
     draft is accepted."""
     import shutil
@@ -348,6 +349,7 @@ def test_ngram_lookup_on_gpu(models, dtype, tmp_path):
         base, _ = run(target, params)
         out, llm = run(target, params, spec)
         assert sorted(llm.engine.runner.graphs) == [1, 2, 3, 4, 5]
+        assert llm.engine.async_scheduling  # steps planned ahead while the lookup finds nothing
         assert out == base
         assert llm.engine.spec_metrics.num_draft_tokens > 0
         if dtype == "float32":
