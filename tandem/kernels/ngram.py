@@ -24,8 +24,8 @@ def _ngram_kernel(
     want_ptr,  # [n] int64: the most drafts each may propose
     drafts_ptr,  # [*, k] int64 out: drafts[slot, :count]
     counts_ptr,  # [n] int64 out
-    stride_c, stride_d, min_n, max_model_len,
-    MAX_N: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr,
+    stride_c, stride_d, min_n, max_n, max_model_len,
+    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i)
@@ -38,7 +38,7 @@ def _ngram_kernel(
         ends = start + tl.arange(0, BLOCK).to(tl.int64)  # candidate ends e < last: something follows them
         alive = ends < last
         run = tl.zeros([BLOCK], dtype=tl.int64)
-        for j in tl.static_range(MAX_N):
+        for j in range(0, max_n):  # (a runtime loop: any prompt_lookup_max compiles once)
             tail = last - j
             want_tok = tl.load(row + tl.maximum(tail, 0))
             pos = ends - j
@@ -77,7 +77,7 @@ def ngram_lookup(context: Tensor, num_tokens: Tensor, slots: Tensor, want: Tenso
     if n:
         _ngram_kernel[(n,)](
             context, num_tokens, slots.contiguous(), want.contiguous(), drafts, counts, context.stride(0),
-            drafts.stride(0), min_n, max_model_len, MAX_N=max_n, K=k, K_POW2=triton.next_power_of_2(k),
+            drafts.stride(0), min_n, max_n, max_model_len, K=k, K_POW2=triton.next_power_of_2(k),
             BLOCK=_BLOCK, num_warps=4,
         )
     return counts

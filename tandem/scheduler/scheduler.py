@@ -300,7 +300,7 @@ class Scheduler:
         budget = step.budget + sum(item.num_budget_tokens for item in planned)
 
         def fits(chunk: int) -> bool:
-            lookahead = self.k if chunk == remaining else 0
+            lookahead = self.k if chunk == remaining and self.draft_kv else 0
             return min(start + chunk + lookahead, self.cfg.max_model_len) <= cover
 
         chunk = min(remaining, budget, max(0, cover - start))
@@ -379,9 +379,10 @@ class Scheduler:
         )
 
     def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
-        """Positions whose KV this step may write: the new tokens plus the draft lookahead, never past
-        max_model_len (the draft writes a draft's KV at most at position max_model_len - 1)."""
-        end = item.start_pos + item.num_new_tokens + (self.k if item.sample else 0)
+        """Positions whose KV this step may write: the new tokens plus the draft model's lookahead
+        (a lookup writes none), never past max_model_len (the draft writes a draft's KV at most at
+        position max_model_len - 1)."""
+        end = item.start_pos + item.num_new_tokens + (self.k if item.sample and self.draft_kv else 0)
         return min(end, self.cfg.max_model_len)
 
     def _preempt(self, req: Request) -> None:

@@ -128,6 +128,11 @@ class Speculator:
                                                           row_index_t, len(batch.sampling))
         return processed, row_tokens, num_emitted
 
+    def repair(self, items, masks) -> None:
+        """Draw again, under their grammar, drafts that left it (a draft model's; the engine asks
+        no other proposer: a lookup's drafts are verified under the grammar as they are)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts cannot be drawn again under a grammar")
+
     # ---------------------------------------------------------------- propose
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor,
                 masks: DraftMasks | None = None) -> dict[int, int] | Tensor | None:

@@ -135,7 +135,18 @@ class SpeculativeConfig:
         spec = dict(spec)
         if "method" in spec and spec["method"] is None:  # vLLM's "detect": a separate draft model here
             del spec["method"]
-        if spec.get("method") in NGRAM_ALIASES or ("method" not in spec and spec.get("model") in NGRAM_ALIASES):
+        if "draft_confidence_fallback_depth" in spec:
+            raise ConfigError("speculative_config.draft_confidence_fallback_depth is not needed: tandem ends each "
+                              "request's chain of drafts on its own, in a batch of any size, so no round falls back "
+                              "to a fixed depth; leave it out")
+        if "tensor_parallel_size" in spec:  # vLLM's trap for the same mistake
+            raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
+                              "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
+                              "tensor_parallel_size)")
+        # vLLM's names for the lookup; model="[ngram]" too when the method is left to it (a
+        # SpeculativeConfig object carries method="draft_model", the field's default)
+        if spec.get("method") in NGRAM_ALIASES or (spec.get("method", "draft_model") == "draft_model"
+                                                    and spec.get("model") in NGRAM_ALIASES):
             return cls._ngram_from_user(spec, target_max_model_len)
         if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
             _one_of("method", spec["method"], METHODS)
@@ -151,14 +162,6 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
-        if "draft_confidence_fallback_depth" in spec:
-            raise ConfigError("speculative_config.draft_confidence_fallback_depth is not needed: tandem ends each "
-                              "request's chain of drafts on its own, in a batch of any size, so no round falls back "
-                              "to a fixed depth; leave it out")
-        if "tensor_parallel_size" in spec:  # vLLM's trap for the same mistake
-            raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
-                              "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
-                              "tensor_parallel_size)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -205,9 +208,10 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.draft_sample_method={spec['draft_sample_method']!r}: n-gram lookup "
                               "has no draft distribution to sample; its drafts are verified as greedy ones (use "
                               "'greedy' or leave it out)")
-        if spec.get("rejection_sample_method", "standard") == "synthetic":
-            raise ConfigError("speculative_config.rejection_sample_method='synthetic' measures a draft model's costs "
-                              "at set acceptance rates; with method='ngram' use 'standard'")
+        for key in ("rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length"):
+            if spec.get(key) not in (None, "standard", "block"):
+                raise ConfigError(f"speculative_config.{key}={spec[key]!r}: synthetic acceptance measures a draft "
+                                  "model's costs at set acceptance rates; with method='ngram' leave it out")
         if spec.get("num_speculative_tokens_per_batch_size") == "auto":
             raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size='auto' prices a draft model's "
                               "steps, and method='ngram' has none; give [start, end, K] ranges or leave it out")

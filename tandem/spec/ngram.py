@@ -54,6 +54,8 @@ def ngram_drafts(tokens: Tensor, num_tokens: Tensor, min_n: int, max_n: int, k: 
         seen = torch.nn.functional.pad(tokens, (j, 0), value=-1)[:, :width]  # [B, L] seen[e] = tokens[e - j]
         alive = alive & (seen == want) & (tail >= 0)[:, None]
         run += alive
+        if not tokens.is_cuda and not bool(alive.any()):  # no run goes on: the longer n-grams match nowhere
+            break
     best = run.amax(dim=1)  # [B]
     # the earliest end among the longest runs: score = run * (L + 1) + (L - e), largest wins
     score = torch.where(run == best[:, None], run * (width + 1) + (width - ends)[None, :], -1)

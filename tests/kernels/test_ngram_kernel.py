@@ -47,7 +47,7 @@ def _check(device: str, seed: int, slots: int, width: int, vocab: int, min_n: in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [2, 5, 32000])
-@pytest.mark.parametrize("lookup", [(1, 1), (2, 5), (1, 8)])
+@pytest.mark.parametrize("lookup", [(1, 1), (2, 5), (1, 8), (3, 40)])
 def test_ngram_lookup_gpu(vocab, lookup):
     for seed, (slots, width, k) in enumerate([(1, 7, 4), (8, 300, 4), (33, 2500, 7), (64, 5000, 1)]):
         _check("cuda", seed, slots, width, vocab, *lookup, k, max_model_len=width + 3)

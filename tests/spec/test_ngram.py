@@ -76,6 +76,8 @@ def test_config_defaults_aliases_and_errors():
     cfg = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, 512)
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 2)
     assert SpeculativeConfig.from_user(cfg, 512) == cfg  # the object itself passes again
+    obj = SpeculativeConfig(model="[ngram]", num_speculative_tokens=2)  # its method: the field's default
+    assert SpeculativeConfig.from_user(obj, 512).ngram
     bad = [
         ({"model": "/some/draft"}, "model"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 exceeds"),
@@ -83,6 +85,8 @@ def test_config_defaults_aliases_and_errors():
         ({"prompt_lookup_min": "2"}, "prompt_lookup_min='2'"),
         ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "synthetic"),
+        ({"synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length=2.0: synthetic acceptance"),
+        ({"tensor_parallel_size": 2}, "pass draft_tensor_parallel_size instead"),
         ({"num_speculative_tokens_per_batch_size": "auto"}, "auto"),
         ({"quantization": "fp8"}, "quantization"),
         ({"draft_vocab_size": 100}, "draft_vocab_size"),
