@@ -3,6 +3,7 @@ step times and tokens/s it gives, side by side with target-only in one run.
 
     python3 bench/ngram.py --out $OUT/ngram.json        # on the H200: the 8B shape, dummy weights
     python3 bench/ngram.py --quick                      # tiny shapes (a CPU works too)
+    python bench/ngram.py --sections real               # CPU: the real Qwen2.5-Coder pair, interleaved
 
 Sections:
 - lookup: the lookup alone over B contexts of L tokens (median wall time, device synchronised),
@@ -13,6 +14,10 @@ Sections:
     this is what lookup costs when it does not pay),
   * "repeating": the LM head zeroed, so the target emits one token again and again and every
     draft is accepted (the ceiling: k + 1 tokens a step, each verification as one graph).
+- real (CPU): the real Qwen2.5-Coder 1.5B at batch 1, greedy, target-only, its 0.5B draft and
+  each --real-lookups lookup, all loaded, then timed round-robin over one prompt class at a time
+  (bench/real_pair.py's prompts; "edit" asks to rewrite given code, so the answer repeats it):
+  tokens/s, acceptance, and whether the tokens are target-only's.
   Speedups are over target-only at the same batch in the same run (its steps planned ahead of
   the previous result, as a lookup's cannot be; "target-only, not planned ahead" shows that
   share). Real acceptance comes from real text: bench/real_pair.py --ngram on the CPU.
@@ -107,6 +112,39 @@ def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[in
         free(llm, original)
 
 
+def real_pair(args, results) -> None:
+    """The real pair on CPU, interleaved timing per prompt class (bench/real_pair.time_variants)."""
+    from bench.real_pair import DRAFT, time_variants
+
+    k = int(args.ks.split(",")[0])
+    specs = {"target-only": None, f"draft k={k}": dict(model=DRAFT, num_speculative_tokens=k)}
+    for lookup in args.real_lookups.split(","):
+        lo, hi = (int(v) for v in lookup.split(":"))
+        specs[f"ngram {lo}:{hi} k={k}"] = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
+                                              prompt_lookup_max=hi)
+    for cls in args.classes.split(","):
+        engines, prompts, series, outputs = time_variants(specs, args.real_tokens, args.real_prompts,
+                                                          args.repeats, classes=(cls,))
+        ref = [o.outputs[0].token_ids for o in outputs["target-only"]]
+        base = series["target-only"].median
+        for name in engines:
+            outs = outputs[name]
+            drafted = sum(o.metrics.num_draft_tokens for o in outs)
+            accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+            rounds = sum(o.metrics.num_draft_rounds for o in outs)
+            s = series[name].summary()
+            results["real"].append(dict(
+                cls=cls, config=name, tok_s=args.real_tokens * len(prompts) / s["median_s"], spread=s["spread"],
+                speedup=base / s["median_s"], acceptance_rate=accepted / drafted if drafted else None,
+                mean_acceptance_length=1 + accepted / rounds if rounds else None,
+                drafting_rounds_per_token=rounds / (args.real_tokens * len(prompts)),
+                identical=[o.outputs[0].token_ids for o in outs] == ref))
+            print(f"[real] {results['real'][-1]}", flush=True)
+            write_json(args.out, results)
+        del engines
+        free()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/ngram.json")
@@ -121,6 +159,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-gib", type=int, default=12)
+    p.add_argument("--classes", default="code,chat,edit", help="the real section's prompt classes")
+    p.add_argument("--real-lookups", default="1:3,2:5", help="the real section's lookups, MIN:MAX each")
+    p.add_argument("--real-prompts", type=int, default=3, help="the real section's prompts per class")
+    p.add_argument("--real-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2, help="the real section's timed passes per engine")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     lookup = tuple(int(v) for v in args.lookup.split(":"))
@@ -130,7 +173,7 @@ def main(argv=None) -> int:
     if args.quick:
         batches, ks, lengths, args.steps, args.kv_gib = [1, 4], [2], [256, 1024], 8, 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = {"env": environment(), "config": vars(args), "lookup": [], "engine": []}
+    results = {"env": environment(), "config": vars(args), "lookup": [], "engine": [], "real": []}
     if "lookup" in sections:
         for b in [int(x) for x in args.lookup_batches.split(",")]:
             for n in lengths:
@@ -145,6 +188,8 @@ def main(argv=None) -> int:
             shape = TINY if args.quick else LLAMA_8B
             target = write_config(Path(tmp), "tiny" if args.quick else "llama-8b", shape)
             engine_runs(target, batches, ks, lookup, args, results)
+    if "real" in sections:
+        real_pair(args, results)
     write_json(args.out, results)
     if results["lookup"]:
         print_table(["lookup batch", "context tokens", "k", "torch ops us", "Triton kernel us"],
@@ -155,6 +200,13 @@ def main(argv=None) -> int:
                     [(r["config"], r["text"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_step']:.2f}",
                       f"{r['tok_s']:.0f}", f"{r['accepted']} / {r['drafted']}", f"{r['speedup']:.2f}")
                      for r in results["engine"]])
+    if results["real"]:
+        print_table(["class", "config", "tok/s", "spread", "speedup", "acceptance", "mean AL", "rounds/token", "same"],
+                    [(r["cls"], r["config"], f"{r['tok_s']:.2f}", f"{r['spread']:.2f}", f"{r['speedup']:.2f}",
+                      "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}",
+                      "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
+                      f"{r['drafting_rounds_per_token']:.2f}", "yes" if r["identical"] else "NO")
+                     for r in results["real"]])
     return 0
 
 

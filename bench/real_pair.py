@@ -104,11 +104,11 @@ def run_tandem(llm, prompts, tokens, temperature=0.0, seeds=1):
     return rows
 
 
-def time_variants(specs: dict, tokens: int, num_prompts: int, repeats: int):
-    """One batch-1 speculative engine per speculative_config (name -> spec), all loaded first, then
-    timed round-robin (bench.common.run_interleaved: one greedy pass over the prompts each, `tokens`
-    new tokens a prompt), so a shared machine's drift hits each alike -> (engines, prompts, series
-    by name, each engine's outputs of its last pass)."""
+def time_variants(specs: dict, tokens: int, num_prompts: int, repeats: int, classes=("code", "chat")):
+    """One batch-1 speculative engine per speculative_config (name -> spec; None: target-only), all
+    loaded first, then timed round-robin (bench.common.run_interleaved: one greedy pass over the
+    prompts of `classes` each, `tokens` new tokens a prompt), so a shared machine's drift hits each
+    alike -> (engines, prompts, series by name, each engine's outputs of its last pass)."""
     from bench.common import run_interleaved
     from tandem import LLM, SamplingParams
 
@@ -116,7 +116,7 @@ def time_variants(specs: dict, tokens: int, num_prompts: int, repeats: int):
     engines, prompts = {}, None
     for name, spec in specs.items():
         engines[name] = LLM(TARGET, dtype="bfloat16", max_model_len=1024, max_num_seqs=1, speculative_config=spec)
-        prompts = prompts or prompt_ids(engines[name].get_tokenizer(), num_prompts)
+        prompts = prompts or prompt_ids(engines[name].get_tokenizer(), num_prompts, classes)
     outputs = {}
 
     def one_pass(name):
