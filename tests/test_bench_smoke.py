@@ -1,4 +1,4 @@
-"""Smoke test of bench/cpu_throughput.py: the quick mode runs end to end and writes sane JSON."""
+"""Smoke tests of the benchmarks' quick modes (cpu_throughput, priority, ngram): they run end to end and write sane JSON."""
 import json
 import subprocess
 import sys
@@ -57,3 +57,21 @@ def test_priority_bench_quick(tmp_path):
     assert (fcfs["policy"], priority["policy"]) == ("fcfs", "priority")
     assert priority["urgent_wait_steps"] == [1, 1] and min(fcfs["urgent_wait_steps"]) > 1
     assert fcfs["preemptions"] == 0 < priority["preemptions"]
+
+
+def test_ngram_bench_quick(tmp_path):
+    """bench/ngram.py --quick on the CPU: the lookup timings and the engine rows (target-only and a
+    lookup on tiny shapes) come out, and a repeating output has every draft accepted."""
+    out = tmp_path / "ngram.json"
+    proc = subprocess.run([sys.executable, "bench/ngram.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tokens/step" in proc.stdout  # the table is printed last
+    report = json.loads(out.read_text())
+    assert report["lookup"] and all(r["torch_us"] > 0 for r in report["lookup"])
+    configs = {r["config"] for r in report["engine"]}
+    assert {"target-only", "target-only, not planned ahead", "ngram 2:5 k=2"} <= configs
+    for r in report["engine"]:
+        assert r["tokens_per_step"] >= 1 and r["tok_s"] > 0
+        if r["text"] == "repeating" and r["config"].startswith("ngram"):
+            assert 0 < r["accepted"] == r["drafted"]
