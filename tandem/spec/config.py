@@ -29,8 +29,8 @@ class SpeculativeConfig:
     """Accepted by LLM(speculative_config=...) as this object or a dict with the same keys.
 
     method "draft_model" (the default) proposes with the draft model `model`; "ngram" (vLLM's
-    prompt lookup, tandem/spec/ngram.py) proposes the tokens that followed the latest n tokens'
-    earlier occurrence in the request's own context, n from prompt_lookup_max down to
+    prompt lookup, tandem/spec/ngram.py) proposes the tokens that followed the earliest earlier
+    occurrence of the context's last n tokens, n from prompt_lookup_max down to
     prompt_lookup_min, with no draft model (`model` left out).
 
     synthetic_acceptance_rates are unconditional: a_i = P(the first i+1 drafts are accepted).
@@ -162,10 +162,7 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        cls._refuse_unknown(spec)
         rates = spec.get("synthetic_acceptance_rates")
         if rates is not None:
             if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
@@ -185,6 +182,13 @@ class SpeculativeConfig:
         return cfg
 
     @classmethod
+    def _refuse_unknown(cls, spec: dict) -> None:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+
+    @classmethod
     def _ngram_from_user(cls, spec: dict, target_max_model_len: int) -> "SpeculativeConfig":
         """method="ngram" (or vLLM's "[ngram]" / "ngram_gpu", or model="[ngram]"): a lookup in the
         context; the draft model's keys are refused."""
@@ -195,10 +199,7 @@ class SpeculativeConfig:
         spec["method"] = "ngram"
         if "num_speculative_tokens" not in spec:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the most tokens a lookup proposes)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        cls._refuse_unknown(spec)
         for key in DRAFT_MODEL_KEYS:
             field = cls.__dataclass_fields__[key]
             if key in spec and spec[key] != field.default:

@@ -95,16 +95,14 @@ class NgramSpeculator(Speculator):
             return None
         cu = batch.cu_num_rows
         reqs = [plan.reqs[i] for i in batch.sampling]
-        # Row r of request n emits (when it is reached) the token at position base_n + (r - cu[n]).
-        base = [r.start_pos + len(r.input_token_ids) for r in reqs]
-        row_slot = [r.slot for n, r in enumerate(reqs) for _ in range(cu[n + 1] - cu[n])]
-        row_pos = [b + j for n, b in enumerate(base) for j in range(cu[n + 1] - cu[n])]
+        base = [r.start_pos + len(r.input_token_ids) for r in reqs]  # the position each one's first row emits
         drafting = [n for n, r in enumerate(reqs) if r.num_next_drafts]
-        slots_host = [r.slot for r in reqs]
-        row_slot_t, row_pos_t, slots, base_t, drafting_t, want_t = self.attn_backend.upload(
-            row_slot, row_pos, slots_host, base, drafting, [reqs[n].num_next_drafts for n in drafting])
-        # Rows past a request's emitted ones write past its new length: never read, overwritten later.
-        self.context[row_slot_t, row_pos_t.clamp(max=self.max_model_len)] = row_tokens.to(torch.int32)
+        slots, base_t, drafting_t, want_t = self.attn_backend.upload(
+            [r.slot for r in reqs], base, drafting, [reqs[n].num_next_drafts for n in drafting])
+        # Each row's token at the position it generates; rows past a request's emitted ones write
+        # past its new length: never read, overwritten later.
+        rows = batch.rows
+        self.context[rows.slot_ids, rows.positions.clamp(max=self.max_model_len)] = row_tokens.to(torch.int32)
         self.num_tokens[slots] = base_t + num_emitted
         counts = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
         if not drafting:
