@@ -1,6 +1,7 @@
 """Confidence-based early stop (speculative_config draft_confidence_threshold, vLLM's): a request's
 chain of drafts ends at its first draft the draft model is unsure of; greedy output stays the
 target's token for token. (Its sampled distribution: test_distribution.py.)"""
+import math
 import re
 from collections import Counter
 
@@ -10,6 +11,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.errors import ConfigError
 from tandem.spec.confidence import ConfidenceStop
+from tandem.spec.adaptive import StepCosts
 from tandem.spec.config import SpeculativeConfig
 from tests.helpers import make_spec_models
 
@@ -75,8 +77,14 @@ def test_adaptive_speculation_prices_the_stop_from_the_chains_it_saw(models):
     llm = _llm(models, draft_confidence_threshold=0.9, num_speculative_tokens_per_batch_size="auto")
     adaptive, speculator = llm.engine.adaptive, llm.engine.runner.speculator
     assert speculator.confidence_threshold == 0.9  # back on after the profile
+    assert all(math.isfinite(ms) for row in adaptive.costs.ms for ms in row)  # every K was timed
+    # The measured table decides whether deep rounds ever look worth planning: on a CPU whose draft
+    # steps cost as much as the target's, K = 1 can win from the first step, and then no round is
+    # ever cut. Costs in which a deeper round is cheap make the policy plan k, as on a GPU.
+    adaptive.costs = StepCosts((1,), ((1.0, 1.0, 1.1, 1.2, 1.3),))
     outs = llm.generate(_prompts()[:2], PARAMS, use_tqdm=False)
     assert all(d == 1 for o in outs for d in o.metrics.per_step_drafted)
+    assert adaptive.num_steps_by_k[4] >= 2  # deep rounds were planned, and the stop cut them
     alive = adaptive.proposals.survival()
     assert alive[0] == 1.0 and max(alive[1:]) < 0.5
     costs = adaptive.expected_costs(1)
