@@ -128,51 +128,57 @@ def _same_rows(got, want, what: str) -> None:
             assert g[t][1] == w[t][1] and math.isclose(g[t][0], w[t][0], rel_tol=1e-4, abs_tol=1e-4), what
 
 
+def expected_alone(target, jobs: list[Job], **kw) -> dict:
+    """Each job's output alone on a roomy target-only engine."""
+    alone = LLM(str(target), dtype="float32", block_size=8, max_model_len=MAX_LEN, **kw)
+    return {job.request_id: alone.generate({"prompt_token_ids": job.prompt}, job.params, use_tqdm=False)[0]
+            for job in jobs}
+
+
 @pytest.fixture(scope="module")
 def workload(models):
-    """The jobs, and each one's output alone on a roomy target-only engine."""
     jobs = _workload(seed=2026)
-    alone = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN)
-    expect = {job.request_id: alone.generate({"prompt_token_ids": job.prompt}, job.params, use_tqdm=False)[0]
-              for job in jobs}
-    return jobs, expect
+    return jobs, expected_alone(models["target"], jobs)
 
 
 TIGHT = dict(num_gpu_blocks_override=24, max_num_seqs=6, max_num_batched_tokens=40)
+# On this table the choice of drafts under "auto" follows the acceptance seen (the measured one
+# may leave the draft off throughout).
+AUTO_COSTS = StepCosts((1, 6), ((4.0, 4.8, 5.2, 5.6), (4.4, 5.4, 5.9, 6.4)))
 
-
-@pytest.mark.parametrize("name, kw", [
-    ("target-only", {}),
-    ("draft", dict(speculative_config=dict(model="near", num_speculative_tokens=3))),
-    ("ngram", dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                                           prompt_lookup_max=3))),
+CONFIGS = {
+    "target-only": {},
+    "draft": dict(speculative_config=dict(model="near", num_speculative_tokens=3)),
+    "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                          prompt_lookup_max=3)),
     # async scheduling plans the steps of more than 3 requests (no drafts) ahead of the last result
-    ("draft-async", dict(speculative_config=dict(model="near", num_speculative_tokens=2,
-                                                 num_speculative_tokens_per_batch_size=[[1, 3, 2], [4, 6, 0]]),
-                         async_scheduling=True)),
-    ("ngram-async", dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
-                                                 prompt_lookup_max=2), async_scheduling=True)),
-    ("draft-auto", dict(speculative_config=dict(model="near", num_speculative_tokens=3,
-                                                num_speculative_tokens_per_batch_size="auto"), async_scheduling=True)),
-    ("draft-confidence", dict(speculative_config=dict(model="near", num_speculative_tokens=4,
-                                                      draft_confidence_threshold=0.4))),
-    ("draft-fp8-pruned", dict(speculative_config=dict(model="near", num_speculative_tokens=3, quantization="fp8",
-                                                      draft_vocab_size=160))),
-    ("priority", dict(scheduling_policy="priority")),
-    ("draft-priority", dict(speculative_config=dict(model="near", num_speculative_tokens=4),
-                            scheduling_policy="priority")),
-])
-def test_each_request_equals_itself_alone(models, workload, name, kw, monkeypatch):
-    jobs, expect = workload
+    "draft-async": dict(speculative_config=dict(model="near", num_speculative_tokens=2,
+                                                num_speculative_tokens_per_batch_size=[[1, 3, 2], [4, 6, 0]]),
+                        async_scheduling=True),
+    "ngram-async": dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                                                prompt_lookup_max=2), async_scheduling=True),
+    "draft-auto": dict(speculative_config=dict(model="near", num_speculative_tokens=3,
+                                               num_speculative_tokens_per_batch_size="auto"), async_scheduling=True),
+    "draft-confidence": dict(speculative_config=dict(model="near", num_speculative_tokens=4,
+                                                     draft_confidence_threshold=0.4)),
+    "draft-fp8-pruned": dict(speculative_config=dict(model="near", num_speculative_tokens=3, quantization="fp8",
+                                                     draft_vocab_size=160)),
+    "priority": dict(scheduling_policy="priority"),
+    "draft-priority": dict(speculative_config=dict(model="near", num_speculative_tokens=4),
+                           scheduling_policy="priority"),
+}
+
+
+def run_and_check(models, jobs: list[Job], expect: dict, name: str, monkeypatch, **engine_kw) -> LLM:
+    """Runs the jobs on CONFIGS[name] (a tight pool and budget) and checks each against itself alone."""
+    kw = CONFIGS[name]
     spec = kw.get("speculative_config")
     if spec is not None and spec.get("num_speculative_tokens_per_batch_size") == "auto":
-        # a fixed table on which the choice of drafts follows the acceptance seen (the measured one
-        # may leave the draft off throughout)
-        monkeypatch.setattr(step_costs, "profile_step_costs", lambda runner, cfg: StepCosts((1, 6), (
-            (4.0, 4.8, 5.2, 5.6), (4.4, 5.4, 5.9, 6.4))))
+        monkeypatch.setattr(step_costs, "profile_step_costs", lambda runner, cfg: AUTO_COSTS)
     if spec is not None and "model" in spec:
         kw = dict(kw, speculative_config=dict(spec, model=str(models[spec["model"]])))
-    llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN, **TIGHT, **kw)
+    llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN, **TIGHT, **kw,
+              **engine_kw)
     done = _drive(llm, jobs, priorities=kw.get("scheduling_policy") == "priority")
     preempted = aborted = 0
     for job in jobs:
@@ -195,3 +201,9 @@ def test_each_request_equals_itself_alone(models, workload, name, kw, monkeypatc
     if llm.engine.adaptive is not None:
         by_k = llm.engine.adaptive.num_steps_by_k
         assert sum(by_k[1:]) > 0 and sum(n > 0 for n in by_k) >= 2, by_k  # it drafted, and changed its mind
+    return llm
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_each_request_equals_itself_alone(models, workload, name, monkeypatch):
+    run_and_check(models, *workload, name, monkeypatch)
