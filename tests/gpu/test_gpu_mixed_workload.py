@@ -3,7 +3,7 @@ and aborted over time, a pool that preempts, a budget that chunks prompts) on th
 Triton kernels, async scheduling on where it is the default: each request equals itself alone."""
 import pytest
 
-from tests.engine.test_mixed_workload import CONFIGS, _workload, expected_alone, run_and_check
+from tests.engine.test_mixed_workload import CONFIGS, _workload, alone_by_settings, run_and_check
 from tests.helpers import make_spec_models
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workload(models):
     jobs = _workload(seed=2026)
-    return jobs, expected_alone(models["target"], jobs, device="cuda", kv_cache_memory_bytes=64 << 20)
+    return jobs, alone_by_settings(models["target"], jobs, device="cuda", kv_cache_memory_bytes=64 << 20)
 
 
 # The confidence stop reads each draft step's confidence on the host: refused on a GPU.
