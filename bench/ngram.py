@@ -1,5 +1,5 @@
-"""N-gram lookup (speculative_config method="ngram") on the GPU: what the lookup costs, and the
-step times and tokens/s it gives, side by side with target-only in one run.
+"""N-gram and suffix lookup (speculative_config method="ngram" / "suffix") on the GPU: what the
+lookup costs, and the step times and tokens/s it gives, side by side with target-only in one run.
 
     python3 bench/ngram.py --out $OUT/ngram.json        # on the H200: the 8B shape, dummy weights
     python3 bench/ngram.py --quick                      # tiny shapes (a CPU works too)
@@ -7,15 +7,21 @@ step times and tokens/s it gives, side by side with target-only in one run.
 
 Sections:
 - lookup: the lookup alone over B contexts of L tokens (median wall time, device synchronised),
-  as torch ops (`ngram_drafts`, the CPU path) and as the Triton kernel the GPU path runs;
-- engine: batch B, k drafts, prompt_lookup 2..5 (vLLM's defaults are 5..5), each measured as
+  as torch ops (`ngram_drafts`, the CPU path) and as the Triton kernel the GPU path runs; and
+  suffix lookup's torch ops (`suffix_drafts`, every device's path) over the same contexts and a
+  full corpus (suffix_decoding_corpus_tokens, 65536 by default);
+- engine: batch B, k drafts, n-gram lookup 2..5 (vLLM's defaults are 5..5) and suffix lookup
+  (vLLM's defaults; its corpus fills with the benchmark's own finished requests), each measured as
   bench/gpu_bench.measure_steps does (median step time after warm-up, tokens per step), on
   * "dummy": the dummy weights' own output (an 8B shape's is random text: the lookup rarely finds a match, so
     this is what lookup costs when it does not pay),
   * "repeating": the LM head zeroed, so the target emits one token again and again and every
     draft is accepted (the ceiling: k + 1 tokens a step, each verification as one graph).
-- real (CPU): the real Qwen2.5-Coder 1.5B at batch 1, greedy, target-only, its 0.5B draft and
-  each --real-lookups lookup, all loaded, then timed round-robin over one prompt class at a time
+- real (CPU): the real Qwen2.5-Coder 1.5B at batch 1, greedy, target-only, its 0.5B draft,
+  each --real-lookups n-gram lookup and suffix lookup twice: on the request's own tokens only
+  (suffix_decoding_max_cached_requests=0), and with its corpus, which holds the responses of its
+  earlier passes over the same prompts (a workload that repeats itself: agent loops, RL rollouts),
+  all loaded, then timed round-robin over one prompt class at a time
   (bench/real_pair.py's prompts; "edit" asks to rewrite given code, so the answer repeats it):
   tokens/s, acceptance, and whether the tokens are target-only's.
   Speedups are over target-only at the same batch in the same run (its steps planned ahead of
@@ -40,11 +46,14 @@ from bench.gpu_bench import LLAMA_8B, TINY, free, measure_steps, write_config  #
 
 
 def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device: torch.device, repeats: int,
-                kernel: bool) -> float:
-    """Median microseconds of one lookup over `batch` random contexts of `length` tokens: the torch
-    ops (ngram_drafts) or, kernel=True, the Triton kernel (CUDA). Wall time around the call, the
-    device synchronised after it: the torch ops are launch-bound, so their launches count."""
+                way: str) -> float:
+    """Median microseconds of one lookup over `batch` random contexts of `length` tokens: way
+    "torch" (ngram_drafts), "kernel" (the Triton kernel, CUDA) or "suffix" (suffix_drafts with a
+    full default-sized corpus). Wall time around the call, the device synchronised after it: the
+    torch ops are launch-bound, so their launches count."""
+    from tandem.spec.config import SpeculativeConfig
     from tandem.spec.ngram import ngram_drafts
+    from tandem.spec.suffix import suffix_drafts
 
     g = torch.Generator().manual_seed(batch * 7919 + length)
     tokens = torch.randint(0, 32000, (batch, length), generator=g, dtype=torch.int32).to(device)
@@ -52,12 +61,17 @@ def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device
     slots = torch.arange(batch, device=device)
     want = torch.full((batch,), k, dtype=torch.int64, device=device)
     drafts = torch.zeros(batch, k, dtype=torch.int64, device=device)
+    suffix = SpeculativeConfig.from_user({"method": "suffix", "num_speculative_tokens": k}, length + k)
+    corpus = torch.randint(0, 32000, (suffix.suffix_decoding_corpus_tokens,), generator=g, dtype=torch.int32).to(device)
 
     def call():
-        if kernel:
+        if way == "kernel":
             from tandem.kernels.ngram import ngram_lookup
 
             ngram_lookup(tokens, lens, slots, want, drafts, lookup[0], lookup[1], length + k)
+        elif way == "suffix":
+            suffix_drafts(tokens, lens, corpus, suffix.suffix_decoding_max_tree_depth, k,
+                          suffix.suffix_decoding_max_spec_factor, suffix.suffix_decoding_min_token_prob, length + k)
         else:
             ngram_drafts(tokens, lens, lookup[0], lookup[1], k, length + k)
 
@@ -87,7 +101,7 @@ def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[in
     configs = [("target-only", None), ("target-only, not planned ahead", "sync")] + [
         (f"ngram {lookup[0]}:{lookup[1]} k={k}", dict(method="ngram", num_speculative_tokens=k,
                                                       prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1]))
-        for k in ks]
+        for k in ks] + [(f"suffix k={k}", dict(method="suffix", num_speculative_tokens=k)) for k in ks]
     for name, spec in configs:
         llm = make(None, async_scheduling=False) if spec == "sync" else make(spec)
         head = llm.engine.runner.model.lm_head.weight
@@ -122,6 +136,11 @@ def real_pair(args, results) -> None:
         lo, hi = (int(v) for v in lookup.split(":"))
         specs[f"ngram {lo}:{hi} k={k}"] = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
                                               prompt_lookup_max=hi)
+    ks = args.real_suffix_ks.split(",") if args.real_suffix_ks else []
+    for sk in map(int, ks):
+        specs[f"suffix k={sk}, own tokens"] = dict(method="suffix", num_speculative_tokens=sk,
+                                                   suffix_decoding_max_cached_requests=0)
+        specs[f"suffix k={sk}, corpus"] = dict(method="suffix", num_speculative_tokens=sk)
     for cls in args.classes.split(","):
         engines, prompts, series, outputs = time_variants(specs, args.real_tokens, args.real_prompts,
                                                           args.repeats, classes=(cls,))
@@ -160,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-gib", type=int, default=12)
     p.add_argument("--classes", default="code,chat,edit", help="the real section's prompt classes")
-    p.add_argument("--real-lookups", default="1:3,2:5", help="the real section's lookups, MIN:MAX each")
+    p.add_argument("--real-lookups", default="1:3,2:5", help="the real section's n-gram lookups, MIN:MAX each")
+    p.add_argument("--real-suffix-ks", default="8", help="the real section's suffix lookups' k (\"\": none)")
     p.add_argument("--real-prompts", type=int, default=3, help="the real section's prompts per class")
     p.add_argument("--real-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2, help="the real section's timed passes per engine")
@@ -178,8 +198,8 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.lookup_batches.split(",")]:
             for n in lengths:
                 r = dict(batch=b, length=n, k=max(ks))
-                for way in ("torch", "kernel") if device.type == "cuda" else ("torch",):
-                    r[f"{way}_us"] = time_lookup(b, n, max(ks), lookup, device, 5 if args.quick else 20, way == "kernel")
+                for way in ("torch", "kernel", "suffix") if device.type == "cuda" else ("torch", "suffix"):
+                    r[f"{way}_us"] = time_lookup(b, n, max(ks), lookup, device, 5 if args.quick else 20, way)
                 results["lookup"].append(r)
                 print(f"[lookup] {r}", flush=True)
         write_json(args.out, results)
@@ -192,9 +212,11 @@ def main(argv=None) -> int:
         real_pair(args, results)
     write_json(args.out, results)
     if results["lookup"]:
-        print_table(["lookup batch", "context tokens", "k", "torch ops us", "Triton kernel us"],
+        print_table(["lookup batch", "context tokens", "k", "ngram torch ops us", "ngram Triton kernel us",
+                     "suffix torch ops us"],
                     [(r["batch"], r["length"], r["k"], f"{r['torch_us']:.1f}",
-                      f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-") for r in results["lookup"]])
+                      f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-", f"{r['suffix_us']:.1f}")
+                     for r in results["lookup"]])
     if results["engine"]:
         print_table(["config", "text", "batch", "ms/step", "tokens/step", "tok/s", "accepted / drafted", "speedup"],
                     [(r["config"], r["text"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_step']:.2f}",

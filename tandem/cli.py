@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or use --no-draft"),
                      help=f"draft model path or name (default with no --model: {DEFAULT_DRAFT}), or ngram: "
                           "n-gram lookup in the context, no draft model (vLLM's method='ngram', prompt_lookup 5..5; "
-                          "other lookups through --speculative-config)")
+                          "other lookups through --speculative-config), or suffix: suffix decoding (method='suffix')")
     gen.add_argument("--no-draft", action="store_true", help="run the target alone")
     gen.add_argument("--speculative-config", type=speculative_config, default=None, help=SPEC_CONFIG_HELP)
     # The draft-only flags default to None so that giving one without a draft is caught, not ignored.

@@ -88,6 +88,9 @@ class StepPlan:
     new_reqs: list[NewReq]
     reqs: list[ScheduledReq]  # batch order
     freed_slots: list[int] = field(default_factory=list)  # released since the previous plan
+    # (slot, start, end): responses that ended ("stop" or "length") since the previous plan, at
+    # positions start..end - 1 of their slot's tokens (suffix lookup keeps them; tandem/spec/suffix.py)
+    finished_outputs: list[tuple[int, int, int]] = field(default_factory=list)
     grammar: GrammarMask | None = None  # set by the engine when a structured-output request samples
 
     @property

@@ -60,18 +60,18 @@ def test_priority_bench_quick(tmp_path):
 
 
 def test_ngram_bench_quick(tmp_path):
-    """bench/ngram.py --quick on the CPU: the lookup timings and the engine rows (target-only and a
-    lookup on tiny shapes) come out, and a repeating output has every draft accepted."""
+    """bench/ngram.py --quick on the CPU: the lookup timings and the engine rows (target-only and the
+    lookups on tiny shapes) come out, and a repeating output has every draft accepted."""
     out = tmp_path / "ngram.json"
     proc = subprocess.run([sys.executable, "bench/ngram.py", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tokens/step" in proc.stdout  # the table is printed last
     report = json.loads(out.read_text())
-    assert report["lookup"] and all(r["torch_us"] > 0 for r in report["lookup"])
+    assert report["lookup"] and all(r["torch_us"] > 0 and r["suffix_us"] > 0 for r in report["lookup"])
     configs = {r["config"] for r in report["engine"]}
-    assert {"target-only", "target-only, not planned ahead", "ngram 2:5 k=2"} <= configs
+    assert {"target-only", "target-only, not planned ahead", "ngram 2:5 k=2", "suffix k=2"} <= configs
     for r in report["engine"]:
         assert r["tokens_per_step"] >= 1 and r["tok_s"] > 0
-        if r["text"] == "repeating" and r["config"].startswith("ngram"):
+        if r["text"] == "repeating" and r["config"].startswith(("ngram", "suffix")):
             assert 0 < r["accepted"] == r["drafted"]

@@ -146,9 +146,9 @@ class Engine:
             k_for_batch = self.adaptive = AdaptiveDrafts(k, profile_step_costs(self.runner, self.cfg))
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch,
                                    record_spec_steps=cfg.per_request_spec_decode_metrics == "detailed",
-                                   draft_kv=cfg.spec is None or not cfg.spec.ngram)
+                                   draft_kv=cfg.spec is None or not cfg.spec.lookup)
         self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts
-                                                                 or cfg.spec.ngram)
+                                                                 or cfg.spec.lookup)
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
@@ -166,7 +166,7 @@ class Engine:
         # grammar, as vLLM's (for A/B measurements of greedy drafts only: the ratio test of sampled
         # drafts takes them to be grammar-aware).
         self.grammar_drafting = "auto" if cfg.device.type == "cuda" else "round"
-        if cfg.spec is not None and cfg.spec.ngram:  # a lookup's drafts are the context's, free of the grammar
+        if cfg.spec is not None and cfg.spec.lookup:  # a lookup's drafts are tokens seen before, free of the grammar
             self.grammar_drafting = None
         self._rng = random.Random(cfg.model.seed)
         self._warned: set[str] = set()  # the once-per-engine warnings given

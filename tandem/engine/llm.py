@@ -210,10 +210,10 @@ class LLM:
         # Steps that draft nothing are planned ahead as without a draft; the others overlap the
         # host's work with the device's drafting instead. A lookup's steps are planned ahead while
         # it finds nothing (Scheduler.schedule_ahead).
-        undrafted = spec is None or 0 in spec.draft_counts or spec.ngram
+        undrafted = spec is None or 0 in spec.draft_counts or spec.lookup
         if async_scheduling and not undrafted:
             raise ConfigError(
-                "async_scheduling=True is not supported with speculative_config unless method='ngram', or "
+                "async_scheduling=True is not supported with speculative_config unless method='ngram' or 'suffix', or "
                 "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" "
                 "(it plans only steps without drafts ahead): with a draft model the host already applies each step while "
                 "the device drafts; leave async_scheduling unset"
@@ -266,7 +266,7 @@ class LLM:
                 torch.set_num_threads(threads_per_rank(tp_size))
             if rank == 0:  # the other ranks build the same engine from what this one resolved
                 launch["model"] = str(model_dir)
-                if spec is not None and not spec.ngram:  # fetched once, here
+                if spec is not None and not spec.lookup:  # fetched once, here
                     draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else torch_dtype,
                                                   spec.draft_load_format, "speculative_config.model")
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
@@ -280,10 +280,10 @@ class LLM:
             target = load_model(cfg.model, dev, tp=self.tp)
             eos = eos_token_ids(model_dir, arch, self.tokenizer)
             factory = None
-            if spec is not None and spec.ngram:
-                from tandem.spec.ngram import NgramFactory
+            if spec is not None and spec.lookup:
+                from tandem.spec.ngram import LookupFactory
 
-                factory = NgramFactory(spec)
+                factory = LookupFactory(spec)
             elif spec is not None:
                 from tandem.spec.factory import SpeculatorFactory
 

@@ -137,6 +137,8 @@ class ModelRunner:
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
         for slot in plan.freed_slots:
             self.state.remove(slot)
+        if self.speculator is not None and plan.finished_outputs:  # before their slots take new requests
+            self.speculator.finished(plan.finished_outputs)
         self.state.add_all(plan.new_reqs)
         for new in plan.new_reqs:
             if self.speculator is not None:

@@ -82,6 +82,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
         self._freed_slots: list[int] = []
+        self._finished_outputs: list[tuple[int, int, int]] = []  # StepPlan.finished_outputs
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -105,6 +106,9 @@ class Scheduler:
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
+            if reason != "abort":
+                start = len(req.prompt_token_ids)
+                self._finished_outputs.append((req.slot, start, start + len(req.output_token_ids)))
             self._release(req)
         else:
             self.waiting.remove(req)
@@ -144,8 +148,7 @@ class Scheduler:
                 step.budget -= item.num_budget_tokens
         self._admit_waiting(step)
         reqs = [step.scheduled[r.req_id] for r in self.running if r.req_id in step.scheduled]
-        freed, self._freed_slots = self._freed_slots, []
-        return StepPlan(new_reqs=step.new_reqs, reqs=reqs, freed_slots=freed)
+        return StepPlan(new_reqs=step.new_reqs, reqs=reqs, **self._released())
 
     def _admit_waiting(self, step: _StepBuild, outranking: int | None = None) -> None:
         """Admit waiting requests, in arrival (or priority) order, while budget, slots and blocks
@@ -224,8 +227,7 @@ class Scheduler:
                 num_next_drafts=lookup,
                 draft_skip=bool(self.k) and not lookup,
             ))
-        freed, self._freed_slots = self._freed_slots, []
-        return StepPlan(new_reqs=[], reqs=reqs, freed_slots=freed)
+        return StepPlan(new_reqs=[], reqs=reqs, **self._released())
 
     def _schedule_running(self, req: Request, step: _StepBuild, reserve: int) -> ScheduledReq | None:
         item = self._make_item(req, step.budget, step.k_next, reserve)  # its size kept while room is made
@@ -402,6 +404,12 @@ class Scheduler:
     def _wait_in_order(self, req: Request) -> None:
         """Queue req by its sort key (the priority policy's waiting order)."""
         self.waiting.insert(bisect.bisect(self.waiting, req.sort_key, key=lambda r: r.sort_key), req)
+
+    def _released(self) -> dict:
+        """StepPlan's freed_slots and finished_outputs since the previous plan (then cleared)."""
+        out = dict(freed_slots=self._freed_slots, finished_outputs=self._finished_outputs)
+        self._freed_slots, self._finished_outputs = [], []
+        return out
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req)

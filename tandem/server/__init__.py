@@ -33,7 +33,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--draft", default=None, type=non_empty("pass a draft path or name, or leave --draft out"),
                        help="draft model path or name (enables speculative decoding), or ngram: n-gram lookup in "
                             "the context, no draft model (vLLM's method='ngram', prompt_lookup 5..5; other lookups "
-                            "through --speculative-config)")
+                            "through --speculative-config), or suffix: suffix decoding (method='suffix')")
     model.add_argument("--speculative-config", type=speculative_config, default=None, help=SPEC_CONFIG_HELP)
     # The draft-only flags default to None so that check_serve_args can refuse them without --draft.
     model.add_argument("--num-speculative-tokens", "-k", type=int_in(1), default=None,

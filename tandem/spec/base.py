@@ -66,6 +66,10 @@ class Speculator:
         """A request (re)admitted to new.slot (nothing by default: sampling parameters live in the
         shared SamplingState)."""
 
+    def finished(self, outputs: list[tuple[int, int, int]]) -> None:
+        """Responses that ended, as StepPlan.finished_outputs, before their slots are reused
+        (nothing by default)."""
+
     def pending_drafts(self, src: Tensor) -> Tensor:
         """src [n, 2] int64 (slot, draft index) -> draft tokens [n] int64."""
         return self.drafts[src[:, 0], src[:, 1]]

@@ -1,5 +1,5 @@
-"""SpeculativeConfig: the proposer (a draft model, or n-gram lookup in the context) and how its
-proposals are drawn and verified."""
+"""SpeculativeConfig: the proposer (a draft model, n-gram lookup in the context, or suffix lookup in
+the context and in earlier responses) and how its proposals are drawn and verified."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +13,16 @@ from tandem.errors import ConfigError
 from tandem.layers.quant import QUANTIZATIONS
 from tandem.sampling_params import MAX_SEED
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "suffix")
+LOOKUPS = ("ngram", "suffix")  # the methods without a draft model
 # vLLM's other names for n-gram lookup (its "ngram_gpu" runs it on the device, as tandem's does)
 NGRAM_ALIASES = ("ngram", "[ngram]", "ngram_gpu")
+SUFFIX_ALIASES = ("suffix", "[suffix]")  # model="suffix": --draft suffix on the command line
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
-# Keys that configure a draft model, refused with method="ngram" when set (their defaults pass)
+PROMPT_LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+               "suffix_decoding_max_cached_requests", "suffix_decoding_corpus_tokens")
+# Keys that configure a draft model, refused with a lookup method when set (their defaults pass)
 DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_parallel_size", "draft_vocab_size",
                     "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -31,7 +36,11 @@ class SpeculativeConfig:
     method "draft_model" (the default) proposes with the draft model `model`; "ngram" (vLLM's
     prompt lookup, tandem/spec/ngram.py) proposes the tokens that followed the earliest earlier
     occurrence of the context's last n tokens, n from prompt_lookup_max down to
-    prompt_lookup_min, with no draft model (`model` left out).
+    prompt_lookup_min, with no draft model (`model` left out); "suffix" (vLLM's suffix decoding,
+    tandem/spec/suffix.py) the most frequent continuation of the longest suffix of the context
+    (up to suffix_decoding_max_tree_depth tokens) that occurred before, in the request's own
+    tokens or in the responses of finished requests, as many tokens as that continuation stays
+    likely (suffix_decoding_min_token_prob) and the match is long (suffix_decoding_max_spec_factor).
 
     synthetic_acceptance_rates are unconditional: a_i = P(the first i+1 drafts are accepted).
     synthetic_acceptance_length L in [1, k+1] is turned into the least-variance rates
@@ -43,6 +52,12 @@ class SpeculativeConfig:
     method: str = "draft_model"
     prompt_lookup_max: int | None = None  # method="ngram": the longest n-gram matched (vLLM's key)
     prompt_lookup_min: int | None = None  # method="ngram": the shortest
+    # method="suffix" (vLLM's keys and defaults, and its Model Runner V2's corpus size):
+    suffix_decoding_max_tree_depth: int = 24  # the longest suffix matched
+    suffix_decoding_max_spec_factor: float = 1.0  # at most this many drafts per matched token
+    suffix_decoding_min_token_prob: float = 0.1  # a draft's least share among the match's continuations
+    suffix_decoding_max_cached_requests: int = 10000  # finished responses kept (0: the request's own tokens only)
+    suffix_decoding_corpus_tokens: int = 1 << 16  # the tokens those responses may take (oldest first out)
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
@@ -92,10 +107,15 @@ class SpeculativeConfig:
         return self.method == "ngram"
 
     @property
+    def lookup(self) -> bool:
+        """Proposals looked up in tokens seen before (n-gram or suffix), no draft model."""
+        return self.method in LOOKUPS
+
+    @property
     def verify_counts(self) -> tuple[int, ...]:
         """The numbers of drafts a uniform verification step may carry (each gets its CUDA graphs):
-        a draft model's rounds propose draft_counts; a lookup proposes what the context holds, 1..k."""
-        if self.ngram:
+        a draft model's rounds propose draft_counts; a lookup proposes what it finds, 1..k."""
+        if self.lookup:
             return tuple(range(1, self.k + 1))
         return tuple(d for d in self.draft_counts if d > 0)
 
@@ -143,17 +163,20 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
                               "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
                               "tensor_parallel_size)")
-        # vLLM's names for the lookup; model="[ngram]" too when the method is left to it (a
-        # SpeculativeConfig object carries method="draft_model", the field's default)
-        if spec.get("method") in NGRAM_ALIASES or (spec.get("method", "draft_model") == "draft_model"
-                                                    and spec.get("model") in NGRAM_ALIASES):
-            return cls._ngram_from_user(spec, target_max_model_len)
+        # vLLM's names for the lookups; model="[ngram]" (or "suffix") too when the method is left to
+        # it (a SpeculativeConfig object carries method="draft_model", the field's default)
+        unset = spec.get("method", "draft_model") == "draft_model"
+        for method, aliases in (("ngram", NGRAM_ALIASES), ("suffix", SUFFIX_ALIASES)):
+            if spec.get("method") in aliases or (unset and spec.get("model") in aliases):
+                return cls._lookup_from_user(spec, method, target_max_model_len)
         if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
             _one_of("method", spec["method"], METHODS)
-        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        for key in PROMPT_LOOKUP_KEYS:
             if spec.get(key) is not None:
                 raise ConfigError(f"speculative_config.{key} sets n-gram lookup, which method='draft_model' does not "
                                   "use: pass method='ngram' (no draft model), or leave it out")
+        _refuse_set(spec, SUFFIX_KEYS, "sets suffix decoding, which method='draft_model' does not use: pass "
+                                       "method='suffix' (no draft model), or leave it out")
         tp = spec.get("draft_tensor_parallel_size")
         if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be a positive integer "
@@ -189,14 +212,15 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
 
     @classmethod
-    def _ngram_from_user(cls, spec: dict, target_max_model_len: int) -> "SpeculativeConfig":
-        """method="ngram" (or vLLM's "[ngram]" / "ngram_gpu", or model="[ngram]"): a lookup in the
-        context; the draft model's keys are refused."""
+    def _lookup_from_user(cls, spec: dict, method: str, target_max_model_len: int) -> "SpeculativeConfig":
+        """A lookup without a draft model: method="ngram" (or vLLM's "[ngram]" / "ngram_gpu", or
+        model="[ngram]") or method="suffix"; the draft model's keys are refused, and the other
+        lookup's."""
         model = spec.pop("model", None)
-        if model is not None and model not in NGRAM_ALIASES:
-            raise ConfigError(f"speculative_config.model={model!r} is not used by method='ngram', which proposes from "
-                              "the request's own tokens; leave model out (or pass method='draft_model' to draft with it)")
-        spec["method"] = "ngram"
+        if model is not None and model not in (NGRAM_ALIASES if method == "ngram" else SUFFIX_ALIASES):
+            raise ConfigError(f"speculative_config.model={model!r} is not used by method={method!r}, which proposes "
+                              "from tokens seen before; leave model out (or pass method='draft_model' to draft with it)")
+        spec["method"] = method
         if "num_speculative_tokens" not in spec:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the most tokens a lookup proposes)")
         cls._refuse_unknown(spec)
@@ -204,36 +228,50 @@ class SpeculativeConfig:
             field = cls.__dataclass_fields__[key]
             if key in spec and spec[key] != field.default:
                 raise ConfigError(f"speculative_config.{key}={spec[key]!r} configures a draft model, and "
-                                  "method='ngram' has none; leave it out")
+                                  f"method={method!r} has none; leave it out")
         if spec.get("draft_sample_method", "greedy") != "greedy":
-            raise ConfigError(f"speculative_config.draft_sample_method={spec['draft_sample_method']!r}: n-gram lookup "
+            raise ConfigError(f"speculative_config.draft_sample_method={spec['draft_sample_method']!r}: a lookup "
                               "has no draft distribution to sample; its drafts are verified as greedy ones (use "
                               "'greedy' or leave it out)")
         for key in ("rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length"):
             if spec.get(key) not in (None, "standard", "block"):
                 raise ConfigError(f"speculative_config.{key}={spec[key]!r}: synthetic acceptance measures a draft "
-                                  "model's costs at set acceptance rates; with method='ngram' leave it out")
+                                  f"model's costs at set acceptance rates; with method={method!r} leave it out")
         if spec.get("num_speculative_tokens_per_batch_size") == "auto":
             raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size='auto' prices a draft model's "
-                              "steps, and method='ngram' has none; give [start, end, K] ranges or leave it out")
-        for key in ("prompt_lookup_min", "prompt_lookup_max"):
-            n = spec.get(key)
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-                raise ConfigError(f"speculative_config.{key}={n!r} must be an integer >= 1 (an n-gram's length)")
-        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        if lo is None and hi is None:  # vLLM's defaults; one given sets the other
-            lo = hi = DEFAULT_PROMPT_LOOKUP
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        if lo > hi:
-            raise ConfigError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}; the lookup "
-                              "tries n from prompt_lookup_max down to prompt_lookup_min")
-        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = lo, hi
+                              f"steps, and method={method!r} has none; give [start, end, K] ranges or leave it out")
+        if method == "ngram":
+            _refuse_set(spec, SUFFIX_KEYS, "sets suffix decoding: pass method='suffix' instead of 'ngram', or leave "
+                                           "it out")
+            cls._prompt_lookup(spec)
+        else:
+            for key in PROMPT_LOOKUP_KEYS:
+                if spec.get(key) is not None:
+                    raise ConfigError(f"speculative_config.{key} sets n-gram lookup: method='suffix' matches the "
+                                      "longest suffix up to suffix_decoding_max_tree_depth instead; leave it out")
+            _suffix_keys(spec)
         ranges = spec.get("num_speculative_tokens_per_batch_size")
         if ranges is not None:
             spec["num_speculative_tokens_per_batch_size"] = _batch_ranges(ranges)
         cfg = cls(model=None, **spec)
         cfg._validate(target_max_model_len)
         return cfg
+
+    @staticmethod
+    def _prompt_lookup(spec: dict) -> None:
+        """prompt_lookup_min / _max checked, and their defaults (vLLM's: 5 and 5; one given sets the other)."""
+        for key in PROMPT_LOOKUP_KEYS:
+            n = spec.get(key)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ConfigError(f"speculative_config.{key}={n!r} must be an integer >= 1 (an n-gram's length)")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ConfigError(f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}; the lookup "
+                              "tries n from prompt_lookup_max down to prompt_lookup_min")
+        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = lo, hi
 
     def _validate(self, target_max_model_len: int) -> None:
         k = self.num_speculative_tokens
@@ -279,9 +317,9 @@ class SpeculativeConfig:
         if tau is not None and (not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0 < tau < 1):
             raise ConfigError(f"speculative_config.draft_confidence_threshold={tau!r} must be a number in (0, 1): "
                               "the draft's top-1 probability below which a request stops drafting")
-        if self.ngram:
+        if self.lookup:
             if self.model is not None:
-                raise ConfigError("speculative_config.model is not used by method='ngram'; leave it out")
+                raise ConfigError(f"speculative_config.model is not used by method={self.method!r}; leave it out")
         elif not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"speculative_config.model={self.model!r} must be a path or a model name")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
@@ -354,6 +392,37 @@ def length_to_rates(length: float, k: int) -> tuple[float, ...]:
     frac = (length - 1) - full
     rates = [1.0] * full + ([frac] if full < k else [])
     return tuple((rates + [0.0] * k)[:k])
+
+
+def _refuse_set(spec: dict, keys, why: str) -> None:
+    """ConfigError naming the first of keys that spec sets to other than its default."""
+    for key in keys:
+        if key in spec and spec[key] != SpeculativeConfig.__dataclass_fields__[key].default:
+            raise ConfigError(f"speculative_config.{key}={spec[key]!r} {why}")
+
+
+def _suffix_keys(spec: dict) -> None:
+    """method="suffix": each suffix_decoding_* key in its range."""
+    def bad(key: str, rule: str) -> ConfigError:
+        return ConfigError(f"speculative_config.{key}={spec[key]!r} must be {rule}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    checks = {
+        "suffix_decoding_max_tree_depth": (lambda v: is_int(v) and v >= 1, "an integer >= 1 (tokens matched)"),
+        "suffix_decoding_max_spec_factor": (lambda v: is_num(v) and v > 0, "a number > 0 (drafts per matched token)"),
+        "suffix_decoding_min_token_prob": (lambda v: is_num(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "suffix_decoding_max_cached_requests": (lambda v: is_int(v) and v >= 0,
+                                                "an integer >= 0 (0: no responses kept, the request's own tokens only)"),
+        "suffix_decoding_corpus_tokens": (lambda v: is_int(v) and v >= 2, "an integer >= 2 (the responses' tokens kept)"),
+    }
+    for key, (ok, rule) in checks.items():
+        if key in spec and not ok(spec[key]):
+            raise bad(key, rule)
 
 
 def _one_of(name: str, value, allowed) -> None:

@@ -107,23 +107,26 @@ class NgramSpeculator(Speculator):
         counts = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
         if not drafting:
             return counts
-        slots_d = slots[drafting_t]
+        width = min(self.max_model_len + 1, max(base[n] + cu[n + 1] - cu[n] for n in drafting))  # the longest context
+        counts[drafting_t] = self.lookup(slots[drafting_t], want_t, width)
+        return counts
+
+    def lookup(self, slots: Tensor, want: Tensor, width: int) -> Tensor:
+        """Drafts for the requests in slots [n] (each wanting want [n] at most) into self.drafts
+        -> their counts [n]; width: the longest of their contexts."""
         if self.attn_backend.use_triton:  # one launch (tandem/kernels/ngram.py), reading the slots' contexts in place
             from tandem.kernels.ngram import ngram_lookup
 
-            counts[drafting_t] = ngram_lookup(self.context, self.num_tokens, slots_d, want_t, self.drafts, self.min_n,
-                                              self.max_n, self.max_model_len)
-            return counts
-        width = min(self.max_model_len + 1, max(base[n] + cu[n + 1] - cu[n] for n in drafting))  # the longest context
-        drafts, found = ngram_drafts(self.context[slots_d, :width], self.num_tokens[slots_d], self.min_n, self.max_n,
+            return ngram_lookup(self.context, self.num_tokens, slots, want, self.drafts, self.min_n, self.max_n,
+                                self.max_model_len)
+        drafts, found = ngram_drafts(self.context[slots, :width], self.num_tokens[slots], self.min_n, self.max_n,
                                      self.k, self.max_model_len)
-        self.drafts[slots_d] = drafts
-        counts[drafting_t] = torch.minimum(found, want_t)
-        return counts
+        self.drafts[slots] = drafts
+        return torch.minimum(found, want)
 
 
-class NgramFactory:
-    """The engine's speculator factory for method="ngram": no model to load, no KV cache."""
+class LookupFactory:
+    """The engine's speculator factory for method="ngram" or "suffix": no model to load, no KV cache."""
 
     model = None
 
@@ -134,4 +137,7 @@ class NgramFactory:
         return 0
 
     def build(self, cache: CacheConfig, sched: SchedulerConfig, runner) -> NgramSpeculator:
-        return NgramSpeculator(self.spec, sched, runner.state, runner.device, runner.attn_backend)
+        cls = NgramSpeculator
+        if self.spec.method == "suffix":
+            from tandem.spec.suffix import SuffixSpeculator as cls
+        return cls(self.spec, sched, runner.state, runner.device, runner.attn_backend)

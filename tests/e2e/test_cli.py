@@ -289,9 +289,9 @@ def test_generate_with_vllms_speculative_config(tmp_path, capsys):
     assert "error: speculative_config has unknown keys ['bogus']" in capsys.readouterr().err
 
 
-def test_generate_with_ngram_lookup(tmp_path, capsys):
+def test_generate_with_ngram_and_suffix_lookup(tmp_path, capsys):
     """--draft ngram (vLLM's lookup defaults) and --speculative-config with method "ngram": no draft
-    model, the target's own tokens; a draft-model flag beside it is named."""
+    model, the target's own tokens; a draft-model flag beside it is named. The same for suffix."""
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     argv = ["generate", "--model", str(tmp_path / "t"), "--dtype", "float32", "--max-tokens", "16", "--ignore-eos"]
     prompt = "The quick brown fox. The quick brown fox. The quick brown fox."
@@ -302,6 +302,14 @@ def test_generate_with_ngram_lookup(tmp_path, capsys):
     assert "identical output: yes" in capsys.readouterr().err
     assert main([*argv, "--draft", "ngram", "--draft-quantization", "fp8", prompt]) == 2
     assert "speculative_config.quantization='fp8' configures a draft model" in capsys.readouterr().err
+    # suffix decoding: --draft suffix, or its keys through --speculative-config
+    assert main([*argv, "--draft", "suffix", "-k", "4", "--compare", prompt]) == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
+    assert main([*argv, "--speculative-config", json.dumps(spec), "--compare", prompt]) == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    assert main([*argv, "--speculative-config", json.dumps({**spec, "prompt_lookup_max": 3}), prompt]) == 2
+    assert "speculative_config.prompt_lookup_max sets n-gram lookup" in capsys.readouterr().err
 
 
 def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ repetitive prompts that n-gram lookup drafts from) arrive at different steps; so
 KV pool is small enough to preempt and the token budget small enough to cut prompts into chunks.
 Every finished request must equal what it produces alone on a roomy target-only engine (tokens,
 finish and stop reasons, logprobs), and an aborted one must have emitted a prefix of it, in each
-engine configuration: target-only, a draft model, n-gram lookup, async scheduling, and the
-priority scheduler. The workload is seeded: the same requests every run."""
+engine configuration: target-only, a draft model, n-gram and suffix lookup, async scheduling, the
+priority scheduler, a watermark and an fp8 KV cache. The workload is seeded: the same requests every run."""
 import math
 import random
 from dataclasses import dataclass
@@ -167,6 +167,9 @@ CONFIGS = {
     "draft": dict(speculative_config=dict(model="near", num_speculative_tokens=3)),
     "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                                           prompt_lookup_max=3)),
+    "suffix": dict(speculative_config=dict(method="suffix", num_speculative_tokens=6)),
+    "suffix-async": dict(speculative_config=dict(method="suffix", num_speculative_tokens=4,
+                                                 suffix_decoding_corpus_tokens=256), async_scheduling=True),
     # async scheduling plans the steps of more than 3 requests (no drafts) ahead of the last result
     "draft-async": dict(speculative_config=dict(model="near", num_speculative_tokens=2,
                                                 num_speculative_tokens_per_batch_size=[[1, 3, 2], [4, 6, 0]]),

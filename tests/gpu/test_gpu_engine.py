@@ -530,19 +530,24 @@ def test_async_scheduling_equals_synchronous(models, dtype):
         assert overlapped == sync
 
 
-@pytest.mark.parametrize("spec_on", [False, True, "ngram"])
+@pytest.mark.parametrize("spec_on", [False, True, "ngram", "suffix"])
 def test_steady_step_waits_for_the_device_once(models, spec_on):
     """In steady decoding nothing but the step's own result copy waits for the device: any
     hidden synchronisation (.item(), a pageable copy, torch.tensor(list, device=cuda)) raises.
-    One request is watermarked (its keyed draws and context windows stay on the device)."""
+    One request is watermarked (its keyed draws and context windows stay on the device). Suffix
+    lookup: with a response in its corpus."""
     target, draft = models
     spec = dict(model=str(draft), num_speculative_tokens=3) if spec_on else None
     if spec_on == "ngram":
         spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    if spec_on == "suffix":
+        spec = dict(method="suffix", num_speculative_tokens=4)
     llm = LLM(str(target), dtype="bfloat16", max_model_len=512, block_size=16, max_num_seqs=8,
               speculative_config=spec, kv_cache_memory_bytes=64 << 20, watermark_config={"key": 1})
     engine = llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    if spec_on == "suffix":  # a response for the corpus (it enters with the next plan)
+        llm.generate(_prompts()[:1], greedy.clone(max_tokens=20), use_tqdm=False)
     limited = greedy.clone(allowed_token_ids=list(range(2, 250)), bad_words_token_ids=[[5], [7, 8], [9, 10, 11]],
                            repetition_penalty=1.2)
     keyed = greedy.clone(temperature=0.8, top_p=0.95)

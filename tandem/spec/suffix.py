@@ -1,0 +1,232 @@
+"""Suffix lookup (vLLM's method="suffix", suffix decoding): drafts from the request's own tokens and
+from the responses of finished requests.
+
+No draft model. After every step each drafting request looks for the longest suffix of its context,
+up to suffix_decoding_max_tree_depth tokens, that occurred before in two sources: its own tokens
+(prompt and output, an occurrence ending before the last token) and the corpus, the responses of
+requests that finished ("stop" or "length"). The source with the longer match proposes (its own
+tokens on a tie), by walking the occurrences of that suffix: each draft is the token that most of
+them continue with (the most recent occurrence among equals), the walk keeping only the
+occurrences that continued so. It stops where the share of the first step's occurrences that
+agree with every draft so far falls below suffix_decoding_min_token_prob, at
+suffix_decoding_max_spec_factor drafts per matched token (at least one), at k, at its source's end,
+and at max_model_len. This is what a suffix tree with counts proposes (vLLM's suffix decoding,
+Arctic Inference), computed by brute force: the match is sought back from the NUM_OCCURRENCES
+most recent occurrences of the context's last token in each source, and NUM_CANDIDATES of the
+most recent occurrences of the longest match weigh in. A fixed number of tensor ops, whatever
+the sources hold.
+
+The corpus is a ring of suffix_decoding_corpus_tokens token ids on the device, each response
+followed by a separator, whole responses evicted oldest first (as room, or
+suffix_decoding_max_cached_requests, runs out). A response is copied into it from its slot's
+tokens on the device when the plan after its end says so (StepPlan.finished_outputs), before the
+slot takes another request: no host round trip.
+
+The drafts are one-hot proposals verified as greedy drafts (tandem/spec/base.py), so the output is
+target-only's token for token. The lookup is the same tensor ops on the CPU and on a GPU
+(suffix_drafts), on a GPU captured as CUDA graphs per batch bucket (LookupGraphs).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+from torch.nn.functional import pad
+
+from tandem.spec.ngram import NgramSpeculator
+
+SEPARATOR = -1  # the corpus entry after each response (and where none is kept)
+NUM_OCCURRENCES = 1024  # the most recent occurrences of the context's last token searched in each source
+NUM_CANDIDATES = 64  # the most recent occurrences of the longest match that choose its continuation
+
+
+def _longest_match(src: Tensor, may_end: Tensor, ctx: Tensor, last: Tensor, depth: int,
+                   num_occurrences: int, num_candidates: int) -> tuple[Tensor, Tensor]:
+    """Where src holds the longest suffix of each context, among the most recent occurrences of its
+    last token.
+
+    src [S, L] int64 (S = B, or 1 for a source every row shares); may_end [B or 1, L] bool: the
+    positions that may end a match (a token follows them; in the request's own tokens, before its
+    last one); ctx [B, W] int64 with its last token at last [B].
+    -> (cand [B, P] int64: the most recent ends of the longest match, -1 past them; its length [B])."""
+    width = src.shape[1]
+    ends = torch.arange(width, device=src.device)
+    hit = (src == ctx.gather(1, last[:, None])) & may_end  # [B, L] occurrences of the last token
+    occ, _ = torch.where(hit, ends[None, :], -1).topk(min(num_occurrences, width), dim=1)  # [B, M], latest first
+    back = torch.arange(depth, device=src.device)
+    src_idx = occ[:, :, None] - back  # [B, M, depth] src[e - j]
+    ctx_idx = last[:, None] - back  # [B, depth] ctx[last - j]
+    if src.shape[0] == 1:
+        seen = src[0][src_idx.clamp(min=0)]
+    else:
+        seen = src.gather(1, src_idx.clamp(min=0).flatten(1)).view(src_idx.shape)
+    want = ctx.gather(1, ctx_idx.clamp(min=0))  # [B, depth]
+    same = (seen == want[:, None, :]) & (src_idx >= 0) & (ctx_idx >= 0)[:, None, :] & (occ >= 0)[:, :, None]
+    run = same.long().cumprod(dim=2).sum(dim=2)  # [B, M] tokens matched back from each occurrence
+    best = run.amax(dim=1)  # [B]
+    cand, _ = torch.where((run == best[:, None]) & (best[:, None] > 0), occ, -1).topk(
+        min(num_candidates, occ.shape[1]), dim=1)  # [B, P], latest first
+    return cand, best
+
+
+def _walk(src: Tensor, src_len: Tensor | None, cand: Tensor, best: Tensor, k: int, max_spec_factor: float,
+          min_token_prob: float) -> tuple[Tensor, Tensor]:
+    """The most frequent continuation of the occurrences cand [B, P] (-1: none) in src [S, L]
+    (S = B, or 1: shared), reading no further than src_len [B] (None: L) -> (drafts [B, k], counts [B])."""
+    b, width = cand.shape[0], src.shape[1]
+    pos = cand[:, :, None] + 1 + torch.arange(k, device=src.device)  # [B, P, k] each occurrence's continuation
+    if src.shape[0] == 1:
+        tok = src[0][pos.clamp(max=width - 1)]
+    else:
+        tok = src.gather(1, pos.clamp(max=width - 1).flatten(1)).view(pos.shape)
+    # a continuation ends at its source's end or a separator; nothing follows a missing occurrence
+    ok = (pos < (width if src_len is None else src_len[:, None, None])) & (tok != SEPARATOR) & (cand >= 0)[:, :, None]
+    ok = ok.long().cumprod(dim=2).bool()
+    limit = (best.double() * max_spec_factor).floor().long().clamp(min=1, max=k)  # [B]
+    drafts = torch.zeros(b, k, dtype=torch.int64, device=src.device)
+    counts = torch.zeros(b, dtype=torch.int64, device=src.device)
+    going = best > 0  # [B] still drafting
+    alive = ok[:, :, 0]  # [B, P] the occurrences that agree with every draft so far
+    num_first = alive.sum(dim=1)  # [B] the occurrences the first draft was chosen among
+    for j in range(k):
+        t = tok[:, :, j]
+        alive = alive & ok[:, :, j]
+        votes = ((t[:, :, None] == t[:, None, :]) & alive[:, None, :]).sum(dim=2)  # [B, P] occurrences agreeing
+        top, pick = torch.where(alive, votes, -1).max(dim=1)  # the first (most recent) among the most frequent
+        going = going & (top > 0) & (top >= min_token_prob * num_first) & (j < limit)
+        drafts[:, j] = t.gather(1, pick[:, None])[:, 0]
+        counts += going
+        alive = alive & (t == drafts[:, j : j + 1])
+    return drafts, counts
+
+
+def suffix_drafts(tokens: Tensor, num_tokens: Tensor, corpus: Tensor | None, depth: int, k: int,
+                  max_spec_factor: float, min_token_prob: float, max_model_len: int,
+                  num_occurrences: int = NUM_OCCURRENCES, num_candidates: int = NUM_CANDIDATES) -> tuple[Tensor, Tensor]:
+    """The lookup over a batch of contexts (the reference, and the path on every device).
+
+    tokens [B, L] int: each row's context in its first num_tokens [B] entries; corpus [C] int
+    (responses separated by SEPARATOR) or None -> drafts [B, k] int64 (entries past a row's count
+    unspecified), counts [B] int64."""
+    ctx = tokens.long()
+    num_tokens = num_tokens.long()
+    last = (num_tokens - 1).clamp(min=0)  # (a captured graph's padding rows may hold empty slots)
+    ends = torch.arange(ctx.shape[1], device=ctx.device)
+    cand, best = _longest_match(ctx, ends[None, :] < last[:, None], ctx, last, depth, num_occurrences,
+                                num_candidates)
+    drafts, counts = _walk(ctx, num_tokens, cand, best, k, max_spec_factor, min_token_prob)
+    if corpus is not None:
+        src = corpus.long()[None, :]  # [1, C]
+        follows = pad(src[:, 1:], (0, 1), value=SEPARATOR) != SEPARATOR  # [1, C] a token follows e
+        c_cand, c_best = _longest_match(src, follows, ctx, last, depth, num_occurrences, num_candidates)
+        c_drafts, c_counts = _walk(src, None, c_cand, c_best, k, max_spec_factor, min_token_prob)
+        longer = c_best > best  # [B] the corpus proposes where its match is longer
+        drafts = torch.where(longer[:, None], c_drafts, drafts)
+        counts = torch.where(longer, c_counts, counts)
+    counts = torch.minimum(counts, (max_model_len - num_tokens).clamp(min=0))
+    return drafts, counts
+
+
+class LookupGraphs:
+    """suffix_drafts over whole slots (max_model_len + 1 tokens each) and the whole corpus,
+    captured as one CUDA graph per batch bucket (powers of two up to max_num_reqs): its ~150 small
+    kernels then cost their run time, not a launch each. The slots to look up go into a static
+    buffer (the rest of a bucket repeats earlier slots; their results are ignored)."""
+
+    def __init__(self, speculator: "SuffixSpeculator", max_num_reqs: int):
+        self.spec = speculator
+        device, k = speculator.device, speculator.k
+        self.sizes = sorted({min(1 << i, max_num_reqs) for i in range(max_num_reqs.bit_length() + 1)})
+        self.slots = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _run(self, b: int) -> None:
+        spec, slots = self.spec, self.slots[:b]
+        drafts, counts = suffix_drafts(spec.context[slots], spec.num_tokens[slots],
+                                       spec.corpus if spec.max_responses else None, spec.depth, spec.k,
+                                       spec.max_spec_factor, spec.min_token_prob, spec.max_model_len)
+        self.drafts[:b].copy_(drafts)
+        self.counts[:b].copy_(counts)
+
+    def capture(self, stream: torch.cuda.Stream, pool) -> None:
+        for b in self.sizes:
+            with torch.cuda.stream(stream):
+                self._run(b)  # warm-up: the kernels' first launches stay out of the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._run(b)
+            self.graphs[b] = graph
+
+    def __call__(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """slots [n] -> (drafts [n, k], counts [n]) of the smallest bucket that holds them."""
+        n = slots.shape[0]
+        b = next(size for size in self.sizes if size >= n)
+        self.slots[:n].copy_(slots)
+        self.graphs[b].replay()
+        return self.drafts[:n], self.counts[:n]
+
+
+class SuffixSpeculator(NgramSpeculator):
+    """Keeps each slot's context (NgramSpeculator) and the corpus of finished responses on the
+    device, and drafts by suffix_drafts after every step."""
+
+    def __init__(self, spec, sched, state, device: torch.device, attn_backend):
+        super().__init__(spec, sched, state, device, attn_backend)
+        self.depth = spec.suffix_decoding_max_tree_depth
+        self.max_spec_factor = spec.suffix_decoding_max_spec_factor
+        self.min_token_prob = spec.suffix_decoding_min_token_prob
+        self.max_responses = spec.suffix_decoding_max_cached_requests
+        size = spec.suffix_decoding_corpus_tokens if self.max_responses else 1
+        self.corpus = torch.full((size,), SEPARATOR, dtype=torch.int32, device=device)  # [C]
+        self.responses: deque[tuple[int, int]] = deque()  # (start, length) of those kept, oldest first
+        self.write_pos = 0  # where the next response goes
+        self.graphs: LookupGraphs | None = None  # CUDA: the lookup captured per batch bucket
+
+    def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None,
+                       piecewise_tokens: int = 0) -> None:
+        graphs = LookupGraphs(self, max_num_reqs)
+        graphs.capture(stream, pool)
+        self.graphs = graphs
+
+    def finished(self, outputs: list[tuple[int, int, int]]) -> None:
+        """Copies each response (slot, start, end) that ended into the corpus: its last C - 1 tokens."""
+        if not self.max_responses:
+            return
+        size = self.corpus.shape[0]
+        for slot, start, end in outputs:
+            start = max(start, end - (size - 1))
+            n = end - start
+            if n <= 0:
+                continue
+            if self.write_pos + n + 1 > size:  # no response wraps: the rest of the ring is dropped
+                self._evict_through(size)
+                self.write_pos = 0
+            self._evict_through(self.write_pos + n + 1)
+            self.corpus[self.write_pos : self.write_pos + n] = self.context[slot, start:end]
+            self.corpus[self.write_pos + n] = SEPARATOR
+            self.responses.append((self.write_pos, n))
+            self.write_pos += n + 1
+            while len(self.responses) > self.max_responses:
+                self._evict_oldest()
+
+    def _evict_through(self, end: int) -> None:
+        """Evicts the responses that lie (partly) in [write_pos, end), oldest first."""
+        while self.responses and self.write_pos <= self.responses[0][0] < end:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        start, n = self.responses.popleft()
+        self.corpus[start : start + n] = SEPARATOR
+
+    def lookup(self, slots: Tensor, want: Tensor, width: int) -> Tensor:
+        if self.graphs is not None:
+            drafts, found = self.graphs(slots)
+        else:  # eagerly: only the contexts' known part, and the corpus once it holds something
+            corpus = self.corpus if self.responses else None
+            drafts, found = suffix_drafts(self.context[slots, :width], self.num_tokens[slots], corpus, self.depth,
+                                          self.k, self.max_spec_factor, self.min_token_prob, self.max_model_len)
+        self.drafts[slots] = drafts
+        return torch.minimum(found, want)
