@@ -398,6 +398,7 @@ class Engine:
                 scheduled = time.monotonic()  # a step's start: before its planning and its launch
                 plan = self.scheduler.schedule()
                 if plan.is_empty:
+                    self.runner.release(plan)  # slots freed and responses ended since the last plan
                     return self._outputs(touched)
                 running.append(plan)
                 if self.grammars.active:  # the masks are made while the device runs the forward
@@ -574,7 +575,7 @@ class Engine:
             stop = self.detokenizer.push(seq.detok, token, len(seq.token_ids) > req.params.min_tokens)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
-                self.scheduler.finish(req, "stop", stop)
+                self.scheduler.finish(req, "stop", stop, num_output_tokens=len(seq.token_ids))
                 return
         if req.is_finished:
             seq.finish_reason, seq.stop_reason = req.finish_reason, req.stop_reason

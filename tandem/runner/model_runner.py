@@ -66,7 +66,7 @@ class Launched:
     # (draft_confidence_threshold's early stop); None: every request its plan's
     fewer_drafts: dict[int, int] | None = None
     # Every sampling request's drafts proposed [num_sampling], being copied to the host after a round
-    # that counts them on the device (n-gram lookup), and the event after that copy; None: not counted so
+    # that counts them on the device (a lookup, n-gram or suffix), and the event after that copy; None: not counted so
     draft_counts: tuple[Tensor, torch.cuda.Event | None] | None = None
 
 
@@ -124,6 +124,15 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         return self.collect(self.launch(plan))
 
+    def release(self, plan: StepPlan) -> None:
+        """What plan releases: its freed slots' sampling state, and the responses that ended, to the
+        speculator (before their slots take new requests). The engine calls it for a plan that runs
+        nothing; forward() for the others."""
+        for slot in plan.freed_slots:
+            self.state.remove(slot)
+        if self.speculator is not None and plan.finished_outputs:
+            self.speculator.finished(plan.finished_outputs)
+
     def launch(self, plan: StepPlan) -> Launched:
         """Queue a step's device work; never waits for the device."""
         return self.launch_sampling(self.forward(plan))
@@ -135,10 +144,7 @@ class ModelRunner:
         grammar masks to make: they are made while the forward runs, and for a step planned ahead
         once the step before it has been collected."""
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
-        for slot in plan.freed_slots:
-            self.state.remove(slot)
-        if self.speculator is not None and plan.finished_outputs:  # before their slots take new requests
-            self.speculator.finished(plan.finished_outputs)
+        self.release(plan)
         self.state.add_all(plan.new_reqs)
         for new in plan.new_reqs:
             if self.speculator is not None:

@@ -66,7 +66,7 @@ class Scheduler:
         """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens);
         record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*);
         draft_kv: the proposer keeps a KV cache of its own (a draft model), which must be fed the
-        tokens of steps it skipped before it drafts again (False: n-gram lookup, which sees every token)."""
+        tokens of steps it skipped before it drafts again (False: a lookup, n-gram or suffix, which sees every token)."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         if sched.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={sched.scheduling_policy!r} is not 'fcfs' or 'priority'")
@@ -101,14 +101,18 @@ class Scheduler:
             self.finish(req, "abort")
         return req
 
-    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None,
+               num_output_tokens: int | None = None) -> None:
+        """num_output_tokens: the output tokens that stand, where fewer than the request emitted (a
+        stop string found part-way through a step's tokens)."""
         if req.is_finished:
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
             if reason != "abort":
                 start = len(req.prompt_token_ids)
-                self._finished_outputs.append((req.slot, start, start + len(req.output_token_ids)))
+                kept = len(req.output_token_ids) if num_output_tokens is None else num_output_tokens
+                self._finished_outputs.append((req.slot, start, start + kept))
             self._release(req)
         else:
             self.waiting.remove(req)
@@ -148,7 +152,7 @@ class Scheduler:
                 step.budget -= item.num_budget_tokens
         self._admit_waiting(step)
         reqs = [step.scheduled[r.req_id] for r in self.running if r.req_id in step.scheduled]
-        return StepPlan(new_reqs=step.new_reqs, reqs=reqs, **self._released())
+        return self._plan(step.new_reqs, reqs)
 
     def _admit_waiting(self, step: _StepBuild, outranking: int | None = None) -> None:
         """Admit waiting requests, in arrival (or priority) order, while budget, slots and blocks
@@ -227,7 +231,7 @@ class Scheduler:
                 num_next_drafts=lookup,
                 draft_skip=bool(self.k) and not lookup,
             ))
-        return StepPlan(new_reqs=[], reqs=reqs, **self._released())
+        return self._plan([], reqs)
 
     def _schedule_running(self, req: Request, step: _StepBuild, reserve: int) -> ScheduledReq | None:
         item = self._make_item(req, step.budget, step.k_next, reserve)  # its size kept while room is made
@@ -405,11 +409,13 @@ class Scheduler:
         """Queue req by its sort key (the priority policy's waiting order)."""
         self.waiting.insert(bisect.bisect(self.waiting, req.sort_key, key=lambda r: r.sort_key), req)
 
-    def _released(self) -> dict:
-        """StepPlan's freed_slots and finished_outputs since the previous plan (then cleared)."""
-        out = dict(freed_slots=self._freed_slots, finished_outputs=self._finished_outputs)
+    def _plan(self, new_reqs: list[NewReq], reqs: list[ScheduledReq]) -> StepPlan:
+        """The step's plan, carrying the slots freed and the responses ended since the previous
+        plan (an empty plan too: the runner takes them from it, ModelRunner.release)."""
+        plan = StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=self._freed_slots,
+                        finished_outputs=self._finished_outputs)
         self._freed_slots, self._finished_outputs = [], []
-        return out
+        return plan
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req)

@@ -1,6 +1,6 @@
 """Speculator: what every proposer shares: the drafts pending in each slot, and their verification.
 
-A proposer (DraftSpeculator: a draft model; NgramSpeculator: a lookup in the context) keeps each
+A proposer (DraftSpeculator: a draft model; NgramSpeculator, SuffixSpeculator: lookups) keeps each
 request's drafts on the device in `drafts` [max_num_seqs + 1, k], in the request's slot. The next
 step feeds them to the target after the request's token (pending_drafts) and verifies them
 (verify): greedy drafts by coupling (a draft is kept iff the target's seeded draw at its row is

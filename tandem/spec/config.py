@@ -22,6 +22,9 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is g
 PROMPT_LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                "suffix_decoding_max_cached_requests", "suffix_decoding_corpus_tokens")
+# The lookup holds [batch, 1024, depth] and [batch, corpus] temporaries: bounds that keep them small
+MAX_TREE_DEPTH = 256
+MAX_CORPUS_TOKENS = 1 << 24
 # Keys that configure a draft model, refused with a lookup method when set (their defaults pass)
 DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_parallel_size", "draft_vocab_size",
                     "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager")
@@ -54,7 +57,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # method="ngram": the shortest
     # method="suffix" (vLLM's keys and defaults, and its Model Runner V2's corpus size):
     suffix_decoding_max_tree_depth: int = 24  # the longest suffix matched
-    suffix_decoding_max_spec_factor: float = 1.0  # at most this many drafts per matched token
+    suffix_decoding_max_spec_factor: float = 1.0  # at most this many drafts per matched token (at least 1)
     suffix_decoding_min_token_prob: float = 0.1  # a draft's least share among the match's continuations
     suffix_decoding_max_cached_requests: int = 10000  # finished responses kept (0: the request's own tokens only)
     suffix_decoding_corpus_tokens: int = 1 << 16  # the tokens those responses may take (oldest first out)
@@ -413,12 +416,14 @@ def _suffix_keys(spec: dict) -> None:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     checks = {
-        "suffix_decoding_max_tree_depth": (lambda v: is_int(v) and v >= 1, "an integer >= 1 (tokens matched)"),
+        "suffix_decoding_max_tree_depth": (lambda v: is_int(v) and 1 <= v <= MAX_TREE_DEPTH,
+                                           f"an integer in [1, {MAX_TREE_DEPTH}] (tokens matched)"),
         "suffix_decoding_max_spec_factor": (lambda v: is_num(v) and v > 0, "a number > 0 (drafts per matched token)"),
         "suffix_decoding_min_token_prob": (lambda v: is_num(v) and 0 <= v <= 1, "a probability in [0, 1]"),
         "suffix_decoding_max_cached_requests": (lambda v: is_int(v) and v >= 0,
                                                 "an integer >= 0 (0: no responses kept, the request's own tokens only)"),
-        "suffix_decoding_corpus_tokens": (lambda v: is_int(v) and v >= 2, "an integer >= 2 (the responses' tokens kept)"),
+        "suffix_decoding_corpus_tokens": (lambda v: is_int(v) and 2 <= v <= MAX_CORPUS_TOKENS,
+                                          f"an integer in [2, {MAX_CORPUS_TOKENS}] (the responses' tokens kept)"),
     }
     for key, (ok, rule) in checks.items():
         if key in spec and not ok(spec[key]):

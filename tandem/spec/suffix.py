@@ -4,17 +4,20 @@ from the responses of finished requests.
 No draft model. After every step each drafting request looks for the longest suffix of its context,
 up to suffix_decoding_max_tree_depth tokens, that occurred before in two sources: its own tokens
 (prompt and output, an occurrence ending before the last token) and the corpus, the responses of
-requests that finished ("stop" or "length"). The source with the longer match proposes (its own
-tokens on a tie), by walking the occurrences of that suffix: each draft is the token that most of
-them continue with (the most recent occurrence among equals), the walk keeping only the
-occurrences that continued so. It stops where the share of the first step's occurrences that
-agree with every draft so far falls below suffix_decoding_min_token_prob, at
-suffix_decoding_max_spec_factor drafts per matched token (at least one), at k, at its source's end,
-and at max_model_len. This is what a suffix tree with counts proposes (vLLM's suffix decoding,
-Arctic Inference), computed by brute force: the match is sought back from the NUM_OCCURRENCES
-most recent occurrences of the context's last token in each source, and NUM_CANDIDATES of the
-most recent occurrences of the longest match weigh in. A fixed number of tensor ops, whatever
-the sources hold.
+requests that finished ("stop" or "length"). A source proposes by walking the occurrences of its
+longest match: each draft is the token that most of them continue with (the most recent
+occurrence among equals), the walk keeping only the occurrences that continued so. It stops where
+the share of the first step's occurrences that agree with every draft so far falls below
+suffix_decoding_min_token_prob, at suffix_decoding_max_spec_factor drafts per matched token (at
+least one), at k, at its source's end, and at max_model_len. The corpus's proposal is taken where
+its match is longer than the request's own, or where the request's own tokens propose nothing.
+
+That is a suffix tree with counts, as in vLLM's suffix decoding (Arctic Inference), with tandem's
+own choice among paths: Arctic scores the paths of every match length and takes the best score,
+where tandem walks the longest match only and picks the source by match length. It is computed
+by brute force: the match is sought back from the NUM_OCCURRENCES most recent occurrences of the
+context's last token in each source, and NUM_CANDIDATES of the most recent occurrences of the
+longest match weigh in: a fixed number of tensor ops, whatever the sources hold.
 
 The corpus is a ring of suffix_decoding_corpus_tokens token ids on the device, each response
 followed by a separator, whole responses evicted oldest first (as room, or
@@ -83,18 +86,18 @@ def _walk(src: Tensor, src_len: Tensor | None, cand: Tensor, best: Tensor, k: in
     # a continuation ends at its source's end or a separator; nothing follows a missing occurrence
     ok = (pos < (width if src_len is None else src_len[:, None, None])) & (tok != SEPARATOR) & (cand >= 0)[:, :, None]
     ok = ok.long().cumprod(dim=2).bool()
-    limit = (best.double() * max_spec_factor).floor().long().clamp(min=1, max=k)  # [B]
+    limit = (best.double() * max_spec_factor).floor().clamp(min=1, max=k).long()  # [B]
     drafts = torch.zeros(b, k, dtype=torch.int64, device=src.device)
     counts = torch.zeros(b, dtype=torch.int64, device=src.device)
     going = best > 0  # [B] still drafting
     alive = ok[:, :, 0]  # [B, P] the occurrences that agree with every draft so far
-    num_first = alive.sum(dim=1)  # [B] the occurrences the first draft was chosen among
+    least = min_token_prob * alive.sum(dim=1).double()  # [B] the agreeing occurrences a draft needs
     for j in range(k):
         t = tok[:, :, j]
         alive = alive & ok[:, :, j]
         votes = ((t[:, :, None] == t[:, None, :]) & alive[:, None, :]).sum(dim=2)  # [B, P] occurrences agreeing
         top, pick = torch.where(alive, votes, -1).max(dim=1)  # the first (most recent) among the most frequent
-        going = going & (top > 0) & (top >= min_token_prob * num_first) & (j < limit)
+        going = going & (top > 0) & (top.double() >= least) & (j < limit)
         drafts[:, j] = t.gather(1, pick[:, None])[:, 0]
         counts += going
         alive = alive & (t == drafts[:, j : j + 1])
@@ -121,9 +124,10 @@ def suffix_drafts(tokens: Tensor, num_tokens: Tensor, corpus: Tensor | None, dep
         follows = pad(src[:, 1:], (0, 1), value=SEPARATOR) != SEPARATOR  # [1, C] a token follows e
         c_cand, c_best = _longest_match(src, follows, ctx, last, depth, num_occurrences, num_candidates)
         c_drafts, c_counts = _walk(src, None, c_cand, c_best, k, max_spec_factor, min_token_prob)
-        longer = c_best > best  # [B] the corpus proposes where its match is longer
-        drafts = torch.where(longer[:, None], c_drafts, drafts)
-        counts = torch.where(longer, c_counts, counts)
+        # the corpus proposes where its match is longer, or where the request's own tokens propose nothing
+        use = ((c_best > best) | (counts == 0)) & (c_counts > 0)  # [B]
+        drafts = torch.where(use[:, None], c_drafts, drafts)
+        counts = torch.where(use, c_counts, counts)
     counts = torch.minimum(counts, (max_model_len - num_tokens).clamp(min=0))
     return drafts, counts
 

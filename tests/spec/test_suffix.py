@@ -28,7 +28,7 @@ def _walk_ref(source: list[int], ends: list[int], k: int, limit: int, min_prob: 
         votes = [tokens.count(t) for t in tokens]
         top = max(votes)
         pick = tokens[votes.index(top)]
-        if top < min_prob * first:
+        if top < min_prob * first:  # (exact: min_prob * first in float64, as the lookup compares)
             break
         out.append(pick)
         alive = [p + 1 for p, t in zip(alive, tokens) if t == pick]
@@ -54,16 +54,15 @@ def _longest(source: list[int], context: list[int], depth: int, own: bool, num_o
 
 def suffix_ref(context, corpus, depth, k, factor, min_prob, max_model_len, num_occ=NUM_OCCURRENCES,
                num_cand=NUM_CANDIDATES) -> list[int]:
-    own_n, own_ends = _longest(context, context, depth, True, num_occ, num_cand)
-    n, source, ends = own_n, context, own_ends
-    if corpus is not None:
-        c_n, c_ends = _longest(corpus, context, depth, False, num_occ, num_cand)
-        if c_n > own_n:
-            n, source, ends = c_n, corpus, c_ends
-    if not n:
-        return []
-    limit = max(1, int(n * factor))
-    return _walk_ref(source, ends, k, limit, min_prob)[:max(0, max_model_len - len(context))]
+    def propose(source, own):
+        n, ends = _longest(source, context, depth, own, num_occ, num_cand)
+        return n, (_walk_ref(source, ends, k, max(1, int(n * factor)), min_prob) if n else [])
+    own_n, drafts = propose(context, True)
+    if corpus is not None:  # the corpus proposes where its match is longer, or the own tokens propose nothing
+        c_n, c_drafts = propose(corpus, False)
+        if c_drafts and (c_n > own_n or not drafts):
+            drafts = c_drafts
+    return drafts[:max(0, max_model_len - len(context))]
 
 
 @pytest.mark.parametrize("vocab", [2, 3, 6, 40])
@@ -80,7 +79,7 @@ def test_lookup_matches_the_reference(vocab):
             corpus[torch.randint(0, 50, (6,), generator=g)] = SEPARATOR
         depth, k = 1 + trial % 5, 1 + trial % 7
         factor = (0.5, 1.0, 2.5)[trial % 3]
-        min_prob = (0.0, 0.1, 0.4)[trial % 3]
+        min_prob = (0.0, 0.1, 0.4, 0.3, 0.6)[trial % 5]  # 0.3 and 0.6: products that float32 rounds up
         max_model_len = 45 if trial % 5 else int(lens.max()) + 1
         num_occ, num_cand = ((NUM_OCCURRENCES, NUM_CANDIDATES), (3, 2), (6, 1))[trial % 3]
         drafts, counts = suffix_drafts(tokens, lens, corpus, depth, k, factor, min_prob, max_model_len, num_occ,
@@ -107,6 +106,11 @@ def test_lookup_examples():
     assert _drafts([1, 2, 3], corpus, depth=2) == [4, 5]
     assert _drafts([7, 1, 2, 3], [1, 2, 3, SEPARATOR]) == []  # nothing followed the match there
     assert _drafts([1, 2, 3, 1, 2, 3], [1, 2, 3, 8, SEPARATOR]) == [1, 2, 3]  # a tie goes to the request's own
+    assert _drafts([4, 2, 3, 5, 1, 2, 3], [9, 1, 2, 3, SEPARATOR]) == [5, 1]  # a match with nothing after it is none
+    # the own tokens' 2 occurrences of 5 disagree (share 0.5 < 0.6): the corpus's shorter match proposes
+    assert _drafts([5, 6, 5, 7, 5], [5, 8, 9, SEPARATOR], min_prob=0.6) == [8]
+    # exactly the threshold's share: 3 of 5 occurrences agree, 0.6 * 5 = 3 (float32 would read 3.0000001)
+    assert _drafts([5, 1, 5, 1, 5, 1, 5, 2, 5, 3, 5], k=1, min_prob=0.6) == [1]
 
 
 # ---------------------------------------------------------------- config
@@ -119,7 +123,9 @@ def test_config_defaults_and_errors():
     bad = [
         ({"model": "/some/draft"}, "model='/some/draft' is not used by method='suffix'"),
         ({"prompt_lookup_max": 3}, "prompt_lookup_max sets n-gram lookup"),
-        ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth=0 must be an integer >= 1"),
+        ({"suffix_decoding_max_tree_depth": 0}, r"suffix_decoding_max_tree_depth=0 must be an integer in \[1, 256\]"),
+        ({"suffix_decoding_max_tree_depth": 1000}, "suffix_decoding_max_tree_depth=1000 must be"),
+        ({"suffix_decoding_corpus_tokens": 1 << 30}, "suffix_decoding_corpus_tokens=1073741824 must be"),
         ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor=0 must be a number > 0"),
         ({"suffix_decoding_min_token_prob": 1.5}, r"suffix_decoding_min_token_prob=1.5 must be a probability"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests=-1"),
@@ -249,3 +255,38 @@ def test_preemption_keeps_the_output(models, target_only):
     assert _tokens(outs) == want and sum(o.metrics.num_preemptions for o in outs) > 0
     kept = [n for _, n in small.engine.runner.speculator.responses]  # (those that ended in the last step come next plan)
     assert kept and kept == [40] * len(kept)  # whole responses only
+
+
+def test_a_response_that_ends_before_a_plan_that_runs_nothing_enters(models):
+    """A response that ended before a plan that runs nothing (here: the only other request aborted
+    in between) enters the corpus with that plan (ModelRunner.release), as its slot is freed."""
+    llm = _llm(models)
+    engine, speculator = llm.engine, llm.engine.runner.speculator
+    prompts = _prompts()
+    engine.add_request("short", prompts[0]["prompt_token_ids"], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("long", prompts[1]["prompt_token_ids"], SamplingParams(max_tokens=30, ignore_eos=True))
+    done = {}
+    while "short" not in done:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.abort_request("long")
+    assert not speculator.responses
+    engine.step()  # nothing to run
+    (start, n), = speculator.responses
+    assert speculator.corpus[start:start + n].tolist() == done["short"].outputs[0].token_ids
+
+
+def test_a_stop_string_ends_the_kept_response_where_the_text_ends(models):
+    """A stop string found part-way through a step's tokens: the corpus keeps the tokens up to it
+    (those the response has), not the rest of the step's."""
+    llm = _llm(models, k=6)
+    speculator, tokenizer = llm.engine.runner.speculator, llm.get_tokenizer()
+    prompt = _prompts()[2]
+    full = _tokens(llm.generate(prompt, GREEDY, use_tqdm=False))[0]  # the corpus learns it: later rounds accept runs
+    texts = [tokenizer.decode([t]) for t in full]
+    cut = next(i for i in range(12, len(full)) if texts[i].strip() and texts.count(texts[i]) == 1
+               and texts[i] not in "".join(texts[:i]))
+    out = llm.generate(prompt, GREEDY.clone(stop=[texts[cut]]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[:cut + 1]
+    llm.generate(prompt, GREEDY.clone(max_tokens=1), use_tqdm=False)  # a plan after its end
+    start, n = speculator.responses[-1]
+    assert speculator.corpus[start:start + n].tolist() == full[:cut + 1]
