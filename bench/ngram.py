@@ -8,8 +8,8 @@ lookup costs, and the step times and tokens/s it gives, side by side with target
 Sections:
 - lookup: the lookup alone over B contexts of L tokens (median wall time, device synchronised),
   as torch ops (`ngram_drafts`, the CPU path) and as the Triton kernel the GPU path runs; and
-  suffix lookup's torch ops (`suffix_drafts`, every device's path) over the same contexts and a
-  full corpus (suffix_decoding_corpus_tokens, 65536 by default);
+  suffix lookup's torch ops (`suffix_drafts`, the CPU path) and its Triton kernel (the GPU path)
+  over the same contexts and a full corpus (suffix_decoding_corpus_tokens, 65536 by default);
 - engine: batch B, k drafts, n-gram lookup 2..5 (vLLM's defaults are 5..5) and suffix lookup
   (vLLM's defaults; its corpus fills with the benchmark's own finished requests), each measured as
   bench/gpu_bench.measure_steps does (median step time after warm-up, tokens per step), on
@@ -48,12 +48,13 @@ from bench.gpu_bench import LLAMA_8B, TINY, free, measure_steps, write_config  #
 def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device: torch.device, repeats: int,
                 way: str) -> float:
     """Median microseconds of one lookup over `batch` random contexts of `length` tokens: way
-    "torch" (ngram_drafts), "kernel" (the Triton kernel, CUDA) or "suffix" (suffix_drafts with a
-    full default-sized corpus). Wall time around the call, the device synchronised after it: the
-    torch ops are launch-bound, so their launches count."""
+    "torch" (ngram_drafts), "kernel" (the Triton kernel, CUDA), "suffix" (suffix_drafts with a
+    full default-sized corpus) or "suffix_kernel" (its Triton kernel, CUDA; random text: the last
+    token's occurrences are few, so it scans every context and the whole corpus). Wall time around
+    the call, the device synchronised after it: the torch ops are launch-bound, so their launches count."""
     from tandem.spec.config import SpeculativeConfig
     from tandem.spec.ngram import ngram_drafts
-    from tandem.spec.suffix import suffix_drafts
+    from tandem.spec.suffix import NUM_CANDIDATES, NUM_OCCURRENCES, suffix_drafts
 
     g = torch.Generator().manual_seed(batch * 7919 + length)
     tokens = torch.randint(0, 32000, (batch, length), generator=g, dtype=torch.int32).to(device)
@@ -69,6 +70,13 @@ def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device
             from tandem.kernels.ngram import ngram_lookup
 
             ngram_lookup(tokens, lens, slots, want, drafts, lookup[0], lookup[1], length + k)
+        elif way == "suffix_kernel":
+            from tandem.kernels.suffix import suffix_lookup, walk_tables
+
+            tables = walk_tables(suffix.suffix_decoding_max_tree_depth, k, suffix.suffix_decoding_max_spec_factor,
+                                 suffix.suffix_decoding_min_token_prob, NUM_CANDIDATES, device)
+            suffix_lookup(tokens, lens, corpus, slots, want, drafts, tables, suffix.suffix_decoding_max_tree_depth,
+                          length + k, NUM_OCCURRENCES, NUM_CANDIDATES)
         elif way == "suffix":
             suffix_drafts(tokens, lens, corpus, suffix.suffix_decoding_max_tree_depth, k,
                           suffix.suffix_decoding_max_spec_factor, suffix.suffix_decoding_min_token_prob, length + k)
@@ -198,7 +206,8 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.lookup_batches.split(",")]:
             for n in lengths:
                 r = dict(batch=b, length=n, k=max(ks))
-                for way in ("torch", "kernel", "suffix") if device.type == "cuda" else ("torch", "suffix"):
+                ways = ("torch", "kernel", "suffix", "suffix_kernel") if device.type == "cuda" else ("torch", "suffix")
+                for way in ways:
                     r[f"{way}_us"] = time_lookup(b, n, max(ks), lookup, device, 5 if args.quick else 20, way)
                 results["lookup"].append(r)
                 print(f"[lookup] {r}", flush=True)
@@ -213,9 +222,10 @@ def main(argv=None) -> int:
     write_json(args.out, results)
     if results["lookup"]:
         print_table(["lookup batch", "context tokens", "k", "ngram torch ops us", "ngram Triton kernel us",
-                     "suffix torch ops us"],
+                     "suffix torch ops us", "suffix Triton kernel us"],
                     [(r["batch"], r["length"], r["k"], f"{r['torch_us']:.1f}",
-                      f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-", f"{r['suffix_us']:.1f}")
+                      f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-", f"{r['suffix_us']:.1f}",
+                      f"{r['suffix_kernel_us']:.1f}" if "suffix_kernel_us" in r else "-")
                      for r in results["lookup"]])
     if results["engine"]:
         print_table(["config", "text", "batch", "ms/step", "tokens/step", "tok/s", "accepted / drafted", "speedup"],

@@ -26,8 +26,8 @@ tokens on the device when the plan after its end says so (StepPlan.finished_outp
 slot takes another request: no host round trip.
 
 The drafts are one-hot proposals verified as greedy drafts (tandem/spec/base.py), so the output is
-target-only's token for token. The lookup is the same tensor ops on the CPU and on a GPU
-(suffix_drafts), on a GPU captured as CUDA graphs per batch bucket (LookupGraphs).
+target-only's token for token. The lookup is tensor ops (suffix_drafts, the reference) on the CPU
+and one Triton launch on a GPU (tandem/kernels/suffix.py, tested against suffix_drafts).
 """
 from __future__ import annotations
 
@@ -132,47 +132,6 @@ def suffix_drafts(tokens: Tensor, num_tokens: Tensor, corpus: Tensor | None, dep
     return drafts, counts
 
 
-class LookupGraphs:
-    """suffix_drafts over whole slots (max_model_len + 1 tokens each) and the whole corpus,
-    captured as one CUDA graph per batch bucket (powers of two up to max_num_reqs): its ~150 small
-    kernels then cost their run time, not a launch each. The slots to look up go into a static
-    buffer (the rest of a bucket repeats earlier slots; their results are ignored)."""
-
-    def __init__(self, speculator: "SuffixSpeculator", max_num_reqs: int):
-        self.spec = speculator
-        device, k = speculator.device, speculator.k
-        self.sizes = sorted({min(1 << i, max_num_reqs) for i in range(max_num_reqs.bit_length() + 1)})
-        self.slots = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self.drafts = torch.zeros(max_num_reqs, k, dtype=torch.int64, device=device)
-        self.counts = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    def _run(self, b: int) -> None:
-        spec, slots = self.spec, self.slots[:b]
-        drafts, counts = suffix_drafts(spec.context[slots], spec.num_tokens[slots],
-                                       spec.corpus if spec.max_responses else None, spec.depth, spec.k,
-                                       spec.max_spec_factor, spec.min_token_prob, spec.max_model_len)
-        self.drafts[:b].copy_(drafts)
-        self.counts[:b].copy_(counts)
-
-    def capture(self, stream: torch.cuda.Stream, pool) -> None:
-        for b in self.sizes:
-            with torch.cuda.stream(stream):
-                self._run(b)  # warm-up: the kernels' first launches stay out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run(b)
-            self.graphs[b] = graph
-
-    def __call__(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """slots [n] -> (drafts [n, k], counts [n]) of the smallest bucket that holds them."""
-        n = slots.shape[0]
-        b = next(size for size in self.sizes if size >= n)
-        self.slots[:n].copy_(slots)
-        self.graphs[b].replay()
-        return self.drafts[:n], self.counts[:n]
-
-
 class SuffixSpeculator(NgramSpeculator):
     """Keeps each slot's context (NgramSpeculator) and the corpus of finished responses on the
     device, and drafts by suffix_drafts after every step."""
@@ -187,13 +146,12 @@ class SuffixSpeculator(NgramSpeculator):
         self.corpus = torch.full((size,), SEPARATOR, dtype=torch.int32, device=device)  # [C]
         self.responses: deque[tuple[int, int]] = deque()  # (start, length) of those kept, oldest first
         self.write_pos = 0  # where the next response goes
-        self.graphs: LookupGraphs | None = None  # CUDA: the lookup captured per batch bucket
+        self.tables: tuple[Tensor, Tensor] | None = None  # the Triton kernel's thresholds (walk_tables)
+        if self.attn_backend.use_triton:
+            from tandem.kernels.suffix import walk_tables
 
-    def capture_graphs(self, max_num_reqs: int, max_blocks: int, stream: torch.cuda.Stream, pool=None,
-                       piecewise_tokens: int = 0) -> None:
-        graphs = LookupGraphs(self, max_num_reqs)
-        graphs.capture(stream, pool)
-        self.graphs = graphs
+            self.tables = walk_tables(self.depth, self.k, self.max_spec_factor, self.min_token_prob, NUM_CANDIDATES,
+                                      device)
 
     def finished(self, outputs: list[tuple[int, int, int]]) -> None:
         """Copies each response (slot, start, end) that ended into the corpus: its last C - 1 tokens."""
@@ -226,11 +184,13 @@ class SuffixSpeculator(NgramSpeculator):
         self.corpus[start : start + n] = SEPARATOR
 
     def lookup(self, slots: Tensor, want: Tensor, width: int) -> Tensor:
-        if self.graphs is not None:
-            drafts, found = self.graphs(slots)
-        else:  # eagerly: only the contexts' known part, and the corpus once it holds something
-            corpus = self.corpus if self.responses else None
-            drafts, found = suffix_drafts(self.context[slots, :width], self.num_tokens[slots], corpus, self.depth,
-                                          self.k, self.max_spec_factor, self.min_token_prob, self.max_model_len)
+        corpus = self.corpus if self.responses else None  # (an empty corpus proposes nothing)
+        if self.tables is not None:  # one launch (tandem/kernels/suffix.py), reading the slots' contexts in place
+            from tandem.kernels.suffix import suffix_lookup
+
+            return suffix_lookup(self.context, self.num_tokens, corpus, slots, want, self.drafts, self.tables,
+                                 self.depth, self.max_model_len, NUM_OCCURRENCES, NUM_CANDIDATES)
+        drafts, found = suffix_drafts(self.context[slots, :width], self.num_tokens[slots], corpus, self.depth,
+                                      self.k, self.max_spec_factor, self.min_token_prob, self.max_model_len)
         self.drafts[slots] = drafts
         return torch.minimum(found, want)
