@@ -1,6 +1,6 @@
-"""GPU: tensor parallelism's sharded shapes through the CUDA kernels. One GPU is lent here, so both
-ranks share it and their collectives go through gloo (TANDEM_TP_BACKEND=gloo, staged through the
-host); with one GPU a rank, NCCL carries them (not run here)."""
+"""GPU: tensor parallelism's sharded shapes through the CUDA kernels: both ranks on one GPU, their
+collectives through gloo (TANDEM_TP_BACKEND=gloo, staged through the host), and, where two GPUs
+are visible, one GPU a rank over NCCL (the default)."""
 import pytest
 import torch
 
@@ -34,12 +34,17 @@ def _run(target, dtype, tp, spec=None, params=None):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_ranks_on_gpu_match_one(models, dtype, monkeypatch):
+@pytest.mark.parametrize("backend", [
+    "gloo", pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"))])
+def test_two_ranks_on_gpu_match_one(models, dtype, backend, monkeypatch):
     """Greedy on two ranks (each half the heads, intermediate rows and vocabulary) gives the
     one-rank tokens up to near ties (a sum reduced across ranks rounds differently), alone and
     with a sharded draft (its drafts from each rank's best token); the speculative tokens are the
-    two-rank target's own."""
-    monkeypatch.setenv("TANDEM_TP_BACKEND", "gloo")
+    two-rank target's own. gloo: both ranks on one GPU; nccl: GPUs 0 and 1."""
+    if backend == "gloo":
+        monkeypatch.setenv("TANDEM_TP_BACKEND", "gloo")
+    else:
+        monkeypatch.delenv("TANDEM_TP_BACKEND", raising=False)
     target, draft = models
     gap = 1e-3 if dtype == "float32" else 0.3  # bf16: a few ulps of a logit near 8-16 (0.0625 each)
     ref = _run(target, dtype, 1)
