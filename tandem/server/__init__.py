@@ -90,6 +90,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--ssl-keyfile", default=None, type=non_empty("pass a key file"), help="serve HTTPS: the key")
     server.add_argument("--ssl-certfile", default=None, type=non_empty("pass a certificate file"),
                         help="serve HTTPS: the certificate (with --ssl-keyfile)")
+    server.add_argument("--ssl-ca-certs", default=None, type=non_empty("pass a CA certificates file"),
+                        help="with HTTPS: the CA certificates that client certificates are checked against")
+    server.add_argument("--ssl-cert-reqs", default=0, type=int_in(0, 2),
+                        help="with HTTPS: client certificates 0 not asked for (default), 1 checked if sent, 2 required "
+                             "(mutual TLS; Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED; 1 and 2 need "
+                             "--ssl-ca-certs)")
     server.add_argument("--allowed-origins", action="extend", default=None, type=name_list("an origin"),
                         help="browser origins allowed to call the API (CORS; repeatable, or vLLM's JSON list; '*' for "
                              "any; default none, where vLLM allows any)")
@@ -204,7 +210,16 @@ def check_serve_args(args: argparse.Namespace) -> None:
                           "(and browsers refuse it); name the origins")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile; give both or neither")
-    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+    if args.ssl_keyfile is None:
+        for flag, value in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-cert-reqs", args.ssl_cert_reqs or None)):
+            if value is not None:
+                raise ConfigError(f"{flag} applies to HTTPS, which --ssl-keyfile and --ssl-certfile turn on; add them "
+                                  f"or drop {flag}")
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} checks client certificates against CA certificates; "
+                          "give them with --ssl-ca-certs FILE")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag}: no file {path!r}; give the path of a PEM file")
     if args.api_key is None and os.environ.get("TANDEM_API_KEY"):

@@ -1375,8 +1375,7 @@ def run_server(args: argparse.Namespace) -> int:
                     cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, ssl_keyfile=args.ssl_keyfile,
-                            ssl_certfile=args.ssl_certfile)
+                            timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, **ssl_settings(args))
     DrainingServer(config, app).run()
     return 0
 
@@ -1388,6 +1387,14 @@ def cors_settings(args: argparse.Namespace) -> dict | None:
     methods = [m.upper() for m in args.allowed_methods or ["*"]]  # browsers send them upper-case
     return dict(allow_origins=args.allowed_origins, allow_methods=methods,
                 allow_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
+
+
+def ssl_settings(args: argparse.Namespace) -> dict:
+    """uvicorn.Config's TLS arguments from --ssl-keyfile and friends (none: plain HTTP)."""
+    if args.ssl_keyfile is None:
+        return {}
+    return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 GRACE_AFTER_DRAIN_S = 5.0  # what the aborted requests' answers get to finish sending

@@ -252,6 +252,10 @@ def test_serve_draft_flag_without_draft(tmp_path, capsys, extra, flag):
     (["--allowed-origins", "*", "--allow-credentials"], "error: --allow-credentials with --allowed-origins '*'"),
     (["--ssl-keyfile", "k.pem"], "error: HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "error: --ssl-keyfile: no file 'k.pem'"),
+    (["--ssl-ca-certs", "ca.pem"], "error: --ssl-ca-certs applies to HTTPS, which --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-cert-reqs", "2"], "error: --ssl-cert-reqs applies to HTTPS"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "1"],
+     "error: --ssl-cert-reqs 1 checks client certificates against CA certificates; give them with --ssl-ca-certs"),
     (["--allowed-origins", '["*"]', "--allow-credentials"], "error: --allow-credentials with --allowed-origins '*'"),
 ])
 def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):

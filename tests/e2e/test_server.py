@@ -6,11 +6,14 @@ second LLM with the same configuration runs offline on the test thread as the re
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
 import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -65,14 +68,15 @@ def _llm(model_dirs, **overrides) -> LLM:
 class LiveServer:
     """uvicorn serving build_app(llm) on a free port, on a background thread."""
 
-    def __init__(self, llm: LLM, **app_kwargs):
+    def __init__(self, llm: LLM, tls: dict | None = None, **app_kwargs):
+        """tls: uvicorn's TLS arguments (ssl_settings): HTTPS."""
         self.llm = llm
         self.app = build_app(llm, MODEL, **app_kwargs)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **(tls or {}))
         self.server = DrainingServer(config, self.app)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -80,7 +84,7 @@ class LiveServer:
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def stop(self) -> None:
@@ -489,6 +493,52 @@ def test_cors_docs_token_ids_and_prompt_tokens_details(model_dirs, live):
                    and all(t["token"].startswith("token_id:") for t in c["top_logprobs"]) for c in chat["content"])
         assert httpx.get(live.url + "/docs").status_code == 200 and "access-control-allow-origin" not in \
             httpx.get(live.url + "/v1/models", headers={"Origin": "https://ui.example"}).headers
+    finally:
+        server.stop()
+
+
+def _certificates(root: Path) -> None:
+    """A CA (ca.pem), and a server certificate for 127.0.0.1 and a client one, both signed by it
+    ({server,client}.pem, .key), made by the openssl command."""
+    def openssl(*argv):
+        subprocess.run(["openssl", *argv], cwd=root, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=tandem test CA")
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        (root / f"{name}.ext").write_text(extension + "\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+                f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+                f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_https_with_client_certificates(model_dirs, tmp_path):
+    """--ssl-keyfile / --ssl-certfile serve HTTPS; --ssl-ca-certs with --ssl-cert-reqs 2 (mutual TLS)
+    serves only clients whose certificate that CA signed: a client without one, or over plain
+    HTTP, gets no answer."""
+    from tandem.server import add_serve_args, check_serve_args
+    from tandem.server.api import ssl_settings
+
+    _certificates(tmp_path)
+    argv = ["M", "--ssl-keyfile", str(tmp_path / "server.key"), "--ssl-certfile", str(tmp_path / "server.pem"),
+            "--ssl-ca-certs", str(tmp_path / "ca.pem"), "--ssl-cert-reqs", "2"]
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
+    check_serve_args(args)
+    server = LiveServer(_llm(model_dirs), tls=ssl_settings(args))
+    try:
+        trusted = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        with httpx.Client(verify=trusted, timeout=60) as anonymous:
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                anonymous.get(server.url + "/v1/models")
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(server.url.replace("https", "http") + "/v1/models", timeout=60)
+        trusted.load_cert_chain(str(tmp_path / "client.pem"), str(tmp_path / "client.key"))
+        with httpx.Client(verify=trusted, timeout=60) as client:
+            assert client.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+            done = client.post(server.url + C, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4})
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
     finally:
         server.stop()
 
