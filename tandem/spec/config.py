@@ -225,7 +225,10 @@ class SpeculativeConfig:
                               "from tokens seen before; leave model out (or pass method='draft_model' to draft with it)")
         spec["method"] = method
         if "num_speculative_tokens" not in spec:
-            raise ConfigError("speculative_config.num_speculative_tokens is required (the most tokens a lookup proposes)")
+            why = "; vLLM's default for suffix lookup, the tree depth (24), would have a GPU capture verification " \
+                  "graphs for each of 1..24 drafts, so tandem asks (its benchmarks use 4 and 8)" if method == "suffix" else ""
+            raise ConfigError(f"speculative_config.num_speculative_tokens is required (the most tokens a lookup "
+                              f"proposes){why}")
         cls._refuse_unknown(spec)
         for key in DRAFT_MODEL_KEYS:
             field = cls.__dataclass_fields__[key]

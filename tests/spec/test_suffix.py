@@ -120,6 +120,8 @@ def test_config_defaults_and_errors():
     assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob,
             cfg.suffix_decoding_max_cached_requests) == (24, 1.0, 0.1, 10000)  # vLLM's defaults
     assert SpeculativeConfig.from_user({"model": "suffix", "num_speculative_tokens": 2}, 512).method == "suffix"
+    with pytest.raises(ConfigError, match="num_speculative_tokens is required .*; vLLM's default for suffix lookup"):
+        SpeculativeConfig.from_user({"method": "suffix"}, 512)
     bad = [
         ({"model": "/some/draft"}, "model='/some/draft' is not used by method='suffix'"),
         ({"prompt_lookup_max": 3}, "prompt_lookup_max sets n-gram lookup"),
