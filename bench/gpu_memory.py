@@ -29,10 +29,13 @@ GiB = 1 << 30
 
 
 def measure(target: str, draft: str | None, method: str, max_num_seqs: int, util: float, max_model_len: int) -> dict:
+    """draft: a draft model's path (method: its draft_sample_method), "ngram" (n-gram lookup, k = 8) or None."""
     from tandem import LLM, SamplingParams
 
     spec = None
-    if draft is not None:
+    if draft == "ngram":
+        spec = dict(method="ngram", num_speculative_tokens=8)
+    elif draft is not None:
         spec = dict(model=draft, num_speculative_tokens=4, draft_load_format="dummy", draft_sample_method=method)
     gc.collect()
     torch.cuda.empty_cache()
@@ -48,7 +51,8 @@ def measure(target: str, draft: str | None, method: str, max_num_seqs: int, util
     torch.cuda.synchronize()
     used = total - torch.cuda.mem_get_info()[0]
     engine = llm.engine
-    row = {"max_num_seqs": max_num_seqs, "draft": method if draft else None, "start_s": start_s,
+    row = {"max_num_seqs": max_num_seqs, "draft": ("ngram" if draft == "ngram" else method) if draft else None,
+           "start_s": start_s,
            "set_aside_gib": engine.after_pool_estimate / GiB, "graphs_gib": engine.graph_memory_bytes / GiB,
            "kv_blocks": engine.cfg.cache.num_blocks, "used_gib": used / GiB, "allowed_gib": util * total / GiB,
            "over_mib": (used - util * total) / 2**20}
@@ -63,7 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
     p.add_argument("--cases", default="target,greedy,probabilistic",
-                   help="engines: target (target-only, 64 sequences), greedy (k = 4, 64), probabilistic (k = 4, 256)")
+                   help="engines: target (target-only, 64 sequences), greedy (k = 4, 64), probabilistic (k = 4, 256), "
+                        "ngram (n-gram lookup, k = 8, 256: verification graphs for each of 1..8 drafts)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up lines
@@ -73,11 +78,12 @@ def main(argv=None) -> int:
         target = write_config(Path(tmp), "target", target_shape)
         draft = write_config(Path(tmp), "draft", draft_shape)
         cases = {"target": (None, "greedy", 64), "greedy": (draft, "greedy", 64),
-                 "probabilistic": (draft, "probabilistic", 256)}
+                 "probabilistic": (draft, "probabilistic", 256), "ngram": ("ngram", "greedy", 256)}
         rows = [measure(target, *cases[c], args.util, max_model_len) for c in args.cases.split(",")]
     headers = ["engine", "max_num_seqs", "set aside GiB", "graphs took GiB", "start s", "used GiB", "allowed GiB",
                "over MiB"]
-    table = [[("target-only" if r["draft"] is None else f"k = 4, {r['draft']} drafts"), r["max_num_seqs"],
+    names = {None: "target-only", "ngram": "ngram lookup, k = 8"}
+    table = [[names.get(r["draft"], f"k = 4, {r['draft']} drafts"), r["max_num_seqs"],
               f"{r['set_aside_gib']:.2f}", f"{r['graphs_gib']:.2f}", f"{r['start_s']:.1f}", f"{r['used_gib']:.2f}",
               f"{r['allowed_gib']:.2f}", f"{r['over_mib']:.0f}"] for r in rows]
     print_table(headers, table, title=f"gpu_memory_utilization={args.util}")

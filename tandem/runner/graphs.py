@@ -43,7 +43,10 @@ def capture_on(stream: torch.cuda.Stream, pool, fn, warmups: int = 1) -> torch.c
 
 class GraphRunner:
     def __init__(self, model, kv, *, tokens_per_req: int, max_num_reqs: int, max_blocks: int, block_size: int,
-                 device: torch.device, use_triton: bool):
+                 device: torch.device, use_triton: bool, logits: Tensor | None = None):
+        """logits: the buffer the graphs write their logits to ([>= max_num_reqs * tokens_per_req,
+        vocab]; None: one of its own), which graphs that never replay between a replay and the use
+        of its logits may share."""
         self.model, self.kv = model, kv
         self.t = tokens_per_req
         self.block_size = block_size
@@ -61,7 +64,9 @@ class GraphRunner:
         # Every size's logits land in one static buffer (a graph's own output would stay allocated
         # per size: 871 x 5 rows of a 128k vocabulary, 1.1 GiB, for the 8B's verification at 256 requests).
         head = model.lm_head.weight
-        self.logits = torch.empty(n_tok, head.shape[0], dtype=head.dtype, device=device)  # [max_num_reqs * t, vocab]
+        if logits is None:
+            logits = torch.empty(n_tok, head.shape[0], dtype=head.dtype, device=device)
+        self.logits = logits[:n_tok]  # [max_num_reqs * t, vocab]
 
     def _metadata(self, n: int) -> TableAttnMetadata:
         return TableAttnMetadata(
