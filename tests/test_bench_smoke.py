@@ -75,3 +75,26 @@ def test_ngram_bench_quick(tmp_path):
         assert r["tokens_per_step"] >= 1 and r["tok_s"] > 0
         if r["text"] == "repeating" and r["config"].startswith(("ngram", "suffix")):
             assert 0 < r["accepted"] == r["drafted"]
+
+
+def test_suffix_rules_bench_on_given_outputs(tmp_path):
+    """bench/suffix_rules.py on outputs given in a file (no model): both rules' rows for every
+    workload; the second pass over the same requests, every answer seen before, needs fewer steps."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    from bench.suffix_rules import arctic_speculate
+
+    context = [1, 2, 3, 7, 8, 9, 5, 1, 2, 3]  # "1 2 3" seen once before (and at the end): 7 8 9 at 1/2 each
+    assert arctic_speculate(np.array(context), context, 8, 24, 1.0, 0.1) == ([7, 8, 9], 1.5)
+    g = np.random.default_rng(0)
+    data = [["code", g.integers(0, 50, 8).tolist(), g.integers(0, 50, 40).tolist()] for _ in range(3)]
+    outputs, out = tmp_path / "outputs.json", tmp_path / "rules.json"
+    outputs.write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "bench/suffix_rules.py", "--outputs", str(outputs), "--ks", "3",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(r["rule"], r["workload"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(rule, w) for rule in ("tandem", "arctic") for w in ("own", "pass 1", "pass 2")}
+    for rule in ("tandem", "arctic"):
+        assert rows[rule, "pass 2"]["steps"] < rows[rule, "pass 1"]["steps"] <= rows[rule, "own"]["tokens"]
