@@ -138,3 +138,16 @@ def make_spec_models(root: Path) -> dict[str, Path]:
     weights = {n: w + 0.04 * torch.randn(w.shape, generator=g) * w.std() for n, w in weights.items()}
     save_file(weights, str(near / "model.safetensors"), metadata={"format": "pt"})
     return {"target": target, "other": other, "near": near}
+
+
+def assert_lookup_output(counts: torch.Tensor, ref_counts: torch.Tensor, drafts: torch.Tensor,
+                         ref_drafts: torch.Tensor, chosen: torch.Tensor, poison: int) -> None:
+    """A lookup kernel's output against its reference: the same counts; for each chosen slot the
+    same drafts up to its count and the poison past it; the other rows of drafts untouched."""
+    assert torch.equal(counts, ref_counts), (counts, ref_counts)
+    for i, slot in enumerate(chosen.tolist()):
+        c = int(counts[i])
+        assert drafts[slot, :c].tolist() == ref_drafts[i, :c].tolist(), (i, slot)
+        assert (drafts[slot, c:] == poison).all()  # nothing written past the count
+    unchosen = sorted(set(range(drafts.shape[0])) - set(chosen.tolist()))
+    assert (drafts[unchosen] == poison).all()

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from tandem.kernels.ngram import _ngram_kernel, ngram_lookup  # noqa: E402
 from tandem.spec.ngram import ngram_drafts  # noqa: E402
+from tests.helpers import assert_lookup_output  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 
 POISON = -7
@@ -36,13 +37,7 @@ def _check(device: str, seed: int, slots: int, width: int, vocab: int, min_n: in
     counts = ngram_lookup(context.to(device), num_tokens.to(device), chosen.to(device), want.to(device),
                           drafts_dev := drafts.to(device), min_n, max_n, max_model_len).cpu()
     drafts = drafts_dev.cpu()
-    assert torch.equal(counts, ref_counts), (counts, ref_counts)
-    for i, slot in enumerate(chosen.tolist()):
-        c = int(counts[i])
-        assert drafts[slot, :c].tolist() == ref_drafts[i, :c].tolist(), (i, slot)
-        assert (drafts[slot, c:] == POISON).all()  # nothing written past the count
-    unchosen = sorted(set(range(slots + 1)) - set(chosen.tolist()))
-    assert (drafts[unchosen] == POISON).all()
+    assert_lookup_output(counts, ref_counts, drafts, ref_drafts, chosen, POISON)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from tandem.kernels.suffix import _suffix_kernel, suffix_lookup, walk_tables  # noqa: E402
 from tandem.spec.suffix import SEPARATOR, suffix_drafts  # noqa: E402
+from tests.helpers import assert_lookup_output  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 
 POISON = -7
@@ -47,13 +48,7 @@ def _check(device: str, seed: int, slots: int, width: int, corpus_len: int, voca
                            chosen.to(device), want.to(device), drafts, tables, depth, max_model_len, occurrences,
                            candidates).cpu()
     drafts = drafts.cpu()
-    assert torch.equal(counts, ref_counts), (counts, ref_counts)
-    for i, slot in enumerate(chosen.tolist()):
-        c = int(counts[i])
-        assert drafts[slot, :c].tolist() == ref_drafts[i, :c].tolist(), (i, slot)
-        assert (drafts[slot, c:] == POISON).all()  # nothing written past the count
-    unchosen = sorted(set(range(slots + 1)) - set(chosen.tolist()))
-    assert (drafts[unchosen] == POISON).all()
+    assert_lookup_output(counts, ref_counts, drafts, ref_drafts, chosen, POISON)
     return int(counts.sum())
 
 
