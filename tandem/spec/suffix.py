@@ -152,6 +152,16 @@ class SuffixSpeculator(NgramSpeculator):
 
             self.tables = walk_tables(self.depth, self.k, self.max_spec_factor, self.min_token_prob, NUM_CANDIDATES,
                                       device)
+            # compile the kernel with and without the corpus now, not when the first response enters it
+            none = torch.zeros(1, dtype=torch.int64, device=device)  # slot 0, wanting no drafts
+            for corpus in (None, self.corpus) if self.max_responses else (None,):
+                self._lookup_kernel(none, none, corpus)
+
+    def _lookup_kernel(self, slots: Tensor, want: Tensor, corpus: Tensor | None) -> Tensor:
+        from tandem.kernels.suffix import suffix_lookup
+
+        return suffix_lookup(self.context, self.num_tokens, corpus, slots, want, self.drafts, self.tables, self.depth,
+                             self.max_model_len, NUM_OCCURRENCES, NUM_CANDIDATES)
 
     def finished(self, outputs: list[tuple[int, int, int]]) -> None:
         """Copies each response (slot, start, end) that ended into the corpus: its last C - 1 tokens."""
@@ -186,10 +196,7 @@ class SuffixSpeculator(NgramSpeculator):
     def lookup(self, slots: Tensor, want: Tensor, width: int) -> Tensor:
         corpus = self.corpus if self.responses else None  # (an empty corpus proposes nothing)
         if self.tables is not None:  # one launch (tandem/kernels/suffix.py), reading the slots' contexts in place
-            from tandem.kernels.suffix import suffix_lookup
-
-            return suffix_lookup(self.context, self.num_tokens, corpus, slots, want, self.drafts, self.tables,
-                                 self.depth, self.max_model_len, NUM_OCCURRENCES, NUM_CANDIDATES)
+            return self._lookup_kernel(slots, want, corpus)
         drafts, found = suffix_drafts(self.context[slots, :width], self.num_tokens[slots], corpus, self.depth,
                                       self.k, self.max_spec_factor, self.min_token_prob, self.max_model_len)
         self.drafts[slots] = drafts
