@@ -134,7 +134,7 @@ def suffix_drafts(tokens: Tensor, num_tokens: Tensor, corpus: Tensor | None, dep
 
 class SuffixSpeculator(NgramSpeculator):
     """Keeps each slot's context (NgramSpeculator) and the corpus of finished responses on the
-    device, and drafts by suffix_drafts after every step."""
+    device, and drafts after every step: suffix_drafts, or on a GPU its Triton kernel."""
 
     def __init__(self, spec, sched, state, device: torch.device, attn_backend):
         super().__init__(spec, sched, state, device, attn_backend)
