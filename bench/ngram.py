@@ -65,16 +65,21 @@ def time_lookup(batch: int, length: int, k: int, lookup: tuple[int, int], device
     suffix = SpeculativeConfig.from_user({"method": "suffix", "num_speculative_tokens": k}, length + k)
     corpus = torch.randint(0, 32000, (suffix.suffix_decoding_corpus_tokens,), generator=g, dtype=torch.int32).to(device)
 
+    tables = None
+    if way == "suffix_kernel":  # made once, as the speculator makes them (not timed)
+        from tandem.kernels.suffix import walk_tables
+
+        tables = walk_tables(suffix.suffix_decoding_max_tree_depth, k, suffix.suffix_decoding_max_spec_factor,
+                             suffix.suffix_decoding_min_token_prob, NUM_CANDIDATES, device)
+
     def call():
         if way == "kernel":
             from tandem.kernels.ngram import ngram_lookup
 
             ngram_lookup(tokens, lens, slots, want, drafts, lookup[0], lookup[1], length + k)
         elif way == "suffix_kernel":
-            from tandem.kernels.suffix import suffix_lookup, walk_tables
+            from tandem.kernels.suffix import suffix_lookup
 
-            tables = walk_tables(suffix.suffix_decoding_max_tree_depth, k, suffix.suffix_decoding_max_spec_factor,
-                                 suffix.suffix_decoding_min_token_prob, NUM_CANDIDATES, device)
             suffix_lookup(tokens, lens, corpus, slots, want, drafts, tables, suffix.suffix_decoding_max_tree_depth,
                           length + k, NUM_OCCURRENCES, NUM_CANDIDATES)
         elif way == "suffix":
