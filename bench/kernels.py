@@ -362,6 +362,67 @@ def sweep_rows(m: int) -> list[list]:
     return rows
 
 
+W8_CONFIGS = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
+              (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (32, 128, 128, 4, 4)]
+
+
+def w8a8(x, q, s):
+    """The W8A8 alternative (vLLM's fp8 on Hopper): each row of x scaled into e4m3 by its max,
+    then torch._scaled_mm with row-wise scales."""
+    a = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    xq = (x.float() / a).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, q.t(), scale_a=a, scale_b=s.view(1, -1), out_dtype=x.dtype)
+
+
+def sweep_w8(m: int) -> list[list]:
+    """m rows through fp8 e4m3 weights with per-row scales: gemm_w8 (W8A16, every tile of
+    W8_CONFIGS), W8A8 (torch._scaled_mm after quantizing the rows), the weight dequantized then
+    cuBLAS, against cuBLAS on bf16 weights (cold weights, us per call; rel err against the
+    fake-quantized weights' fp32 product)."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.gemm_rows import gemm_w8, w8_config
+    from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
+
+    rows = []
+    for name, n, k in GEMV_SHAPES[:4] + GEMV_SHAPES[7:9] + GEMV_SHAPES[12:14]:
+        count = max(4, min(32, (3 << 30) // (2 * n * k)))
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        fake_quantize_fp8_(ws[0])
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        cublas = _rotating(lambda w: F.linear(x, w), ws)
+        q8 = [quantize_fp8(w) for w in ws]
+        del ws
+        torch.cuda.empty_cache()
+
+        def err(out):
+            return f"{(out.float() - ref).abs().max().item() / ref.abs().max().item():.1e}"
+
+        times = {}
+        for cfg in dict.fromkeys(W8_CONFIGS + [w8_config(m, n, k)]):
+            try:
+                times[cfg] = _rotating(lambda qs, cfg=cfg: gemm_w8(x, qs[0], qs[1], config=cfg), q8)
+            except Exception as e:  # noqa: BLE001  (a tile past the shared memory: skipped, shown)
+                print(f"{name} m={m} {cfg}: {type(e).__name__}", file=sys.stderr)
+                times[cfg] = float("nan")
+        best = min((c for c in times if times[c] == times[c]), key=times.get)
+        try:
+            scaled = _rotating(lambda qs: w8a8(x, *qs), q8)
+            scaled_err = err(w8a8(x, *q8[0]))
+        except Exception as e:  # noqa: BLE001
+            print(f"_scaled_mm: {type(e).__name__}: {e}", file=sys.stderr)
+            scaled, scaled_err = float("nan"), "-"
+        deq = _rotating(lambda qs: F.linear(x, (qs[0].to(torch.bfloat16) * qs[1][:, None]).to(torch.bfloat16)), q8)
+        default = w8_config(m, n, k)
+        rows.append([name, m, f"{cublas * 1e6:.1f}", f"{times[default] * 1e6:.1f}", str(best), f"{times[best] * 1e6:.1f}",
+                     f"{100 * n * k / times[best] / COPY_BW:.0f}%", f"{scaled * 1e6:.1f}", f"{deq * 1e6:.1f}",
+                     err(gemm_w8(x, *q8[0])), scaled_err] + [f"{times[c] * 1e6:.1f}" for c in W8_CONFIGS])
+        del q8
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_rows_rope(m: int) -> list[list]:
     """The qkv projection at M rows with the rotary embedding and KV store inside
     (gemm_rows_qkv_rope) against gemm_rows + rotary_embedding(store=...) and cuBLAS + the same
@@ -494,9 +555,19 @@ def main() -> None:
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
+    ap.add_argument("--w8", default="", help="only the fp8-weight GEMM (gemm_w8) sweeps at these row counts, e.g. 64,1024")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.w8:
+        table = [r for m in args.w8.split(",") for r in sweep_w8(int(m))]
+        print_table(["layer", "M", "cuBLAS bf16 us", "w8 default us", "best (BM, BN, BK, warps, stages)", "best us",
+                     "of copy bw (fp8 bytes)", "W8A8 _scaled_mm us", "dequant + cuBLAS us", "w8 rel err",
+                     "W8A8 rel err"] + [str(c) for c in W8_CONFIGS], table,
+                    title="fp8 e4m3 weights, M rows, cold weights (rotating), GPU time in CUDA graphs")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table), indent=2, default=str))
+        return
     if args.rows:
         for m in [int(v) for v in args.rows.split(",")]:
             print_table(["layer", "cuBLAS us", "of copy bw", "1-row GEMV us", "default us",

@@ -155,6 +155,9 @@ def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
 KV_CACHE_DTYPE_CHOICES = ["auto", "fp8", "fp8_e4m3"]  # tandem.config.KV_CACHE_DTYPES (not imported: torch)
 KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, saturated, no scale: half the memory a "
                         "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
+QUANTIZATION_HELP = ("fp8: the target's linear layers rounded to float8 e4m3 on load, one power-of-two scale per "
+                     "output row, its LM head kept (vLLM's online fp8, weight-only here): on a GPU half the weight "
+                     "memory and traffic; needs compute capability 8.9+")
 REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
                   "(Sun et al. 2024: more drafts accepted with probabilistic drafts, the same output distribution; "
                   "greedy drafts keep the standard, coupled test, which no block test beats)")
@@ -201,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int_in(1), default=None)
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
@@ -339,7 +343,8 @@ def _generate(args) -> int:
     )
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
-                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+                  quantization=args.quantization)
     spec = None
     if args.speculative_config is not None:
         spec = {"draft_load_format": args.load_format, **args.speculative_config}

@@ -81,7 +81,13 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
     cpu_matmul: str = "auto"  # "auto" | "avx512" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
-    quantization: str | None = None  # "fp8": weight-only e4m3 linears (tandem/layers/quant.py; the draft's option)
+    # "fp8": weight-only e4m3 linears (tandem/layers/quant.py). The target's (LLM(quantization="fp8"),
+    # as vLLM's): its layers' linears, the LM head kept in the model dtype, and on a GPU the fp8 weights
+    # alone. The draft's (speculative_config quantization): fp8_draft_layout, below.
+    quantization: str | None = None
+    # The draft's layout of fp8: the LM head rounded too, and on a GPU the model-dtype weights kept
+    # beside the fp8 copies for the shapes cuBLAS runs faster (tandem/layers/gpu_linear.py).
+    fp8_draft_layout: bool = False
     # Which distribution returned logprobs describe: "raw_logprobs" (the model's, as vLLM returns by
     # default) or "processed_logprobs" (after penalties, bias, temperature and truncation: the one sampled).
     logprobs_mode: str = "raw_logprobs"
@@ -182,6 +188,12 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         )
     if raw.get("mlp_bias"):
         raise ConfigError(f"{field}: mlp_bias=True in {path} is not supported")
+    quantized = raw.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "unnamed") if isinstance(quantized, dict) else quantized
+        raise ConfigError(f"{field}: {path} is a quantized checkpoint (quantization_config, quant_method {method!r}), "
+                          "which tandem does not load; use the unquantized model (quantization='fp8' rounds its "
+                          "linear layers to float8 e4m3 on load)")
 
     def count(key: str, default=None) -> int:
         """A positive integer setting (required when default is None)."""

@@ -31,6 +31,7 @@ from tandem.chat import template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
+from tandem.layers.quant import QUANTIZATIONS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.outputs import RequestOutput
@@ -55,6 +56,7 @@ class LLM:
         *,
         tokenizer: str | None = None,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
@@ -115,6 +117,10 @@ class LLM:
         if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
             raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
                               f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
+        if quantization not in (None,) + QUANTIZATIONS:
+            raise ConfigError(f"quantization={quantization!r} is not supported; use 'fp8' (the linear layers' weights "
+                              "rounded to float8 e4m3 on load, one scale per output row: half the weight memory and "
+                              "traffic) or leave it out; tandem loads unquantized checkpoints only")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {list(KV_CACHE_DTYPES)} "
                               "('fp8': keys and values in float8 e4m3, half the memory a token takes)")
@@ -164,10 +170,11 @@ class LLM:
                 logger.info("tensor_parallel_size=%d runs eagerly: CUDA graphs around collectives are not built",
                             tp_size)
                 enforce_eager = True
-        if kv_cache_dtype != "auto" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
-            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with float8 (compute capability 8.9 or "
-                              f"newer; measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
-                              "'auto'")
+        for name, value, off in (("kv_cache_dtype", kv_cache_dtype, "auto"), ("quantization", quantization, None)):
+            if value != off and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+                raise ConfigError(f"{name}={value!r} needs a GPU with float8 (compute capability 8.9 or newer; "
+                                  f"measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
+                                  f"{off!r}")
         model_dir = resolve_model_dir(model, dtype, load_format)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
@@ -228,7 +235,7 @@ class LLM:
             )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
-                              logprobs_mode=logprobs_mode, max_logprobs=max_logprobs, tp_size=tp_size),
+                              quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs, tp_size=tp_size),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -137,6 +137,7 @@ def _rows_kernel(
     W_SCALE: tl.constexpr,  # w is fp8: widened to x's dtype for the dot, each row's sum times its scale
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
+    MULTI_M: tl.constexpr,  # grid (row tiles, column tiles): gemm_w8's any number of rows
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -148,10 +149,16 @@ def _rows_kernel(
     """SILU_MUL: a packed gate | up projection whose output is silu(gate) * up: a program owns
     BLOCK_N / 2 output columns, its weight tile their gate rows then their up rows (one dot, as the
     qkv kernel's rotary pairs), and its epilogue multiplies them with the silu_and_mul kernel's
-    rounding; the separate activation kernel and the [M, N] intermediate disappear."""
-    pid = tl.program_id(0)
+    rounding; the separate activation kernel and the [M, N] intermediate disappear.
+    MULTI_M: the row tiles are the grid's first axis, so the programs launched together share a
+    weight tile (read from memory once; the rows' tiles stay in L2)."""
+    if MULTI_M:
+        pid = tl.program_id(1)
+        offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # M * K may pass 2^31
+    else:
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
     wait_only(PDL_WAIT)
-    offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if SILU_MUL:
         P: tl.constexpr = BLOCK_N // 2
@@ -356,7 +363,51 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
         x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_M=row_tile(m), BLOCK_N=block_n,
+        MULTI_M=False, BLOCK_M=row_tile(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
+    )
+    return out
+
+
+def w8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """-> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of gemm_w8 for m rows of an fp8 [n, k]
+    weight."""
+    if m <= 64:
+        return 64, 64, 128, 4, 4
+    if m <= 256:
+        return 128, 64, 128, 8, 3
+    return 128, 128, 64, 8, 3
+
+
+def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+            act: str | None = None, config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+    """gemm_rows for any number of rows of fp8 e4m3 weights (W8A16: the weight widened to x's dtype
+    in registers, exact products, fp32 sums, each output row's sum times w_scale[n]): x [M, K]
+    bf16 / fp16, rows contiguous; weight [N, K] e4m3, w_scale [N] fp32; act="silu_mul" as gemm_rows.
+    -> out [M, N] (or [M, N / 2]). config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in
+    place of w8_config."""
+    n, k = weight.shape
+    m = x.shape[0]
+    assert act in (None, "silu_mul") and w_scale is not None
+    silu_mul = act == "silu_mul"
+    n_out = n // 2 if silu_mul else n
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    _check_weight(x, weight, w_scale)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    block_m, block_n, block_k, num_warps, num_stages = config or w8_config(m, n, k)
+    assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n))
+    _rows_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, w_scale,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, W_SCALE=True, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        MULTI_M=True, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out

@@ -10,6 +10,9 @@ tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotati
 K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilogue:
 `forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
 with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
+A layer in fp8 alone (the target's `quantization="fp8"`, which keeps no model-dtype weight) sends
+every multi-row input to Triton: 2-32 rows to gemm_rows, more to gemm_w8 (the same W8A16
+products for any number of rows).
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
@@ -77,9 +80,11 @@ class GemvLinear(nn.Module):
 
     fp8: the weight holds fp8-representable values (tandem/layers/quant.py); the GEMV and the
     few-row GEMM then stream an fp8 copy with its per-row power-of-two scales (the same products,
-    half the bytes), cuBLAS keeps the weight in the model dtype."""
+    half the bytes). keep_weight: cuBLAS keeps the weight in the model dtype for the shapes it
+    runs (the fp8 draft); False (the fp8 target): the model-dtype weight is dropped and every
+    shape runs on the fp8 copy (`fp8_only`)."""
 
-    def __init__(self, linear: nn.Linear, fp8: bool = False):
+    def __init__(self, linear: nn.Linear, fp8: bool = False, keep_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -90,6 +95,13 @@ class GemvLinear(nn.Module):
             from tandem.layers.quant import quantize_fp8
 
             self.w8, self.w_scale = quantize_fp8(self.weight)
+            if not keep_weight:
+                self.weight = None
+
+    @property
+    def fp8_only(self) -> bool:
+        """Whether the layer holds its fp8 weight alone (no model-dtype copy for cuBLAS)."""
+        return self.weight is None
 
     @property
     def kernel_weight(self) -> Tensor:
@@ -109,6 +121,8 @@ class GemvLinear(nn.Module):
         --sections verify). TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every
         multi-row input, 1: on; an A/B switch)."""
         n = x.shape[0] if x.dim() == 2 else 0
+        if self.fp8_only:  # no cuBLAS weight to fall back on: every width, up to 32 rows
+            return 2 <= n <= min(FEW_ROWS, _gemm_rows_cap()) and x.stride(-1) == 1
         if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
@@ -130,11 +144,23 @@ class GemvLinear(nn.Module):
             from tandem.kernels.gemm_rows import gemm_rows
 
             return gemm_rows(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
+        if self.fp8_only:
+            return self._many_rows(x, out)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:  # F.linear's kernels, into out
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    def _many_rows(self, x: Tensor, out: Tensor | None = None, act: str | None = None) -> Tensor:
+        """An fp8-only layer's product for any rows x [..., in_features] (gemm_w8)."""
+        from tandem.kernels.gemm_rows import gemm_w8
+
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = gemm_w8(rows, self.w8, self.w_scale, self.bias, out=out, act=act)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
         """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation
@@ -151,6 +177,8 @@ class GemvLinear(nn.Module):
         """F.silu(gate) * up of this packed [gate | up] projection of x (`few_rows(x)`), the
         activation in the few-row GEMM's epilogue: one launch instead of two, no [n, 2 I]
         intermediate (the silu_and_mul kernel's bits)."""
+        if self.fp8_only and not self.few_rows(x):
+            return self._many_rows(x, act="silu_mul")
         from tandem.kernels.gemm_rows import gemm_rows
 
         return gemm_rows(x, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
@@ -183,8 +211,11 @@ class GemvLinear(nn.Module):
         if not self.takes_row(x):
             from tandem.kernels.gemm_rows import gemm_rows_qkv_rope
 
-            # The model-dtype weight even for an fp8 layer: its 32-row fp8 tile was no faster (1B, 6
-            # rows, H200: 8.7 against 7.7 us; the catch-up round 7.51 against 7.50 ms).
+            # The model-dtype weight where there is one, even for an fp8 layer: its 32-row fp8 tile was
+            # no faster (1B, 6 rows, H200: 8.7 against 7.7 us; the catch-up round 7.51 against 7.50 ms).
+            if self.fp8_only:
+                return gemm_rows_qkv_rope(x, self.w8, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
+                                          rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale)
             return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions,
                                       rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping)
         from tandem.kernels.gemv import gemv_qkv_rope
@@ -201,12 +232,16 @@ class GemvLinear(nn.Module):
         return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale))
 
 
-def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, fp8: bool = False) -> None:
-    """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place (fp8: the
-    weights are fp8-representable, tandem/layers/quant.py; the kernels stream fp8 copies)."""
+def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool = True) -> None:
+    """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place. Linears
+    marked `fp8_weights` (tandem/layers/quant.py: fp8-representable weights) get fp8 copies the
+    kernels stream; keep_weights=False drops their model-dtype weights (the fp8 target)."""
     if dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_available():  # CUDA + Triton
         return
     for module, name, child in linear_sites(model):
         if not child.weight.is_contiguous():
             child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
-        setattr(module, name, GemvLinear(child, fp8=fp8))
+        linear = GemvLinear(child, fp8=getattr(child, "fp8_weights", False), keep_weight=keep_weights)
+        setattr(module, name, linear)
+        if linear.fp8_only:
+            child.weight = None  # freed now, not when the loop ends: the load's peak stays the model-dtype weights'

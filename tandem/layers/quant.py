@@ -1,4 +1,5 @@
-"""Weight-only fp8 (e4m3) quantization, for the draft model (speculative_config quantization="fp8").
+"""Weight-only fp8 (e4m3) quantization: the target's `LLM(quantization="fp8")` and the draft's
+`speculative_config` `quantization="fp8"`.
 
 Each weight row n (an output channel) is stored as q[n, :] in float8_e4m3fn times a power of
 two s[n], the least one with max |w[n, :]| / s[n] <= 448 (e4m3's largest value): round to
@@ -6,12 +7,18 @@ nearest, one scale a row. Activations stay in the model dtype (W8A16).
 
 `fake_quantize_fp8_` replaces a weight by q * s in its own dtype. That is exact in bf16 / fp16
 (a 4-bit significand times a power of two) barring fp16 range limits, so the quantized model is
-one function on every path: CPU and cuBLAS paths multiply those bf16 weights, while on the GPU
-the one-row GEMV and the few-row GEMM stream the fp8 bytes (half the traffic) and multiply each
-output by s[n] after the sum: the same exact products (scaling by a power of two commutes with
-every fp32 rounding), summed in the order of the fp8 tile's layout, so within an ulp of the bf16
-weights' result rather than equal to it. The draft only proposes: its precision moves the
-acceptance rate, never the output distribution, which the target's verification keeps exact.
+one function on every path: the CPU multiplies those model-dtype weights (same values, same
+bytes), while on the GPU the Triton GEMV and GEMMs stream the fp8 bytes (half the traffic) and
+multiply each output by s[n] after the sum: the same exact products (scaling by a power of two
+commutes with every fp32 rounding), summed in the order of the fp8 tile's layout, so within an
+ulp of the model-dtype weights' result rather than equal to it.
+
+What is rounded: the target's decoder-layer linears (q | k | v, o, gate | up, down), its LM head
+kept in the model dtype as vLLM keeps it; on a GPU in bf16 / fp16 those layers then hold only the
+fp8 weights and their scales (tandem/layers/gpu_linear.py). The draft's every linear, its LM head
+too (the draft only proposes: its precision moves the acceptance rate, never the output
+distribution, which the target's verification keeps exact), keeping its model-dtype weights on a
+GPU for the shapes cuBLAS runs faster (ModelConfig.fp8_draft_layout).
 """
 from __future__ import annotations
 
@@ -45,13 +52,17 @@ def fake_quantize_fp8_(w: Tensor) -> None:
         w[rows] = q[rows].float().mul_(s[rows, None])
 
 
-def quantize_linears_(model: nn.Module, method: str) -> None:
-    """Fake-quantize every nn.Linear weight of model in place (a weight tied to the input
-    embedding is quantized once, so the embedding sees the same values)."""
+def quantize_linears_(model: nn.Module, method: str, lm_head: bool = True) -> None:
+    """Fake-quantize every nn.Linear weight of model in place (lm_head=False: all but the LM head;
+    a weight tied to the input embedding is quantized once, so the embedding sees the same values),
+    marking each rounded module `fp8_weights = True` (tandem/layers/gpu_linear.py reads it)."""
     assert method in QUANTIZATIONS
     seen = set()
+    head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            with torch.no_grad():
-                fake_quantize_fp8_(module.weight.data)
+        if isinstance(module, nn.Linear) and (lm_head or module is not head):
+            module.fp8_weights = True
+            if id(module.weight) not in seen:
+                seen.add(id(module.weight))
+                with torch.no_grad():
+                    fake_quantize_fp8_(module.weight.data)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import pathlib
 
@@ -20,6 +21,8 @@ from tandem.models.registry import model_class
 from tandem.parallel.group import TPGroup
 from tandem.parallel.shard import PACKED_FROM, packed_rows, read_rank_part, shard_arch, shard_param
 from tandem.oom import OutOfMemoryGuard, check_weights_fit
+
+logger = logging.getLogger("tandem")
 
 # Checkpoint entries that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -86,14 +89,18 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     model.eval()
     model.requires_grad_(False)
     if cfg.quantization is not None:  # (before a head is pruned: a tied embedding keeps the rounded values)
-        quantize_linears_(model, cfg.quantization)
+        quantize_linears_(model, cfg.quantization, lm_head=cfg.fp8_draft_layout)
+        if not cfg.fp8_draft_layout and not (device.type == "cuda" and cfg.dtype in (torch.bfloat16, torch.float16)):
+            logger.info("quantization=%r on %s in %s: the weights are rounded to fp8 values but keep their %s bytes "
+                        "(a GPU in bf16 / fp16 holds them in fp8)", cfg.quantization, device.type,
+                        str(cfg.dtype).removeprefix("torch."), str(cfg.dtype).removeprefix("torch."))
     if head_ids is not None:
         assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
         rows = torch.tensor(head_ids, dtype=torch.int64, device=device)
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.index_select(0, rows), requires_grad=False)
         model.lm_head.out_features = len(head_ids)
     if device.type == "cuda":
-        prepare_gpu_linears(model, cfg.dtype, fp8=cfg.quantization == "fp8")
+        prepare_gpu_linears(model, cfg.dtype, keep_weights=cfg.fp8_draft_layout)
     else:
         kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype)
         prepare_linears(model, kind)

@@ -11,7 +11,7 @@ import os
 
 from tandem.chat import load_chat_template
 from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
-                        REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
+                        QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
                         draft_flag_conflicts, float_in, int_in, non_empty, speculative_config,
                         structured_outputs_config, watermark_config)
 from tandem.config import SPEC_DECODE_METRICS_LEVELS
@@ -74,6 +74,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory-bytes", type=int_in(1), default=None)
     engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9)
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    engine.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                         help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "

@@ -1355,7 +1355,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,

@@ -74,7 +74,7 @@ class SpeculatorFactory:
         if self.hot_ids is not None:
             logger.info("the draft scores %d of %d token ids (its LM head pruned to them)", len(self.hot_ids), shared)
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
-                                     target.cpu_matmul, spec.quantization,
+                                     target.cpu_matmul, spec.quantization, fp8_draft_layout=True,
                                      tp_size=draft_tp.size if draft_tp is not None else 1)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
                                 tp=draft_tp, head_ids=self.hot_ids)

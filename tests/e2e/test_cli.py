@@ -13,21 +13,27 @@ from tests.helpers import make_hf_model
 
 
 @pytest.mark.parametrize("flags", [[], ["--adaptive"], ["--draft-quantization", "fp8"], ["-tp", "2"], ["--kv-cache-dtype", "fp8"],
-                                   ["--rejection-sample-method", "block", "--temperature", "0.8", "--seed", "3"]])
+                                   ["--rejection-sample-method", "block", "--temperature", "0.8", "--seed", "3"],
+                                   ["-q", "fp8"]])
 def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
     import tandem.models.loader as loader
 
     quantized = []
     quantize = loader.quantize_linears_
-    monkeypatch.setattr(loader, "quantize_linears_", lambda model, method: quantized.append(method)
-                        or quantize(model, method))
+    monkeypatch.setattr(loader, "quantize_linears_", lambda model, method, lm_head: quantized.append((method, lm_head))
+                        or quantize(model, method, lm_head))
     adaptive = "--adaptive" in flags
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
     rc = main(["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3", *flags,
                "--dtype", "float32", "--max-tokens", "12", "--ignore-eos", "--compare", "The quick brown fox"])
     assert rc == 0
-    assert quantized == (["fp8"] if "--draft-quantization" in flags else [])  # the draft alone
+    if "--draft-quantization" in flags:
+        assert quantized == [("fp8", True)]  # the draft alone, its LM head too
+    elif "-q" in flags:
+        assert quantized == [("fp8", False)] * 2  # the target (LM head kept), in the spec and the --compare engines
+    else:
+        assert quantized == []
     out, err = capsys.readouterr()
     assert out.strip()  # the streamed completion
     assert "12 tokens in" in err
@@ -340,6 +346,7 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
                  "--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
                  "--enable-per-request-metrics", "--responses-store-size", "7", "--scheduling-policy",
                  "priority", "--enforce-eager", "--api-key", "sk-1", "--api-key", "sk-2", "--kv-cache-dtype", "fp8",
+                 "--quantization", "fp8",
                  "--allowed-origins", "https://a.example", "--allowed-origins", '["https://b.example"]',
                  "--allowed-methods", "post", "--disable-fastapi-docs",
                  "--enable-prompt-tokens-details", "--root-path", "/tandem", "--return-tokens-as-token-ids",
@@ -350,6 +357,7 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert auth.kwargs["keys"] == ["sk-1", "sk-2"]
     assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
     assert app.state.engine_client.engine.runner.kv.k[0].dtype == torch.float8_e4m3fn
+    assert app.state.engine_client.engine.cfg.model.quantization == "fp8"
     (cors,) = [m for m in app.user_middleware if m.cls is CORSMiddleware]
     assert cors.kwargs == dict(allow_origins=["https://a.example", "https://b.example"], allow_methods=["POST"],
                                allow_headers=["*"], allow_credentials=False)

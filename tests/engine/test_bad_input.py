@@ -128,8 +128,10 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"rope_theta": None}, "rope_theta"),
     (lambda c: c | {"rms_norm_eps": None}, "rms_norm_eps"),
     (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    (lambda c: c | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
+     r"quantized checkpoint \(quantization_config, quant_method 'fp8'\).*quantization='fp8'"),
 ], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
-        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str"])
+        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str", "pre-quantized"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
     d = _copy_with_config(model_dir, tmp_path / "m", change)
     with pytest.raises(ConfigError, match=match) as e:
@@ -317,6 +319,9 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
         (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+        (dict(quantization="awq"), "quantization='awq' is not supported; use 'fp8'"),
+        (dict(quantization="FP8"), "quantization"),
+        (dict(quantization=True), "quantization"),
         (dict(seed=-1), "seed"),
         (dict(seed=2**70), "seed"),
         (dict(per_request_spec_decode_metrics="full"), "per_request_spec_decode_metrics"),

@@ -20,7 +20,7 @@ if INTERPRET:  # must precede the first `import triton`
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, rows_config  # noqa: E402
+from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8, rows_config  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_gemv import _near, assert_near_exact, assert_rope_store_matches  # noqa: E402
 
@@ -197,3 +197,42 @@ def test_gemm_rows_fp8_weights_gpu(n, k, m, heads, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemm_rows_fp8_weights_interpreter(dtype):
     check_fp8_weights(128, 96, 5, dtype, "cpu", config=SMALL, heads=(2, 1, 32))
+
+
+def check_w8(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=None, bias: bool = True) -> None:
+    """gemm_w8 (any number of rows, fp8 weights): near the exact product of x and the fake-quantized
+    weights rounded once (assert_near_exact), NaN-poisoned output fully written, a row's result
+    independent of the other rows (bits), SiLU-and-mul in the epilogue the separate kernel's bits."""
+    from tandem.kernels.fused import silu_and_mul
+    from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
+
+    g = torch.Generator(device="cpu").manual_seed(n + 5 * k + m)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    fake_quantize_fp8_(w)
+    q, s = quantize_fp8(w)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    gemm_w8(x, q, s, b, out=out, config=config)
+    assert_near_exact(out, x, w, b, 2 if dtype == torch.bfloat16 else 1)
+    for i in (0, m - 1):
+        assert torch.equal(gemm_w8(x[i:i + 1], q, s, b, config=config), out[i:i + 1])
+    if n % 2 == 0:
+        act = gemm_w8(x, q, s, b, act="silu_mul", config=config)
+        assert torch.equal(act, silu_and_mul(gemm_w8(x, q, s, b, config=config)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 33, 64, 100, 257, 1030])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (2048, 1536), (1000, 700), (7, 4096)])
+def test_gemm_w8_gpu(n, k, m, dtype):
+    check_w8(n, k, m, dtype, "cuda", bias=n in (2048, 1000))
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,m", [(40, 96, 37), (33, 80, 5), (64, 64, 70)])
+def test_gemm_w8_interpreter(n, k, m, dtype):
+    check_w8(n, k, m, dtype, "cpu", config=(16, 16, 32, 4, 2), bias=n != 33)

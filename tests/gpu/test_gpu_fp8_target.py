@@ -1,0 +1,86 @@
+"""The target in weight-only fp8 on a GPU (LLM(quantization="fp8")): its layers hold e4m3 weights
+alone and every row count runs on them (one row: the GEMV; 2-32: gemm_rows; more: gemm_w8);
+logits near the CPU's fp32 model on the same rounded weights; greedy speculation over it equals
+its own greedy output; CUDA graphs equal eager."""
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tests.helpers import make_hf_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    target = make_hf_model(root / "t", "qwen2", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
+                           init_std=0.3, max_position_embeddings=1024)
+    draft = make_hf_model(root / "d", "qwen2", num_layers=1, hidden_size=64, seed=3, max_position_embeddings=1024)
+    return target, draft
+
+
+def _logits(path, device: str, dtype: torch.dtype, plan: list[int]):
+    """Logits of every position of a prompt run in chunks of `plan` tokens, and the model."""
+    from tandem.config import ModelConfig, read_arch_config
+    from tandem.layers.backend import AttnBackend
+    from tandem.models.decoder import KVCache
+    from tandem.models.loader import load_model
+
+    arch = read_arch_config(path)
+    model = load_model(ModelConfig(str(path), arch, dtype, 128, quantization="fp8"), torch.device(device))
+    kv = KVCache(arch, 16, 4, dtype, device)
+    ids = torch.randint(0, 320, (sum(plan),), generator=torch.Generator().manual_seed(5)).tolist()
+    table = list(range(16))[::-1]
+    backend = AttnBackend(4, torch.device(device))
+    out, start = [], 0
+    with torch.inference_mode():
+        for n in plan:
+            attn = backend.prefill([start], [n], [table])
+            pos = torch.arange(start, start + n, device=device)
+            hidden = model(torch.tensor(ids[start:start + n], device=device), pos, attn, kv)
+            out.append(model.compute_logits(hidden).float().cpu())
+            start += n
+    return torch.cat(out), model
+
+
+def test_fp8_target_layers_and_logits(models):
+    """bf16 on the GPU: every layer linear holds its e4m3 weight alone, the LM head its bf16 one;
+    40 rows (gemm_w8), single rows (the GEMV) and 9 rows (gemm_rows) give logits near the fp32 CPU
+    model on the same rounded weights."""
+    from tandem.layers.gpu_linear import GemvLinear
+
+    target, _ = models
+    plan = [40, 1, 1, 9, 1]
+    ref, _ = _logits(target, "cpu", torch.float32, plan)
+    got, model = _logits(target, "cuda", torch.bfloat16, plan)
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, GemvLinear) and linear.fp8_only and linear.w8.dtype == torch.float8_e4m3fn
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.w8 is None
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 0.05 * scale
+
+
+def _run(target, spec=None, enforce_eager=False):
+    llm = LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=512, block_size=16, max_num_seqs=8,
+              speculative_config=spec, enforce_eager=enforce_eager, kv_cache_memory_bytes=64 << 20,
+              quantization="fp8")
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(2, 300, (n,), generator=g).tolist()} for n in (3, 17, 64, 200, 9, 33)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+
+def test_speculation_over_fp8_target_on_gpu(models):
+    """Greedy speculative output over the fp8 target == its target-only output (graphs and eager),
+    with a bf16 draft, an fp8 draft, and the target's checkpoint as its own draft."""
+    target, draft = models
+    base, _ = _run(target)
+    eager, _ = _run(target, enforce_eager=True)
+    assert eager == base
+    for spec_model, k, quant in ((draft, 3, None), (draft, 3, "fp8"), (target, 4, None)):
+        out, llm = _run(target, dict(model=str(spec_model), num_speculative_tokens=k, quantization=quant))
+        assert out == base, (spec_model, quant)
+        if spec_model == target:
+            assert llm.engine.spec_metrics.acceptance_rate > 0.5
