@@ -4,6 +4,7 @@ synthetic acceptance and on the eps pair, and transformers as the peer, in one r
     python3 bench/gpu_bench.py --out $OUT/gpu_bench.json           # on the H200
     python3 bench/gpu_bench.py --quick                              # small shapes, minutes
     python3 bench/gpu_bench.py --sections synthetic --ks 4 --batches 1 --env-ab TANDEM_PDL=0  # an A/B
+    python3 bench/gpu_bench.py --sections target,synthetic --ks 4 --target-quantizations none,fp8  # the fp8 target
 
 Models use load_format="dummy" (seeded random weights, real shapes). Step times are medians
 over timed engine steps after warm-up (each step includes its one device->host sync); graph
@@ -63,14 +64,18 @@ def write_config(root: Path, name: str, shape: dict) -> str:
     return str(d)
 
 
-def weight_bytes(shape: dict) -> int:
+def weight_bytes(shape: dict, quantization: str | None = None) -> int:
     """Bytes of every weight a decode step reads (all but the input embedding; a tied table
-    is read once, as the LM head). bf16."""
+    is read once, as the LM head). bf16; quantization="fp8": the layers' linears a byte a weight
+    (their per-row scales counted), the norms and the LM head bf16."""
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape.get("head_dim", h // heads)
-    layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
-    return 2 * (n * layer + h + shape["vocab_size"] * h)
+    linears = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i
+    rows = heads * d + 2 * kv * d + h + 2 * i + h  # output rows of qkv, o, gate_up, down: an fp32 scale each
+    per_linear_weight = 1 if quantization == "fp8" else 2
+    layer = per_linear_weight * linears + (4 * rows if quantization == "fp8" else 0) + 2 * 2 * h
+    return n * layer + 2 * (h + shape["vocab_size"] * h)
 
 
 def kv_bytes_per_token(shape: dict, kv_cache_dtype: str) -> int:
@@ -99,12 +104,17 @@ def copy_bandwidth() -> float:
 
 
 def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None,
-             kv_cache_dtype: str = "auto"):
+             kv_cache_dtype: str = "auto", quantization: str | None = None):
     from tandem import LLM
 
     return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False,
-               watermark_config=watermark_config, kv_cache_dtype=kv_cache_dtype)
+               watermark_config=watermark_config, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+
+
+def target_quantizations(args) -> list[tuple[str | None, str]]:
+    """--target-quantizations as (LLM's quantization, the suffix of the target's name)."""
+    return [(None, "") if q == "none" else (q, f" {q}") for q in args.target_quantizations.split(",")]
 
 
 def free(*objs) -> None:
@@ -222,9 +232,12 @@ def draft_graph_times(sp, b: int) -> tuple[float, float]:
 def target_only(root, shapes, batches, args, bw, results) -> dict:
     base = {}
     kv_dtypes = args.kv_cache_dtypes.split(",")
-    for (name, shape), kv_dtype in [(s, kv) for s in shapes for kv in kv_dtypes]:
-        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len, kv_cache_dtype=kv_dtype)
-        wb = weight_bytes(shape)
+    for (name, shape), kv_dtype, (quant, suffix) in [(s, kv, q) for s in shapes for kv in kv_dtypes
+                                                     for q in target_quantizations(args)]:
+        llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len, kv_cache_dtype=kv_dtype,
+                       quantization=quant)
+        wb = weight_bytes(shape, quant)
+        name = name + suffix
         engine = llm.engine
         for b in batches:
             r = measure_steps(llm, b, args.prompt_len, args.steps)
@@ -271,16 +284,17 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
     tname, tshape = target
     dname, dshape = draft
     tdir, ddir = write_config(root, tname, tshape), write_config(root, dname, dshape)
-    variants = [(q, v, k) for q in args.draft_quantization.split(",") for v in args.draft_vocab_sizes.split(",")
-                for k in ks]
-    for quant, vocab, k in variants:
+    variants = [(t, q, v, k) for t in target_quantizations(args) for q in args.draft_quantization.split(",")
+                for v in args.draft_vocab_sizes.split(",") for k in ks]
+    for (target_quant, suffix), quant, vocab, k in variants:
+        tname = target[0] + suffix
         quant = None if quant == "none" else quant
         vocab = None if vocab == "none" else int(vocab)
         tag = (f" {quant} draft" if quant else "") + (f" head {vocab}" if vocab else "")
         spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant,
                     draft_vocab_size=vocab)
-        llm = make_llm(tdir, spec, max(batches), args.max_model_len)
+        llm = make_llm(tdir, spec, max(batches), args.max_model_len, quantization=target_quant)
         sp = llm.engine.runner.speculator
         for b in batches:
             graphs_ms = None
@@ -666,6 +680,9 @@ def main(argv=None) -> int:
                    help="at every batch (target-only, and synthetic at uniform 0.8) also measure with these "
                         "environment settings, graphs recaptured (repeatable), e.g. TANDEM_PDL=0")
     p.add_argument("--ks", default=None, help="k values for the synthetic sweep (default 1..8)")
+    p.add_argument("--target-quantizations", default="none",
+                   help="comma list of the target's LLM(quantization=...) for the target and synthetic sections: "
+                        "none, fp8 (its target-only runs are the baseline of its speculative ones)")
     p.add_argument("--draft-quantization", default="none",
                    help="comma list of the synthetic section's draft quantizations: none, fp8 (speculative_config)")
     p.add_argument("--draft-vocab-sizes", default="none",

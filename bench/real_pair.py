@@ -9,6 +9,7 @@
     python bench/real_pair.py --ks 4 --temperature 1 --draft-sample-method probabilistic \
         --rejection-sample-methods standard,block --skip-hf   # sampled: block verification's acceptance
     python bench/real_pair.py --classes code,chat,edit --ks 4 --ngram 1:3,2:5 --skip-hf   # n-gram lookup too
+    python bench/real_pair.py --ks 4 --quantizations none,fp8 --skip-hf   # the target in fp8: agreement, acceptance
 
 Prompt classes (--classes): code (complete a function), chat (answer a question), edit (rewrite
 a given piece of code: the answer copies much of the prompt, where n-gram lookup drafts well).
@@ -20,7 +21,11 @@ draft (its default assistant settings). Greedy, batch 1, exactly --tokens new to
 prompt (EOS ignored on both sides). Each configuration runs over all prompts after one
 warm-up generation; tokens/s is per prompt class (tokens / seconds over its prompts). "same":
 the share of prompts whose tokens equal target-only's with the same CPU kernel (in parentheses,
-for another kernel's target-only run: its tokens against the first kernel's).
+for another kernel's target-only run: its tokens against the first kernel's). A target-only run
+after the first also scores the first run's outputs teacher-forced (prompt_logprobs): "top-1"
+is the share of those tokens that are its own argmax too, "nll" its mean negative log-likelihood
+of them (the first run's own nll beside it), a measure of what a quantization or cache dtype
+changes that does not hang on where two greedy trajectories part.
 """
 from __future__ import annotations
 
@@ -145,6 +150,23 @@ def run_hf(model, prompts, tokens, assistant=None):
     return rows
 
 
+def score(llm, prompts, rows) -> dict:
+    """Teacher-forced: llm's mean negative log-likelihood of each row's tokens after its prompt,
+    and the share of them that are llm's argmax (prompt_logprobs=1), over all prompts."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    nll, top1, n = 0.0, 0, 0
+    for (_, ids), row in zip(prompts, rows):
+        out = llm.generate({"prompt_token_ids": ids + row["token_ids"]}, params, use_tqdm=False)[0]
+        for pos in range(len(ids), len(ids) + len(row["token_ids"])):
+            entries, token = out.prompt_logprobs[pos], (ids + row["token_ids"])[pos]
+            nll -= entries[token].logprob
+            top1 += entries[token].rank == 1
+            n += 1
+    return dict(nll=nll / n, top1=top1 / n)
+
+
 def summarize(name, rows, ref_rows=None):
     out = {"config": name}
     for cls in CLASSES:
@@ -195,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtypes", default="auto",
                    help="comma list of LLM(kv_cache_dtype=...) to compare (auto,fp8: the fp8 cache's trajectories "
                         "against the model dtype's, and speculation's against target-only's over it)")
+    p.add_argument("--quantizations", default="none",
+                   help="comma list of the target's LLM(quantization=...): none, fp8 (each run after the first scores "
+                        "the first's outputs teacher-forced: top-1 agreement and nll)")
     p.add_argument("--classes", default="code,chat", help=f"comma list of prompt classes: {', '.join(CLASSES)}")
     p.add_argument("--ngram", default="",
                    help="comma list of n-gram lookups MIN:MAX (speculative_config method='ngram', "
@@ -216,12 +241,13 @@ def main(argv=None) -> int:
     matmuls = args.cpu_matmuls.split(",")
     tps = [int(n) for n in args.tensor_parallel_sizes.split(",")]
     kvs = args.kv_cache_dtypes.split(",")
+    quants = args.quantizations.split(",")
     first = None  # the first kernel's target-only rows
-    for matmul, tp, kv in [(m, n, c) for m in matmuls for n in tps for c in kvs]:
+    for matmul, tp, kv, quant in [(m, n, c, q) for m in matmuls for n in tps for c in kvs for q in quants]:
         tag = "".join([f" [{matmul}]" if len(matmuls) > 1 else "", f" [tp={tp}]" if len(tps) > 1 else "",
-                       f" [kv {kv}]" if len(kvs) > 1 else ""])
+                       f" [kv {kv}]" if len(kvs) > 1 else "", f" [{quant}]" if len(quants) > 1 else ""])
         common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, cpu_matmul=matmul,
-                      tensor_parallel_size=tp, kv_cache_dtype=kv)
+                      tensor_parallel_size=tp, kv_cache_dtype=kv, quantization=None if quant == "none" else quant)
         t0 = time.perf_counter()
         llm = LLM(TARGET, **common)
         load_s = time.perf_counter() - t0
@@ -232,6 +258,11 @@ def main(argv=None) -> int:
         run = summarize("tandem target-only" + tag, rows, first) | {"load_s": load_s}
         if rows is not first:  # another kernel, rank count or cache dtype rounds otherwise: near-ties may flip
             run["identical_to_first_kernel"] = run.pop("identical_to_target")
+            if len(quants) > 1 or len(kvs) > 1:
+                run["scores_of_first"] = score(llm, prompts, first)
+                print("teacher-forced on the first run's outputs:", run["scores_of_first"], flush=True)
+        elif len(quants) > 1 or len(kvs) > 1:
+            run["scores_of_first"] = score(llm, prompts, first)
         results["runs"].append(run)
         print(results["runs"][-1], flush=True)
         close(llm)
@@ -284,9 +315,11 @@ def main(argv=None) -> int:
                          f"{r[f'{c}_mean_acceptance_length']:.2f}" if f"{c}_mean_acceptance_length" in r else "-")]
                      + [f"{r['identical_to_target']:.2f}" if "identical_to_target" in r else
                         f"({r['identical_to_first_kernel']:.2f})" if "identical_to_first_kernel" in r else "-",
-                        f"{r['load_s']:.1f}" if "load_s" in r else "-"])
+                        f"{r['load_s']:.1f}" if "load_s" in r else "-",
+                        f"{r['scores_of_first']['top1']:.4f}" if "scores_of_first" in r else "-",
+                        f"{r['scores_of_first']['nll']:.4f}" if "scores_of_first" in r else "-"])
     print_table(["config"] + [f"{c} tok/s" for c in classes] + [h for c in classes for h in (f"{c} acc", f"{c} AL")]
-                + ["same", "load s"], table)
+                + ["same", "load s", "top-1 on first", "nll of first"], table)
     return 0
 
 
