@@ -693,7 +693,8 @@ def main(argv=None) -> int:
     p.add_argument("--watermark-config", default='{"key": 20261201}',
                    help="the watermark section's watermark_config, as JSON")
     p.add_argument("--pairs", default="llama,qwen",
-                   help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / 0.5B)")
+                   help="the synthetic section's target / draft shapes: llama (8B / 1B), qwen (Qwen2.5-Coder 1.5B / "
+                        "0.5B); the target section runs the 8B and these pairs' targets")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": [],
@@ -723,7 +724,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        shapes = [target] if args.quick else [target, ("qwen-1.5b", QWEN_15B)]
+        # the 8B, and the other pairs' targets (--pairs llama: the 8B alone)
+        shapes = [target] if args.quick else [target] + [t for t, _ in spec_pairs if t[0] != target[0]]
         full = "target" in sections
         spec_batches = [1] if args.quick else [1, 8]  # the synthetic section's batches need a baseline
         if args.batches:
