@@ -23,7 +23,7 @@ from torch import Tensor
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 
 # 0.875 = 448 / 2**9: a row max m * 2**e (frexp, m in [0.5, 1)) fits 448 * 2**(e - 9) iff m <= 0.875
-_FRAC_875 = 0x600000  # fp32 fraction bits of 1.75 (= 2 * 0.875)
+_FRAC_875 = tl.constexpr(0x600000)  # fp32 fraction bits of 1.75 (= 2 * 0.875)
 
 
 @triton.jit

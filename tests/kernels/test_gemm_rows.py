@@ -236,3 +236,20 @@ def test_gemm_w8_gpu(n, k, m, dtype):
 @pytest.mark.parametrize("n,k,m", [(40, 96, 37), (33, 80, 5), (64, 64, 70)])
 def test_gemm_w8_interpreter(n, k, m, dtype):
     check_w8(n, k, m, dtype, "cpu", config=(16, 16, 32, 4, 2), bias=n != 33)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(256, 128), (6144, 4096), (4096, 14336)])
+def test_gemm_rows_fp8_rows_independent_gpu(n, k):
+    """With fp8 weights too, a row's result does not depend on how many rows share the call (16- and
+    32-row tiles alike): the fp8 target's verification of 1 + k tokens a request and its decode
+    steps give the same bits, which greedy speculation's equality with target-only rests on."""
+    from tandem.layers.quant import quantize_fp8
+
+    g = torch.Generator(device="cpu").manual_seed(n + k)
+    q, s = quantize_fp8((torch.randn(n, k, generator=g) * 0.05).cuda())
+    x = torch.randn(32, k, generator=g).to("cuda", torch.bfloat16)
+    full = gemm_rows(x, q, w_scale=s)
+    for m in (1, 2, 6, 16, 17, 24):
+        assert torch.equal(gemm_rows(x[:m], q, w_scale=s), full[:m]), m

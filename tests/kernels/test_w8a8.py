@@ -76,7 +76,7 @@ def test_quantize_rows_interpreter(dtype):
 @pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (2048, 1536, True), (896, 4864, False)])
 def test_w8a8_matmul_gpu(m, n, k, bias):
     """== the fp64 product of the rounded rows and weights (scales applied), rounded to bf16, within
-    fp32 accumulation error."""
+    the fp8 tensor cores' accumulation error."""
     from tandem.kernels.w8a8 import quantize_rows, w8a8_matmul, w8a8_supported
     from tandem.layers.quant import quantize_fp8
 
@@ -87,13 +87,16 @@ def test_w8a8_matmul_gpu(m, n, k, bias):
     assert w8a8_supported(k, n, torch.bfloat16) and not w8a8_supported(k, n, torch.float16)
     out = w8a8_matmul(x, w8, ws, b)
     q, s = quantize_rows(x)
-    ref = (q.double() * s.double()) @ (w8.double() * ws.double()[:, None]).T
-    if b is not None:
-        ref += b.double()
+    product = (q.double() * s.double()) @ (w8.double() * ws.double()[:, None]).T
+    ref = product + (b.double() if b is not None else 0.0)
     scale = (q.double().abs() * s.double()) @ (w8.double().abs() * ws.double()[:, None]).T
     err = (out.double() - ref).abs()
     assert not out.isnan().any()
-    assert (err <= 2 ** -8 * ref.abs() + 1e-5 * scale + (0.0 if b is None else 2 ** -8 * b.double().abs())).all()
+    # the product's bf16 rounding (and the bias add's, a second one), and the fp8 tensor cores'
+    # accumulation: about 14 bits between promotions to fp32 (DeepSeek-V3's measurement on
+    # Hopper), so 2^-12 of sum |products|
+    tol = 2 ** -8 * ref.abs() + 2 ** -12 * scale + (0.0 if b is None else 2 ** -8 * product.abs())
+    assert (err <= tol).all(), f"worst err / tol {(err / tol).max().item():.2f}, err / scale {(err / scale).max().item():.1e}"
     # and near the bf16 product: what rounding the rows costs
     exact = x.double() @ (w8.double() * ws.double()[:, None]).T + (b.double() if b is not None else 0)
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 0.05
