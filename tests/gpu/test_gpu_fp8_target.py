@@ -1,23 +1,16 @@
-"""The target in weight-only fp8 on a GPU (LLM(quantization="fp8")): its layers hold e4m3 weights
-alone and every row count runs on them (one row: the GEMV; 2-32: gemm_rows; more: gemm_w8);
-logits near the CPU's fp32 model on the same rounded weights; greedy speculation over it equals
-its own greedy output; CUDA graphs equal eager."""
+"""The target in fp8 on a GPU (LLM(quantization="fp8")): its layers hold e4m3 weights alone and
+every row count runs on them (one row: the GEMV; 2-32: gemm_rows, weight-only; more: W8A8,
+tandem/kernels/w8a8.py); its logits err against the fp32 CPU model on the same rounded weights
+about as the bf16 paths do; greedy speculation over it equals its own greedy output; CUDA graphs
+equal eager."""
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tests.gpu.test_gpu_engine import models  # noqa: F401  (its fixture: a 3-layer Qwen2 target and a 1-layer draft)
 from tests.helpers import make_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    target = make_hf_model(root / "t", "qwen2", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
-                           init_std=0.3, max_position_embeddings=1024)
-    draft = make_hf_model(root / "d", "qwen2", num_layers=1, hidden_size=64, seed=3, max_position_embeddings=1024)
-    return target, draft
 
 
 def _rounded_checkpoint(src, dst):
