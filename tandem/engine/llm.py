@@ -235,7 +235,8 @@ class LLM:
             )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
-                              quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs, tp_size=tp_size),
+                              quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
+                              tp_size=tp_size),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

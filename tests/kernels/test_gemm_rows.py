@@ -20,7 +20,8 @@ if INTERPRET:  # must precede the first `import triton`
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.gemm_rows import _rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8, rows_config  # noqa: E402
+from tandem.kernels.gemm_rows import (_rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8, rows_config,  # noqa: E402
+                                      w8_config)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_gemv import _near, assert_near_exact, assert_rope_store_matches  # noqa: E402
 
@@ -215,6 +216,7 @@ def check_w8(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=Non
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
     gemm_w8(x, q, s, b, out=out, config=config)
     assert_near_exact(out, x, w, b, 2 if dtype == torch.bfloat16 else 1)
+    config = config or w8_config(m, n, k)  # (w8_config's tile depends on m: the rows alone at m's tile)
     for i in (0, m - 1):
         assert torch.equal(gemm_w8(x[i:i + 1], q, s, b, config=config), out[i:i + 1])
     if n % 2 == 0:

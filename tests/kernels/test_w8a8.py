@@ -96,7 +96,8 @@ def test_w8a8_matmul_gpu(m, n, k, bias):
     # accumulation: about 14 bits between promotions to fp32 (DeepSeek-V3's measurement on
     # Hopper), so 2^-12 of sum |products|
     tol = 2 ** -8 * ref.abs() + 2 ** -12 * scale + (0.0 if b is None else 2 ** -8 * product.abs())
-    assert (err <= tol).all(), f"worst err / tol {(err / tol).max().item():.2f}, err / scale {(err / scale).max().item():.1e}"
+    worst = f"worst err / tol {(err / tol).max().item():.2f}, err / scale {(err / scale).max().item():.1e}"
+    assert (err <= tol).all(), worst
     # and near the bf16 product: what rounding the rows costs
     exact = x.double() @ (w8.double() * ws.double()[:, None]).T + (b.double() if b is not None else 0)
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 0.05
