@@ -39,6 +39,7 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 # Entry points: (argument types, result type), as declared in the C sources.
 _ENTRY_POINTS = {
     "tandem_gemm_w16": ([_P, _I64, _INT] + [_P] * 4 + [_I64] * 3 + [_INT] * 3, _INT),
+    "tandem_gemm_w8": ([_P, _I64, _INT] + [_P] * 5 + [_I64] * 3 + [_INT] * 2, _INT),
     "tandem_rms_norm": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _F32, _INT, _INT], None),
     "tandem_rotary": ([_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _INT, _INT], None),
     "tandem_silu_mul": ([_P, _I64, _P, _I64, _I64, _INT, _INT], None),

@@ -1,4 +1,4 @@
-/* Small-batch GEMM with 16-bit weights for x86-64 CPUs: y = x W^T (+ b).
+/* Small-batch GEMM with 16-bit (or fp8) weights for x86-64 CPUs: y = x W^T (+ b).
  *
  * x is fp32, bf16 or fp16 [M, K] (widened to fp32 first), W is bf16 or fp16 [N, K] exactly as
  * the checkpoint stores it (no packing, so loading a model costs nothing here), b is fp32 [N] or
@@ -18,13 +18,19 @@
  * step) or among others (verification, prefill). (The two builds sum in different orders, so
  * their results differ in the last bits; one process uses one build.)
  *
+ * fp8 weights (tandem_gemm_w8, the AVX2 build only): W is float8 e4m3 [N, K] with an fp32 scale
+ * per row (tandem/layers/quant.py, the fp8 target and draft). Each byte becomes an fp16 by shifts
+ * (sign to bit 15, exponent and mantissa to bits 13..7: the e4m3 value over 2^8, exactly,
+ * subnormals included) and F16C widens it; a row's sum is multiplied by its scale times 2^8 (a
+ * power of two: exact) before the bias. Half the bytes of a bf16 weight, the same FMAs.
+ *
  * Threads: output rows are split into contiguous blocks across an OpenMP team of the size the
  * caller passes (torch.get_num_threads()); the runtime is the libgomp.so.1 PyTorch has already
  * loaded, so both share one pool of threads.
  */
 #include "cpu_common.h"
 
-enum { W_BF16 = H_BF16, W_F16 = H_F16 };
+enum { W_BF16 = H_BF16, W_F16 = H_F16, W_E4M3 = 2 };
 enum { Y_F32 = 0, Y_BF16 = 1, Y_F16 = 2 };
 enum { X_F32 = Y_F32, X_BF16 = Y_BF16, X_F16 = Y_F16 }; /* the kinds x may arrive in */
 
@@ -92,6 +98,41 @@ static inline void load_w16(const uint16_t *p, int wkind, vec *lo, vec *hi) {
 #endif
 }
 
+/* 8 e4m3 bytes -> their values over 2^8 as fp16 bits (see the header). */
+static inline __m128i e4m3_to_f16x8(__m128i bytes) {
+    const __m128i u = _mm_cvtepu8_epi16(bytes);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8);
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7f)), 7);
+    return _mm_or_si128(sign, mag);
+}
+
+static inline float from_e4m3(uint8_t b) {  /* the scalar form: the value over 2^8 */
+    return _cvtsh_ss((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)));
+}
+
+/* CHUNK weights at p (e4m3 bytes) as two fp32 vectors, in order: lo = p[0:VL], hi = p[VL:2 VL]. */
+static inline void load_w8(const uint8_t *p, vec *lo, vec *hi) {
+#ifdef TANDEM_AVX512
+    (void)p; *lo = *hi = vzero();  /* not built: tandem_gemm_w8 refuses W_E4M3 in this build */
+#else
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    *lo = _mm256_cvtph_ps(e4m3_to_f16x8(v));
+    *hi = _mm256_cvtph_ps(e4m3_to_f16x8(_mm_unpackhi_epi64(v, v)));
+#endif
+}
+
+/* Weight k of the row at p (bytes), widened (e4m3: over 2^8). */
+static inline float from_w(const char *p, int64_t k, int wkind) {
+    return wkind == W_E4M3 ? from_e4m3(((const uint8_t *)p)[k]) : from_half(((const uint16_t *)p)[k], wkind);
+}
+
+static inline void load_w(const char *p, int64_t k, int wkind, vec *lo, vec *hi) {
+    if (wkind == W_E4M3)
+        load_w8((const uint8_t *)p + k, lo, hi);
+    else
+        load_w16((const uint16_t *)p + k, wkind, lo, hi);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -124,24 +165,25 @@ static inline void store1(void *y, int64_t at, float v, int ykind) {
  * only changes which operands stay in registers: every accumulator sees the same FMAs in the
  * same order either way. */
 static inline __attribute__((always_inline)) void tile(
-    const float *xs, const float *x, const uint16_t *w, const float *bias, void *y, int64_t K,
+    const float *xs, const float *x, const void *w, const float *w_scale, const float *bias, void *y, int64_t K,
     int64_t N, int64_t n0, int64_t m0, const int nb, const int tn, const int mb, const int rows_outer,
     const int wkind, const int ykind)
 {
     vec acc[MAX_TILE_N][MAX_TILE_M];
-    const uint16_t *wr[MAX_TILE_N];
+    const char *wr[MAX_TILE_N];
+    const int64_t wsize = wkind == W_E4M3 ? 1 : 2; /* bytes a weight */
     for (int i = 0; i < tn; i++) {
-        wr[i] = w + (n0 + (i < nb ? i : 0)) * K;
+        wr[i] = (const char *)w + (n0 + (i < nb ? i : 0)) * K * wsize;
         for (int j = 0; j < mb; j++)
             acc[i][j] = vzero();
     }
     const int64_t kc = K - K % CHUNK;
     /* The next tile's rows follow this one's in memory: fetch them at the rate this tile reads
-     * (2 * CHUNK * tn bytes a step). */
-    const char *ahead = (const char *)(w + (n0 + tn) * K);
+     * (wsize * CHUNK * tn bytes a step). */
+    const char *ahead = (const char *)w + (n0 + tn) * K * wsize;
     for (int64_t k = 0; k < kc; k += CHUNK) {
-        for (int c = 0; c < CHUNK * tn / 32; c++)
-            _mm_prefetch(ahead + k * 2 * tn + 64 * c, _MM_HINT_T0);
+        for (int c = 0; c < CHUNK * tn * wsize / 64; c++)
+            _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T0);
         if (rows_outer) {  /* x of the mb rows in registers, one weight row at a time */
             vec xe[MAX_TILE_M], xo[MAX_TILE_M];
             for (int j = 0; j < mb; j++) {
@@ -150,7 +192,7 @@ static inline __attribute__((always_inline)) void tile(
             }
             for (int i = 0; i < tn; i++) {
                 vec lo, hi;
-                load_w16(wr[i] + k, wkind, &lo, &hi);
+                load_w(wr[i], k, wkind, &lo, &hi);
                 for (int j = 0; j < mb; j++) {
                     acc[i][j] = vfmadd(lo, xe[j], acc[i][j]);
                     acc[i][j] = vfmadd(hi, xo[j], acc[i][j]);
@@ -159,7 +201,7 @@ static inline __attribute__((always_inline)) void tile(
         } else {  /* the tn weight rows in registers, one x row at a time */
             vec lo[MAX_TILE_N], hi[MAX_TILE_N];
             for (int i = 0; i < tn; i++)
-                load_w16(wr[i] + k, wkind, &lo[i], &hi[i]);
+                load_w(wr[i], k, wkind, &lo[i], &hi[i]);
             for (int j = 0; j < mb; j++) {
                 const vec xe = vloadu(xs + (m0 + j) * K + k);
                 const vec xo = vloadu(xs + (m0 + j) * K + k + VL);
@@ -174,7 +216,9 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < mb; j++) {
             float s = hsum(acc[i][j]);
             for (int64_t k = kc; k < K; k++)
-                s += from_half(wr[i][k], wkind) * x[(m0 + j) * K + k];
+                s += from_w(wr[i], k, wkind) * x[(m0 + j) * K + k];
+            if (w_scale)
+                s *= w_scale[n0 + i];
             if (bias)
                 s += bias[n0 + i];
             store1(y, (m0 + j) * N + n0 + i, s, ykind);
@@ -186,9 +230,9 @@ static inline __attribute__((always_inline)) void tile(
  * inline function: GCC outlines an OpenMP region before it inlines, so the tile shape must be
  * a literal inside the region for the accumulators to live in registers. */
 #define DEFINE_SWEEP(NAME, TN, TM, ROWS_OUTER)                                                      \
-static void NAME(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,  \
-                 int64_t p0, int64_t p1, int64_t K, int64_t N, int num_threads, int wkind,       \
-                 int ykind)                                                                       \
+static void NAME(const float *xs, const float *x, const void *w, const float *w_scale,             \
+                 const float *bias, void *y, int64_t p0, int64_t p1, int64_t K, int64_t N,        \
+                 int num_threads, int wkind, int ykind)                                           \
 {                                                                                                 \
     const int64_t num_blocks = (N + (TN) - 1) / (TN);                                            \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
@@ -209,10 +253,14 @@ static void NAME(const float *xs, const float *x, const uint16_t *w, const float
 #define SWEEP_CASE(TN, TM, ROWS_OUTER, MB)                                                        \
     case MB:                                                                                      \
         if ((MB) <= (TM)) {                                                                       \
-            if (wkind == W_BF16 && ykind == Y_BF16)  /* the common case, fully specialised */     \
-                tile(xs, x, w, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, W_BF16, Y_BF16);    \
+            if (wkind == W_BF16 && ykind == Y_BF16)  /* the common cases, fully specialised */    \
+                tile(xs, x, w, NULL, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, W_BF16, Y_BF16); \
+            else if (wkind == W_E4M3 && ykind == Y_BF16)                                          \
+                tile(xs, x, w, w_scale, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, W_E4M3,     \
+                     Y_BF16);                                                                     \
             else                                                                                  \
-                tile(xs, x, w, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, wkind, ykind);      \
+                tile(xs, x, w, w_scale, bias, y, K, N, n0, m0, nb, TN, MB, ROWS_OUTER, wkind,      \
+                     ykind);                                                                      \
         }                                                                                         \
         break;
 
@@ -221,27 +269,27 @@ DEFINE_SWEEP(sweep_two, 4, 2, 1)
 DEFINE_SWEEP(sweep_small, SMALL_TILE_N, SMALL_TILE_M, SMALL_ROWS_OUTER)
 DEFINE_SWEEP(sweep_wide, WIDE_TILE_N, WIDE_TILE_M, 1)
 
-static void gemm(const float *xs, const float *x, const uint16_t *w, const float *bias, void *y,
+static void gemm(const float *xs, const float *x, const void *w, const float *w_scale, const float *bias, void *y,
                  int64_t M, int64_t K, int64_t N, int num_threads, int wkind, int ykind)
 {
     /* decode / verification: every weight read once from memory */
     if (M == 1) {
-        sweep_one(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        sweep_one(xs, x, w, w_scale, bias, y, 0, M, K, N, num_threads, wkind, ykind);
         return;
     }
     if (M == 2) {
-        sweep_two(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        sweep_two(xs, x, w, w_scale, bias, y, 0, M, K, N, num_threads, wkind, ykind);
         return;
     }
     if (M <= SMALL_TILE_M) {
-        sweep_small(xs, x, w, bias, y, 0, M, K, N, num_threads, wkind, ykind);
+        sweep_small(xs, x, w, w_scale, bias, y, 0, M, K, N, num_threads, wkind, ykind);
         return;
     }
     /* Prefill: panels of rows; 4 x 2 tiles read each x element once per 4 weight rows, which
      * keeps the x traffic from L2 within its bandwidth. */
     for (int64_t p0 = 0; p0 < M; p0 += PANEL_M) {
         const int64_t p1 = M < p0 + PANEL_M ? M : p0 + PANEL_M;
-        sweep_wide(xs, x, w, bias, y, p0, p1, K, N, num_threads, wkind, ykind);
+        sweep_wide(xs, x, w, w_scale, bias, y, p0, p1, K, N, num_threads, wkind, ykind);
     }
 }
 
@@ -292,6 +340,30 @@ int tandem_gemm_w16(const void *x, int64_t x_stride, int xkind, const uint16_t *
         split_x(xf, scratch, M, K);
         xs = scratch;
     }
-    gemm(xs, xf, w, bias, y, M, K, N, num_threads, wkind, ykind);
+    gemm(xs, xf, w, NULL, bias, y, M, K, N, num_threads, wkind, ykind);
     return 0;
+}
+
+/* fp8 weights: w [N, K] float8 e4m3, w_scale [N] fp32 (each row's scale times 2^8: see the header);
+ * otherwise as tandem_gemm_w16 (scratch: M * K floats). Returns -1 in the AVX-512 build (fp8
+ * weights run the AVX2 build's code everywhere) or for a dtype code it does not know. */
+int tandem_gemm_w8(const void *x, int64_t x_stride, int xkind, const uint8_t *w, const float *w_scale,
+                   const float *bias, void *y, float *scratch, int64_t M, int64_t K, int64_t N, int ykind,
+                   int num_threads)
+{
+#ifdef TANDEM_AVX512
+    (void)x; (void)x_stride; (void)xkind; (void)w; (void)w_scale; (void)bias; (void)y; (void)scratch;
+    (void)M; (void)K; (void)N; (void)ykind; (void)num_threads;
+    return -1;
+#else
+    if (ykind < Y_F32 || ykind > Y_F16 || xkind < X_F32 || xkind > X_F16)
+        return -1;
+    const float *xf = (const float *)x;
+    if (xkind != X_F32 || x_stride != K) {
+        widen_x(x, x_stride, xkind, scratch, M, K);
+        xf = scratch;
+    }
+    gemm(xf, xf, w, w_scale, bias, y, M, K, N, num_threads, W_E4M3, ykind);
+    return 0;
+#endif
 }

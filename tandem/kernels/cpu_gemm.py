@@ -1,4 +1,4 @@
-"""Small-batch GEMM with bf16/fp16 weights on x86-64 CPUs: cpu_gemm.c through ctypes.
+"""Small-batch GEMM with bf16/fp16 (or fp8 e4m3) weights on x86-64 CPUs: cpu_gemm.c through ctypes.
 
 The C library is built and loaded by tandem.kernels.cpu_build (one build per instruction set:
 "avx512", "avx2").
@@ -41,6 +41,37 @@ def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dt
             cpu_build.HALF_KIND[weight.dtype], _OUT_KIND[out_dtype], torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"gemm_w16: unsupported dtypes {weight.dtype} -> {out_dtype}")
+    return y
+
+
+def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """y = x (weight * w_scale[:, None])^T (+ bias) on the CPU by the AVX2 build, for fp8 weights:
+    weight [N, K] float8_e4m3fn contiguous, w_scale [N] fp32 (tandem/layers/quant.py), bias [N]
+    fp32 or None; x and the result as gemm_w16 (each row bit-identical to computing it alone)."""
+    fn = cpu_build.library("avx2").tandem_gemm_w8
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or not weight.is_contiguous() or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"gemm_w8: weight must be a contiguous float8_e4m3fn [N, {K}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if w_scale.dtype != torch.float32 or w_scale.shape != (N,):
+        raise ValueError(f"gemm_w8: w_scale must be fp32 [{N}]")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"gemm_w8: bias must be a contiguous fp32 [{N}]")
+    if x.dtype not in _OUT_KIND:
+        x = x.float()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=out_dtype)  # [M, N]
+    if M == 0:
+        return y
+    scale = (w_scale * 256.0).contiguous()  # the kernel widens e4m3 to its value over 2^8 (exact)
+    scratch = torch.empty(M * K, dtype=torch.float32)  # x widened, when it does not arrive as fp32 rows
+    rc = fn(x.data_ptr(), x.stride(0), _OUT_KIND[x.dtype], weight.data_ptr(), scale.data_ptr(),
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), scratch.data_ptr(), M, K, N,
+            _OUT_KIND[out_dtype], torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"gemm_w8: unsupported dtypes {x.dtype} -> {out_dtype}")
     return y
 
 

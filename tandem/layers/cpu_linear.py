@@ -78,6 +78,31 @@ class W16Linear(nn.Module):
                 f"({self.isa} kernel)")
 
 
+class W8Linear(nn.Module):
+    """y = x (W8 * s)^T (+ b) for a linear whose weight holds fp8 values (tandem/layers/quant.py:
+    the fp8 target's and draft's), through the AVX2 build of tandem/kernels/cpu_gemm.c on the e4m3
+    bytes and their row scales: half a bf16 weight's memory and traffic, the same function (the
+    products exact, summed in fp32). The model-dtype weight is not kept (a tied embedding keeps its
+    own). Called like nn.Linear; out_dtype: the model's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from tandem.layers.quant import quantize_fp8
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = linear.weight.dtype
+        self.w8, self.w_scale = quantize_fp8(linear.weight)  # [out, in] e4m3, [out] fp32
+        self.bias32 = linear.bias.detach().float() if linear.bias is not None else None  # [out]
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = cpu_gemm.gemm_w8(x.reshape(-1, self.in_features), self.w8, self.w_scale, self.bias32, self.out_dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8 e4m3 (avx2 kernel)"
+
+
 def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel a model on `device` in `dtype` runs its linears through: "avx512" or "avx2"
     (a build of our kernel), "fbgemm" or "torch" (the nn.Linear as built). An explicit choice
@@ -105,9 +130,15 @@ def linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def prepare_linears(model: nn.Module, kind: str) -> None:
-    """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place."""
+    """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place; with
+    our kernel, linears marked `fp8_weights` (tandem/layers/quant.py) become W8Linear."""
     if kind in cpu_build.ISAS:
+        fp8 = cpu_build.load_error("avx2") is None  # fp8 weights run the AVX2 build (cpu_gemm.c)
         for module, name, child in linear_sites(model):
+            if fp8 and getattr(child, "fp8_weights", False):
+                setattr(module, name, W8Linear(child))
+                child.weight = None  # freed now unless tied to the embedding (the load's peak: the bf16 model)
+                continue
             if not child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
             setattr(module, name, W16Linear(child, kind))

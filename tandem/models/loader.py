@@ -90,10 +90,6 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     model.requires_grad_(False)
     if cfg.quantization is not None:  # (before a head is pruned: a tied embedding keeps the rounded values)
         quantize_linears_(model, cfg.quantization, lm_head=cfg.fp8_draft_layout)
-        if not cfg.fp8_draft_layout and not (device.type == "cuda" and cfg.dtype in (torch.bfloat16, torch.float16)):
-            logger.info("quantization=%r on %s in %s: the weights are rounded to fp8 values but keep their %s bytes "
-                        "(a GPU in bf16 / fp16 holds them in fp8)", cfg.quantization, device.type,
-                        str(cfg.dtype).removeprefix("torch."), str(cfg.dtype).removeprefix("torch."))
     if head_ids is not None:
         assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
         rows = torch.tensor(head_ids, dtype=torch.int64, device=device)
@@ -106,6 +102,11 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
         prepare_linears(model, kind)
         if kind in cpu_build.ISAS:
             use_cpu_kernels(model, kind)
+    if cfg.quantization is not None and any(isinstance(m, torch.nn.Linear) and getattr(m, "fp8_weights", False)
+                                            for m in model.modules()):
+        logger.info("quantization=%r, %s on %s: the linears' weights are rounded to fp8 values but keep their bytes "
+                    "(fp8 bytes need bf16 / fp16 and, on a CPU, cpu_matmul 'auto' or 'avx2' / 'avx512')",
+                    cfg.quantization, str(cfg.dtype).removeprefix("torch."), device.type)
     return model
 
 

@@ -1,10 +1,13 @@
 """The target in weight-only fp8 (LLM(quantization="fp8"), tandem/layers/quant.py): its layers'
 linears rounded, its LM head and embedding kept; the same function as transformers on the
-rounded weights; speculation over it still exact."""
+rounded weights; in bf16 on our CPU kernel the e4m3 bytes alone (W8Linear); speculation over it
+still exact."""
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_build
+from tandem.layers.cpu_linear import W8Linear
 from tandem.layers.quant import quantize_fp8
 from tests.helpers import hf_model, make_hf_model, make_spec_models
 
@@ -71,6 +74,10 @@ def test_speculation_over_fp8_target_is_exact(models, dtype):
     kw = dict(dtype=dtype, block_size=8, max_model_len=MAX_LEN, quantization="fp8")
     prompts = _prompts([4, 19, 64, 7, 33])
     target = LLM(str(models["target"]), **kw)
+    if dtype == "bfloat16" and cpu_build.load_error("avx2") is None:  # the e4m3 bytes on our CPU kernel
+        layer = target.engine.runner.model.model.layers[0]
+        assert isinstance(layer.mlp.down_proj, W8Linear) and layer.mlp.down_proj.w8.dtype == torch.float8_e4m3fn
+        assert not isinstance(target.engine.runner.model.lm_head, W8Linear)  # the LM head kept
     expect = _tokens(target.generate(prompts, PARAMS, use_tqdm=False))
     plain = LLM(str(models["target"]), dtype=dtype, block_size=8, max_model_len=MAX_LEN)
     assert _tokens(plain.generate(prompts, PARAMS, use_tqdm=False)) != expect  # fp8 moved the output

@@ -89,10 +89,15 @@ def test_fp8_draft_matches_target(models, dtype):
                   speculative_config=dict(model=str(models[draft]), num_speculative_tokens=4, quantization="fp8"))
         assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expect
         assert low < llm.engine.spec_metrics.acceptance_rate <= high
-    w = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj.weight  # the target's, quantized
-    q, s = quantize_fp8(w)
-    assert torch.equal(q.float() * s[:, None], w.float())
-    assert not torch.equal(w, target.engine.runner.model.model.layers[0].mlp.down_proj.weight)
+    lin = llm.engine.runner.speculator.model.model.layers[0].mlp.down_proj  # the target's, quantized
+    if hasattr(lin, "w8"):  # bf16 on the CPU kernels: the e4m3 bytes alone (W8Linear)
+        assert lin.w8.dtype == torch.float8_e4m3fn
+        w = lin.w8.float() * lin.w_scale[:, None]
+    else:
+        w = lin.weight
+        q, s = quantize_fp8(w)
+        assert torch.equal(q.float() * s[:, None], w.float())
+    assert not torch.equal(w.float(), target.engine.runner.model.model.layers[0].mlp.down_proj.weight.float())
 
 
 def test_target_as_draft_accepts_everything(models, baseline):
