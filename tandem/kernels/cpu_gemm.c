@@ -98,12 +98,11 @@ static inline void load_w16(const uint16_t *p, int wkind, vec *lo, vec *hi) {
 #endif
 }
 
-/* 8 e4m3 bytes -> their values over 2^8 as fp16 bits (see the header). */
-static inline __m128i e4m3_to_f16x8(__m128i bytes) {
-    const __m128i u = _mm_cvtepu8_epi16(bytes);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8);
-    const __m128i mag = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7f)), 7);
-    return _mm_or_si128(sign, mag);
+/* e4m3 bytes in the high halves of 16-bit lanes (b << 8) -> their values over 2^8 as fp16 bits
+ * (see the header): an arithmetic shift by one puts exponent and mantissa at bits 13..7 and copies
+ * the sign into bit 14, which the mask clears. */
+static inline __m128i e4m3_to_f16x8(__m128i high_bytes) {
+    return _mm_and_si128(_mm_srai_epi16(high_bytes, 1), _mm_set1_epi16((short)0xbfff));
 }
 
 static inline float from_e4m3(uint8_t b) {  /* the scalar form: the value over 2^8 */
@@ -115,9 +114,9 @@ static inline void load_w8(const uint8_t *p, vec *lo, vec *hi) {
 #ifdef TANDEM_AVX512
     (void)p; *lo = *hi = vzero();  /* not built: tandem_gemm_w8 refuses W_E4M3 in this build */
 #else
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    *lo = _mm256_cvtph_ps(e4m3_to_f16x8(v));
-    *hi = _mm256_cvtph_ps(e4m3_to_f16x8(_mm_unpackhi_epi64(v, v)));
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), zero = _mm_setzero_si128();
+    *lo = _mm256_cvtph_ps(e4m3_to_f16x8(_mm_unpacklo_epi8(zero, v)));
+    *hi = _mm256_cvtph_ps(e4m3_to_f16x8(_mm_unpackhi_epi8(zero, v)));
 #endif
 }
 
@@ -182,7 +181,7 @@ static inline __attribute__((always_inline)) void tile(
      * (wsize * CHUNK * tn bytes a step). */
     const char *ahead = (const char *)w + (n0 + tn) * K * wsize;
     for (int64_t k = 0; k < kc; k += CHUNK) {
-        for (int c = 0; c < CHUNK * tn * wsize / 64; c++)
+        for (int c = 0; c < (CHUNK * tn * wsize + 63) / 64; c++)  /* at least one line a step */
             _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T0);
         if (rows_outer) {  /* x of the mb rows in registers, one weight row at a time */
             vec xe[MAX_TILE_M], xo[MAX_TILE_M];

@@ -18,7 +18,9 @@ rows and compute in fp32:
   weight above 65504 cannot be stored and is refused.
 
 "auto" takes the widest build of our kernel that runs here (avx512, then avx2), else fbgemm,
-else torch's own linear.
+else torch's own linear. With our kernel, a linear whose weight was rounded to fp8
+(`quantization="fp8"`, tandem/layers/quant.py) keeps only the e4m3 bytes and row scales and runs
+the AVX2 build's fp8 GEMM (W8Linear), whichever build the others run.
 """
 from __future__ import annotations
 
