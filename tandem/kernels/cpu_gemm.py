@@ -13,6 +13,19 @@ from tandem.kernels import cpu_build
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # also the kinds x may have
 
 
+def _rows_and_output(x: Tensor, bias: Tensor | None, n: int, out_dtype: torch.dtype,
+                     name: str) -> tuple[Tensor, Tensor]:
+    """The kernels' common checks: bias [n] fp32 contiguous or None; -> (x as the kernel takes it:
+    fp32 / bf16 / fp16 with contiguous rows, the output [M, n] in out_dtype)."""
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be a contiguous fp32 [{n}]")
+    if x.dtype not in _OUT_KIND:
+        x = x.float()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, torch.empty(x.shape[0], n, dtype=out_dtype)
+
+
 def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype, isa: str) -> Tensor:
     """y = x weight^T (+ bias) on the CPU, by the `isa` build of the kernel.
 
@@ -26,13 +39,7 @@ def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dt
     if weight.shape[1] != K or not weight.is_contiguous() or weight.dtype not in cpu_build.HALF_KIND:
         raise ValueError(f"gemm_w16: weight must be a contiguous bf16/fp16 [N, {K}], got "
                          f"{weight.dtype} {tuple(weight.shape)}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
-        raise ValueError(f"gemm_w16: bias must be a contiguous fp32 [{N}]")
-    if x.dtype not in _OUT_KIND:
-        x = x.float()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(M, N, dtype=out_dtype)  # [M, N]
+    x, y = _rows_and_output(x, bias, N, out_dtype, "gemm_w16")
     if M == 0:
         return y
     scratch = torch.empty(2 * M * K, dtype=torch.float32)  # x widened and split (see tandem_gemm_w16)
@@ -56,13 +63,7 @@ def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None, out
                          f"{weight.dtype} {tuple(weight.shape)}")
     if w_scale.dtype != torch.float32 or w_scale.shape != (N,):
         raise ValueError(f"gemm_w8: w_scale must be fp32 [{N}]")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
-        raise ValueError(f"gemm_w8: bias must be a contiguous fp32 [{N}]")
-    if x.dtype not in _OUT_KIND:
-        x = x.float()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(M, N, dtype=out_dtype)  # [M, N]
+    x, y = _rows_and_output(x, bias, N, out_dtype, "gemm_w8")
     if M == 0:
         return y
     scale = (w_scale * 256.0).contiguous()  # the kernel widens e4m3 to its value over 2^8 (exact)
