@@ -7,9 +7,10 @@ nearest, one scale a row. Activations stay in the model dtype (W8A16).
 
 `fake_quantize_fp8_` replaces a weight by q * s in its own dtype. That is exact in bf16 / fp16
 (a 4-bit significand times a power of two) barring fp16 range limits, so the quantized model is
-one function on every path: the CPU multiplies those model-dtype weights (same values, same
-bytes), while on the GPU the Triton GEMV and GEMMs stream the fp8 bytes (half the traffic) and
-multiply each output by s[n] after the sum: the same exact products (scaling by a power of two
+one function on every path: fp32 models and the torch / FBGEMM CPU paths multiply those
+model-dtype weights, while our CPU kernel (tandem/layers/cpu_linear.W8Linear) and the GPU's Triton
+GEMV and GEMMs stream the fp8 bytes (half the traffic) and multiply each output by s[n] after the
+sum: the same exact products (scaling by a power of two
 commutes with every fp32 rounding), summed in the order of the fp8 tile's layout, so within an
 ulp of the model-dtype weights' result rather than equal to it.
 
@@ -66,7 +67,7 @@ def fake_quantize_fp8_(w: Tensor) -> None:
 def quantize_linears_(model: nn.Module, method: str, lm_head: bool = True) -> None:
     """Fake-quantize every nn.Linear weight of model in place (lm_head=False: all but the LM head;
     a weight tied to the input embedding is quantized once, so the embedding sees the same values),
-    marking each rounded module `fp8_weights = True` (tandem/layers/gpu_linear.py reads it)."""
+    marking each rounded module `fp8_weights = True` (layers/gpu_linear.py and cpu_linear.py read it)."""
     assert method in QUANTIZATIONS
     seen = set()
     head = getattr(model, "lm_head", None)
