@@ -362,8 +362,13 @@ def sweep_rows(m: int) -> list[list]:
     return rows
 
 
-W8_CONFIGS = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
-              (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (32, 128, 128, 4, 4)]
+# gemm_w8's tiles (tandem.kernels.gemm_rows.W8Tile): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
+# w8_second, split_k)
+W8_CONFIGS = [(64, 64, 128, 4, 4, True, 1), (64, 64, 128, 4, 4, True, 2), (64, 64, 128, 4, 4, True, 4),
+              (64, 32, 128, 4, 4, True, 1), (64, 32, 128, 4, 4, True, 2), (64, 128, 64, 4, 4, True, 1),
+              (64, 128, 64, 4, 4, True, 2), (32, 64, 128, 4, 4, True, 1), (32, 64, 128, 4, 4, True, 4),
+              (128, 64, 128, 8, 3, True, 1), (128, 64, 128, 8, 3, True, 2), (128, 128, 64, 8, 3, False, 1),
+              (128, 128, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 1), (64, 128, 128, 4, 3, False, 1)]
 
 
 def w8a8(x, q, s):
@@ -374,18 +379,18 @@ def w8a8(x, q, s):
     return torch._scaled_mm(xq, q.t(), scale_a=a, scale_b=s.view(1, -1), out_dtype=x.dtype)
 
 
-def sweep_w8(m: int) -> list[list]:
-    """m rows through fp8 e4m3 weights with per-row scales: gemm_w8 (W8A16, every tile of
-    W8_CONFIGS), W8A8 (torch._scaled_mm after quantizing the rows), the weight dequantized then
-    cuBLAS, against cuBLAS on bf16 weights (cold weights, us per call; rel err against the
-    fake-quantized weights' fp32 product)."""
+def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
+    """m rows through fp8 e4m3 weights with per-row scales: gemm_w8 (W8A16) at every tile of
+    W8_CONFIGS, and W8A8 (torch._scaled_mm after rounding the rows with torch operations), against
+    cuBLAS on bf16 weights (8B and Qwen 1.5B shapes, cold weights, us per call; rel err against the
+    fake-quantized weights' fp32 product). -> the table's rows, and every tile's time (JSON)."""
     import torch.nn.functional as F
 
-    from tandem.kernels.gemm_rows import gemm_w8, w8_config
+    from tandem.kernels.gemm_rows import MAX_ROWS, W8Tile, gemm_rows, gemm_w8, w8_config
     from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
 
-    rows = []
-    for name, n, k in GEMV_SHAPES[:4] + GEMV_SHAPES[7:9] + GEMV_SHAPES[12:14]:
+    rows, raw = [], []
+    for name, n, k in GEMV_SHAPES[:4] + GEMV_SHAPES[12:14]:
         count = max(4, min(32, (3 << 30) // (2 * n * k)))
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
         fake_quantize_fp8_(ws[0])
@@ -400,27 +405,34 @@ def sweep_w8(m: int) -> list[list]:
             return f"{(out.float() - ref).abs().max().item() / ref.abs().max().item():.1e}"
 
         times = {}
-        for cfg in dict.fromkeys(W8_CONFIGS + [w8_config(m, n, k)]):
+        for cfg in dict.fromkeys([W8Tile(*c) for c in W8_CONFIGS] + [w8_config(m, n, k)]):
             try:
                 times[cfg] = _rotating(lambda qs, cfg=cfg: gemm_w8(x, qs[0], qs[1], config=cfg), q8)
             except Exception as e:  # noqa: BLE001  (a tile past the shared memory: skipped, shown)
                 print(f"{name} m={m} {cfg}: {type(e).__name__}", file=sys.stderr)
                 times[cfg] = float("nan")
-        best = min((c for c in times if times[c] == times[c]), key=times.get)
+        ok = [c for c in times if times[c] == times[c]]
+
+        def best(cands):
+            c = min(cands, key=times.get)
+            return f"{tuple(c[:5]) + tuple(c[6:])} {times[c] * 1e6:.1f}"
+
+        few = f"{_rotating(lambda qs: gemm_rows(x, qs[0], w_scale=qs[1]), q8) * 1e6:.1f}" if m <= MAX_ROWS else "-"
+
         try:
-            scaled = _rotating(lambda qs: w8a8(x, *qs), q8)
+            scaled = f"{_rotating(lambda qs: w8a8(x, *qs), q8) * 1e6:.1f}"
             scaled_err = err(w8a8(x, *q8[0]))
         except Exception as e:  # noqa: BLE001
             print(f"_scaled_mm: {type(e).__name__}: {e}", file=sys.stderr)
-            scaled, scaled_err = float("nan"), "-"
-        deq = _rotating(lambda qs: F.linear(x, (qs[0].to(torch.bfloat16) * qs[1][:, None]).to(torch.bfloat16)), q8)
-        default = w8_config(m, n, k)
-        rows.append([name, m, f"{cublas * 1e6:.1f}", f"{times[default] * 1e6:.1f}", str(best), f"{times[best] * 1e6:.1f}",
-                     f"{100 * n * k / times[best] / COPY_BW:.0f}%", f"{scaled * 1e6:.1f}", f"{deq * 1e6:.1f}",
-                     err(gemm_w8(x, *q8[0])), scaled_err] + [f"{times[c] * 1e6:.1f}" for c in W8_CONFIGS])
+            scaled, scaled_err = "-", "-"
+        top = min(ok, key=times.get)
+        rows.append([name, m, f"{cublas * 1e6:.1f}", scaled, few, f"{times[w8_config(m, n, k)] * 1e6:.1f}",
+                     best([c for c in ok if c[5]]), best([c for c in ok if not c[5]]),
+                     f"{100 * n * k / times[top] / COPY_BW:.0f}%", err(gemm_w8(x, *q8[0], config=top)), scaled_err])
+        raw.append(dict(layer=name, m=m, cublas_us=cublas * 1e6, tiles={str(c): times[c] * 1e6 for c in times}))
         del q8
         torch.cuda.empty_cache()
-    return rows
+    return rows, raw
 
 
 def sweep_rows_rope(m: int) -> list[list]:
@@ -560,13 +572,18 @@ def main() -> None:
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
     if args.w8:
-        table = [r for m in args.w8.split(",") for r in sweep_w8(int(m))]
-        print_table(["layer", "M", "cuBLAS bf16 us", "w8 default us", "best (BM, BN, BK, warps, stages)", "best us",
-                     "of copy bw (fp8 bytes)", "W8A8 _scaled_mm us", "dequant + cuBLAS us", "w8 rel err",
-                     "W8A8 rel err"] + [str(c) for c in W8_CONFIGS], table,
+        table, raw = [], []
+        for m in args.w8.split(","):
+            rows, tiles = sweep_w8(int(m))
+            table += rows
+            raw += tiles
+        print_table(["layer", "M", "cuBLAS bf16 us", "W8A8 us", "gemm_rows fp8 us", "w8 default us",
+                     "best w8 second (BM, BN, BK, warps, stages, split) us", "best w8 first us", "best: of copy bw (fp8)",
+                     "w8 rel err", "W8A8 rel err"], table,
                     title="fp8 e4m3 weights, M rows, cold weights (rotating), GPU time in CUDA graphs")
         if args.json:
-            Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table), indent=2, default=str))
+            Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table, tiles=raw), indent=2,
+                                                  default=str))
         return
     if args.rows:
         for m in [int(v) for v in args.rows.split(",")]:

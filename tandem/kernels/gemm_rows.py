@@ -36,6 +36,18 @@ against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-
 a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
+gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of more than 32
+rows (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not
+depend on the step it shares. Its tile (W8Tile) also says where the e4m3 tile sits in the dot
+(second, as above, or first: past ~160 rows the wgmma form won, H200 sweep in
+docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then added in
+order and finished by _split_sum_kernel: deterministic, the same bits for every row count at one
+tile). It still trails cuBLAS on bf16 weights at every size measured (40 rows of the 8B's qkv 34
+against 16 us unsplit; 2048 rows of its gate_up 953 against 617). W8A8 (torch._scaled_mm, the
+rows rounded to e4m3 too) was faster past ~500 rows, but a function that changes with the
+step's row count parts greedy speculation from target-only (a decode step of 8 rows weight-only,
+its 40-row verification W8A8), so it is not used.
+
 Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch with PDL (programs
 placed while the kernel before still runs; each waits for it before its first load) and release the
 kernel after them once their main loop is done, so the small kernel that follows (a norm, the
@@ -62,6 +74,7 @@ The wrappers take sizes from tensor shapes only (no device-to-host reads): graph
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -100,16 +113,19 @@ def _dot(w, x_t, acc, SOFT_BF16: tl.constexpr):
 
 @triton.jit
 def _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows_ok, K, stride_xm, stride_wn, EVEN_K: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
+             k_lo=0, k_hi=None):
     """fp32 [BLOCK_N, BLOCK_M]: (x @ w[rows]^T)^T for fp8 e4m3 weights, unscaled. The weight is the
     dot's second operand here, its tile loaded K-major and widened to x's dtype in registers (16-byte
     copies, mma.sync); as the first operand of the wgmma, as the model-dtype path has it, the e4m3 tile
     took 8-byte copies and a register shuffle a step (the 1B at 6 rows, H200: gate_up 16.4 -> 15.8 us,
-    head 96 -> 89)."""
+    head 96 -> 89). k_lo .. k_hi: the columns summed (a split-K program's; k_lo a multiple of BLOCK_K)."""
+    if k_hi is None:
+        k_hi = K
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wn + k_lo + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_ptrs, mask=rows_ok[None, :], other=0.0)
@@ -127,17 +143,21 @@ def _rows_kernel(
     b_ptr,  # [N] (HAS_BIAS only)
     out_ptr,  # [M, N] rows at stride_om (SILU_MUL: [M, N / 2])
     ws_ptr,  # [N] fp32 per-row weight scales (W_SCALE only: w is fp8)
+    part_ptr,  # [SPLIT_K, M, N] fp32 unscaled partial sums (SPLIT_K > 1 only: the epilogue is _split_sum_kernel's)
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    k_per_split,  # columns of K a split owns (a multiple of BLOCK_K)
     HAS_BIAS: tl.constexpr,
     W_SCALE: tl.constexpr,  # w is fp8: widened to x's dtype for the dot, each row's sum times its scale
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     MULTI_M: tl.constexpr,  # grid (row tiles, column tiles): gemm_w8's any number of rows
+    W8_SECOND: tl.constexpr,  # W_SCALE: the e4m3 tile the dot's second operand (else its first, as a model-dtype weight)
+    SPLIT_K: tl.constexpr,  # MULTI_M: programs along K (grid axis 2), each storing its partial sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -158,9 +178,17 @@ def _rows_kernel(
     else:
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
     wait_only(PDL_WAIT)
     m_ok = offs_m < M
-    if SILU_MUL:
+    if SPLIT_K > 1:  # the tile's own columns (the silu_mul pairing happens in _split_sum_kernel)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+    elif SILU_MUL:
         P: tl.constexpr = BLOCK_N // 2
         half = N // 2
         offs_r = tl.arange(0, BLOCK_N)
@@ -170,36 +198,69 @@ def _rows_kernel(
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-    if W_SCALE:
+    if W_SCALE and W8_SECOND:
         acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, K, stride_xm, stride_wn, EVEN_K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, SOFT_BF16)  # out^T
+                       BLOCK_K, SOFT_BF16, k_lo, k_hi)  # out^T
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_lo + offs_k[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             x = _x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-            acc = _dot(w, tl.trans(x), acc, SOFT_BF16)
+            acc = _dot(w.to(x.dtype), tl.trans(x), acc, SOFT_BF16)  # (fp8: widened in registers)
             w_ptrs += BLOCK_K
     release_next(PDL)
-    dtype = out_ptr.dtype.element_ty
-    if W_SCALE:
-        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    if SILU_MUL:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))  # [P, BLOCK_M] each
-        act = _silu_mul(gate.to(dtype), up.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)  # as stored, then activated
-        offs_c = pid * P + tl.arange(0, P)
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_c[:, None]
-        tl.store(o_ptrs, act.to(dtype), mask=(offs_c < half)[:, None] & m_ok[None, :])
+    if SPLIT_K > 1:
+        p_ptrs = part_ptr + (tl.program_id(2).to(tl.int64) * M + offs_m[None, :]) * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=n_ok[:, None] & m_ok[None, :])
     else:
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
+        dtype = out_ptr.dtype.element_ty
+        if W_SCALE:
+            acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if SILU_MUL:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))  # [P, BLOCK_M] each
+            act = _silu_mul(gate.to(dtype), up.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)  # as stored, then activated
+            offs_c = pid * P + tl.arange(0, P)
+            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_c[:, None]
+            tl.store(o_ptrs, act.to(dtype), mask=(offs_c < half)[:, None] & m_ok[None, :])
+        else:
+            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(o_ptrs, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, ws_ptr, b_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                      SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, CUDA_LIBM: tl.constexpr,
+                      SOFT_BF16: tl.constexpr):
+    """gemm_w8's split-K epilogue: out [M, N] (SILU_MUL: [M, N / 2]) from part [SPLIT_K, M, N], the
+    splits summed in order, then _rows_kernel's epilogue (scale, bias, rounding, SiLU-and-mul)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_out = N // 2 if SILU_MUL else N
+    c_ok = offs_c < n_out
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)  # SILU_MUL: the up half's sums
+    for s in tl.static_range(SPLIT_K):
+        p_ptrs = part_ptr + (s * M + row) * N + offs_c
+        acc += tl.load(p_ptrs, mask=c_ok, other=0.0)
+        if SILU_MUL:
+            acc2 += tl.load(p_ptrs + n_out, mask=c_ok, other=0.0)
+    acc = acc * tl.load(ws_ptr + offs_c, mask=c_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        acc2 = acc2 * tl.load(ws_ptr + n_out + offs_c, mask=c_ok, other=0.0)
+        if HAS_BIAS:
+            acc2 += tl.load(b_ptr + n_out + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+        acc = _silu_mul(acc.to(dtype), acc2.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)
+    tl.store(out_ptr + row * stride_om + offs_c, acc.to(dtype), mask=c_ok)
 
 
 @triton.jit
@@ -360,32 +421,55 @@ def gemm_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor
     assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
     grid = (triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n),)
     _rows_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else weight, out, w_scale if w_scale is not None else out, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        MULTI_M=False, BLOCK_M=row_tile(m), BLOCK_N=block_n,
+        MULTI_M=False, W8_SECOND=True, SPLIT_K=1, BLOCK_M=row_tile(m), BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out
 
 
-def w8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """-> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of gemm_w8 for m rows of an fp8 [n, k]
-    weight."""
+class W8Tile(NamedTuple):
+    """gemm_w8's launch: row and column tiles, K step, warps, pipeline stages; w8_second: the e4m3
+    tile the dot's second operand (gemm_rows' layout, mma.sync), else its first (a wgmma's register
+    operand); split_k: programs along K, their fp32 partial sums added in order by a second kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    w8_second: bool = True
+    split_k: int = 1
+
+
+def w8_config(m: int, n: int, k: int) -> W8Tile:
+    """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweep (bench/kernels.py
+    --w8 40,64,160,512,2048, 8B and Qwen 1.5B shapes, docs/benchmarks.md): each pick within 1.3x of
+    the best unsplit tile there, and most within 1.1x. Up to 256 rows, K is split until about two
+    programs an SM are launched (at most 4 splits of at least 1024 columns each)."""
     if m <= 64:
-        return 64, 64, 128, 4, 4
-    if m <= 256:
-        return 128, 64, 128, 8, 3
-    return 128, 128, 64, 8, 3
+        tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
+    elif m <= 256:
+        tile = W8Tile(128, 64, 128, 8, 3) if n <= 4096 else W8Tile(128, 128, 64, 8, 3, False)
+    elif m <= 1024 and n <= 2048:
+        return W8Tile(128, 64, 128, 8, 3)
+    else:
+        return W8Tile(256, 128, 64, 8, 3, False)
+    programs = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    return tile._replace(split_k=max(1, min(4, 2 * _SMS // programs, k // 1024)))
+
+
+_SMS = 132  # the H200's streaming multiprocessors (a constant: the tile must not vary with the device it runs on)
 
 
 def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-            act: str | None = None, config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+            act: str | None = None, config: tuple | None = None) -> Tensor:
     """gemm_rows for any number of rows of fp8 e4m3 weights (W8A16: the weight widened to x's dtype
     in registers, exact products, fp32 sums, each output row's sum times w_scale[n]): x [M, K]
     bf16 / fp16, rows contiguous; weight [N, K] e4m3, w_scale [N] fp32; act="silu_mul" as gemm_rows.
-    -> out [M, N] (or [M, N / 2]). config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in
-    place of w8_config."""
+    -> out [M, N] (or [M, N / 2]). config: a W8Tile (or its fields as a tuple) in place of w8_config."""
     n, k = weight.shape
     m = x.shape[0]
     assert act in (None, "silu_mul") and w_scale is not None
@@ -398,18 +482,29 @@ def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = No
     assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
-    block_m, block_n, block_k, num_warps, num_stages = config or w8_config(m, n, k)
-    assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
+    tile = W8Tile(*(config or w8_config(m, n, k)))
+    assert not silu_mul or (n % 2 == 0 and tile.block_n % 2 == 0)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n))
+    k_per_split = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    pairs = silu_mul and splits == 1  # (split: the reduction pairs gate and up columns)
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n_out, tile.block_n // 2) if pairs else triton.cdiv(n, tile.block_n),
+            splits)
     _rows_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, w_scale,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, W_SCALE=True, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        MULTI_M=True, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
+        x, weight, bias if bias is not None else weight, out, w_scale, part,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, W_SCALE=True, SILU_MUL=silu_mul, EVEN_K=k % tile.block_k == 0,
+        MULTI_M=True, W8_SECOND=tile.w8_second, SPLIT_K=splits, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages, **_numerics(x),
+        **_launch_flags(x),
     )
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(n_out))
+        _split_sum_kernel[(m, triton.cdiv(n_out, block))](
+            part, out, w_scale, bias if bias is not None else w_scale, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=splits, BLOCK=block, num_warps=4, **_numerics(x))
     return out
 
 

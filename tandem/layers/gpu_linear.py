@@ -11,9 +11,11 @@ K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilo
 `forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
 with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
 A layer in fp8 alone (the target's `quantization="fp8"`, which keeps no model-dtype weight) sends
-2-32 rows to gemm_rows at every width (weight-only, as one row), and more to Hopper's fp8 tensor
-cores with the rows rounded to e4m3 too (tandem/kernels/w8a8.py, vLLM's fp8 numerics; gemm_w8,
-weight-only, where torch._scaled_mm refuses the shape).
+2-32 rows to gemm_rows at every width and more to gemm_w8 (its kernel over a grid of row tiles):
+weight-only everywhere, as one row, so a row's result does not hang on how many rows share its
+step. (W8A8, the rows rounded to e4m3 for Hopper's fp8 tensor cores as vLLM does, was faster
+past ~500 rows but made the function depend on the batch: a decode step of 8 requests ran
+weight-only, their 40-row verification W8A8, and greedy speculation parted from target-only.)
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
@@ -154,26 +156,13 @@ class GemvLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def _many_rows(self, x: Tensor, out: Tensor | None = None, act: str | None = None) -> Tensor:
-        """An fp8-only layer's product for any rows x [..., in_features]: W8A8 on fp8 tensor cores
-        (kernels/w8a8.py: the rows rounded to e4m3 too) where torch._scaled_mm takes the shape (bf16),
-        else gemm_w8 (weight-only)."""
-        from tandem.kernels.w8a8 import w8a8_matmul, w8a8_supported
+        """An fp8-only layer's product for any rows x [..., in_features]: gemm_w8 (weight-only)."""
+        from tandem.kernels.gemm_rows import gemm_w8
 
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if w8a8_supported(self.in_features, self.out_features, rows.dtype):
-            y = w8a8_matmul(rows, self.w8, self.w_scale, self.bias)
-            if act == "silu_mul":
-                from tandem.kernels.fused import silu_and_mul
-
-                y = silu_and_mul(y)
-            if out is not None:
-                y = out.copy_(y)
-        else:
-            from tandem.kernels.gemm_rows import gemm_w8
-
-            y = gemm_w8(rows, self.w8, self.w_scale, self.bias, out=out, act=act)
+        y = gemm_w8(rows, self.w8, self.w_scale, self.bias, out=out, act=act)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:

@@ -45,17 +45,6 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def quantize_rows_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Activations for fp8 tensor cores (the fp8 target's steps of many rows on a GPU,
-    tandem/kernels/w8a8.py, whose reference this is): x [M, K] -> (q [M, K] float8_e4m3fn,
-    s [M, 1] fp32), s the least power of two with max |x[m]| / s <= 448 (computed exactly, from the
-    max's binary exponent), q = x / s rounded to nearest even."""
-    amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=2.0 ** -100)
-    m, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1); 448 = 0.875 * 2**9
-    s = torch.ldexp(torch.ones_like(amax), e - 9 + (m > 0.875).to(e.dtype))
-    return (x.float() / s).to(torch.float8_e4m3fn), s
-
-
 def fake_quantize_fp8_(w: Tensor) -> None:
     """w [N, K] <- q * s (quantize_fp8), in place, in w's dtype."""
     q, s = quantize_fp8(w)

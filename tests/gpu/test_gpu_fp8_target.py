@@ -1,8 +1,7 @@
 """The target in fp8 on a GPU (LLM(quantization="fp8")): its layers hold e4m3 weights alone and
-every row count runs on them (one row: the GEMV; 2-32: gemm_rows, weight-only; more: W8A8,
-tandem/kernels/w8a8.py); its logits err against the fp32 CPU model on the same rounded weights
-about as the bf16 paths do; greedy speculation over it equals its own greedy output; CUDA graphs
-equal eager."""
+every row count runs on them, weight-only (one row: the GEMV; 2-32: gemm_rows; more: gemm_w8); its
+logits err against the fp32 CPU model on the same rounded weights about as the bf16 paths do;
+greedy speculation over it equals its own greedy output; CUDA graphs equal eager."""
 import pytest
 import torch
 
@@ -13,9 +12,11 @@ from tests.helpers import make_hf_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _rounded_checkpoint(src, dst):
-    """A copy of the checkpoint src whose layers' linear weights are already fp8 values (rounded as
-    quantization="fp8" rounds them): loaded plainly it is the fp8 target's function on bf16 paths."""
+def _rounded_checkpoint(src, dst, dtype=torch.bfloat16):
+    """A copy of the checkpoint src whose layers' linear weights are already fp8 values, rounded as
+    quantization="fp8" rounds them in a model of `dtype` (from the weights cast to it: rounding the
+    fp32 values directly moves ~3% of them by an e4m3 step, a different model): loaded plainly it is
+    the fp8 target's function on the model-dtype paths."""
     from tandem.layers.quant import fake_quantize_fp8_
     from tests.helpers import hf_model
 
@@ -23,7 +24,9 @@ def _rounded_checkpoint(src, dst):
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-                fake_quantize_fp8_(module.weight.data)
+                w = module.weight.data.to(dtype)
+                fake_quantize_fp8_(w)
+                module.weight.data.copy_(w.float())
     model.save_pretrained(dst)
     for f in src.glob("*.json"):
         if not (dst / f.name).exists():
@@ -58,23 +61,21 @@ def _logits(path, device: str, dtype: torch.dtype, plan: list[int], quantization
 def test_fp8_target_layers_and_logits(tmp_path):
     """bf16 on the GPU: every layer linear holds its e4m3 weight alone, the LM head its bf16 one.
     Against the fp32 CPU model on the same rounded weights, the fp8 paths err as the bf16 paths of
-    the same function do (a checkpoint holding the rounded values, loaded plainly): single rows
-    (the GEMV) and 2-32 rows (gemm_rows) at most 1.5x as much; a 40-row chunk (W8A8: the rows
-    rounded to e4m3 too) at most 2.5x (a CPU simulation of it on this model: 1.56x)."""
+    the same function do (a checkpoint holding the rounded values, loaded plainly), at most 1.5x as
+    much: single rows (the GEMV), 2-32 rows (gemm_rows), a 40-row chunk (gemm_w8)."""
     from tandem.layers.gpu_linear import GemvLinear
 
     # a tame model: at init_std 0.3 bf16 alone moves these logits by 60% of their range
     path = make_hf_model(tmp_path / "m", "qwen2", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
                          init_std=0.05, max_position_embeddings=1024)
     rounded = _rounded_checkpoint(path, tmp_path / "rounded")
-    for plan, factor in (([20, 20, 1, 1, 9, 1], 1.5), ([40, 1, 1, 9, 1], 2.5)):
-        ref, _ = _logits(path, "cpu", torch.float32, plan)
-        assert torch.allclose(ref, _logits(rounded, "cpu", torch.float32, plan, None)[0], atol=1e-4)
+    for plan in ([20, 20, 1, 1, 9, 1], [40, 1, 1, 9, 1]):
+        ref, _ = _logits(rounded, "cpu", torch.float32, plan, None)
         plain, _ = _logits(rounded, "cuda", torch.bfloat16, plan, None)
         got, model = _logits(path, "cuda", torch.bfloat16, plan)
         scale = ref.abs().max().item()
         err, base = (got - ref).abs().max().item(), (plain - ref).abs().max().item()
-        assert err <= factor * base + 0.01 * scale, (plan, err / scale, base / scale)
+        assert err <= 1.5 * base + 0.01 * scale, (plan, err / scale, base / scale)
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, GemvLinear) and linear.fp8_only and linear.w8.dtype == torch.float8_e4m3fn

@@ -229,15 +229,28 @@ def check_w8(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=Non
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 33, 64, 100, 257, 1030])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (2048, 1536), (1000, 700), (7, 4096)])
-def test_gemm_w8_gpu(n, k, m, dtype):
-    check_w8(n, k, m, dtype, "cuda", bias=n in (2048, 1000))
+@pytest.mark.parametrize("w8_second", [True, False])
+def test_gemm_w8_gpu(n, k, m, dtype, w8_second):
+    check_w8(n, k, m, dtype, "cuda", config=w8_config(m, n, k)._replace(w8_second=w8_second), bias=n in (2048, 1000))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [5, 40, 64, 200])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (1000, 700)])
+@pytest.mark.parametrize("w8_second,split_k", [(True, 2), (True, 4), (False, 3)])
+def test_gemm_w8_split_k_gpu(n, k, m, w8_second, split_k):
+    """Split-K: each split's fp32 partial sums stored, added in order by _split_sum_kernel."""
+    check_w8(n, k, m, torch.bfloat16, "cuda", config=w8_config(m, n, k)._replace(w8_second=w8_second, split_k=split_k),
+             bias=n == 1000)
 
 
 @interpret_mark(_rows_kernel)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,m", [(40, 96, 37), (33, 80, 5), (64, 64, 70)])
-def test_gemm_w8_interpreter(n, k, m, dtype):
-    check_w8(n, k, m, dtype, "cpu", config=(16, 16, 32, 4, 2), bias=n != 33)
+@pytest.mark.parametrize("w8_second,split_k", [(True, 1), (False, 1), (True, 3), (False, 2)])
+def test_gemm_w8_interpreter(n, k, m, dtype, w8_second, split_k):
+    check_w8(n, k, m, dtype, "cpu", config=(16, 16, 32, 4, 2, w8_second, split_k), bias=n != 33)
 
 
 @pytest.mark.gpu
