@@ -369,6 +369,9 @@ W8_CONFIGS = [(64, 64, 128, 4, 4, True, 1), (64, 64, 128, 4, 4, True, 2), (64, 6
               (64, 128, 64, 4, 4, True, 2), (32, 64, 128, 4, 4, True, 1), (32, 64, 128, 4, 4, True, 4),
               (128, 64, 128, 8, 3, True, 1), (128, 64, 128, 8, 3, True, 2), (128, 128, 64, 8, 3, False, 1),
               (128, 128, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 1), (64, 128, 128, 4, 3, False, 1)]
+# and at <= 32 rows (the fp8 target's decode steps and batch-1 verifications), BLOCK_M = row_tile(m):
+# gemm_rows' fp8 tiles (BLOCK_N, BLOCK_K, warps, stages) with K split 1, 2 or 4 ways
+W8_FEW_TILES = [(32, 128, 4, 6), (64, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4), (128, 128, 4, 3)]
 
 
 def w8a8(x, q, s):
@@ -386,7 +389,7 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
     fake-quantized weights' fp32 product). -> the table's rows, and every tile's time (JSON)."""
     import torch.nn.functional as F
 
-    from tandem.kernels.gemm_rows import MAX_ROWS, W8Tile, gemm_rows, gemm_w8, w8_config
+    from tandem.kernels.gemm_rows import MAX_ROWS, W8Tile, gemm_rows, gemm_w8, row_tile, w8_config
     from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
 
     rows, raw = [], []
@@ -404,8 +407,13 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
         def err(out):
             return f"{(out.float() - ref).abs().max().item() / ref.abs().max().item():.1e}"
 
+        if m <= MAX_ROWS:
+            configs = [W8Tile(row_tile(m), *t, True, s) for t in W8_FEW_TILES for s in (1, 2, 4)]
+        else:  # (up to 128 rows, the few-row tiles over several row tiles too)
+            configs = [W8Tile(*c) for c in W8_CONFIGS] + [W8Tile(bm, *t, True, s) for bm in (16, 32)
+                                                          for t in W8_FEW_TILES[:3] for s in (2, 4) if m <= 128]
         times = {}
-        for cfg in dict.fromkeys([W8Tile(*c) for c in W8_CONFIGS] + [w8_config(m, n, k)]):
+        for cfg in dict.fromkeys(configs + [w8_config(m, n, k)]):
             try:
                 times[cfg] = _rotating(lambda qs, cfg=cfg: gemm_w8(x, qs[0], qs[1], config=cfg), q8)
             except Exception as e:  # noqa: BLE001  (a tile past the shared memory: skipped, shown)
@@ -414,6 +422,8 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
         ok = [c for c in times if times[c] == times[c]]
 
         def best(cands):
+            if not cands:
+                return "-"
             c = min(cands, key=times.get)
             return f"{tuple(c[:5]) + tuple(c[6:])} {times[c] * 1e6:.1f}"
 

@@ -36,9 +36,11 @@ against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-
 a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
-gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of more than 32
-rows (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not
-depend on the step it shares. Its tile (W8Tile) also says where the e4m3 tile sits in the dot
+gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of 2 rows and
+more (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not
+depend on the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in four
+(the 8B's down at 5 rows 26.9 against 41.4 us unsplit at gemm_rows' tile, H200). Its tile
+(W8Tile) also says where the e4m3 tile sits in the dot
 (second, as above, or first: past ~160 rows the wgmma form won, H200 sweep in
 docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then added in
 order and finished by _split_sum_kernel: deterministic, the same bits for every row count at one
@@ -445,11 +447,19 @@ class W8Tile(NamedTuple):
 
 
 def w8_config(m: int, n: int, k: int) -> W8Tile:
-    """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweep (bench/kernels.py
-    --w8 40,64,160,512,2048, 8B and Qwen 1.5B shapes, docs/benchmarks.md): each pick within 1.3x of
-    the best unsplit tile there, and most within 1.1x. Up to 256 rows, K is split until about two
-    programs an SM are launched (at most 4 splits of at least 1024 columns each): a rule not yet
-    swept (the engine's 40-row verification of the 8B: 1.15 decode steps with it, H200)."""
+    """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/kernels.py
+    --w8, 8B and Qwen 1.5B shapes, docs/benchmarks.md).
+    Up to MAX_ROWS: a 64 x 128 tile of the weight (the dot's second operand, rows padded to
+    row_tile(m)) and K split 4 ways (fewer below 4096 columns): within 1.1x of the best of 15 tiles
+    at 5, 8 and 32 rows for every layer but the 1.5B's down (1.2x), and 0.55-0.87x gemm_rows'
+    bf16-tuned tile's time on the 8B's layers (down at 5 rows 26.9 against 41.4 us). The tile
+    does not depend on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
+    More rows (--w8 40,64,160,512,2048): each pick within 1.3x of the best unsplit tile there, and
+    most within 1.1x; up to 256 rows K is split until about two programs an SM are launched (at
+    most 4 splits of at least 1024 columns each): a rule not yet swept (the engine's 40-row
+    verification of the 8B: 1.15 decode steps with it, H200)."""
+    if m <= MAX_ROWS:
+        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))
     if m <= 64:
         tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
     elif m <= 256:

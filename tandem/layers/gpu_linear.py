@@ -11,9 +11,13 @@ K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilo
 `forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
 with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
 A layer in fp8 alone (the target's `quantization="fp8"`, which keeps no model-dtype weight) sends
-2-32 rows to gemm_rows at every width and more to gemm_w8 (its kernel over a grid of row tiles):
-weight-only everywhere, as one row, so a row's result does not hang on how many rows share its
-step. (W8A8, the rows rounded to e4m3 for Hopper's fp8 tensor cores as vLLM does, was faster
+2 rows and more to gemm_w8 (gemm_rows' kernel over a grid of row tiles, K split in up to four;
+the few-row qkv projection with its rotary still to gemm_rows_qkv_rope): weight-only
+everywhere, as one row, so a row's result does not hang on how many rows share its step. (At 2-32
+rows gemm_w8's split tile took the 8B's batch-8 decode step from 5.32 to 4.10 ms and a batch-1
+k = 4 round from 8.48 to 7.53 ms against gemm_rows' bf16-tuned tile, H200,
+`bench/gpu_bench.py --env-ab TANDEM_FP8_ROWS=rows`.) (W8A8, the rows rounded to e4m3 for Hopper's
+fp8 tensor cores as vLLM does, was faster
 past ~500 rows but made the function depend on the batch: a decode step of 8 requests ran
 weight-only, their 40-row verification W8A8, and greedy speculation parted from target-only.)
 
@@ -52,6 +56,15 @@ def _gemm_rows_cap() -> int:
     except ValueError:
         raise ValueError(f"TANDEM_GEMM_ROWS={raw!r}: expected 0 (off), 1 (on) or a row cap such as 16") from None
     return FEW_ROWS if cap == 1 else cap
+
+
+def _fp8_rows_w8() -> bool:
+    """TANDEM_FP8_ROWS: unset or "w8": an fp8-only layer's 2-32 rows run gemm_w8 (K split, its own
+    tile); "rows": gemm_rows at the model-dtype tile (the earlier path; an A/B switch)."""
+    raw = os.environ.get("TANDEM_FP8_ROWS", "w8")
+    if raw not in ("w8", "rows"):
+        raise ValueError(f"TANDEM_FP8_ROWS={raw!r}: expected w8 (gemm_w8, the default) or rows (gemm_rows)")
+    return raw == "w8"
 
 
 @dataclass(frozen=True)
@@ -143,12 +156,12 @@ class GemvLinear(nn.Module):
             from tandem.kernels.gemv import gemv
 
             return gemv(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
+        if self.fp8_only and (not self.few_rows(x) or _fp8_rows_w8()):
+            return self._many_rows(x, out)
         if self.few_rows(x):
             from tandem.kernels.gemm_rows import gemm_rows
 
             return gemm_rows(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
-        if self.fp8_only:
-            return self._many_rows(x, out)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:  # F.linear's kernels, into out
@@ -180,7 +193,7 @@ class GemvLinear(nn.Module):
         """F.silu(gate) * up of this packed [gate | up] projection of x (`few_rows(x)`), the
         activation in the few-row GEMM's epilogue: one launch instead of two, no [n, 2 I]
         intermediate (the silu_and_mul kernel's bits)."""
-        if self.fp8_only and not self.few_rows(x):
+        if self.fp8_only and (not self.few_rows(x) or _fp8_rows_w8()):
             return self._many_rows(x, act="silu_mul")
         from tandem.kernels.gemm_rows import gemm_rows
 

@@ -47,3 +47,23 @@ def test_the_row_switch_keeps_its_old_values_and_names_itself(monkeypatch):
     monkeypatch.setenv("TANDEM_GEMM_ROWS", "yes")
     with pytest.raises(ValueError, match="TANDEM_GEMM_ROWS"):
         lin.few_rows(x)
+
+
+def test_fp8_only_layers_send_few_rows_to_gemm_w8(monkeypatch):
+    """The fp8 target's layers (no model-dtype weight) run 2-32 rows on gemm_w8's split tile;
+    TANDEM_FP8_ROWS=rows (an A/B switch) sends them back to gemm_rows; a typo names the switch."""
+    from tandem.layers import gpu_linear
+
+    lin = GemvLinear(nn.Linear(4096, 6144, bias=False, dtype=torch.bfloat16), fp8=True, keep_weight=False)
+    assert lin.fp8_only and lin.few_rows(torch.zeros(5, 4096, dtype=torch.bfloat16))
+    calls = []
+    monkeypatch.setattr(GemvLinear, "_many_rows", lambda self, x, out=None, act=None: calls.append((x.shape[0], act)))
+    lin(torch.zeros(5, 4096, dtype=torch.bfloat16))
+    lin.forward_then_silu_mul(torch.zeros(8, 4096, dtype=torch.bfloat16))
+    assert calls == [(5, None), (8, "silu_mul")]
+    assert gpu_linear._fp8_rows_w8()
+    monkeypatch.setenv("TANDEM_FP8_ROWS", "rows")
+    assert not gpu_linear._fp8_rows_w8()
+    monkeypatch.setenv("TANDEM_FP8_ROWS", "gemm_w8")
+    with pytest.raises(ValueError, match="TANDEM_FP8_ROWS"):
+        lin(torch.zeros(5, 4096, dtype=torch.bfloat16))
