@@ -6,6 +6,7 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
 (1) host time per engine phase, between one step's sync and the next (the GPU idles there);
 (2) device time per kernel family for eager decode steps (torch.profiler), against the
     captured graph's replay time (the difference is launch gaps inside the graph);
+    `--quantization fp8`: the same for the target in fp8;
 (3) each linear layer shape at M = batch as a graph of repeated calls over rotating weights,
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
@@ -388,6 +389,8 @@ def main(argv=None) -> int:
                    help="--sections verify: draft round kernels skipped before that list (past the catch-up)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="--sections verify: also under these environment settings")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="--sections target: the models' LLM(quantization=...) (the fp8 target)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment()}
@@ -413,7 +416,7 @@ def main(argv=None) -> int:
             eager_host(Path(tmp), args, results)
         for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():
             path = write_config(Path(tmp), name, shape)
-            llm = make_llm(path, None, 4, args.max_model_len)
+            llm = make_llm(path, None, 4, args.max_model_len, quantization=args.quantization)
             phases = host_phases(llm, args)
             g = llm.engine.runner.graphs[1]
             phases["graph_replay"] = graph_time(g.graphs[g.bucket(1)])
@@ -427,7 +430,7 @@ def main(argv=None) -> int:
 
             eager = LLM(path, dtype="bfloat16", load_format="dummy", max_model_len=args.max_model_len,
                         max_num_seqs=4, kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False,
-                        enforce_eager=True)
+                        enforce_eager=True, quantization=args.quantization)
             rows = kernel_table(eager, args)
             total = sum(r[1] for r in rows)
             print(f"[{name}] eager kernels per step: total {total / 1e3:.3f} ms; graph replay "

@@ -271,17 +271,19 @@ def sweep_gemv() -> list[list]:
     return rows
 
 
-FP8_CONFIGS = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (2, 2048, 4), (16, 1024, 8)]
+FP8_CONFIGS = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (2, 2048, 4), (16, 1024, 8),
+               (16, 512, 4), (8, 512, 4), (32, 512, 8), (4, 4096, 4), (4, 4096, 8), (16, 256, 4)]
 
 
 def sweep_gemv_fp8() -> list[list]:
-    """M = 1 GEMV with fp8 e4m3 weights (the fp8 draft: the 1B's shapes) at each tile, against the
-    bf16 GEMV at its default tile; "of copy bw" counts the fp8 bytes (cold weights, us per call)."""
+    """M = 1 GEMV with fp8 e4m3 weights (the fp8 target: the 8B's decoder shapes; the fp8 draft: the
+    1B's) at each tile, against the bf16 GEMV at its default tile; "of copy bw" counts the fp8 bytes
+    (cold weights, us per call)."""
     from tandem.kernels.gemv import gemv, gemv_config
     from tandem.layers.quant import quantize_fp8
 
     rows = []
-    for name, n, k in GEMV_SHAPES[5:10]:  # the 1B draft's
+    for name, n, k in GEMV_SHAPES[:4] + GEMV_SHAPES[5:10]:  # the 8B target's (its head stays bf16), the 1B draft's
         count = max(4, min(64, (3 << 30) // (2 * n * k)))
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
@@ -325,6 +327,44 @@ def sweep_gemv_fused() -> list[list]:
         rows.append([name, f"{plain * 1e6:.1f}", f"{normed * 1e6:.1f}", f"{pair * 1e6:.1f}", f"{added * 1e6:.1f}"]
                     + [f"{c}: {t * 1e6:.1f}" for c, t in cfgs.items()])
         del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_gemv_fp8_fused() -> list[list]:
+    """The one-row fp8 GEMVs as a decoder layer runs them (the fp8 target's 8B shapes, the fp8
+    draft's 1B): o adding into the residual, gate_up normalizing its input, down taking
+    [gate | up] with SiLU-and-mul inside and adding; per tile, against the separate kernels
+    (rms_norm / silu_and_mul, then the plain GEMV at its default tile; cold weights, us)."""
+    from tandem.kernels.fused import rms_norm, silu_and_mul
+    from tandem.kernels.gemv import RowNorm, gemv, gemv_add_, gemv_config
+    from tandem.layers.quant import quantize_fp8
+
+    rows = []
+    for name, n, k in [s for s in GEMV_SHAPES[:10] if s[0].split()[1] in ("o", "gate_up", "down")]:
+        count = max(4, min(64, (3 << 30) // (2 * n * k)))
+        q8 = [quantize_fp8(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02) for _ in range(count)]
+        kind = name.split()[1]
+        x = torch.randn(1, 2 * k if kind == "down" else k, device=DEV, dtype=torch.bfloat16)
+        res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
+        nw = torch.ones(k, device=DEV, dtype=torch.bfloat16)
+        sumsq = torch.rand(512, device=DEV)
+        if kind == "o":
+            fused = lambda qs, c: gemv_add_(x, qs[0], res, config=c, w_scale=qs[1])  # noqa: E731
+            apart = lambda qs: gemv_add_(x, qs[0], res, w_scale=qs[1])  # noqa: E731
+        elif kind == "gate_up":
+            fused = lambda qs, c: gemv(x, qs[0], norm=RowNorm(nw, 1e-5, sumsq), config=c, w_scale=qs[1])  # noqa: E731
+            apart = lambda qs: gemv(rms_norm(x, nw, 1e-5), qs[0], w_scale=qs[1])  # noqa: E731
+        else:
+            fused = lambda qs, c: gemv_add_(x, qs[0], res, act="silu_mul", config=c, w_scale=qs[1])  # noqa: E731
+            apart = lambda qs: gemv_add_(silu_and_mul(x), qs[0], res, w_scale=qs[1])  # noqa: E731
+        times = {c: _rotating(lambda qs, c=c: fused(qs, c), q8)
+                 for c in dict.fromkeys(FP8_CONFIGS + [gemv_config(n, k, True)])}
+        best = min(times, key=times.get)
+        default = gemv_config(n, k, True)
+        rows.append([name, f"{_rotating(apart, q8) * 1e6:.1f}", str(default), f"{times[default] * 1e6:.1f}", str(best),
+                     f"{times[best] * 1e6:.1f}"] + [f"{times[c] * 1e6:.1f}" for c in FP8_CONFIGS])
+        del q8
         torch.cuda.empty_cache()
     return rows
 
@@ -576,6 +616,8 @@ def main() -> None:
     ap.add_argument("--fp8-attn", action="store_true", help="only the decode attention over an fp8 KV cache, per tile")
     ap.add_argument("--gemv-fused", action="store_true", help="only the one-row GEMV with its norm / add fusions")
     ap.add_argument("--gemv-fp8", action="store_true", help="only the one-row GEMV with fp8 weights, per tile")
+    ap.add_argument("--gemv-fp8-fused", action="store_true",
+                    help="only the one-row fp8 GEMVs with their norm / SiLU-and-mul / residual fusions, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
     ap.add_argument("--w8", default="", help="only the fp8-weight GEMM (gemm_w8) sweeps at these row counts, e.g. 64,1024")
     args = ap.parse_args()
@@ -608,6 +650,11 @@ def main() -> None:
         print_table(["layer", "bf16 GEMV us", "default tile", "fp8 default us", "best fp8 tile", "best us",
                      "of copy bw"] + [str(c) for c in FP8_CONFIGS], sweep_gemv_fp8(),
                     title="M = 1 GEMV, fp8 e4m3 weights, cold weights (rotating), GPU time in CUDA graphs")
+        return
+    if args.gemv_fp8_fused:
+        print_table(["layer", "separate kernels us", "default tile", "fused default us", "best fused tile", "best us"]
+                    + [str(c) for c in FP8_CONFIGS], sweep_gemv_fp8_fused(),
+                    title="M = 1 GEMV, fp8 e4m3 weights, as a decoder layer fuses them, cold weights (rotating), us")
         return
     if args.gemv_fused:
         print_table(["layer", "GEMV us", "norm inside us", "rms_norm + GEMV us", "add into residual us",

@@ -24,6 +24,9 @@ Every program re-reads and re-normalizes the whole input row, so the norm pays o
 programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.0 us against
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
 (62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
+With fp8 weights, act="silu_mul" costs more than its launch (a program of 4-16 one-byte rows
+redoes SiLU over its whole input: the 8B's down 21.2-37.0 us fused against 17.6 apart, H200,
+bench/kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
 
 Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8
 draft): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
@@ -298,7 +301,9 @@ def gemv_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     if fp8:  # e4m3 weights, summed 16 a thread a step (SUB; bench/kernels.py --gemv-fp8, H200)
         if n >= 16384:
             return 16, 512, 4  # the 1B's gate_up and head: 10.2 / 61.7 us against 12.9 / 95.2 unsummed at 8 x 1024
-        return 4, min(4096, triton.next_power_of_2(k)), 4  # its qkv, o (2048 wide), down (8192: 6.7 us)
+        if k >= 8192:  # the down projections: 8B 15.9 us against 18.0 at 4 x 4096, 1B 6.4 against 7.6
+            return 8, 2048, 8
+        return 4, min(4096, triton.next_power_of_2(k)), 4  # qkv, o (the 8B's within 0.4 us of the best of 12 tiles)
     if 4096 <= n <= 8192 or (k % 1024 and k % 512 == 0):
         return 8, 512, 4
     if k % 1024 == 0 or k < 1024:

@@ -181,7 +181,7 @@ class GemvLinear(nn.Module):
     def forward_silu_mul(self, gate_up: Tensor) -> Tensor:
         """self(F.silu(gate) * up) for gate_up [n, 2 * in_features] = [gate | up], the activation
         fused into the GEMV for one row (same bits as the separate silu_and_mul kernel)."""
-        if self.one_row(gate_up):
+        if self.one_row(gate_up) and self.w8 is None:  # (fp8: apart, as forward_add_ says)
             from tandem.kernels.gemv import gemv
 
             return gemv(gate_up, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
@@ -242,9 +242,16 @@ class GemvLinear(nn.Module):
 
     def forward_add_(self, x: Tensor, residual: Tensor, act: str | None = None) -> AddedRow:
         """residual += self(x) (act="silu_mul": self(F.silu(gate) * up) for x = [gate | up]) in
-        place, for a one-row x (`one_row(residual)`), in one GEMV launch."""
+        place, for a one-row x (`one_row(residual)`), in one GEMV launch; fp8 weights take the
+        activation from the silu_and_mul kernel first (the same bits): with one byte a weight, the
+        GEMV's programs redoing SiLU over their input cost more than the launch (H200,
+        bench/kernels.py --gemv-fp8-fused: the 8B's down 17.6 us apart against 21.2-37.0 fused)."""
         from tandem.kernels.gemv import gemv_add_
 
+        if act == "silu_mul" and self.w8 is not None:
+            from tandem.kernels.fused import silu_and_mul
+
+            x, act = silu_and_mul(x), None
         return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale))
 
 

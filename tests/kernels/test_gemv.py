@@ -412,7 +412,8 @@ def check_fp8_weights(n: int, k: int, dtype: torch.dtype, device: str, config=No
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,heads", [(3072, 2048, (32, 8, 64)), (2048, 8192, None), (16384, 2048, None),
-                                       (128256, 2048, None), (1152, 896, (14, 2, 64)), (1000, 700, None)])
+                                       (128256, 2048, None), (1152, 896, (14, 2, 64)), (1000, 700, None),
+                                       (4096, 14336, None), (6144, 4096, (32, 8, 128))])
 def test_gemv_fp8_weights_gpu(n, k, heads, dtype):
     check_fp8_weights(n, k, dtype, "cuda", heads=heads)
 
