@@ -408,7 +408,8 @@ W8_CONFIGS = [(64, 64, 128, 4, 4, True, 1), (64, 64, 128, 4, 4, True, 2), (64, 6
               (64, 32, 128, 4, 4, True, 1), (64, 32, 128, 4, 4, True, 2), (64, 128, 64, 4, 4, True, 1),
               (64, 128, 64, 4, 4, True, 2), (32, 64, 128, 4, 4, True, 1), (32, 64, 128, 4, 4, True, 4),
               (128, 64, 128, 8, 3, True, 1), (128, 64, 128, 8, 3, True, 2), (128, 128, 64, 8, 3, False, 1),
-              (128, 128, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 1), (64, 128, 128, 4, 3, False, 1)]
+              (128, 128, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 1), (64, 128, 128, 4, 3, False, 1),
+              (64, 64, 128, 8, 4, True, 2), (64, 64, 128, 8, 4, True, 4), (64, 128, 64, 8, 4, True, 1)]
 # and at <= 32 rows (the fp8 target's decode steps and batch-1 verifications), BLOCK_M = row_tile(m):
 # gemm_rows' fp8 tiles (BLOCK_N, BLOCK_K, warps, stages) with K split 1, 2 or 4 ways
 W8_FEW_TILES = [(32, 128, 4, 6), (64, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4), (128, 128, 4, 3)]

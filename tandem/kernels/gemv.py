@@ -29,7 +29,7 @@ redoes SiLU over its whole input: the 8B's down 21.2-37.0 us fused against 17.6 
 bench/kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
 
 Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8
-draft): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
+draft and the fp8 target): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
 after the reduction, half the bytes streamed for the same exact products. Each step first sums
 every thread's 16 contiguous products in registers (SUB): an elementwise fp32 accumulator of an
 fp8 tile holds 4x the bytes it streams a step, and the 16x smaller one lets more programs share

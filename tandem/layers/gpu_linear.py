@@ -17,9 +17,9 @@ everywhere, as one row, so a row's result does not hang on how many rows share i
 rows gemm_w8's split tile took the 8B's batch-8 decode step from 5.32 to 4.10 ms and a batch-1
 k = 4 round from 8.48 to 7.53 ms against gemm_rows' bf16-tuned tile, H200,
 `bench/gpu_bench.py --env-ab TANDEM_FP8_ROWS=rows`.) (W8A8, the rows rounded to e4m3 for Hopper's
-fp8 tensor cores as vLLM does, was faster
-past ~500 rows but made the function depend on the batch: a decode step of 8 requests ran
-weight-only, their 40-row verification W8A8, and greedy speculation parted from target-only.)
+fp8 tensor cores as vLLM does, was faster past ~500 rows but made the function depend on the
+batch: a decode step of 8 requests ran weight-only, their 40-row verification W8A8, and greedy
+speculation parted from target-only.)
 
 A one-row decoder layer runs its MLP's residual add and the next layer's input norm inside
 these GEMVs (see tandem/models/decoder.py): the down projection adds into the residual stream
