@@ -31,26 +31,37 @@ QUANTIZATIONS = ("fp8",)
 ROWS_A_CHUNK = 4096  # rows rounded at a time: bounded fp32 temporaries (the 0.5B's head is 151936 rows)
 
 
+def _exact_dtype(w: Tensor) -> torch.dtype:
+    """The dtype w's rows are scaled in: bf16 weights in bf16 (fp32's exponent range, so times a
+    power of two is exact wherever the result is normal, and below that e4m3 rounds it to zero
+    anyway: the same bytes as fp32, in a quarter of the time on the CPU), others in fp32 (fp16's
+    range cannot hold every scale)."""
+    return torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
+
+
 def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [N, K] -> (q [N, K] float8_e4m3fn, s [N] fp32 powers of two) with w ~ q * s[:, None]."""
     w = w.detach()
     # s >= the least normal fp32, so 1 / s is finite (an all-zero row gets q = 0)
     amax = w.abs().amax(dim=1).float().clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
     s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    dtype = _exact_dtype(w)
+    inv = s.reciprocal().to(dtype)  # exact for a power of two, and cheaper than a division
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     for i in range(0, w.shape[0], ROWS_A_CHUNK):
         rows = slice(i, i + ROWS_A_CHUNK)
-        # times 1 / s: exact for a power of two, and cheaper than a division (a new tensor: w may be fp32)
-        q[rows] = (w[rows].float() * s[rows, None].reciprocal()).clamp_(-FP8_MAX, FP8_MAX)
+        q[rows] = (w[rows].to(dtype) * inv[rows, None]).clamp_(-FP8_MAX, FP8_MAX)  # (a new tensor: w may be fp32)
     return q, s
 
 
 def fake_quantize_fp8_(w: Tensor) -> None:
     """w [N, K] <- q * s (quantize_fp8), in place, in w's dtype."""
     q, s = quantize_fp8(w)
+    dtype = _exact_dtype(w)
+    s = s.to(dtype)
     for i in range(0, w.shape[0], ROWS_A_CHUNK):
         rows = slice(i, i + ROWS_A_CHUNK)
-        w[rows] = q[rows].float().mul_(s[rows, None])
+        w[rows] = q[rows].to(dtype).mul_(s[rows, None])
 
 
 def quantize_linears_(model: nn.Module, method: str, lm_head: bool = True) -> None:
