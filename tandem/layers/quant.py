@@ -28,13 +28,13 @@ from torch import Tensor, nn
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANTIZATIONS = ("fp8",)
-ROWS_A_CHUNK = 4096  # rows rounded at a time: bounded fp32 temporaries (the 0.5B's head is 151936 rows)
+ROWS_A_CHUNK = 4096  # rows rounded at a time: bounded temporaries (the 0.5B's head is 151936 rows)
 
 
 def _exact_dtype(w: Tensor) -> torch.dtype:
     """The dtype w's rows are scaled in: bf16 weights in bf16 (fp32's exponent range, so times a
     power of two is exact wherever the result is normal, and below that e4m3 rounds it to zero
-    anyway: the same bytes as fp32, in a quarter of the time on the CPU), others in fp32 (fp16's
+    anyway: the same bytes as fp32, in 0.3-0.6x the time on the CPU), others in fp32 (fp16's
     range cannot hold every scale)."""
     return torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
 
