@@ -36,18 +36,18 @@ against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-
 a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
-gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of 2 rows and
-more (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not
-depend on the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in four
-(the 8B's down at 5 rows 26.9 against 41.4 us unsplit at gemm_rows' tile, H200). Its tile
-(W8Tile) also says where the e4m3 tile sits in the dot (second, as above, or first: past ~160
-rows the wgmma form won, H200 sweep in docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then added in
-order and finished by _split_sum_kernel: deterministic, the same bits for every row count at one
-tile). It still trails cuBLAS on bf16 weights at every size measured (40 rows of the 8B's qkv 34
-against 16 us unsplit; 2048 rows of its gate_up 953 against 617). W8A8 (torch._scaled_mm, the
-rows rounded to e4m3 too) was faster past ~500 rows, but a function that changes with the
-step's row count parts greedy speculation from target-only (a decode step of 8 rows weight-only,
-its 40-row verification W8A8), so it is not used.
+gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of 2 rows and more
+(it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not depend on
+the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in four (the 8B's
+down at 5 rows 26.9 against 41.4 us unsplit at gemm_rows' tile, H200). Its tile (W8Tile) also says
+where the e4m3 tile sits in the dot (second, as above, or first: past ~160 rows the wgmma form won,
+H200 sweep in docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then
+added in order and finished by _split_sum_kernel: deterministic, the same bits for every row count
+at one tile). It still trails cuBLAS on bf16 weights at every size measured (40 rows of the 8B's qkv
+34 against 16 us unsplit; 2048 rows of its gate_up 953 against 617). W8A8 (torch._scaled_mm, the
+rows rounded to e4m3 too) was faster past ~500 rows, but a function that changes with the step's row
+count parts greedy speculation from target-only (a decode step of 8 rows weight-only, its 40-row
+verification W8A8), so it is not used.
 
 Programmatic dependent launch (tandem/kernels/pdl.py): these kernels launch with PDL (programs
 placed while the kernel before still runs; each waits for it before its first load) and release the

@@ -28,14 +28,14 @@ With fp8 weights, act="silu_mul" costs more than its launch (a program of 4-16 o
 redoes SiLU over its whole input: the 8B's down 21.2-37.0 us fused against 17.6 apart, H200,
 bench/kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
 
-Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8
-draft and the fp8 target): the tile is widened to fp32 in registers and each row's sum multiplied by its scale
-after the reduction, half the bytes streamed for the same exact products. Each step first sums
-every thread's 16 contiguous products in registers (SUB): an elementwise fp32 accumulator of an
-fp8 tile holds 4x the bytes it streams a step, and the 16x smaller one lets more programs share
-an SM (H200, the 1B's head 95 -> 62 us, gate_up 12.9 -> 10.2; the fp8 draft's k = 4 round
-7.85 -> 7.63 ms). So the sums run in another order than the bf16 weights' (within an ulp of
-their result, tests/kernels/test_gemv.py).
+Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8 draft
+and the fp8 target): the tile is widened to fp32 in registers and each row's sum multiplied by its
+scale after the reduction, half the bytes streamed for the same exact products. Each step first sums
+every thread's 16 contiguous products in registers (SUB): an elementwise fp32 accumulator of an fp8
+tile holds 4x the bytes it streams a step, and the 16x smaller one lets more programs share an SM
+(H200, the 1B's head 95 -> 62 us, gate_up 12.9 -> 10.2; the fp8 draft's k = 4 round 7.85 -> 7.63
+ms). So the sums run in another order than the bf16 weights' (within an ulp of their result,
+tests/kernels/test_gemv.py).
 
 Rows 2-32 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
 weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
