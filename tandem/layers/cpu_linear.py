@@ -131,11 +131,17 @@ def linear_sites(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if isinstance(child, nn.Linear)]
 
 
+def runs_fp8_bytes(kind: str) -> bool:
+    """Whether prepare_linears(model, kind) turns linears marked `fp8_weights` into W8Linear (the
+    e4m3 bytes through the AVX2 build of cpu_gemm.c) rather than keeping their rounded weights."""
+    return kind in cpu_build.ISAS and cpu_build.load_error("avx2") is None
+
+
 def prepare_linears(model: nn.Module, kind: str) -> None:
     """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place; with
     our kernel, linears marked `fp8_weights` (tandem/layers/quant.py) become W8Linear."""
     if kind in cpu_build.ISAS:
-        fp8 = cpu_build.load_error("avx2") is None  # fp8 weights run the AVX2 build (cpu_gemm.c)
+        fp8 = runs_fp8_bytes(kind)
         for module, name, child in linear_sites(model):
             if fp8 and getattr(child, "fp8_weights", False):
                 setattr(module, name, W8Linear(child))

@@ -43,7 +43,8 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [N, K] -> (q [N, K] float8_e4m3fn, s [N] fp32 powers of two) with w ~ q * s[:, None]."""
     w = w.detach()
     # s >= the least normal fp32, so 1 / s is finite (an all-zero row gets q = 0)
-    amax = w.abs().amax(dim=1).float().clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
+    # (max and -min rather than abs: no [N, K] temporary, a quarter of the time on the CPU)
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float().clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
     s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     dtype = _exact_dtype(w)
     inv = s.reciprocal().to(dtype)  # exact for a power of two, and cheaper than a division
@@ -64,17 +65,22 @@ def fake_quantize_fp8_(w: Tensor) -> None:
         w[rows] = q[rows].to(dtype).mul_(s[rows, None])
 
 
-def quantize_linears_(model: nn.Module, method: str, lm_head: bool = True) -> None:
+def quantize_linears_(model: nn.Module, method: str, lm_head: bool = True, in_place: bool = True) -> None:
     """Fake-quantize every nn.Linear weight of model in place (lm_head=False: all but the LM head;
     a weight tied to the input embedding is quantized once, so the embedding sees the same values),
-    marking each rounded module `fp8_weights = True` (layers/gpu_linear.py and cpu_linear.py read it)."""
+    marking each rounded module `fp8_weights = True` (layers/gpu_linear.py and cpu_linear.py read it).
+    in_place=False: the modules are marked only (their weights rounded in place only where another
+    module shares them, as a tied embedding): each is about to become a W8Linear, which rounds its
+    weight to the fp8 bytes itself (both roundings, and widening the bytes back, took ~2/3 of the
+    real 1.5B's CPU load)."""
     assert method in QUANTIZATIONS
     seen = set()
     head = getattr(model, "lm_head", None)
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     for module in model.modules():
         if isinstance(module, nn.Linear) and (lm_head or module is not head):
             module.fp8_weights = True
-            if id(module.weight) not in seen:
+            if id(module.weight) not in seen and (in_place or id(module.weight) in shared):
                 seen.add(id(module.weight))
                 with torch.no_grad():
                     fake_quantize_fp8_(module.weight.data)

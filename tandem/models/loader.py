@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from tandem.config import ModelConfig
 from tandem.errors import ConfigError
 from tandem.kernels import cpu_build
-from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears
+from tandem.layers.cpu_linear import cpu_linear_kind, prepare_linears, runs_fp8_bytes
 from tandem.layers.gpu_linear import prepare_gpu_linears
 from tandem.layers.quant import quantize_linears_
 from tandem.models.decoder import CausalLM
@@ -88,8 +88,10 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.requires_grad_(False)
+    kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype) if device.type != "cuda" else None
     if cfg.quantization is not None:  # (before a head is pruned: a tied embedding keeps the rounded values)
-        quantize_linears_(model, cfg.quantization, lm_head=cfg.fp8_draft_layout)
+        quantize_linears_(model, cfg.quantization, lm_head=cfg.fp8_draft_layout,
+                          in_place=kind is None or not runs_fp8_bytes(kind))
     if head_ids is not None:
         assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
         rows = torch.tensor(head_ids, dtype=torch.int64, device=device)
@@ -98,7 +100,6 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     if device.type == "cuda":
         prepare_gpu_linears(model, cfg.dtype, keep_weights=cfg.fp8_draft_layout)
     else:
-        kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype)
         prepare_linears(model, kind)
         if kind in cpu_build.ISAS:
             use_cpu_kernels(model, kind)

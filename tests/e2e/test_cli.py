@@ -20,8 +20,8 @@ def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
 
     quantized = []
     quantize = loader.quantize_linears_
-    monkeypatch.setattr(loader, "quantize_linears_", lambda model, method, lm_head: quantized.append((method, lm_head))
-                        or quantize(model, method, lm_head))
+    monkeypatch.setattr(loader, "quantize_linears_", lambda model, method, lm_head, **kw:
+                        quantized.append((method, lm_head)) or quantize(model, method, lm_head, **kw))
     adaptive = "--adaptive" in flags
     make_hf_model(tmp_path / "t", "qwen2", seed=1)
     make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
