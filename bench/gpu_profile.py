@@ -6,7 +6,7 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
 (1) host time per engine phase, between one step's sync and the next (the GPU idles there);
 (2) device time per kernel family for eager decode steps (torch.profiler), against the
     captured graph's replay time (the difference is launch gaps inside the graph);
-    `--quantization fp8`: the same for the target in fp8;
+    `--quantization fp8`: the same for the target in fp8 (and in (6));
 (3) each linear layer shape at M = batch as a graph of repeated calls over rotating weights,
     as achieved bandwidth (what the matmul library gives us at this shape);
 (4) a speculative round (8B + 1B draft, k = 4, every draft accepted): step time against the
@@ -348,7 +348,7 @@ def verify_section(root: Path, args, results: dict) -> None:
     spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                 synthetic_acceptance_rates=[0.8] * k, draft_load_format="dummy")
     b = args.batch
-    llm = make_llm(tdir, spec, max(4, b), args.max_model_len)
+    llm = make_llm(tdir, spec, max(4, b), args.max_model_len, quantization=args.quantization)
     for variant in [None] + args.env_ab:
         label = variant or "as built"
         if variant:
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="--sections verify: also under these environment settings")
     p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="--sections target: the models' LLM(quantization=...) (the fp8 target)")
+                   help="--sections target, verify: the target's LLM(quantization=...) (the fp8 target)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment()}

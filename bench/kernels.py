@@ -411,8 +411,8 @@ W8_CONFIGS = [(64, 64, 128, 4, 4, True, 1), (64, 64, 128, 4, 4, True, 2), (64, 6
               (128, 128, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 1), (64, 128, 128, 4, 3, False, 1),
               (64, 64, 128, 8, 4, True, 2), (64, 64, 128, 8, 4, True, 4), (64, 128, 64, 8, 4, True, 1)]
 # and at <= 32 rows (the fp8 target's decode steps and batch-1 verifications), BLOCK_M = row_tile(m):
-# gemm_rows' fp8 tiles (BLOCK_N, BLOCK_K, warps, stages) with K split 1, 2 or 4 ways
-W8_FEW_TILES = [(32, 128, 4, 6), (64, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4), (128, 128, 4, 3)]
+# gemm_rows' fp8 tiles (BLOCK_N, BLOCK_K, warps, stages) with K split 1, 2, 4 or 8 ways
+W8_FEW_TILES = [(32, 128, 4, 6), (64, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4), (128, 128, 4, 3), (64, 128, 4, 6)]
 
 
 def w8a8(x, q, s):
@@ -449,7 +449,7 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
             return f"{(out.float() - ref).abs().max().item() / ref.abs().max().item():.1e}"
 
         if m <= MAX_ROWS:
-            configs = [W8Tile(row_tile(m), *t, True, s) for t in W8_FEW_TILES for s in (1, 2, 4)]
+            configs = [W8Tile(row_tile(m), *t, True, s) for t in W8_FEW_TILES for s in (1, 2, 4, 8)]
         else:  # (up to 128 rows, the few-row tiles over several row tiles too)
             configs = [W8Tile(*c) for c in W8_CONFIGS] + [W8Tile(bm, *t, True, s) for bm in (16, 32)
                                                           for t in W8_FEW_TILES[:3] for s in (2, 4) if m <= 128]
@@ -515,6 +515,36 @@ def sweep_rows_rope(m: int) -> list[list]:
         fused = _rotating(lambda w: gemm_rows_qkv_rope(x, w, None, heads, kv, pos, rot.cos, rot.sin, kc, vc, slots), ws)
         rows.append([name, f"{fused * 1e6:.1f}", f"{_rotating(lambda w: unfused(w, gemm_rows), ws) * 1e6:.1f}",
                      f"{_rotating(lambda w: unfused(w, F.linear), ws) * 1e6:.1f}"])
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_qkv_split(m: int) -> list[list]:
+    """gemm_rows_qkv_rope at M rows with K split 1, 2, 4, 8 ways (the last split of a program runs
+    the rotary epilogue), bf16 and fp8 weights (8B / 1B shapes, cold weights, us per call)."""
+    from tandem.kernels.gemm_rows import gemm_rows_qkv_rope, qkv_split_k
+    from tandem.layers.quant import quantize_fp8
+    from tandem.layers.rotary import RotaryEmbedding
+
+    rows = []
+    for name, n, k in [s for s in GEMV_SHAPES if s[0] in ("8b qkv", "1b qkv")]:
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+              for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        hd, heads, kv = (128 if name.startswith("8b") else 64), 32, 8
+        rot = RotaryEmbedding(hd, 4096, 500000.0, None, device=DEV)
+        pos = torch.arange(m, device=DEV) + 300
+        slots = torch.arange(m, device=DEV) + 300
+        kc = torch.zeros(64, 16, kv, hd, device=DEV, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        counts = torch.zeros(n // 32, dtype=torch.int32, device=DEV)
+        for label, weights in (("bf16", [(w, None) for w in ws]), ("fp8", [quantize_fp8(w) for w in ws])):
+            times = [_rotating(lambda ws_, sp=sp: gemm_rows_qkv_rope(x, ws_[0], None, heads, kv, pos, rot.cos, rot.sin,
+                                                                      kc, vc, slots, w_scale=ws_[1], split_k=sp,
+                                                                      counts=counts), weights)
+                     for sp in (1, 2, 4, 8)]
+            rows.append([name, label, qkv_split_k(k, label == "fp8")] + [f"{t * 1e6:.1f}" for t in times])
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -634,6 +664,9 @@ def main() -> None:
                      "best w8 second (BM, BN, BK, warps, stages, split) us", "best w8 first us", "best: of copy bw (fp8)",
                      "w8 rel err", "W8A8 rel err"], table,
                     title="fp8 e4m3 weights, M rows, cold weights (rotating), GPU time in CUDA graphs")
+        for m in [int(v) for v in args.w8.split(",") if int(v) <= 32]:
+            print_table(["layer", "weights", "default split", "split 1 us", "2", "4", "8"], sweep_qkv_split(m),
+                        title=f"qkv projection with the rotary (gemm_rows_qkv_rope) at M = {m}, K split")
         if args.json:
             Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table, tiles=raw), indent=2,
                                                   default=str))

@@ -26,7 +26,13 @@ cap, in the same run): the 8B's decode step 5.13 -> 4.95 ms, a k = 4 round with 
 
 gemm_rows_qkv_rope is the packed q | k | v projection with the rotary embedding and the paged KV
 store in its epilogue (a program owns 16 rotary pairs (d, d + D/2) of one head: a 32-row tile),
-replacing the rotary kernel's launch, with the rotary kernel's bits.
+replacing the rotary kernel's launch, with the rotary kernel's bits. Its programs are few (the
+8B's 192 on 132 SMs), so with fp8 weights K is split too (qkv_split_k): each split stores its fp32
+partial sums and raises its program's count (an atomic, after a barrier); the last to arrive adds
+every split's sums in split order (the same bits whichever is last), runs the epilogue and zeroes
+the count (_split_total; H200, 5 rows: the 8B 16.4 -> 14.3 us). gemm_w8 keeps a second kernel for
+its splits: the last split adding them was no faster there (within 0.7 us either way across two runs,
+and 1.7-5.8 us slower on the 8B's down).
 
 fp8 e4m3 weights (w_scale, the fp8 draft): the product is computed the other way round,
 x @ w^T with the weight tile as the dot's second operand, loaded K-major and widened to the
@@ -38,8 +44,8 @@ few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
 gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of 2 rows and more
 (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not depend on
-the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in four (the 8B's
-down at 5 rows 26.9 against 41.4 us unsplit at gemm_rows' tile, H200). Its tile (W8Tile) also says
+the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in up to eight (the 8B's
+down at 5 rows 26.1 against 41.2 us unsplit at gemm_rows' tile, H200). Its tile (W8Tile) also says
 where the e4m3 tile sits in the dot (second, as above, or first: past ~160 rows the wgmma form won,
 H200 sweep in docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then
 added in order and finished by _split_sum_kernel: deterministic, the same bits for every row count
@@ -135,6 +141,23 @@ def _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows_ok, K, stride_xm, stride_wn,
         acc = _dot(x, w.to(x.dtype), acc, SOFT_BF16)
         w_ptrs += BLOCK_K
     return tl.trans(acc)
+
+
+@triton.jit
+def _split_total(acc, p_ptrs, p_ok, count_ptr, tile, split, split_stride, SPLIT_K: tl.constexpr):
+    """Split-K: store this split's fp32 partial sums acc at p_ptrs and count it done for its output
+    tile. -> (whether this program is the tile's last split to arrive, and then the sum of every
+    split's partials, added in split order: the same bits whichever arrives last). count_ptr + tile
+    is back to zero after the last."""
+    tl.store(p_ptrs, acc, mask=p_ok)
+    tl.debug_barrier()  # (every thread's partial stored before the count is raised)
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(p_ptrs + (s - split) * split_stride, mask=p_ok, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+    return last, acc
 
 
 @triton.jit
@@ -277,8 +300,11 @@ def _rows_qkv_rope_kernel(
     k_cache_ptr,  # [num_slots, NUM_KV, HEAD_DIM] contiguous
     v_cache_ptr,
     ws_ptr,  # [(NUM_Q + 2 NUM_KV) * HEAD_DIM] fp32 per-row weight scales (W_SCALE only: w is fp8)
+    part_ptr,  # [SPLIT_K, M, (NUM_Q + 2 NUM_KV) * HEAD_DIM] fp32 partial sums (SPLIT_K > 1 only)
+    count_ptr,  # [programs] int32, zero between calls (SPLIT_K > 1 only)
     M,
     K,
+    k_per_split,  # columns of K a split owns (a multiple of BLOCK_K)
     stride_xm,
     stride_wn,
     stride_cos,
@@ -289,6 +315,7 @@ def _rows_qkv_rope_kernel(
     HAS_BIAS: tl.constexpr,
     W_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K (grid axis 1); the last of a tile's to finish runs the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
@@ -299,6 +326,11 @@ def _rows_qkv_rope_kernel(
     """A q or k program owns 16 rotary pairs of one head: weight rows d .. d + 15 (x1) and
     d + D/2 .. d + D/2 + 15 (x2); a v program owns 32 rows of v (rows1, then rows2)."""
     pid = tl.program_id(0)
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
     wait_only(PDL_WAIT)
     dtype = out_ptr.dtype.element_ty
     PAIRS: tl.constexpr = 16
@@ -314,7 +346,6 @@ def _rows_qkv_rope_kernel(
     rows2 = tl.where(rope, rows1 + HALF, rows1 + PAIRS)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     # One [2 * PAIRS, BLOCK_K] weight tile a step: rows1 then rows2 (one dot, as a 32-row tile of
     # _rows_kernel; two 16-row dots ran at 1.5x its time).
     offs_r = tl.arange(0, 2 * PAIRS)
@@ -322,11 +353,12 @@ def _rows_qkv_rope_kernel(
                     V0 + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs_r)
     if W_SCALE:
         acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows >= 0, K, stride_xm, stride_wn, EVEN_K, BLOCK_M,
-                       2 * PAIRS, BLOCK_K, SOFT_BF16)
+                       2 * PAIRS, BLOCK_K, SOFT_BF16, k_lo, k_hi)
     else:
-        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k_lo + offs_k[None, :]
         acc = tl.zeros([2 * PAIRS, BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             x = tl.trans(_x_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K))
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -335,6 +367,11 @@ def _rows_qkv_rope_kernel(
             acc = _dot(w, x, acc, SOFT_BF16)
             w_ptrs += BLOCK_K
     release_next(PDL)
+    if SPLIT_K > 1:
+        n = (NUM_Q + 2 * NUM_KV) * HEAD_DIM
+        p_ptrs = part_ptr + (tl.program_id(1).to(tl.int64) * M + offs_m[None, :]) * n + rows[:, None]
+        last, acc = _split_total(acc, p_ptrs, m_ok[None, :], count_ptr, pid, tl.program_id(1), M * n, SPLIT_K)
+        m_ok = m_ok & last  # (the other splits store nothing more)
     if W_SCALE:
         acc = acc * tl.load(ws_ptr + rows)[:, None]
     if HAS_BIAS:
@@ -449,16 +486,20 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/kernels.py
     --w8, 8B and Qwen 1.5B shapes, docs/benchmarks.md).
     Up to MAX_ROWS: a 64 x 128 tile of the weight (the dot's second operand, rows padded to
-    row_tile(m)) and K split 4 ways (fewer below 4096 columns): within 1.1x of the best of 15 tiles
-    at 5, 8 and 32 rows for every layer but the 1.5B's down (1.2x), and 0.55-0.87x gemm_rows'
-    bf16-tuned tile's time on the 8B's layers (down at 5 rows 26.9 against 41.4 us). The tile
-    does not depend on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
+    row_tile(m)), K split in pieces of at least 512 columns, at most 8 (at most 4 of 1024 for 16384
+    rows and more: the gate | up projections, whose 448 column tiles fill the chip): within 1.1x of
+    the best of 42 tiles at 5 rows on the 8B's layers (qkv 14.3, o 11.5, gate_up 44.5, down 26.1 us;
+    4 splits everywhere 14.4 / 11.5 / 44.5 / 26.9 in that run; the 1.5B's down 12.1 against 14.7), and
+    0.55-0.87x gemm_rows' bf16-tuned tile's time. The tile does not depend on m (BLOCK_M aside), so a
+    row's bits do not either, from 1 to MAX_ROWS rows.
     More rows (--w8 40,64,160,512,2048): each pick within 1.3x of the best unsplit tile there, and
     most within 1.1x; up to 256 rows K is split until about two programs an SM are launched (at
     most 4 splits of at least 1024 columns each): a rule not yet swept (the engine's 40-row
     verification of the 8B: 1.15 decode steps with it, H200)."""
     if m <= MAX_ROWS:
-        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))
+        if n >= 16384 or _old_splits():
+            return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))
+        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(8, k // 512)))
     if m <= 64:
         tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
     elif m <= 256:
@@ -523,17 +564,37 @@ def rope_fusable(head_dim: int) -> bool:
     return head_dim % 32 == 0
 
 
+def _old_splits() -> bool:
+    """TANDEM_W8_SPLIT=old: the few-row fp8 splits of before (gemm_w8's K split at most 4 ways, the
+    qkv-with-rotary unsplit), an A/B switch; unset: the current ones."""
+    raw = os.environ.get("TANDEM_W8_SPLIT", "")
+    if raw not in ("", "old"):
+        raise ValueError(f"TANDEM_W8_SPLIT={raw!r}: expected old (the earlier few-row splits) or unset")
+    return raw == "old"
+
+
+def qkv_split_k(k: int, fp8: bool) -> int:
+    """gemm_rows_qkv_rope's split of K: fp8 weights 8192 / K ways (at most 4): its (H + 2 Hkv) D / 32
+    programs of 32 weight rows are too few for the chip (the 8B's 192 on 132 SMs; H200, 5 rows,
+    bench/kernels.py --w8 5: 8B 16.4 -> 14.3 us at 2 splits, 1B 8.4 -> 6.8 at 4); model-dtype weights
+    1 (the 8B's 15.9 us unsplit, 16.3 at 2)."""
+    return max(1, min(4, 8192 // k)) if fp8 and not _old_splits() else 1
+
+
 def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                        positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                        slot_mapping: Tensor, config: tuple[int, int, int] | None = None,
-                       w_scale: Tensor | None = None) -> Tensor:
+                       w_scale: Tensor | None = None, split_k: int | None = None,
+                       counts: Tensor | None = None) -> Tensor:
     """A few rows' packed q | k | v projection (gemm_rows(x, weight, bias)) with q and k
     rotated as kernels.fused.rotary_embedding rotates them and each row's k and v written into
     the paged cache at slot_mapping[m] (-1: not written). -> [M, (H + 2 Hkv) D] contiguous.
 
     positions, slot_mapping [M] int32 / int64; cos, sin [max_pos, D] fp32; k_cache, v_cache
     [num_blocks, block_size, Hkv, D] contiguous, x's dtype or float8 e4m3 (saturated); D % 32 == 0.
-    config: (BLOCK_K, num_warps, num_stages)."""
+    config: (BLOCK_K, num_warps, num_stages). split_k: programs along K (default qkv_split_k), the
+    last of a program's splits to arrive running the epilogue; counts: int32 zeros, N / 32 of them
+    or more (left zero; allocated here when None)."""
     n, k = weight.shape
     m = x.shape[0]
     head_dim = k_cache.shape[-1]
@@ -548,13 +609,22 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
         assert bias.shape == (n,) and bias.is_contiguous()
     block_k, num_warps, num_stages = config or rows_config(n, k)[1:]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = ((num_heads + num_kv_heads) * (head_dim // 32) + num_kv_heads * head_dim // 32,)
-    _rows_qkv_rope_kernel[grid](
+    programs = (num_heads + num_kv_heads) * (head_dim // 32) + num_kv_heads * head_dim // 32
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k or qkv_split_k(k, w_scale is not None)), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    part = out
+    if splits > 1:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        if counts is None:
+            counts = torch.zeros(programs, dtype=torch.int32, device=x.device)
+        assert counts.dtype == torch.int32 and counts.numel() >= programs
+    _rows_qkv_rope_kernel[(programs, splits)](
         x, weight, bias if bias is not None else weight, out, cos, sin, positions, slot_mapping,
-        k_cache, v_cache, w_scale if w_scale is not None else out, m, k, x.stride(0), weight.stride(0), cos.stride(0),
+        k_cache, v_cache, w_scale if w_scale is not None else out, part, counts if splits > 1 else part,
+        m, k, k_per_split, x.stride(0), weight.stride(0), cos.stride(0),
         sin.stride(0), NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
         W_SCALE=w_scale is not None,
-        EVEN_K=k % block_k == 0, BLOCK_M=row_tile(m), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=k % block_k == 0, SPLIT_K=splits, BLOCK_M=row_tile(m), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         **_numerics(x),
         **_launch_flags(x),
     )

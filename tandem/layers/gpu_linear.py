@@ -11,7 +11,7 @@ K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilo
 `forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
 with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
 A layer in fp8 alone (the target's `quantization="fp8"`, which keeps no model-dtype weight) sends
-2 rows and more to gemm_w8 (gemm_rows' kernel over a grid of row tiles, K split in up to four;
+2 rows and more to gemm_w8 (gemm_rows' kernel over a grid of row tiles, K split in up to eight;
 the few-row qkv projection with its rotary still to gemm_rows_qkv_rope): weight-only
 everywhere, as one row, so a row's result does not hang on how many rows share its step. (At 2-32
 rows gemm_w8's split tile took the 8B's batch-8 decode step from 5.32 to 4.10 ms and a batch-1
@@ -111,6 +111,9 @@ class GemvLinear(nn.Module):
             from tandem.layers.quant import quantize_fp8
 
             self.w8, self.w_scale = quantize_fp8(self.weight)
+            # gemm_rows_qkv_rope's split counts, one a program (zero between calls)
+            self.register_buffer("counts", torch.zeros(-(-self.out_features // 32), dtype=torch.int32,
+                                                       device=self.w8.device), persistent=False)
             if not keep_weight:
                 self.weight = None
 
@@ -231,7 +234,8 @@ class GemvLinear(nn.Module):
             # no faster (1B, 6 rows, H200: 8.7 against 7.7 us; the catch-up round 7.51 against 7.50 ms).
             if self.fp8_only:
                 return gemm_rows_qkv_rope(x, self.w8, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
-                                          rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale)
+                                          rotary.sin, k_cache, v_cache, slot_mapping, w_scale=self.w_scale,
+                                          counts=self.counts)
             return gemm_rows_qkv_rope(x, self.weight, self.bias, num_heads, num_kv_heads, positions,
                                       rotary.cos, rotary.sin, k_cache, v_cache, slot_mapping)
         from tandem.kernels.gemv import gemv_qkv_rope

@@ -20,8 +20,8 @@ if INTERPRET:  # must precede the first `import triton`
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.gemm_rows import (_rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8, rows_config,  # noqa: E402
-                                      w8_config)
+from tandem.kernels.gemm_rows import (W8Tile, _rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8,  # noqa: E402
+                                      row_tile, rows_config, w8_config)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_gemv import _near, assert_near_exact, assert_rope_store_matches  # noqa: E402
 
@@ -238,7 +238,7 @@ def test_gemm_w8_gpu(n, k, m, dtype, w8_second):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [5, 40, 64, 200])
 @pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (1000, 700)])
-@pytest.mark.parametrize("w8_second,split_k", [(True, 2), (True, 4), (False, 3)])
+@pytest.mark.parametrize("w8_second,split_k", [(True, 2), (True, 4), (False, 3), (True, 8)])
 def test_gemm_w8_split_k_gpu(n, k, m, w8_second, split_k):
     """Split-K: each split's fp32 partial sums stored, added in order by _split_sum_kernel."""
     check_w8(n, k, m, torch.bfloat16, "cuda", config=w8_config(m, n, k)._replace(w8_second=w8_second, split_k=split_k),
@@ -251,6 +251,50 @@ def test_gemm_w8_split_k_gpu(n, k, m, w8_second, split_k):
 @pytest.mark.parametrize("w8_second,split_k", [(True, 1), (False, 1), (True, 3), (False, 2)])
 def test_gemm_w8_interpreter(n, k, m, dtype, w8_second, split_k):
     check_w8(n, k, m, dtype, "cpu", config=(16, 16, 32, 4, 2, w8_second, split_k), bias=n != 33)
+
+
+def check_qkv_rope_split(heads: int, kv_heads: int, head_dim: int, k: int, m: int, split_k: int, device: str,
+                         bias: bool, config=None) -> None:
+    """gemm_rows_qkv_rope on fp8 weights with K split (the last split of a program to arrive runs
+    the epilogue) == gemm_w8 at the same 32-row tile and split, then the rotary kernel and its KV
+    store (bits); the counts back to zero."""
+    from tandem.layers.quant import quantize_fp8
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(heads * 7 + k + m + split_k)
+    n = (heads + 2 * kv_heads) * head_dim
+    q, s = quantize_fp8((torch.randn(n, k, generator=g) * 0.05).to(device))
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(n, generator=g).to(device, torch.bfloat16) if bias else None
+    rot = RotaryEmbedding(head_dim, 512, 500000.0, None, device=device)
+    pos = torch.arange(m, device=device) + 17
+    slots = torch.arange(m, device=device) * 3
+    k_cache = torch.full((max(8, 3 * m // 4 + 1), 4, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16,
+                         device=device)
+    v_cache = k_cache.clone()
+    counts = torch.zeros(n // 32, dtype=torch.int32, device=device)
+    block_k, warps, stages = config or rows_config(n, k)[1:]
+    out = gemm_rows_qkv_rope(x, q, b, heads, kv_heads, pos, rot.cos, rot.sin, k_cache, v_cache, slots,
+                             config=(block_k, warps, stages), w_scale=s, split_k=split_k, counts=counts)
+    ref = gemm_w8(x, q, s, b, config=W8Tile(row_tile(m), 32, block_k, warps, stages, True, split_k))
+    assert_rope_store_matches(out, ref, k_cache, v_cache, pos, rot, slots, heads, kv_heads)
+    assert not counts.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,bias", [(32, 8, 128, 4096, False), (32, 8, 64, 2048, False),
+                                                           (12, 2, 128, 1536, True)])
+@pytest.mark.parametrize("m", [2, 5, 32])
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+def test_gemm_rows_qkv_rope_split_k_gpu(heads, kv_heads, head_dim, k, bias, m, split_k):
+    check_qkv_rope_split(heads, kv_heads, head_dim, k, m, split_k, "cuda", bias)
+
+
+@interpret_mark(_rows_kernel)
+@pytest.mark.parametrize("split_k,bias", [(2, False), (3, True)])
+def test_gemm_rows_qkv_rope_split_k_interpreter(split_k, bias):
+    check_qkv_rope_split(4, 2, 32, 96, 5, split_k, "cpu", bias, config=SMALL[1:])
 
 
 @pytest.mark.gpu
