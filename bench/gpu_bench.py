@@ -129,11 +129,14 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8,
     from tandem import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=temperature, max_tokens=warmup + steps * 10 + 64, ignore_eos=True, seed=0)
+    # Seeds 0, 1, ...: reproducible, and each request its own draws (one seed for all had every request of a
+    # batch accept and reject at the same rounds under synthetic acceptance: a batch of 8 was one sample).
+    params = [SamplingParams(temperature=temperature, max_tokens=warmup + steps * 10 + 64, ignore_eos=True, seed=i)
+              for i in range(batch)]
     g = torch.Generator().manual_seed(batch)
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(10, 30000, (prompt_len,), generator=g).tolist(), params)
+    for rid, p in zip(ids, params):
+        engine.add_request(rid, torch.randint(10, 30000, (prompt_len,), generator=g).tolist(), p)
     produced = {rid: 0 for rid in ids}
 
     def step() -> int:
