@@ -624,7 +624,8 @@ def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads
         m, k, k_per_split, x.stride(0), weight.stride(0), cos.stride(0),
         sin.stride(0), NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
         W_SCALE=w_scale is not None,
-        EVEN_K=k % block_k == 0, SPLIT_K=splits, BLOCK_M=row_tile(m), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=k % block_k == 0, SPLIT_K=splits, BLOCK_M=row_tile(m), BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
         **_numerics(x),
         **_launch_flags(x),
     )

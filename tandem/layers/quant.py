@@ -44,7 +44,8 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     w = w.detach()
     # s >= the least normal fp32, so 1 / s is finite (an all-zero row gets q = 0)
     # (max and -min rather than abs: no [N, K] temporary, a quarter of the time on the CPU)
-    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float().clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float()
+    amax = amax.clamp(min=FP8_MAX * torch.finfo(torch.float32).tiny)
     s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     dtype = _exact_dtype(w)
     inv = s.reciprocal().to(dtype)  # exact for a power of two, and cheaper than a division
