@@ -132,7 +132,7 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     elif k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
         # An fp8 cache's tiles widen to fp16 in one conversion (to bf16 it takes three, and they
-        # bound the loop: bench/kernels.py --fp8-attn), so the dots run in fp16: q's values in
+        # bound the loop: bench/gpu_kernels.py --fp8-attn), so the dots run in fp16: q's values in
         # fp16 (more mantissa than bf16; attention queries stay far inside its range), fp32 sums.
         q = q.to(tl.float16)
     q_pos = ctx + qi
@@ -336,13 +336,13 @@ def paged_attention(
             and q.element_size() == 2 and _max_shared_memory(q.device) >= 200 << 10):
         # Decode / verify over an fp8 cache with 2-4 splits (B = 8-16 at D = 128): its loop is bound
         # by widening the tiles, not by their bytes, and a deeper pipeline (6 x 32 KB of K and V
-        # tiles) keeps the loads ahead of it (H200, bench/kernels.py --fp8-attn, ctx 4096: B=16
+        # tiles) keeps the loads ahead of it (H200, bench/gpu_kernels.py --fp8-attn, ctx 4096: B=16
         # 72.3 -> 60.6 us). More splits (B=1) keep the rule below; none (B=64), the built-in tile.
         # (6 stages take ~192 KB of shared memory: Hopper's 227 KB a block, not Ada's 99.)
         num_stages = 6
     elif tile_override is None and num_splits > 1 and block_m <= 64 and q.element_size() == 2 and block_d <= 128:
         # Small decode / verify batches (split-K on): no software pipelining, whose prologue costs
-        # more than it hides over a split's few key tiles (H200, bench/kernels.py --short-attn and
+        # more than it hides over a split's few key tiles (H200, bench/gpu_kernels.py --short-attn and
         # --sweep: 10.1 -> 8.4 us at 150 keys, 26.4 -> 23.7 at 4096, B=8 50.4 -> 49.9; without
         # splits, B=32 / 64 at 4096 keys lose 7-8% with it, so they keep the pipeline).
         num_stages = 1

@@ -10,7 +10,7 @@ at these sizes): each output element is summed in one order, the same for every 
 
 17-32 rows are a decode step of 17-32 requests (the target's, and each of the draft's loop
 steps) or a small batch's verification. There the products alone run about as fast as cuBLAS
-(H200, `bench/kernels.py --rows 32`, cold weights, us, gemm_rows / cuBLAS: 8B o 12.8 / 13.5,
+(H200, `bench/gpu_kernels.py --rows 32`, cold weights, us, gemm_rows / cuBLAS: 8B o 12.8 / 13.5,
 gate_up 57.9 / 57.6, LM head 244.5 / 270.4; 1B gate_up 18.1 / 18.6, head 127.1 / 131.1), and the
 epilogues save the launches after them (the qkv projection with the rotary and KV store inside:
 8B 18.8 against 19.5 us for cuBLAS and the rotary kernel, 1B 7.8 against 9.3); long-K layers
@@ -70,7 +70,7 @@ a program's weight tile holds the gate rows and the up rows of the same output c
 can multiply them itself. At batch 1, k = 4 (H200, bench/gpu_bench.py --sections synthetic): the
 verification graph 4.55 -> 4.49 ms, the draft's catch-up 1.08 -> 1.05, the round 8.25 -> 8.17.
 
-Tried and not kept (H200, bench/kernels.py --rows 5): the one-row GEMV's prologue fusions. An
+Tried and not kept (H200, bench/gpu_kernels.py --rows 5): the one-row GEMV's prologue fusions. An
 RMSNorm of the input inside (8B qkv 21.9 us against 16.8 for rms_norm then the GEMM) and
 SiLU-and-mul of the input inside the down projection (113 us against 16.5) cost more than the
 launch they save: every program redoes them on a 16-row tile, and with arithmetic between the
@@ -416,7 +416,7 @@ def _launch_flags(x: Tensor) -> dict:
 
 def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     """-> (BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight, from the H200 sweep
-    (bench/kernels.py --rows 5,2, cold weights, us per call against cuBLAS in docs/benchmarks.md):
+    (bench/gpu_kernels.py --rows 5,2, cold weights, us per call against cuBLAS in docs/benchmarks.md):
     64 x 128 with 4 stages for wide weights (gate_up, LM heads); 16 x 512 with 3 stages for <= 2048
     rows (the 1B's o and down, which the engine leaves to cuBLAS: still 5-20% slower); 32 x 128
     with 6 stages between (qkv, the 8B's o and down)."""
@@ -483,7 +483,7 @@ class W8Tile(NamedTuple):
 
 
 def w8_config(m: int, n: int, k: int) -> W8Tile:
-    """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/kernels.py
+    """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/gpu_kernels.py
     --w8, 8B and Qwen 1.5B shapes, docs/benchmarks.md).
     Up to MAX_ROWS: a 64 x 128 tile of the weight (the dot's second operand, rows padded to
     row_tile(m)), K split in pieces of at least 512 columns, at most 8 (at most 4 of 1024 for 16384
@@ -576,7 +576,7 @@ def _old_splits() -> bool:
 def qkv_split_k(k: int, fp8: bool) -> int:
     """gemm_rows_qkv_rope's split of K: fp8 weights 8192 / K ways (at most 4): its (H + 2 Hkv) D / 32
     programs of 32 weight rows are too few for the chip (the 8B's 192 on 132 SMs; H200, 5 rows,
-    bench/kernels.py --w8 5: 8B 16.4 -> 14.3 us at 2 splits, 1B 8.4 -> 6.8 at 4); model-dtype weights
+    bench/gpu_kernels.py --w8 5: 8B 16.4 -> 14.3 us at 2 splits, 1B 8.4 -> 6.8 at 4); model-dtype weights
     1 (the 8B's 15.9 us unsplit, 16.3 at 2)."""
     return max(1, min(4, 8192 // k)) if fp8 and not _old_splits() else 1
 

@@ -21,12 +21,12 @@ and each small launch costs ~2-3 us of a ~4.3 ms 8B step):
   the epilogue rotates q and k with the rotary kernel's bits and stores k and v in the paged
   cache, replacing the rotary launch.
 Every program re-reads and re-normalizes the whole input row, so the norm pays only where
-programs are few: H200, cold weights (bench/kernels.py --gemv-fused), 8B qkv 15.0 us against
+programs are few: H200, cold weights (bench/gpu_kernels.py --gemv-fused), 8B qkv 15.0 us against
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
 (62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
 With fp8 weights, act="silu_mul" costs more than its launch (a program of 4-16 one-byte rows
 redoes SiLU over its whole input: the 8B's down 21.2-37.0 us fused against 17.6 apart, H200,
-bench/kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
+bench/gpu_kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
 
 Weights may be fp8 e4m3 with one fp32 scale per row (w_scale; tandem/layers/quant.py, the fp8 draft
 and the fp8 target): the tile is widened to fp32 in registers and each row's sum multiplied by its
@@ -38,7 +38,7 @@ ms). So the sums run in another order than the bf16 weights' (within an ulp of t
 tests/kernels/test_gemv.py).
 
 Rows 2-32 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
-weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/kernels.py at 2026-11-30) and
+weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/gpu_kernels.py at 2026-11-30) and
 was not kept.
 
 The wrapper takes its sizes from tensor shapes only (no device-to-host reads), so a launch can
@@ -292,13 +292,13 @@ def _gemv_qkv_rope_kernel(
 
 def gemv_config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     """-> (BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight (fp8: e4m3 weights), from the H200 sweep
-    (bench/kernels.py --gemv, cold weights, us against cuBLAS in docs/benchmarks.md): 8 x 512 for
+    (bench/gpu_kernels.py --gemv, cold weights, us against cuBLAS in docs/benchmarks.md): 8 x 512 for
     4096-8192 rows (Llama-3 8B's qkv / o / down); 4 x 1024 where K is a multiple of 1024 (every
     Llama-3.2 1B shape, the 8B's gate_up and head); 8 x 512 where K is a multiple of 512 only
     (Qwen2.5 1.5B, K = 1536: 4 x 1024 would waste half of every second step); else 4 x 2048 with
     8 warps and a masked last step (Qwen2.5 1.5B's down_proj, K = 8960). BLOCK_N stays <= 8 so
     a short N still gives hundreds of programs."""
-    if fp8:  # e4m3 weights, summed 16 a thread a step (SUB; bench/kernels.py --gemv-fp8, H200)
+    if fp8:  # e4m3 weights, summed 16 a thread a step (SUB; bench/gpu_kernels.py --gemv-fp8, H200)
         if n >= 16384:
             return 16, 512, 4  # the 1B's gate_up and head: 10.2 / 61.7 us against 12.9 / 95.2 unsummed at 8 x 1024
         if k >= 8192:  # the down projections: 8B 15.9 us against 18.0 at 4 x 4096, 1B 6.4 against 7.6

@@ -4,7 +4,7 @@ GEMM, everything else through cuBLAS.
 A batch-1 decode step (the target's, or each of the draft's k - 1 loop steps) multiplies one
 row by every weight matrix: pure weight streaming. cuBLAS reaches 32-60% of the copy bandwidth
 on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/gemv.py reaches
-48-104% on the same shapes (bench/kernels.py --gemv, H200). 2-16 rows (a batch-1 verification
+48-104% on the same shapes (bench/gpu_kernels.py --gemv, H200). 2-16 rows (a batch-1 verification
 of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs go to
 tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotating and storing
 K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilogue:
@@ -249,7 +249,7 @@ class GemvLinear(nn.Module):
         place, for a one-row x (`one_row(residual)`), in one GEMV launch; fp8 weights take the
         activation from the silu_and_mul kernel first (the same bits): with one byte a weight, the
         GEMV's programs redoing SiLU over their input cost more than the launch (H200,
-        bench/kernels.py --gemv-fp8-fused: the 8B's down 17.6 us apart against 21.2-37.0 fused)."""
+        bench/gpu_kernels.py --gemv-fp8-fused: the 8B's down 17.6 us apart against 21.2-37.0 fused)."""
         from tandem.kernels.gemv import gemv_add_
 
         if act == "silu_mul" and self.w8 is not None:

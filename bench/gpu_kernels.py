@@ -1,7 +1,7 @@
 """Micro-benchmark of the Triton kernels (tandem/kernels/) against their torch counterparts.
 
-    python bench/kernels.py                 # needs CUDA and Triton; prints one table
-    python bench/kernels.py --json out.json
+    python bench/gpu_kernels.py                 # needs CUDA and Triton; prints one table
+    python bench/gpu_kernels.py --json out.json
 
 Main times are GPU times: 10 calls replayed in a CUDA graph (as the engine runs them), the L2
 flushed by a 256 MB memset before every call and the memsets' own time (a graph of memsets
@@ -486,6 +486,22 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
     return rows, raw
 
 
+def _qkv_case(name: str, n: int, k: int, m: int):
+    """A qkv projection's benchmark inputs (8B / 1B heads): rotating weights (~3 GB), m rows,
+    (head_dim, heads, kv heads), the rotary tables, positions, slots, and the K / V caches."""
+    from tandem.layers.rotary import RotaryEmbedding
+
+    ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+          for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    hd, heads, kv = (128 if name.startswith("8b") else 64), 32, 8
+    rot = RotaryEmbedding(hd, 4096, 500000.0, None, device=DEV)
+    pos = torch.arange(m, device=DEV) + 300
+    slots = torch.arange(m, device=DEV) + 300
+    kc = torch.zeros(64, 16, kv, hd, device=DEV, dtype=torch.bfloat16)
+    return ws, x, (hd, heads, kv), rot, pos, slots, kc, torch.zeros_like(kc)
+
+
 def sweep_rows_rope(m: int) -> list[list]:
     """The qkv projection at M rows with the rotary embedding and KV store inside
     (gemm_rows_qkv_rope) against gemm_rows + rotary_embedding(store=...) and cuBLAS + the same
@@ -494,18 +510,10 @@ def sweep_rows_rope(m: int) -> list[list]:
 
     from tandem.kernels.fused import rotary_embedding
     from tandem.kernels.gemm_rows import gemm_rows, gemm_rows_qkv_rope
-    from tandem.layers.rotary import RotaryEmbedding
 
     rows = []
     for name, n, k in [s for s in GEMV_SHAPES if s[0] in ("8b qkv", "1b qkv")]:
-        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        hd, heads, kv = (128 if name.startswith("8b") else 64), 32, 8
-        rot = RotaryEmbedding(hd, 4096, 500000.0, None, device=DEV)
-        pos = torch.arange(m, device=DEV) + 300
-        slots = torch.arange(m, device=DEV) + 300
-        kc = torch.zeros(64, 16, kv, hd, device=DEV, dtype=torch.bfloat16)
-        vc = torch.zeros_like(kc)
+        ws, x, (hd, heads, kv), rot, pos, slots, kc, vc = _qkv_case(name, n, k, m)
 
         def unfused(w, linear):
             q, kk, v = linear(x, w).split([heads * hd, kv * hd, kv * hd], dim=-1)
@@ -525,19 +533,10 @@ def sweep_qkv_split(m: int) -> list[list]:
     the rotary epilogue), bf16 and fp8 weights (8B / 1B shapes, cold weights, us per call)."""
     from tandem.kernels.gemm_rows import gemm_rows_qkv_rope, qkv_split_k
     from tandem.layers.quant import quantize_fp8
-    from tandem.layers.rotary import RotaryEmbedding
 
     rows = []
     for name, n, k in [s for s in GEMV_SHAPES if s[0] in ("8b qkv", "1b qkv")]:
-        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-              for _ in range(max(4, min(64, (3 << 30) // (2 * n * k))))]
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        hd, heads, kv = (128 if name.startswith("8b") else 64), 32, 8
-        rot = RotaryEmbedding(hd, 4096, 500000.0, None, device=DEV)
-        pos = torch.arange(m, device=DEV) + 300
-        slots = torch.arange(m, device=DEV) + 300
-        kc = torch.zeros(64, 16, kv, hd, device=DEV, dtype=torch.bfloat16)
-        vc = torch.zeros_like(kc)
+        ws, x, (hd, heads, kv), rot, pos, slots, kc, vc = _qkv_case(name, n, k, m)
         counts = torch.zeros(n // 32, dtype=torch.int32, device=DEV)
         for label, weights in (("bf16", [(w, None) for w in ws]), ("fp8", [quantize_fp8(w) for w in ws])):
             times = [_rotating(lambda ws_, sp=sp: gemm_rows_qkv_rope(x, ws_[0], None, heads, kv, pos, rot.cos, rot.sin,
