@@ -91,7 +91,7 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     kind = cpu_linear_kind(cfg.cpu_matmul, device, cfg.dtype) if device.type != "cuda" else None
     if cfg.quantization is not None:  # (before a head is pruned: a tied embedding keeps the rounded values)
         quantize_linears_(model, cfg.quantization, lm_head=cfg.fp8_draft_layout,
-                          in_place=kind is None or not runs_fp8_bytes(kind))
+                          in_place=kind is None or not runs_fp8_bytes(kind), tp=tp)
     if head_ids is not None:
         assert tp is None, "a pruned head is not sharded (SpeculatorFactory refuses it)"
         rows = torch.tensor(head_ids, dtype=torch.int64, device=device)

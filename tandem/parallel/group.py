@@ -68,6 +68,14 @@ class TPGroup:
         self._pg.allreduce([t]).wait()
         return t
 
+    def all_reduce_max_(self, t: Tensor) -> Tensor:
+        """The elementwise largest of t over the ranks, in place; -> t."""
+        host = t.cpu() if self._staged else t
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._pg.allreduce([host], options).wait()
+        return t.copy_(host) if self._staged else t
+
     def _all_gather(self, t: Tensor) -> list[Tensor]:
         src = t.cpu() if self._staged else t.contiguous()
         parts = [torch.empty_like(src) for _ in range(self.size)]

@@ -27,7 +27,8 @@ def _rank(rank: int, port: int, queue) -> None:
     part = full[:, rank * rows : (rank + 1) * rows]
     local[:, : part.shape[1]] = part  # the last shard's padding row is zero: above row 3's -5
     queue.put((rank, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),  # rank 0's order
-               group.all_reduce_(torch.full((3,), float(rank + 1))), group.min_int(7 - rank)))
+               group.all_reduce_(torch.full((3,), float(rank + 1))), group.min_int(7 - rank),
+               group.all_reduce_max_(torch.tensor([1.0, -2.0]) * (rank + 1))))
     group.close()
 
 
@@ -41,14 +42,75 @@ def test_collectives_match_one_process():
     full = _logits()
     local = full[:, :501].clone()
     got = [(0, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),
-            group.all_reduce_(torch.full((3,), 1.0)), group.min_int(7))]
+            group.all_reduce_(torch.full((3,), 1.0)), group.min_int(7), group.all_reduce_max_(torch.tensor([1.0, -2.0])))]
     got.append(queue.get(timeout=60))
     other.join(timeout=60)
-    for rank, top, gathered, summed, smallest in got:
+    for rank, top, gathered, summed, smallest, largest in got:
+        assert largest.tolist() == [2.0, -2.0], rank
         assert torch.equal(top, full.argmax(dim=-1)), rank
         assert top.tolist()[1:5] == [10, 600, 0, 1000]
         assert torch.equal(gathered, full), rank
         assert summed.tolist() == [3.0] * 3 and smallest == 6
+
+
+def _fp8_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_proj [8, 64], qkv_proj [8, 32]) whole: some o rows' second halves 1e4x the first."""
+    g = torch.Generator().manual_seed(1)
+    o = torch.randn(8, 64, generator=g)
+    o[::2, 32:] *= 1e4  # (e4m3 is floating point: a larger scale changes only values it pushes below its normals)
+    return o, torch.randn(8, 32, generator=g)
+
+
+def _fp8_shard(rank: int) -> torch.nn.Module:
+    """A rank's o_proj (row-parallel: its 32 input columns) and qkv_proj (column-parallel: its 4 rows)."""
+    o, qkv = _fp8_weights()
+    shard = torch.nn.Module()
+    shard.o_proj = torch.nn.Linear(32, 8, bias=False)
+    shard.qkv_proj = torch.nn.Linear(32, 4, bias=False)
+    with torch.no_grad():
+        shard.o_proj.weight.copy_(o[:, rank * 32 : (rank + 1) * 32])
+        shard.qkv_proj.weight.copy_(qkv[rank * 4 : (rank + 1) * 4])
+    return shard
+
+
+def _fp8_rank(rank: int, port: int, queue) -> None:
+    from tandem.layers.quant import quantize_linears_
+
+    group = TPGroup(rank, 2, port, torch.device("cpu"))
+    shard = _fp8_shard(rank)
+    quantize_linears_(shard, "fp8", in_place=False, tp=group)
+    queue.put((rank, shard.o_proj.weight.detach().clone(), shard.qkv_proj.weight.detach().clone()))
+    group.close()
+
+
+def test_fp8_rank_holds_the_one_rank_models_values():
+    """quantize_linears_ on a tensor-parallel rank's shard: a row-parallel layer's rows are scaled by
+    the whole row's magnitude (an all-reduce of the ranks' row maxima), so each rank holds its part
+    of the one-rank model's fp8 weights (rounded even with in_place=False); a column-parallel layer's
+    whole rows are rounded as usual (here with in_place=False: marked only)."""
+    from tandem.layers.quant import fake_quantize_fp8_
+
+    store = host_store(2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    other = ctx.Process(target=_fp8_rank, args=(1, store.port, queue))
+    other.start()
+    from tandem.layers.quant import quantize_linears_
+
+    group = TPGroup(0, 2, store.port, torch.device("cpu"), store)
+    shard = _fp8_shard(0)
+    quantize_linears_(shard, "fp8", in_place=False, tp=group)
+    got = [(0, shard.o_proj.weight, shard.qkv_proj.weight), queue.get(timeout=60)]
+    other.join(timeout=60)
+    o, qkv = _fp8_weights()
+    whole = o.clone()
+    fake_quantize_fp8_(whole)
+    for rank, o_part, qkv_part in got:
+        assert torch.equal(o_part, whole[:, rank * 32 : (rank + 1) * 32]), rank
+        assert torch.equal(qkv_part, qkv[rank * 4 : (rank + 1) * 4]), rank  # marked, left for W8Linear
+    alone = o[:, :32].clone()
+    fake_quantize_fp8_(alone)  # rank 0's part scaled by itself: other values
+    assert not torch.equal(alone, whole[:, :32])
 
 
 def test_a_failed_ranks_own_error_is_chosen():
