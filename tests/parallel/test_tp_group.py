@@ -42,7 +42,8 @@ def test_collectives_match_one_process():
     full = _logits()
     local = full[:, :501].clone()
     got = [(0, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),
-            group.all_reduce_(torch.full((3,), 1.0)), group.min_int(7), group.all_reduce_max_(torch.tensor([1.0, -2.0])))]
+            group.all_reduce_(torch.full((3,), 1.0)), group.min_int(7),
+            group.all_reduce_max_(torch.tensor([1.0, -2.0])))]
     got.append(queue.get(timeout=60))
     other.join(timeout=60)
     for rank, top, gathered, summed, smallest, largest in got:
