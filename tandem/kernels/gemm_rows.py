@@ -486,22 +486,30 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/gpu_kernels.py
     --w8, 8B and Qwen 1.5B shapes, docs/benchmarks.md).
     Up to MAX_ROWS: a 64 x 128 tile of the weight (the dot's second operand, rows padded to
-    row_tile(m)), K split in pieces of at least 512 columns, at most 8 (at most 4 of 1024 for 16384
-    rows and more: the gate | up projections, whose 448 column tiles fill the chip): within 1.1x of
-    the best of 42 tiles at 5 rows on the 8B's layers (qkv 14.3, o 11.5, gate_up 44.5, down 26.1 us;
-    4 splits everywhere 14.4 / 11.5 / 44.5 / 26.9 in that run; the 1.5B's down 12.1 against 14.7), and
-    0.55-0.87x gemm_rows' bf16-tuned tile's time. The tile does not depend on m (BLOCK_M aside), so a
-    row's bits do not either, from 1 to MAX_ROWS rows.
+    row_tile(m)), K split in pieces of at least 384 columns, at most 8 (at most 4 for 16384 rows and
+    more: the gate | up projections, whose 448 column tiles fill the chip): within 1.1x of the best
+    of 42 tiles at 5 rows on the 8B's layers (qkv 14.3, o 11.5, gate_up 44.5, down 26.1 us; 4 splits
+    everywhere 14.4 / 11.5 / 44.5 / 26.9 in that run), and 0.55-0.87x gemm_rows' bf16-tuned tile's time;
+    on Qwen2.5 1.5B's (K = 1536) the 384-column pieces give 4 splits (qkv 6.8 -> 6.6, o 6.7 -> 6.4,
+    gate_up 15.9 -> 15.3 us against 512-column pieces; cuBLAS on bf16 weights 5.5 / 6.3 / 17.6). The
+    tile does not depend on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
     More rows (--w8 40,64,160,512,2048): each pick within 1.3x of the best unsplit tile there, and
     most within 1.1x; up to 256 rows K is split until about two programs an SM are launched (at
-    most 4 splits of at least 1024 columns each): a rule not yet swept (the engine's 40-row
-    verification of the 8B: 1.15 decode steps with it, H200)."""
+    most 4 splits of at least 1024 columns each), but 33-64 rows of fewer than 16384 weight rows (a
+    batch-8 verification's qkv, o and down) take 64 x 64 weight tiles split 8 ways (pieces of at
+    least 128 columns; --w8 40 sweep of 9 splits x 4 tiles): the 8B's qkv / o / down 21.1 / 14.9 /
+    34.6 us and Qwen2.5 1.5B's 7.9 / 7.7 / 16.9 against 24.0 / 15.5 / 37.5 and 13.6 / 13.7 / 20.4 at the
+    earlier rule (cuBLAS on bf16 weights 16.7 / 14.2 / 34.3 and 5.8 / 5.5 / 12.6: the widened e4m3 tile
+    keeps these kernels bound by instruction issue, not by bandwidth)."""
     if m <= MAX_ROWS:
-        if n >= 16384 or _old_splits():
+        if _old_splits():
             return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))
-        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(8, k // 512)))
+        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4 if n >= 16384 else 8, k // 384)))
     if m <= 64:
-        tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
+        if n >= 16384 or _old_splits():
+            tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
+        else:
+            return W8Tile(64, 64, 64, 4, 4, True, max(1, min(8, k // 128)))
     elif m <= 256:
         tile = W8Tile(128, 64, 128, 8, 3) if n <= 4096 else W8Tile(128, 128, 64, 8, 3, False)
     elif m <= 1024 and n <= 2048:
@@ -565,8 +573,8 @@ def rope_fusable(head_dim: int) -> bool:
 
 
 def _old_splits() -> bool:
-    """TANDEM_W8_SPLIT=old: the few-row fp8 splits of before (gemm_w8's K split at most 4 ways, the
-    qkv-with-rotary unsplit), an A/B switch; unset: the current ones."""
+    """TANDEM_W8_SPLIT=old: the fp8 splits of before (gemm_w8's K split at most 4 ways up to 32 rows and
+    its 33-64-row tile of before, the qkv-with-rotary unsplit), an A/B switch; unset: the current ones."""
     raw = os.environ.get("TANDEM_W8_SPLIT", "")
     if raw not in ("", "old"):
         raise ValueError(f"TANDEM_W8_SPLIT={raw!r}: expected old (the earlier few-row splits) or unset")
