@@ -42,6 +42,15 @@ against 17.8 / 122 for bf16 weights; the wgmma form (weights first) had taken 8-
 a register shuffle a step and no time off the catch-up. The engine still sends the fp8 draft's
 few-row qkv projection to the bf16 copy (tandem/layers/gpu_linear.py).
 
+Widening e4m3 to bf16 (_widen): Triton's cast goes e4m3x2 -> f16x2, then one f16 -> bf16 conversion
+(F2F) a weight, instructions the SM issues at a fraction of the integer and half2 ops' rate, and that
+bounded the fp8 tiles (H200, Nsight Compute: warps hardly waited on memory, 23-60% of the DRAM
+bandwidth); the inline PTX of _E4M3_TO_BF16 builds the bf16 bits with byte permutes, shifts, masks and
+one bf16x2 fma a pair (as many instructions, none a conversion), exactly (every byte tested). H200, cold weights,
+us, the asm against the cast (TANDEM_W8_WIDEN=cvt): the 8B's gate_up at 5 rows 38.9 / 43.8, down
+20.5 / 25.9, head 144 / 182; at 40 rows gate_up 54.9 / 65.0; the fp8 target's batch-8 decode step 3.83
+-> 3.39 ms, its k = 4 round at batch 1 7.38 -> 6.95 ms.
+
 gemm_w8 is the same kernel over a grid of row tiles, for the fp8 target's steps of 2 rows and more
 (it keeps no bf16 weight for cuBLAS): weight-only like the rest, so a row's value does not depend on
 the step it shares. Up to 32 rows its tile is gemm_rows' fp8 form with K split in up to eight (the 8B's
@@ -49,8 +58,10 @@ down at 5 rows 26.1 against 41.2 us unsplit at gemm_rows' tile, H200). Its tile 
 where the e4m3 tile sits in the dot (second, as above, or first: past ~160 rows the wgmma form won,
 H200 sweep in docs/benchmarks.md) and how many ways K is split (each split's fp32 sums stored, then
 added in order and finished by _split_sum_kernel: deterministic, the same bits for every row count
-at one tile). It still trails cuBLAS on bf16 weights at every size measured (40 rows of the 8B's qkv
-34 against 16 us unsplit; 2048 rows of its gate_up 953 against 617). W8A8 (torch._scaled_mm, the
+at one tile). With _widen it beats cuBLAS on bf16 weights up to 8 rows (the 8B's layers 0.6-0.8x its
+time, H200) and at 40 rows matches it on the 8B's o, down and gate_up (14.3 / 32.2 / 54.9 against 14.2
+/ 34.4 / 62.2 us) but not its qkv (20.6 against 16.7); from 256 rows on it trails (2048 rows of the
+gate_up 900 against 661). W8A8 (torch._scaled_mm, the
 rows rounded to e4m3 too) was faster past ~500 rows, but a function that changes with the step's row
 count parts greedy speculation from target-only (a decode step of 8 rows weight-only, its 40-row
 verification W8A8), so it is not used.
@@ -118,10 +129,49 @@ def _dot(w, x_t, acc, SOFT_BF16: tl.constexpr):
         return tl.dot(w, x_t, acc)
 
 
+# Four e4m3 bytes (one 32-bit register) -> four bf16 (two registers), exactly: prmt puts each byte in the
+# low byte of a 16-bit half and copies its sign bit through the high byte; shifted left by 4 and masked
+# to 0x87F0, a half holds the sign at bit 15 and the byte's exponent | mantissa bits where bf16 keeps
+# them, which read as bf16 is the e4m3 value times 2^-120 (bias 127 against 7; an e4m3 subnormal lands
+# on the bf16 subnormal of the same significand); the fma multiplies by 2^120 (0x7B80) and adds -0,
+# exact and sign-keeping. No conversion instruction (the cast: e4m3x2 -> f16x2, then f16 -> bf16 one value
+# at a time).
+_E4M3_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 lo, hi, scale, minus0;
+mov.b32 scale, 0x7B807B80;
+mov.b32 minus0, 0x80008000;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+fma.rn.bf16x2 $0, lo, scale, minus0;
+fma.rn.bf16x2 $1, hi, scale, minus0;
+}
+""")
+
+
+@triton.jit
+def _widen(w, dtype: tl.constexpr, ASM_WIDEN: tl.constexpr):
+    """An e4m3 tile -> dtype (exact either way); ASM_WIDEN (bf16 on a compiled GPU): _E4M3_TO_BF16.
+    Used where the widened tile is the mma.sync operand (the weights-second tiles, every fp8 step of up
+    to 64 rows): Triton's cast spends two conversions a weight there (e4m3x2 -> f16x2, then f16 -> bf16
+    one value at a time, a quarter-rate pipe), which bounded those kernels. The weights-first (wgmma)
+    tiles of large steps keep the cast: with the asm they ran slower (H200, 2048 rows: the 8B's
+    gate_up 1147 against 970 us, down 507 against 466)."""
+    if ASM_WIDEN:
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        return w.to(dtype)
+
+
 @triton.jit
 def _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows_ok, K, stride_xm, stride_wn, EVEN_K: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-             k_lo=0, k_hi=None):
+             ASM_WIDEN: tl.constexpr, k_lo=0, k_hi=None):
     """fp32 [BLOCK_N, BLOCK_M]: (x @ w[rows]^T)^T for fp8 e4m3 weights, unscaled. The weight is the
     dot's second operand here, its tile loaded K-major and widened to x's dtype in registers (16-byte
     copies, mma.sync); as the first operand of the wgmma, as the model-dtype path has it, the e4m3 tile
@@ -138,7 +188,7 @@ def _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows_ok, K, stride_xm, stride_wn,
             w = tl.load(w_ptrs, mask=rows_ok[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=rows_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
-        acc = _dot(x, w.to(x.dtype), acc, SOFT_BF16)
+        acc = _dot(x, _widen(w, x.dtype, ASM_WIDEN), acc, SOFT_BF16)
         w_ptrs += BLOCK_K
     return tl.trans(acc)
 
@@ -187,6 +237,7 @@ def _rows_kernel(
     BLOCK_K: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    ASM_WIDEN: tl.constexpr,  # W_SCALE with bf16 rows, compiled: e4m3 widened by _E4M3_TO_BF16
     PDL: tl.constexpr,
     PDL_WAIT: tl.constexpr,
 ):
@@ -224,7 +275,7 @@ def _rows_kernel(
         n_ok = offs_n < N
     if W_SCALE and W8_SECOND:
         acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, K, stride_xm, stride_wn, EVEN_K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, SOFT_BF16, k_lo, k_hi)  # out^T
+                       BLOCK_K, SOFT_BF16, ASM_WIDEN, k_lo, k_hi)  # out^T
     else:
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_lo + offs_k[None, :]
@@ -235,7 +286,7 @@ def _rows_kernel(
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-            acc = _dot(w.to(x.dtype), tl.trans(x), acc, SOFT_BF16)  # (fp8: widened in registers)
+            acc = _dot(w.to(x.dtype), tl.trans(x), acc, SOFT_BF16)  # (fp8: widened by Triton's cast: see _widen)
             w_ptrs += BLOCK_K
     release_next(PDL)
     if SPLIT_K > 1:
@@ -320,6 +371,7 @@ def _rows_qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    ASM_WIDEN: tl.constexpr,
     PDL: tl.constexpr,
     PDL_WAIT: tl.constexpr,
 ):
@@ -353,7 +405,7 @@ def _rows_qkv_rope_kernel(
                     V0 + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs_r)
     if W_SCALE:
         acc = _fp8_acc(x_ptr, w_ptr, offs_m, m_ok, rows, rows >= 0, K, stride_xm, stride_wn, EVEN_K, BLOCK_M,
-                       2 * PAIRS, BLOCK_K, SOFT_BF16, k_lo, k_hi)
+                       2 * PAIRS, BLOCK_K, SOFT_BF16, ASM_WIDEN, k_lo, k_hi)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k_lo + offs_k[None, :]
@@ -408,10 +460,16 @@ def _rows_qkv_rope_kernel(
 
 def _launch_flags(x: Tensor) -> dict:
     """A PDL launch (programs placed while the kernel before runs, waiting for it before their first
-    load) that releases the next kernel after its main loop; TANDEM_ROWS_PDL=0: a plain launch."""
+    load) that releases the next kernel after its main loop; TANDEM_ROWS_PDL=0: a plain launch. ASM_WIDEN:
+    e4m3 weights widened for bf16 rows by _E4M3_TO_BF16 (compiled CUDA; TANDEM_W8_WIDEN=cvt: Triton's
+    cast, an A/B switch)."""
     on = pdl_enabled(x)
     wait = on and os.environ.get("TANDEM_ROWS_PDL", "1") == "1"
-    return dict(PDL=on, PDL_WAIT=wait, launch_pdl=wait)
+    widen = os.environ.get("TANDEM_W8_WIDEN", "")
+    if widen not in ("", "cvt"):
+        raise ValueError(f"TANDEM_W8_WIDEN={widen!r}: expected cvt (Triton's cast) or unset")
+    asm = x.is_cuda and x.dtype == torch.bfloat16 and not _numerics(x)["SOFT_BF16"] and widen == ""
+    return dict(PDL=on, PDL_WAIT=wait, launch_pdl=wait, ASM_WIDEN=asm)
 
 
 def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -499,8 +557,8 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     batch-8 verification's qkv, o and down) take 64 x 64 weight tiles split 8 ways (pieces of at
     least 128 columns; --w8 40 sweep of 9 splits x 4 tiles): the 8B's qkv / o / down 21.1 / 14.9 /
     34.6 us and Qwen2.5 1.5B's 7.9 / 7.7 / 16.9 against 24.0 / 15.5 / 37.5 and 13.6 / 13.7 / 20.4 at the
-    earlier rule (cuBLAS on bf16 weights 16.7 / 14.2 / 34.3 and 5.8 / 5.5 / 12.6: the widened e4m3 tile
-    keeps these kernels bound by instruction issue, not by bandwidth)."""
+    earlier rule (cuBLAS on bf16 weights 16.7 / 14.2 / 34.3 and 5.8 / 5.5 / 12.6), all swept with Triton's
+    cast before _widen (which then took the 8B's 40-row down from 34.5 to 32.2 us); not re-swept since."""
     if m <= MAX_ROWS:
         if _old_splits():
             return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))

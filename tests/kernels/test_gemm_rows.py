@@ -19,9 +19,10 @@ if INTERPRET:  # must precede the first `import triton`
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
-from tandem.kernels.gemm_rows import (W8Tile, _rows_kernel, gemm_rows, gemm_rows_qkv_rope, gemm_w8,  # noqa: E402
-                                      row_tile, rows_config, w8_config)
+from tandem.kernels.gemm_rows import (W8Tile, _rows_kernel, _widen, gemm_rows, gemm_rows_qkv_rope,  # noqa: E402
+                                      gemm_w8, row_tile, rows_config, w8_config)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_gemv import _near, assert_near_exact, assert_rope_store_matches  # noqa: E402
 
@@ -222,6 +223,28 @@ def check_w8(n: int, k: int, m: int, dtype: torch.dtype, device: str, config=Non
     if n % 2 == 0:
         act = gemm_w8(x, q, s, b, act="silu_mul", config=config)
         assert torch.equal(act, silu_and_mul(gemm_w8(x, q, s, b, config=config)))
+
+
+@triton.jit
+def _widen_kernel(q_ptr, out_ptr, ASM: tl.constexpr):
+    offs = tl.arange(0, 256)
+    w = tl.load(q_ptr + offs)
+    tl.store(out_ptr + offs, _widen(w, tl.bfloat16, ASM))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("asm", [True, False])
+def test_e4m3_widening_is_exact_gpu(asm):
+    """Every e4m3 byte (subnormals, both zeros; not the two NaNs) widened to bf16 in a kernel, by
+    _E4M3_TO_BF16 (asm) or Triton's cast, gives torch's bf16 of that e4m3 value, bit for bit."""
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda().view(torch.float8_e4m3fn)
+    out = torch.full((256,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _widen_kernel[(1,)](q, out, ASM=asm)
+    ref = q.to(torch.bfloat16)
+    ok = ~torch.isnan(ref)
+    assert int(ok.sum()) == 254
+    assert torch.equal(out[ok].view(torch.int16), ref[ok].view(torch.int16))
 
 
 @pytest.mark.gpu
