@@ -486,6 +486,47 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
     return rows, raw
 
 
+W8_WIDEN_SHAPES = [GEMV_SHAPES[i] for i in (0, 1, 2, 3, 4, 7, 9, 10, 13)]
+
+
+def sweep_w8_widen(ms: list[int]) -> list[list]:
+    """The e4m3 -> bf16 widening A/B: gemm_w8 at its default tile (and, up to 32 rows, gemm_rows' fp8
+    tile, the fp8 draft's) with _widen's inline PTX against Triton's cast (TANDEM_W8_WIDEN=cvt), cuBLAS on
+    the bf16 weights alongside; cold weights, us per call. LM heads at <= 32 rows only."""
+    import os
+
+    import torch.nn.functional as F
+
+    from tandem.kernels.gemm_rows import MAX_ROWS, gemm_rows, gemm_w8
+    from tandem.layers.quant import quantize_fp8
+
+    def both(fn, q8):
+        times = []
+        for widen in ("", "cvt"):
+            os.environ["TANDEM_W8_WIDEN"] = widen
+            times.append(_rotating(fn, q8) * 1e6)
+        os.environ.pop("TANDEM_W8_WIDEN")
+        return times
+
+    rows = []
+    for name, n, k in W8_WIDEN_SHAPES:
+        count = max(3, min(32, (3 << 30) // (2 * n * k)))
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        q8 = [quantize_fp8(w) for w in ws]
+        for m in ms:
+            if "lm_head" in name and m > MAX_ROWS:
+                continue
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            cublas = _rotating(lambda w: F.linear(x, w), ws) * 1e6
+            asm, cast = both(lambda qs: gemm_w8(x, qs[0], qs[1]), q8)
+            few = both(lambda qs: gemm_rows(x, qs[0], w_scale=qs[1]), q8) if m <= MAX_ROWS else None
+            rows.append([name, m, f"{cublas:.1f}", f"{asm:.1f}", f"{cast:.1f}", f"{cast / asm:.2f}",
+                         f"{few[0]:.1f} / {few[1]:.1f}" if few else "-"])
+        del ws, q8
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _qkv_case(name: str, n: int, k: int, m: int):
     """A qkv projection's benchmark inputs (8B / 1B heads): rotating weights (~3 GB), m rows,
     (head_dim, heads, kv heads), the rotary tables, positions, slots, and the K / V caches."""
@@ -650,9 +691,20 @@ def main() -> None:
                     help="only the one-row fp8 GEMVs with their norm / SiLU-and-mul / residual fusions, per tile")
     ap.add_argument("--rows", default="", help="only the few-row GEMM (gemm_rows) sweeps at these row counts, e.g. 5,6")
     ap.add_argument("--w8", default="", help="only the fp8-weight GEMM (gemm_w8) sweeps at these row counts, e.g. 64,1024")
+    ap.add_argument("--w8-widen", default="",
+                    help="only the fp8 GEMMs with _widen's inline PTX against Triton's cast at these row counts, "
+                         "e.g. 5,40")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.w8_widen:
+        table = sweep_w8_widen([int(v) for v in args.w8_widen.split(",")])
+        print_table(["layer", "M", "cuBLAS bf16 us", "gemm_w8 asm us", "gemm_w8 cast us", "cast / asm",
+                     "gemm_rows fp8 tile: asm / cast us"], table,
+                    title="e4m3 widened by inline PTX (_widen) or Triton's cast, cold weights (rotating), CUDA graphs")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table), indent=2, default=str))
+        return
     if args.w8:
         table, raw = [], []
         for m in args.w8.split(","):
