@@ -46,8 +46,8 @@ Widening e4m3 to bf16 (_widen): Triton's cast goes e4m3x2 -> f16x2, then one f16
 (F2F) a weight, instructions the SM issues at a fraction of the integer and half2 ops' rate, and that
 bounded the fp8 tiles (H200, Nsight Compute: warps hardly waited on memory, 23-60% of the DRAM
 bandwidth); the inline PTX of _E4M3_TO_BF16 builds the bf16 bits with byte permutes, shifts, masks and
-one bf16x2 fma a pair (as many instructions, none a conversion), exactly (every byte tested). H200, cold weights,
-us, the asm against the cast (TANDEM_W8_WIDEN=cvt): the 8B's gate_up at 5 rows 38.9 / 43.8, down
+one bf16x2 fma a pair (as many instructions, none a conversion), exactly (every byte tested). H200,
+cold weights, us, the asm against the cast (TANDEM_W8_WIDEN=cvt): the 8B's gate_up at 5 rows 38.9 / 43.8, down
 20.5 / 25.9, head 144 / 182; at 40 rows gate_up 54.9 / 65.0; the fp8 target's batch-8 decode step 3.83
 -> 3.39 ms, its k = 4 round at batch 1 7.38 -> 6.95 ms.
 
@@ -156,9 +156,9 @@ fma.rn.bf16x2 $1, hi, scale, minus0;
 @triton.jit
 def _widen(w, dtype: tl.constexpr, ASM_WIDEN: tl.constexpr):
     """An e4m3 tile -> dtype (exact either way); ASM_WIDEN (bf16 on a compiled GPU): _E4M3_TO_BF16.
-    Used where the widened tile is the mma.sync operand (the weights-second tiles, every fp8 step of up
-    to 64 rows): Triton's cast spends two conversions a weight there (e4m3x2 -> f16x2, then f16 -> bf16
-    one value at a time, a quarter-rate pipe), which bounded those kernels. The weights-first (wgmma)
+    Used where the widened tile is the mma.sync operand (the weights-second tiles: every fp8 step of up
+    to 64 rows, some up to 256): Triton's cast spends conversion instructions there (e4m3x2 -> f16x2,
+    then f16 -> bf16 one value at a time), which bounded those kernels. The weights-first (wgmma)
     tiles of large steps keep the cast: with the asm they ran slower (H200, 2048 rows: the 8B's
     gate_up 1147 against 970 us, down 507 against 466)."""
     if ASM_WIDEN:
