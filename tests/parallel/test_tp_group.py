@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
+from tandem.layers.quant import fake_quantize_fp8_, quantize_linears_
 from tandem.parallel.group import TPGroup, host_store
 
 VOCAB = 1001  # two shards of 501 rows, the last padded by one
@@ -32,13 +33,17 @@ def _rank(rank: int, port: int, queue) -> None:
     group.close()
 
 
-def test_collectives_match_one_process():
+def _start_rank_1(target):
+    """Rank 1 runs target(1, port, queue) in a spawned process; -> (rank 0's group, queue, that process)."""
     store = host_store(2)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    other = ctx.Process(target=_rank, args=(1, store.port, queue))
+    queue = mp.get_context("spawn").Queue()
+    other = mp.get_context("spawn").Process(target=target, args=(1, store.port, queue))
     other.start()
-    group = TPGroup(0, 2, store.port, torch.device("cpu"), store)
+    return TPGroup(0, 2, store.port, torch.device("cpu"), store), queue, other
+
+
+def test_collectives_match_one_process():
+    group, queue, other = _start_rank_1(_rank)
     full = _logits()
     local = full[:, :501].clone()
     got = [(0, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),
@@ -75,8 +80,6 @@ def _fp8_shard(rank: int) -> torch.nn.Module:
 
 
 def _fp8_rank(rank: int, port: int, queue) -> None:
-    from tandem.layers.quant import quantize_linears_
-
     group = TPGroup(rank, 2, port, torch.device("cpu"))
     shard = _fp8_shard(rank)
     quantize_linears_(shard, "fp8", in_place=False, tp=group)
@@ -89,16 +92,7 @@ def test_fp8_rank_holds_the_one_rank_models_values():
     the whole row's magnitude (an all-reduce of the ranks' row maxima), so each rank holds its part
     of the one-rank model's fp8 weights (rounded even with in_place=False); a column-parallel layer's
     whole rows are rounded as usual (here with in_place=False: marked only)."""
-    from tandem.layers.quant import fake_quantize_fp8_
-
-    store = host_store(2)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    other = ctx.Process(target=_fp8_rank, args=(1, store.port, queue))
-    other.start()
-    from tandem.layers.quant import quantize_linears_
-
-    group = TPGroup(0, 2, store.port, torch.device("cpu"), store)
+    group, queue, other = _start_rank_1(_fp8_rank)
     shard = _fp8_shard(0)
     quantize_linears_(shard, "fp8", in_place=False, tp=group)
     got = [(0, shard.o_proj.weight, shard.qkv_proj.weight), queue.get(timeout=60)]
