@@ -544,13 +544,18 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     """gemm_w8's tile for m rows of an fp8 [n, k] weight, from the H200 sweeps (bench/gpu_kernels.py
     --w8, 8B and Qwen 1.5B shapes, docs/benchmarks.md).
     Up to MAX_ROWS: a 64 x 128 tile of the weight (the dot's second operand, rows padded to
-    row_tile(m)), K split in pieces of at least 384 columns, at most 8 (at most 4 for 16384 rows and
-    more: the gate | up projections, whose 448 column tiles fill the chip): within 1.1x of the best
-    of 42 tiles at 5 rows on the 8B's layers (qkv 14.3, o 11.5, gate_up 44.5, down 26.1 us; 4 splits
-    everywhere 14.4 / 11.5 / 44.5 / 26.9 in that run), and 0.55-0.87x gemm_rows' bf16-tuned tile's time;
-    on Qwen2.5 1.5B's (K = 1536) the 384-column pieces give 4 splits (qkv 6.8 -> 6.6, o 6.7 -> 6.4,
-    gate_up 15.9 -> 15.3 us against 512-column pieces; cuBLAS on bf16 weights 5.5 / 6.3 / 17.6). The
-    tile does not depend on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
+    row_tile(m)), K split in pieces of at least 384 columns, at most 4 up to 4096 columns and 8 past
+    them, and not at all for 16384 rows and more (the gate | up projections, whose 224-280 column
+    tiles fill the chip). Swept with _widen's asm (--w8 5,16, 24 tiles x splits; cuBLAS on bf16
+    weights in brackets): the 8B's qkv 11.5 (15.4), o 9.9 (13.6), gate_up 33.1 (63.1), down 20.4 (32.3)
+    us at 5 rows, each within 0.1 us of the best tile but o (9.8) and qkv at 16 rows (within 0.1 too);
+    Qwen2.5 1.5B's gate_up 11.4 (17.5), down 10.1 (12.0). The splits swept under Triton's cast were 8,
+    8, 4, 8 (TANDEM_W8_SPLIT=cast); with the asm, 4 splits cost the 8B's gate_up 39.8 us against 33.1
+    unsplit, 8 its qkv 12.5 against 11.5 (the fp8 8B's k = 4 round at batch 1 6.84 -> 6.70 ms, its batch-8
+    decode step 3.34 -> 3.28, `bench/gpu_bench.py --env-ab TANDEM_W8_SPLIT=cast`). On Qwen2.5 1.5B's
+    K = 1536 the 384-column pieces give 4 splits (qkv
+    6.8 -> 6.6, o 6.7 -> 6.4 us against 512-column pieces, under the cast). The tile does not depend
+    on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
     More rows (--w8 40,64,160,512,2048): each pick within 1.3x of the best unsplit tile there, and
     most within 1.1x; up to 256 rows K is split until about two programs an SM are launched (at
     most 4 splits of at least 1024 columns each), but 33-64 rows of fewer than 16384 weight rows (a
@@ -560,11 +565,15 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     earlier rule (cuBLAS on bf16 weights 16.7 / 14.2 / 34.3 and 5.8 / 5.5 / 12.6), all swept with Triton's
     cast before _widen (which then took the 8B's 40-row down from 34.5 to 32.2 us); not re-swept since."""
     if m <= MAX_ROWS:
-        if _old_splits():
+        rule = _split_rule()
+        if rule == "old":
             return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4, k // 1024)))
-        return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4 if n >= 16384 else 8, k // 384)))
+        if rule == "cast":
+            return W8Tile(row_tile(m), 64, 128, 4, 4, True, max(1, min(4 if n >= 16384 else 8, k // 384)))
+        split = 1 if n >= 16384 else max(1, min(4 if k <= 4096 else 8, k // 384))
+        return W8Tile(row_tile(m), 64, 128, 4, 4, True, split)
     if m <= 64:
-        if n >= 16384 or _old_splits():
+        if n >= 16384 or _split_rule() == "old":
             tile = W8Tile(64, 128, 64, 4, 4) if n >= 16384 else W8Tile(64, 64, 128, 4, 4)
         else:
             return W8Tile(64, 64, 64, 4, 4, True, max(1, min(8, k // 128)))
@@ -630,13 +639,14 @@ def rope_fusable(head_dim: int) -> bool:
     return head_dim % 32 == 0
 
 
-def _old_splits() -> bool:
-    """TANDEM_W8_SPLIT=old: the fp8 splits of before (gemm_w8's K split at most 4 ways up to 32 rows and
-    its 33-64-row tile of before, the qkv-with-rotary unsplit), an A/B switch; unset: the current ones."""
+def _split_rule() -> str:
+    """TANDEM_W8_SPLIT, an A/B switch for the fp8 splits: "old", those of before 2026-12-03 (gemm_w8's K
+    split at most 4 ways up to 32 rows and its 33-64-row tile of before, the qkv-with-rotary unsplit);
+    "cast", the up-to-32-row splits swept under Triton's e4m3 cast (before _widen); unset: the current ones."""
     raw = os.environ.get("TANDEM_W8_SPLIT", "")
-    if raw not in ("", "old"):
-        raise ValueError(f"TANDEM_W8_SPLIT={raw!r}: expected old (the earlier few-row splits) or unset")
-    return raw == "old"
+    if raw not in ("", "old", "cast"):
+        raise ValueError(f"TANDEM_W8_SPLIT={raw!r}: expected old or cast (earlier few-row splits) or unset")
+    return raw or "new"
 
 
 def qkv_split_k(k: int, fp8: bool) -> int:
@@ -644,7 +654,7 @@ def qkv_split_k(k: int, fp8: bool) -> int:
     programs of 32 weight rows are too few for the chip (the 8B's 192 on 132 SMs; H200, 5 rows,
     bench/gpu_kernels.py --w8 5: 8B 16.4 -> 14.3 us at 2 splits, 1B 8.4 -> 6.8 at 4); model-dtype weights
     1 (the 8B's 15.9 us unsplit, 16.3 at 2)."""
-    return max(1, min(4, 8192 // k)) if fp8 and not _old_splits() else 1
+    return max(1, min(4, 8192 // k)) if fp8 and _split_rule() != "old" else 1
 
 
 def gemm_rows_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,

@@ -12,6 +12,9 @@ separate kernel rounds it, to save their launches (a one-row step ran 9 kernels 
 and each small launch costs ~2-3 us of a ~4.3 ms 8B step):
 - act="silu_mul": the input is [gate | up] and the kernel multiplies silu(gate) * up, with the
   silu_and_mul kernel's bits;
+- gemv_gate_up (the MLP's gate | up projection): a program owns gate rows and the up rows that pair
+  with them, and its epilogue writes silu(gate) * up, the silu_and_mul kernel's bits, so the down
+  projection reads the activation once instead of every program redoing SiLU over its input;
 - gemv_add_ (down_proj): the product is added into the residual stream in place, and each
   program writes the sum of squares of its slice of the new stream;
 - norm=RowNorm (the next layer's qkv_proj): the input is the residual stream and the RMSNorm is
@@ -79,6 +82,12 @@ def _silu_mul(gate, up, DTYPE: tl.constexpr, CUDA_LIBM: tl.constexpr, SOFT_BF16:
         e = tl.exp(-x)
     x = _round(tl.div_rn(x, 1.0 + e), DTYPE, SOFT_BF16).to(tl.float32)
     return _round(x * up.to(tl.float32), DTYPE, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def _halves(t, PAIRS: tl.constexpr):
+    """[2 * PAIRS] -> its first and second PAIRS elements."""
+    return tl.split(tl.trans(tl.reshape(t, [2, PAIRS])))
 
 
 @triton.jit
@@ -158,6 +167,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     W_SCALE: tl.constexpr,  # w is fp8: each row's sum is multiplied by its scale
     SILU_MUL: tl.constexpr,  # x is [gate (K) | up (K)]: multiply silu(gate) * up, rounded as silu_and_mul
+    GATE_UP: tl.constexpr,  # w is [gate (N / 2) | up (N / 2)]: out [N / 2] = silu(gate) * up, as silu_and_mul
     NORM_IN: tl.constexpr,
     ADD_OUT: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -172,8 +182,15 @@ def _gemv_kernel(
 ):
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    if GATE_UP:  # gate rows i and up rows N / 2 + i, i in [pid * HALF_N, (pid + 1) * HALF_N)
+        offs = tl.arange(0, BLOCK_N)
+        offs_i = pid * HALF_N + offs % HALF_N
+        offs_n = (offs // HALF_N) * (N // 2) + offs_i
+        n_ok = offs_i < N // 2
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     wait_for_inputs(PDL)
     inv = 1.0
     if NORM_IN:
@@ -184,7 +201,12 @@ def _gemv_kernel(
         out = out * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    if ADD_OUT:  # residual += round(out), rounded again (the rms_norm kernel's add)
+    if GATE_UP:  # the GEMV's stored gate and up (rounded), then the silu_and_mul kernel's arithmetic
+        gate, up = _halves(out, HALF_N)
+        act = _silu_mul(_round(gate, dtype, SOFT_BF16), _round(up, dtype, SOFT_BF16), dtype, CUDA_LIBM, SOFT_BF16)
+        offs_i = pid * HALF_N + tl.arange(0, HALF_N)
+        tl.store(out_ptr + offs_i, act.to(dtype), mask=offs_i < N // 2)  # (act is exact in dtype)
+    elif ADD_OUT:  # residual += round(out), rounded again (the rms_norm kernel's add)
         res = tl.load(out_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         r = _round(res + _round(out, dtype, SOFT_BF16).to(tl.float32), dtype, SOFT_BF16)
         tl.store(out_ptr + offs_n, r, mask=n_ok)
@@ -202,12 +224,6 @@ def _mul_rn(a, b, CUDA_LIBM: tl.constexpr):
                                          is_pure=True, pack=1)
     else:
         return a * b
-
-
-@triton.jit
-def _halves(t, PAIRS: tl.constexpr):
-    """[2 * PAIRS] -> its first and second PAIRS elements."""
-    return tl.split(tl.trans(tl.reshape(t, [2, PAIRS])))
 
 
 @triton.jit
@@ -330,27 +346,33 @@ def _check_weight(x: Tensor, weight: Tensor, w_scale: Tensor | None) -> None:
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: str | None,
             norm: RowNorm | None, sumsq_out: Tensor | None, block_n: int, block_k: int, num_warps: int,
-            w_scale: Tensor | None = None) -> None:
+            w_scale: Tensor | None = None, gate_up: bool = False) -> None:
     n, k = weight.shape
     silu_mul = act == "silu_mul"
     assert act in (None, "silu_mul")
     assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1] and x.is_contiguous()
     _check_weight(x, weight, w_scale)
-    assert out.numel() == n and out.is_contiguous() and out.dtype == x.dtype
+    assert out.is_contiguous() and out.dtype == x.dtype
+    if gate_up:  # programs of block_n // 2 gate rows and as many up rows, writing block_n // 2 outputs
+        assert n % 2 == 0 and block_n % 2 == 0 and out.numel() == n // 2 and not silu_mul and sumsq_out is None
+        programs, even_n = triton.cdiv(n // 2, block_n // 2), (n // 2) % (block_n // 2) == 0
+    else:
+        assert out.numel() == n
+        programs, even_n = triton.cdiv(n, block_n), n % block_n == 0
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
     if norm is not None:
         assert not silu_mul and norm.weight.shape == (k,) and norm.weight.dtype == x.dtype
         assert norm.sumsq.dim() == 1 and norm.sumsq.dtype == torch.float32 and norm.sumsq.is_contiguous()
     p_in = norm.sumsq.numel() if norm is not None else 1
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out,
         norm.weight if norm is not None else weight, norm.sumsq if norm is not None else out,
         sumsq_out if sumsq_out is not None else out, w_scale if w_scale is not None else out,
         n, k, weight.stride(0), p_in, float(norm.eps) if norm is not None else 0.0, 1.0 / k,
-        HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, NORM_IN=norm is not None,
-        ADD_OUT=sumsq_out is not None,
-        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, SILU_MUL=silu_mul, GATE_UP=gate_up,
+        NORM_IN=norm is not None, ADD_OUT=sumsq_out is not None,
+        EVEN_N=even_n, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p_in), SUB=_sub(w_scale, block_k), num_warps=num_warps, **_numerics(x),
         **pdl_flags(x),
     )
@@ -372,6 +394,22 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     tile = config or gemv_config(n, k, w_scale is not None)
     _launch(x, weight, bias, out, act, norm, None, *tile, w_scale=w_scale)
+    return out
+
+
+def gemv_gate_up(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+                 config: tuple[int, int, int] | None = None, norm: RowNorm | None = None,
+                 w_scale: Tensor | None = None) -> Tensor:
+    """F.silu(gate) * up of a packed [gate | up] projection of one row, the activation in the GEMV's
+    epilogue: silu_and_mul(gemv(x, weight, bias, norm=norm, w_scale=w_scale)) bit for bit, in one
+    launch and without the [1, N] intermediate. weight [N, K] = [gate (N / 2 rows) | up]; each
+    program owns BLOCK_N / 2 gate rows and the up rows that pair with them (config as gemv's, its
+    BLOCK_N even). -> out [1, N / 2] (or [N / 2])."""
+    n, k = weight.shape
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype, device=x.device)
+    tile = config or gemv_config(n, k, w_scale is not None)
+    _launch(x, weight, bias, out, None, norm, None, *tile, w_scale=w_scale, gate_up=True)
     return out
 
 

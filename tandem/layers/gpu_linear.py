@@ -27,8 +27,9 @@ these GEMVs (see tandem/models/decoder.py): the down projection adds into the re
 next qkv projection takes a `NormedRow` (the stream, its norm, those sums) and normalizes on the
 fly, so one RMSNorm launch per layer disappears. The qkv projection of one row also rotates q
 and k and stores k and v in the paged cache in its epilogue (`forward_qkv_rope`), replacing the
-rotary kernel's launch. For fp8 weights (the fp8 draft) the MLP's gate | up GEMV also takes the
-post-attention RMSNorm, after the o projection added into the stream (`normalizes_row`).
+rotary kernel's launch. The MLP's gate | up GEMV applies SiLU-and-mul in its epilogue
+(`forward_then_silu_mul`, as the few-row GEMM does; `activates_row`), and for fp8 weights it also
+takes the post-attention RMSNorm, after the o projection added into the stream (`normalizes_row`).
 """
 from __future__ import annotations
 
@@ -192,10 +193,34 @@ class GemvLinear(nn.Module):
 
         return self(silu_and_mul(gate_up))
 
-    def forward_then_silu_mul(self, x: Tensor) -> Tensor:
-        """F.silu(gate) * up of this packed [gate | up] projection of x (`few_rows(x)`), the
-        activation in the few-row GEMM's epilogue: one launch instead of two, no [n, 2 I]
-        intermediate (the silu_and_mul kernel's bits)."""
+    def activates(self, x: Tensor | NormedRow) -> bool:
+        """Whether forward_then_silu_mul takes x, this layer being a packed [gate | up] projection: a
+        few rows (`few_rows`), or one row where `activates_row` says so."""
+        if self.takes_row(x):
+            return self.activates_row()
+        return self.few_rows(x)
+
+    def activates_row(self) -> bool:
+        """Whether one row's SiLU-and-mul runs in this gate | up GEMV's epilogue (gemv_gate_up) rather
+        than in the down projection's GEMV (model-dtype weights: each program redoes SiLU over its whole
+        input) or the silu_and_mul kernel before it (fp8 weights): H200, `bench/gpu_bench.py --env-ab
+        TANDEM_ROW_SILU=0`, the 8B's decode step 4.05 -> 4.01 ms (fp8 2.58 -> 2.54), a k = 4 round with the 1B
+        draft 8.14 -> 8.09 (fp8 target 6.73 -> 6.70). TANDEM_ROW_SILU: "all" (unset) or "fp8" (fp8 weights
+        only), "0" (never; an A/B switch)."""
+        mode = os.environ.get("TANDEM_ROW_SILU", "all")
+        if mode not in ("all", "fp8", "0"):
+            raise ValueError(f"TANDEM_ROW_SILU={mode!r}: expected all, fp8 or 0")
+        return mode == "all" or (mode == "fp8" and self.w8 is not None)
+
+    def forward_then_silu_mul(self, x: Tensor | NormedRow) -> Tensor:
+        """F.silu(gate) * up of this packed [gate | up] projection of x (`activates(x)`), the
+        activation in the epilogue of the one-row GEMV or the few-row GEMM: one launch instead of two,
+        no [n, 2 I] intermediate (the silu_and_mul kernel's bits)."""
+        if self.takes_row(x):
+            from tandem.kernels.gemv import gemv_gate_up
+
+            row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)
+            return gemv_gate_up(row, self.kernel_weight, self.bias, norm=norm, w_scale=self.w_scale)
         if self.fp8_only and (not self.few_rows(x) or _fp8_rows_w8()):
             return self._many_rows(x, act="silu_mul")
         from tandem.kernels.gemm_rows import gemm_rows

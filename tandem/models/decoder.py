@@ -117,9 +117,9 @@ class MLP(nn.Module):
         return self._forward(x, add_to)
 
     def _forward(self, x: Tensor | NormedRow, add_to: Tensor | None = None) -> Tensor | AddedRow:
-        if add_to is None and isinstance(x, Tensor) and isinstance(self.gate_up_proj, GemvLinear) \
-                and self.gate_up_proj.few_rows(x):  # a few rows: the activation in gate_up's epilogue
-            return self.down_proj(self.gate_up_proj.forward_then_silu_mul(x))
+        if isinstance(self.gate_up_proj, GemvLinear) and self.gate_up_proj.activates(x):
+            act = self.gate_up_proj.forward_then_silu_mul(x)  # the activation in gate_up's epilogue
+            return self.down_proj(act) if add_to is None else self.down_proj.forward_add_(act, add_to)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if add_to is not None:
             return self.down_proj.forward_add_(gate_up, add_to, act="silu_mul")

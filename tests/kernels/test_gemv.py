@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 from tandem.kernels.fused import silu_and_mul  # noqa: E402
 from tandem.kernels.gemv import (  # noqa: E402
-    RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config, gemv_qkv_rope, qkv_block_k)
+    RowNorm, _gemv_kernel, gemv, gemv_add_, gemv_config, gemv_gate_up, gemv_qkv_rope, qkv_block_k)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.test_fused import ulp_dist  # noqa: E402
 
@@ -71,6 +71,43 @@ def test_gemv_silu_mul_gives_the_unfused_bits(n, k, dtype):
     out = torch.full((1, n), float("nan"), dtype=dtype, device="cuda")
     gemv(gate_up, w, out=out, act="silu_mul")
     assert torch.equal(out, gemv(silu_and_mul(gate_up), w))
+
+
+def check_gate_up(n: int, k: int, dtype: torch.dtype, device: str, fp8: bool, norm: bool, bias: bool,
+                  config=None) -> None:
+    """gemv_gate_up (the activation in the gate | up GEMV's epilogue) gives the bits of
+    silu_and_mul after the plain GEMV at the same tile: with fp8 weights, the norm inside, a bias."""
+    from tandem.layers.quant import quantize_fp8
+
+    g = torch.Generator(device="cpu").manual_seed(n + 3 * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    w, s = quantize_fp8(w) if fp8 else (w, None)
+    rn = RowNorm((1 + 0.2 * torch.randn(k, generator=g)).to(device, dtype), 1e-5,
+                 (x.float() ** 2).sum().reshape(1).contiguous()) if norm else None
+    out = torch.full((1, n // 2), float("nan"), dtype=dtype, device=device)
+    assert gemv_gate_up(x, w, b, out=out, config=config, norm=rn, w_scale=s) is out
+    assert torch.equal(out, silu_and_mul(gemv(x, w, b, config=config, norm=rn, w_scale=s)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (16384, 2048), (17920, 1536), (9728, 896), (2002, 700)])
+@pytest.mark.parametrize("fp8,norm,bias", [(False, False, False), (False, True, True), (True, False, False),
+                                           (True, True, False)])
+def test_gemv_gate_up_gives_the_unfused_bits(n, k, dtype, fp8, norm, bias):
+    if fp8 and dtype == torch.float32:
+        pytest.skip("fp8 weights serve bf16 / fp16 models")
+    check_gate_up(n, k, dtype, "cuda", fp8, norm, bias)
+
+
+@interpret_mark(_gemv_kernel)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # (bf16: the interpreter truncates its casts)
+@pytest.mark.parametrize("n,k,config", [(48, 96, (8, 32, 4)), (26, 64, (4, 64, 4))])
+def test_gemv_gate_up_interpreter(n, k, config, dtype):
+    check_gate_up(n, k, dtype, "cpu", fp8=dtype == torch.float16, norm=n == 48, bias=n == 26, config=config)
 
 
 @pytest.mark.gpu
