@@ -88,7 +88,7 @@ def test_drafts_keep_to_the_constraint(models, greedy_ref, draft, method, way):
     each draft is masked before it is drawn ("round", a CPU's way) or the misfits are drawn again
     ("repair", a GPU's way); the same engine with the drafts proposed free of the grammar (as
     vLLM) drafts tokens the constraint rejects, and the target accepts fewer of its drafts."""
-    rates, kept, drafts = {}, {}, {}
+    rates, kept = {}, {}
     for aware in (way, None):
         llm = _llm(models, draft, method=method)
         llm.engine.grammar_drafting = aware
