@@ -548,14 +548,14 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     them, and not at all for 16384 rows and more (the gate | up projections, whose 224-280 column
     tiles fill the chip). Swept with _widen's asm (--w8 5,16, 24 tiles x splits; cuBLAS on bf16
     weights in brackets): the 8B's qkv 11.5 (15.4), o 9.9 (13.6), gate_up 33.1 (63.1), down 20.4 (32.3)
-    us at 5 rows, each within 0.1 us of the best tile but o (9.8) and qkv at 16 rows (within 0.1 too);
-    Qwen2.5 1.5B's gate_up 11.4 (17.5), down 10.1 (12.0). The splits swept under Triton's cast were 8,
-    8, 4, 8 (TANDEM_W8_SPLIT=cast); with the asm, 4 splits cost the 8B's gate_up 39.8 us against 33.1
-    unsplit, 8 its qkv 12.5 against 11.5 (the fp8 8B's k = 4 round at batch 1 6.84 -> 6.70 ms, its batch-8
-    decode step 3.34 -> 3.28, `bench/gpu_bench.py --env-ab TANDEM_W8_SPLIT=cast`). On Qwen2.5 1.5B's
-    K = 1536 the 384-column pieces give 4 splits (qkv
-    6.8 -> 6.6, o 6.7 -> 6.4 us against 512-column pieces, under the cast). The tile does not depend
-    on m (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
+    us and Qwen2.5 1.5B's gate_up 11.4 (17.5), down 10.1 (12.0) at 5 rows, each within 0.3 us of the
+    best tile at 5 and 16 rows but the 8B's o at 16 rows (9.7 against 9.0 unsplit on 32 x 256). The
+    splits swept under Triton's cast were 8, 8, 4, 8 (TANDEM_W8_SPLIT=cast); with the asm, 4 splits
+    cost the 8B's gate_up 39.8 us against 33.1 unsplit, 8 its qkv 12.5 against 11.5 (the fp8 8B's k = 4
+    round at batch 1 6.84 -> 6.70 ms, its batch-8 decode step 3.34 -> 3.28, `bench/gpu_bench.py --env-ab
+    TANDEM_W8_SPLIT=cast`). On Qwen2.5 1.5B's K = 1536 the 384-column pieces give 4 splits (qkv 6.8 ->
+    6.6, o 6.7 -> 6.4 us against 512-column pieces, under the cast). The tile does not depend on m
+    (BLOCK_M aside), so a row's bits do not either, from 1 to MAX_ROWS rows.
     More rows (--w8 40,64,160,512,2048): each pick within 1.3x of the best unsplit tile there, and
     most within 1.1x; up to 256 rows K is split until about two programs an SM are launched (at
     most 4 splits of at least 1024 columns each), but 33-64 rows of fewer than 16384 weight rows (a
@@ -563,7 +563,8 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
     least 128 columns; --w8 40 sweep of 9 splits x 4 tiles): the 8B's qkv / o / down 21.1 / 14.9 /
     34.6 us and Qwen2.5 1.5B's 7.9 / 7.7 / 16.9 against 24.0 / 15.5 / 37.5 and 13.6 / 13.7 / 20.4 at the
     earlier rule (cuBLAS on bf16 weights 16.7 / 14.2 / 34.3 and 5.8 / 5.5 / 12.6), all swept with Triton's
-    cast before _widen (which then took the 8B's 40-row down from 34.5 to 32.2 us); not re-swept since."""
+    cast before _widen; re-swept with it at 40 rows, each default is the best of 30 tiles or within 0.4 us
+    (the 8B's qkv / o / down 20.2 / 14.2 / 32.0 us, Qwen2.5 1.5B's down 15.0)."""
     if m <= MAX_ROWS:
         rule = _split_rule()
         if rule == "old":
