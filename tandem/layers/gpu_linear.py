@@ -205,12 +205,11 @@ class GemvLinear(nn.Module):
         than in the down projection's GEMV (model-dtype weights: each program redoes SiLU over its whole
         input) or the silu_and_mul kernel before it (fp8 weights): H200, `bench/gpu_bench.py --env-ab
         TANDEM_ROW_SILU=0`, the 8B's decode step 4.05 -> 4.01 ms (fp8 2.58 -> 2.54), a k = 4 round with the 1B
-        draft 8.14 -> 8.09 (fp8 target 6.73 -> 6.70). TANDEM_ROW_SILU: "all" (unset) or "fp8" (fp8 weights
-        only), "0" (never; an A/B switch)."""
-        mode = os.environ.get("TANDEM_ROW_SILU", "all")
-        if mode not in ("all", "fp8", "0"):
-            raise ValueError(f"TANDEM_ROW_SILU={mode!r}: expected all, fp8 or 0")
-        return mode == "all" or (mode == "fp8" and self.w8 is not None)
+        draft 8.14 -> 8.09 (fp8 target 6.73 -> 6.70). TANDEM_ROW_SILU=0 turns it off (an A/B switch)."""
+        mode = os.environ.get("TANDEM_ROW_SILU", "1")
+        if mode not in ("1", "0"):
+            raise ValueError(f"TANDEM_ROW_SILU={mode!r}: expected 1 (on, the default) or 0")
+        return mode == "1"
 
     def forward_then_silu_mul(self, x: Tensor | NormedRow) -> Tensor:
         """F.silu(gate) * up of this packed [gate | up] projection of x (`activates(x)`), the
