@@ -15,6 +15,8 @@ takes 1/num_splits of its request's keys (at least MIN_SPLIT_KEYS) and writes (a
 partials, which a second kernel merges. The number of splits with keys is decided on the device
 from seq_len, so a short context runs one split that writes the output itself and the merge
 exits at once: a captured graph serves every context length without paying for empty splits.
+(The last split to finish merging them itself, after an atomic count, saved no time against the
+merge kernel: H200, docs/benchmarks.md, forty-eighth run.)
 The grid comes from host-known bounds (num_reqs, max_q_len); programs past a request's real
 length exit, so the launch can be captured in a CUDA graph.
 """

@@ -26,7 +26,9 @@ and each small launch costs ~2-3 us of a ~4.3 ms 8B step):
 Every program re-reads and re-normalizes the whole input row, so the norm pays only where
 programs are few: H200, cold weights (bench/gpu_kernels.py --gemv-fused), 8B qkv 15.0 us against
 16.8 for rms_norm + GEMV, 1B qkv 6.1 against 6.8; on gate_up (7168 programs of 4 rows) it lost
-(62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel.
+(62.6 against 57.9 us; 58.7 with 8 rows a program), so the post-attention norm stays a kernel
+(written instead by the o projection's last program to finish, after an atomic count, it saved
+nothing: docs/benchmarks.md, forty-eighth run).
 With fp8 weights, act="silu_mul" costs more than its launch (a program of 4-16 one-byte rows
 redoes SiLU over its whole input: the 8B's down 21.2-37.0 us fused against 17.6 apart, H200,
 bench/gpu_kernels.py --gemv-fp8-fused), so GemvLinear runs the silu_and_mul kernel first there.
