@@ -15,10 +15,11 @@ gate_up 57.9 / 57.6, LM head 244.5 / 270.4; 1B gate_up 18.1 / 18.6, head 127.1 /
 epilogues save the launches after them (the qkv projection with the rotary and KV store inside:
 8B 18.8 against 19.5 us for cuBLAS and the rotary kernel, 1B 7.8 against 9.3); long-K layers
 lose (the 8B's down, K = 14336: 35.6 against 33.1 with cuBLAS's split-K) and stay on cuBLAS
-(tandem/layers/gpu_linear.py). A plain qkv projection (a model with q / k norms rotates after
-them, outside the GEMM) loses at the tile rows_config picks: 8B 18.1 against 15.7, 1B 7.5
-against 6.6; 64 x 128 with 4 stages matched cuBLAS there (15.7 / 7.2) but is not taken above 16
-rows until the bit-equality tests have run on a GPU at that tile. At 64 rows (a probe with the
+(tandem/layers/gpu_linear.py), at 2-16 rows too since the forty-ninth run (docs/benchmarks.md).
+A plain qkv projection (a model with q / k norms rotates after them, outside the GEMM) loses at
+the tile rows_config picks: 8B 18.1 against 15.7, 1B 7.5 against 6.6; 64 x 128 with 4 stages
+matched cuBLAS there (15.7 / 7.2) but is not taken above 16 rows until the bit-equality tests have
+run on a GPU at that tile. At 64 rows (a probe with the
 cap raised) every layer lost (8B down 44.5 / 36.1, gate_up 67.4 / 61.0), hence MAX_ROWS. In the
 engine at 32 requests (bench/gpu_bench.py --batches 32 --env-ab TANDEM_GEMM_ROWS=16, the old
 cap, in the same run): the 8B's decode step 5.13 -> 4.95 ms, a k = 4 round with the 1B draft

@@ -46,7 +46,7 @@ from tandem.layers.norm import fused_kernels_available
 
 FEW_ROWS = 32  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
 FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvLinear.few_rows)
-FEW_ROWS_LONG_K = 4096  # above 16 rows, layers with more inputs keep cuBLAS (its split-K wins there)
+FEW_ROWS_LONG_K = 4096  # model-dtype layers with more inputs keep cuBLAS (its split-K wins there)
 
 
 def _gemm_rows_cap() -> int:
@@ -57,6 +57,15 @@ def _gemm_rows_cap() -> int:
     except ValueError:
         raise ValueError(f"TANDEM_GEMM_ROWS={raw!r}: expected 0 (off), 1 (on) or a row cap such as 16") from None
     return FEW_ROWS if cap == 1 else cap
+
+
+def _long_k_rows() -> int:
+    """TANDEM_ROWS_LONG_K: the most rows a model-dtype layer of more than FEW_ROWS_LONG_K inputs
+    sends to gemm_rows; unset: 1 (none: cuBLAS's split-K from 2 rows); 16: the earlier rule (an A/B switch)."""
+    raw = os.environ.get("TANDEM_ROWS_LONG_K", "1")
+    if not raw.isdigit():
+        raise ValueError(f"TANDEM_ROWS_LONG_K={raw!r}: expected a row count such as 1 (the default) or 16")
+    return int(raw)
 
 
 def _fp8_rows_w8() -> bool:
@@ -134,19 +143,26 @@ class GemvLinear(nn.Module):
 
     def few_rows(self, x: Tensor) -> bool:
         """Whether x [n, in_features] takes the few-row tensor-core GEMM: bf16 / fp16, at least
-        FEW_ROWS_MIN_OUT outputs, and 2 <= n <= 16, or n <= 32 with at most FEW_ROWS_LONG_K inputs
-        and model-dtype weights.
+        FEW_ROWS_MIN_OUT outputs, and 2 <= n <= 32 with model-dtype weights of at most FEW_ROWS_LONG_K
+        inputs, or 2 <= n <= 16 with fp8 weights (any inputs).
         cuBLAS keeps the narrow layers: the 1B draft's o / down projections (2048 x 2048, 2048 x
         8192) ran 1.3 and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py
-        --sections verify). TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every
-        multi-row input, 1: on; an A/B switch)."""
+        --sections verify). It keeps the long-K ones too (the 8B's down, K = 14336: in the k = 4
+        verification graph its split-K GEMM and reduction took 30.3 us a layer against gemm_rows'
+        31.6; a k = 4 round with the 1B draft at batch 1 took 8.05-8.28 ms against 8.13-8.34 in four
+        A/Bs with TANDEM_ROWS_LONG_K=16, which restores gemm_rows up to 16 rows, and the 8B's batch-8
+        decode step 4.65-4.70 against 4.69-4.74: H200, docs/benchmarks.md, forty-ninth run).
+        TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every multi-row input, 1: on; an
+        A/B switch)."""
         n = x.shape[0] if x.dim() == 2 else 0
         if self.fp8_only:  # no cuBLAS weight to fall back on: every width, up to 32 rows
             return 2 <= n <= min(FEW_ROWS, _gemm_rows_cap()) and x.stride(-1) == 1
         if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
-        if n > 16 and (self.in_features > FEW_ROWS_LONG_K or self.w8 is not None):
+        if self.w8 is None and self.in_features > FEW_ROWS_LONG_K and n > _long_k_rows():
+            return False  # (cuBLAS's split-K: see above)
+        if n > 16 and self.w8 is not None:
             return False  # (fp8 weights at 17-32 rows: not measured; cuBLAS on the bf16 copy as before)
         return n <= _gemm_rows_cap()
 

@@ -21,10 +21,21 @@ def test_wide_layers_take_the_few_row_gemm_up_to_32_rows(rows, few):
     assert lin.one_row(x) is (rows == 1)
 
 
-def test_long_k_and_narrow_layers_keep_cublas_above_16_rows():
-    down = layer(4096, 14336)  # the 8B's down projection: cuBLAS's split-K wins at 17-32 rows
+def test_long_k_and_narrow_layers_keep_cublas(monkeypatch):
+    down = layer(4096, 14336)  # the 8B's down projection: cuBLAS's split-K wins
+    assert not down.few_rows(torch.zeros(2, 14336, dtype=torch.bfloat16))
+    assert not down.few_rows(torch.zeros(17, 14336, dtype=torch.bfloat16))
+    monkeypatch.setenv("TANDEM_ROWS_LONG_K", "16")  # the earlier rule (an A/B switch): gemm_rows up to 16 rows
     assert down.few_rows(torch.zeros(16, 14336, dtype=torch.bfloat16))
     assert not down.few_rows(torch.zeros(17, 14336, dtype=torch.bfloat16))
+    monkeypatch.setenv("TANDEM_ROWS_LONG_K", "many")
+    with pytest.raises(ValueError, match="TANDEM_ROWS_LONG_K"):
+        down.few_rows(torch.zeros(2, 14336, dtype=torch.bfloat16))
+    monkeypatch.delenv("TANDEM_ROWS_LONG_K")
+    assert layer(4096, 4096).few_rows(torch.zeros(5, 4096, dtype=torch.bfloat16))  # K = 4096 is not long
+    fp8 = GemvLinear(nn.Linear(14336, 4096, bias=False, dtype=torch.bfloat16), fp8=True)  # streams e4m3 bytes
+    assert fp8.few_rows(torch.zeros(16, 14336, dtype=torch.bfloat16))
+    assert not fp8.few_rows(torch.zeros(17, 14336, dtype=torch.bfloat16))
     narrow = layer(2048, 2048)  # the 1B's o projection
     assert not narrow.few_rows(torch.zeros(5, 2048, dtype=torch.bfloat16))
     assert not layer(6144, 4096).few_rows(torch.zeros(5, 4096, dtype=torch.float32))  # fp32: cuBLAS
