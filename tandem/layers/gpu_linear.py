@@ -149,7 +149,7 @@ class GemvLinear(nn.Module):
         8192) ran 1.3 and 3.4 us slower a call in gemm_rows at 6 rows (H200, bench/gpu_profile.py
         --sections verify). It keeps the long-K ones too (the 8B's down, K = 14336: in the k = 4
         verification graph its split-K GEMM and reduction took 30.3 us a layer against gemm_rows'
-        31.6; a k = 4 round with the 1B draft at batch 1 took 8.05-8.28 ms against 8.13-8.34 in four
+        31.6; a k = 4 round with the 1B draft at batch 1 took 8.05-8.28 ms against 8.12-8.34 in four
         A/Bs with TANDEM_ROWS_LONG_K=16, which restores gemm_rows up to 16 rows, and the 8B's batch-8
         decode step 4.65-4.70 against 4.69-4.74: H200, docs/benchmarks.md, forty-ninth run).
         TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every multi-row input, 1: on; an
