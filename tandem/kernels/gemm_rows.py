@@ -19,8 +19,8 @@ lose (the 8B's down, K = 14336: 35.6 against 33.1 with cuBLAS's split-K) and sta
 A plain qkv projection (a model with q / k norms rotates after them, outside the GEMM) loses at
 the tile rows_config picks: 8B 18.1 against 15.7, 1B 7.5 against 6.6; 64 x 128 with 4 stages
 matched cuBLAS there (15.7 / 7.2) but is not taken above 16 rows until the bit-equality tests have
-run on a GPU at that tile. At 64 rows (a probe with the
-cap raised) every layer lost (8B down 44.5 / 36.1, gate_up 67.4 / 61.0), hence MAX_ROWS. In the
+run on a GPU at that tile. At 64 rows (a probe with the cap raised) every layer lost (8B down
+44.5 / 36.1, gate_up 67.4 / 61.0), hence MAX_ROWS. In the
 engine at 32 requests (bench/gpu_bench.py --batches 32 --env-ab TANDEM_GEMM_ROWS=16, the old
 cap, in the same run): the 8B's decode step 5.13 -> 4.95 ms, a k = 4 round with the 1B draft
 11.76 -> 11.53 ms (the draft's loop step 1.37 -> 1.28 ms).
