@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +175,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                _is_int(t) or (isinstance(t, str) and t.lstrip("-").isdigit()) for t in self.logit_bias
+                _is_int(t) or is_int_text(t) for t in self.logit_bias
             ) or not all(_is_num(b) for b in self.logit_bias.values()):
                 raise RequestError(
                     f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: give a dict of token id -> bias"
@@ -272,6 +273,12 @@ class SamplingParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_int_text(x) -> bool:
+    """Whether x is the decimal text of an integer as JSON object keys carry token ids ("42", "-1"):
+    ASCII digits only (str.isdigit also takes "²", which int() refuses), at most 20 of them."""
+    return isinstance(x, str) and re.fullmatch(r"-?[0-9]{1,20}", x) is not None
 
 
 def _is_num(x) -> bool:

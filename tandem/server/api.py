@@ -35,7 +35,7 @@ from tandem.chat import template_kwargs
 from tandem.errors import ConfigError, RequestError
 from tandem.outputs import Logprob, RequestOutput
 from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format, reasoning_tag_tokens
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, is_int_text
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
 from tandem.server.fim import FimError, fim_prompt, fim_sentinels
 from tandem.server.metrics import ServerMetrics
@@ -407,7 +407,7 @@ class CompletionRenderer(_Renderer):
         if lps is not None:
             logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx],
                                            self.tokens_as_ids)
-            self.token_offset[idx] += sum(len(t) for t in logprobs.tokens)
+            self.token_offset[idx] += sum(len(_token_text(lp.get(t))) for t, lp in zip(token_ids, lps))
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
                                             stop_reason=stop)])
 
@@ -916,7 +916,7 @@ class OpenAIServer:
     def _params(self, body, fields: dict[str, str], prompt_param: str) -> SamplingParams:
         if body.logit_bias:
             for key in body.logit_bias:
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                if not is_int_text(key) or not 0 <= int(key) < self.vocab_size:
                     raise APIError(400, f"'logit_bias' key {key!r} is not a token id in [0, {self.vocab_size})",
                                    param="logit_bias")
         bad = [t for t in body.allowed_token_ids or [] if not 0 <= t < self.vocab_size]

@@ -485,6 +485,11 @@ def test_cors_docs_token_ids_and_prompt_tokens_details(model_dirs, live):
         ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True}
         ids, text = (s.post(C, json=ask).json()["choices"][0]["logprobs"] for s in (server, live))
         assert ids["text_offset"] == text["text_offset"] and ids["token_logprobs"] == text["token_logprobs"]
+        ask = {**ask, "echo": False}
+        streamed = [c.choices[0].logprobs for c in server.client.completions.create(**ask, stream=True)
+                    if c.choices and c.choices[0].logprobs]  # offsets count the tokens' texts, not their names
+        assert [o for lp in streamed for o in lp.text_offset] == live.post(C, json=ask).json()["choices"][0][
+            "logprobs"]["text_offset"]
         tok = live.llm.get_tokenizer()
         assert [tok.decode([int(t.removeprefix("token_id:"))]) for t in ids["tokens"]] == text["tokens"]
         assert all(all(k.startswith("token_id:") for k in top) for top in ids["top_logprobs"][1:])
@@ -997,6 +1002,9 @@ BAD_INPUTS = [
     ("presence-penalty", C, {"presence_penalty": 3}, 400, "presence_penalty"),
     ("seed", C, {"seed": 2**63}, 400, "seed"),
     ("logit-bias-key", C, {"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+    ("logit-bias-key-double-minus", C, {"logit_bias": {"--5": 1.0}}, 400, "logit_bias"),  # were 500s: int() refused
+    ("logit-bias-key-superscript", CH, {"logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias"),  # what isdigit() took
+    ("logit-bias-key-5000-digits", C, {"logit_bias": {"9" * 5000: 1.0}}, 400, "logit_bias"),
     ("logit-bias-value", C, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("empty-stop", C, {"stop": [""]}, 400, "stop"),
     ("suffix-without-fim-tokens", C, {"suffix": "x"}, 400, "suffix"),

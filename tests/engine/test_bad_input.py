@@ -438,9 +438,13 @@ def test_bad_sampling_params(kwargs, field):
 
 @pytest.mark.parametrize("kwargs,field", [(dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
                                           (dict(logit_bias={"a": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"--5": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"\u00b2": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"9" * 5000: 1.0}), "logit_bias"),
                                           (dict(logit_bias=[1]), "logit_bias"),
                                           (dict(allowed_token_ids=5), "allowed_token_ids")],
-                         ids=["stop=5", "stop_token_ids=5", "logit_bias-str-key", "logit_bias-list", "allowed=5"])
+                         ids=["stop=5", "stop_token_ids=5", "logit_bias-str-key", "logit_bias-double-minus",
+                              "logit_bias-superscript-digit", "logit_bias-5000-digits", "logit_bias-list", "allowed=5"])
 def test_malformed_sampling_params(kwargs, field):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**kwargs)
