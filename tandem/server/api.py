@@ -741,7 +741,7 @@ class OpenAIServer:
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
-                                    priority=body.priority)
+                                    next(iter(body.constraint_fields()), None), priority=body.priority)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -882,7 +882,8 @@ class OpenAIServer:
                                   reasoning=self.reasoning, include_reasoning=body.include_reasoning,
                                   **renderer_kwargs)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
-                                    body.max_tokens_field, "tools" if constraint is not None else None,
+                                    body.max_tokens_field,
+                                    "tools" if constraint is not None else next(iter(body.constraint_fields()), None),
                                     priority=body.priority, background=background)
 
     # ---------------------------------------------------------------- helpers
@@ -1002,8 +1003,8 @@ class OpenAIServer:
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
                         constraint_param: str | None = None, priority: int = 0,
                         background: BackgroundRun | None = None) -> Response:
-        """constraint_param: the field that set params' structured output, when not one of the
-        structured-output fields (a tool choice's: 'tools'); background: generate apart from this
+        """constraint_param: the field that set params' structured output ('tools' for a tool
+        choice's), named by the error when it does not compile; background: generate apart from this
         request (a Responses renderer's run), which is answered at once: the response queued, or
         its events as they come (the client going away does not stop it)."""
         await self._off_loop(self._truncate, prompts, params)
@@ -1082,8 +1083,10 @@ class OpenAIServer:
                 self.client.release(s)
             if isinstance(e, RequestError):
                 if constraint_param is not None and str(e).startswith("StructuredOutputsParams."):
-                    raise APIError(400, f"'{constraint_param}': a function's 'parameters' is not a JSON schema "
-                                   f"tandem can hold the output to: {e}", param=constraint_param) from None
+                    what = ("a function's 'parameters' is not a JSON schema" if constraint_param == "tools"
+                            else "not a constraint")
+                    raise APIError(400, f"'{constraint_param}': {what} tandem can hold the output to: {e}",
+                                   param=constraint_param) from None
                 raise request_error(e, {}, prompt_param) from None
             raise
         return streams

@@ -177,12 +177,18 @@ class _SamplingRequest(_Request):
             watermarking=self.watermarking,
         )
 
+    def constraint_fields(self) -> list[str]:
+        """The fields that constrain the output, in the order they are checked. A guided_* field
+        counts once given at all (an empty choice list or regex is refused by name, not taken as
+        unset); an empty structured_outputs or a "text" response_format constrains nothing."""
+        return [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                if (getattr(self, name) is not None if name in GUIDED_FIELDS else not _unset(getattr(self, name)))
+                and not (name == "response_format" and self.response_format.get("type", "text") == "text")]
+
     def structured(self) -> StructuredOutputsParams | None:
         """The request's output constraint; RequestError naming the field for a malformed one, or
         for two of them."""
-        given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                 if not _unset(getattr(self, name))
-                 and not (name == "response_format" and self.response_format.get("type", "text") == "text")]
+        given = self.constraint_fields()
         if self.guided_decoding_backend not in (None, *GUIDED_BACKENDS):
             raise RequestError(f"SamplingParams.guided_decoding_backend={self.guided_decoding_backend!r} is invalid: "
                                f"tandem's structured outputs run on llguidance; give one of {list(GUIDED_BACKENDS)} "

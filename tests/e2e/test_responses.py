@@ -225,6 +225,8 @@ def test_json_schema_format_and_logprobs(live):
     (dict(tool_choice={"type": "web_search"}, tools=[FLAT_WEATHER]), "tool_choice", "'tool_choice' must be"),
     (dict(text={"format": "json"}), "text.format", "must be an object"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": "{}"}}), "text.format.schema", "schema"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}), "text.format",
+     "'text.format': not a constraint"),
     (dict(tools=[{"type": "function", "parameters": {}}]), "tools.0.name", "'tools.0.name' is required"),
     (dict(max_output_tokens=-1), "max_output_tokens", "max_output_tokens=-1 is invalid"),
     (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "/v1/completions"),

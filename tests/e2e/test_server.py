@@ -1057,6 +1057,15 @@ BAD_INPUTS = [
      "guided_decoding_backend"),
     ("structured-outputs-field", C, {"structured_outputs": {"regexp": "a"}}, 400, "structured_outputs"),
     ("structured-outputs-choice", C, {"structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+    ("guided-choice-empty", C, {"guided_choice": []}, 400, "guided_choice"),  # was taken as unset
+    ("guided-regex-empty", CH, {"guided_regex": ""}, 400, "guided_regex"),
+    # constraints the grammar compiler refuses, named by the field that carried them
+    ("guided-regex-compile", C, {"guided_regex": "("}, 400, "guided_regex"),
+    ("guided-json-compile", CH, {"guided_json": "{not json"}, 400, "guided_json"),
+    ("guided-grammar-compile", C, {"guided_grammar": "nonsense ::= ::="}, 400, "guided_grammar"),
+    ("structured-outputs-compile", C, {"structured_outputs": {"json": "{bad"}}, 400, "structured_outputs"),
+    ("response-format-compile", CH, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format"),
     ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("chat-template-untrusted", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
     ("continue-and-generation-prompt", CH, {"continue_final_message": True}, 400, "continue_final_message"),
