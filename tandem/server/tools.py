@@ -167,8 +167,10 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
     """Hermes-style calls (Qwen2.5's template asks for them): `<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>` blocks, the last one possibly unclosed (the model stopped at
     its end-of-turn token). Returns (the text before the first block, None if blank; the calls,
-    their arguments in json.dumps's layout). A block that is not such an object makes the whole
-    text content and no call (vLLM's rule)."""
+    their arguments in json.dumps's layout). A first block that is not such an object makes the
+    whole text content and no call (vLLM's rule); a later one ends the calls, its text and what
+    follows dropped as after the last block, so the reply holds the calls a stream of it has sent
+    (vLLM's whole-reply parser drops them all, though its stream sent them)."""
     start = text.find(_HERMES_START)
     if start < 0:
         return text, []
@@ -177,11 +179,13 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
         try:
             obj = json.loads(closed or unclosed)
         except ValueError:
-            return text, []
+            break
         arguments = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(arguments, dict):
-            return text, []
+            break
         calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return text, []
     content = text[:start]
     return (content if content.strip() else None), calls
 
@@ -460,7 +464,9 @@ class ToolStream:
     """One streamed choice's text -> its deltas under a ToolChoice. feed(text) takes each new piece
     of the choice's text; finish() the choice's end. The deltas carry what the whole response
     would: the content before the calls (held back where a call may begin), then each call, its id
-    and name once its head is read and its arguments as they are written."""
+    and name once its head is read and its arguments as they are written. One exception: a call
+    begun and then cut short (max_tokens) or broken stays as sent, where the whole response, which
+    cannot parse it, holds the text as content."""
 
     choice: ToolChoice
     text: str = ""
@@ -488,10 +494,13 @@ class ToolStream:
         if self.choice.mode == "named":
             return self._arguments()
         content, self.calls = self.choice.parse(self.text)
-        if not self.calls:  # plain text after all: whatever was held back is content
+        streamed = len(self.scan.done) + (self.scan.open is not None)
+        if not self.calls:
+            if streamed:  # a call already begun (its id and name sent), then cut short (max_tokens) or broken:
+                return None  # it stays as sent, and the content before it was sent whole (vLLM's stream does so)
+            # plain text after all: whatever was held back is content
             return DeltaMessage(content=self.text[self.sent:]) if self.sent < len(self.text) else None
         rest = content[self.sent:] if content is not None and len(content) > self.sent else None
-        streamed = len(self.scan.done) + (self.scan.open is not None)
         calls = [DeltaToolCall(index=i, id=random_id("chatcmpl-tool"), type="function",
                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
                  for i, c in enumerate(self.calls) if i >= streamed]  # those written in another order

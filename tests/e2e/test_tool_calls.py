@@ -28,8 +28,11 @@ def test_parse_hermes():
     assert content is None and _calls(calls) == [("f", {})]
     for text in ("plain text", CALL.replace('"x": 1', '"x": '), '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>["f"]</tool_call>',
-                 "x " + CALL + '<tool_call>{"name": "g"', ):
-        assert parse_hermes(text) == (text, []), text  # any block that is not a call: all of it is content
+                 '<tool_call>{"name": "g"' + CALL):
+        assert parse_hermes(text) == (text, []), text  # a first block that is not a call: all of it is content
+    for bad in ('<tool_call>{"name": "g"', "\n<tool_call>\nnot json</tool_call>", "<tool_call>[1]</tool_call>" + CALL):
+        # a later one ends the calls (a stream has sent those before it), dropped as text after the last block is
+        assert parse_hermes("x " + CALL + bad) == ("x ", parse_hermes(CALL)[1]), bad
 
 
 LLAMA_CALL = '{"name": "f", "parameters": {"x": 1, "s": "é"}}'
@@ -122,7 +125,8 @@ def test_streamed_auto_choice_equals_the_whole_reply(size):
     two = "Sure, checking.\n" + CALL + "\n" + CALL.replace('"x": 1', '"x": {"y": "}]\\"{"}')
     reordered = '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>'  # parsed, sent whole at the end
     for text in (two, "\n\n" + CALL, reordered, CALL + reordered, reordered + CALL, reordered * 5 + CALL,
-                 "no call, only a <tool", "a <tool_call> that breaks"):
+                 "no call, only a <tool", "a <tool_call> that breaks", CALL + "\n<tool_call>\nnot json</tool_call>",
+                 "Sure. " + CALL + '<tool_call>{"name": "g"'):
         want_content, want_calls = auto.parse(text)
         content, calls, deltas = _stream(auto, text, size)
         assert content == (want_content or ""), (text, size)
@@ -136,6 +140,11 @@ def test_streamed_auto_choice_equals_the_whole_reply(size):
         assert sum(1 for d in _stream(auto, two, size)[2] if d.tool_calls) > 10
     one = ToolChoice("auto", parallel=False, parser="hermes")
     assert len(one.parse(CALL + CALL)[1]) == 1 and len(_stream(one, CALL + CALL, size)[1]) == 1
+    # A call begun (its name sent) and then cut short by max_tokens stays as sent: the whole reply, which
+    # cannot parse it, is its text as content, but the stream does not send that text again as content.
+    cut = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1, "s'
+    assert auto.parse(cut) == (cut, [])
+    assert _stream(auto, cut, size)[:2] == ("Sure. ", [("f", '{"x": 1, "s')])
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
