@@ -475,14 +475,15 @@ class Scheduler:
             req.per_step_drafted.append(num_drafts)
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | str | None] | None:
-        """The length cap first, then stop tokens: a stop token that is also the last one allowed
-        finishes with "length", as in vLLM."""
+        """The length cap first, then EOS, then stop tokens, as in vLLM: a stop token that is also the
+        last one allowed finishes with "length", an EOS token also listed in stop_token_ids with no
+        stop_reason."""
         num_out = len(req.output_token_ids)
         if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             return "length", None
         if num_out >= req.params.min_tokens:
-            if token in req.params.stop_token_ids:
-                return "stop", token
             if not req.params.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
+            if token in req.params.stop_token_ids:
+                return "stop", token
         return None

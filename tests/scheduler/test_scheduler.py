@@ -662,7 +662,8 @@ def scripted(script: dict[int, list[int]]):
 def test_finish_reasons():
     h = Harness(SchedCfg(max_model_len=20),
                 token_fn=scripted({1: [5, EOS, 6], 2: [5, EOS, 6, 7], 3: [5, 77, 6], 4: [EOS, EOS, EOS, EOS],
-                                   5: [77, 77, 77, 77], 6: [5, 5, EOS], 7: [5, EOS], 8: [5, 77]}))
+                                   5: [77, 77, 77, 77], 6: [5, 5, EOS], 7: [5, EOS], 8: [5, 77], 9: [5, EOS],
+                                   10: [5, EOS]}))
     length = h.add(prompt(4), max_tokens=3)
     eos = h.add(prompt(4), max_tokens=10)
     ignore = h.add(prompt(4), max_tokens=4, ignore_eos=True)
@@ -672,6 +673,8 @@ def test_finish_reasons():
     max_len = h.add(prompt(15), max_tokens=100, eos=())  # max_model_len=20 caps it at 5 outputs
     eos_at_max = h.add(prompt(4), max_tokens=2)  # a stop token that is also the last allowed: "length" (vLLM)
     stop_at_max = h.add(prompt(4), max_tokens=2, stop_token_ids=[77])
+    eos_listed = h.add(prompt(4), max_tokens=10, stop_token_ids=[EOS])  # EOS first: no stop_reason (vLLM)
+    eos_listed_ignored = h.add(prompt(4), max_tokens=10, stop_token_ids=[EOS], ignore_eos=True)
     h.run()
     assert (length.finish_reason, length.stop_reason, len(length.output_token_ids)) == ("length", None, 3)
     assert (eos.finish_reason, eos.stop_reason, eos.output_token_ids) == ("stop", None, [5, EOS])
@@ -683,6 +686,8 @@ def test_finish_reasons():
     assert max_len.finish_reason == "length" and max_len.num_tokens == 20 and len(max_len.output_token_ids) == 5
     assert (eos_at_max.finish_reason, eos_at_max.stop_reason, eos_at_max.output_token_ids) == ("length", None, [5, EOS])
     assert (stop_at_max.finish_reason, stop_at_max.stop_reason, stop_at_max.output_token_ids) == ("length", None, [5, 77])
+    assert (eos_listed.finish_reason, eos_listed.stop_reason) == ("stop", None)
+    assert (eos_listed_ignored.finish_reason, eos_listed_ignored.stop_reason) == ("stop", EOS)
     h.check_no_leaks()
 
 
