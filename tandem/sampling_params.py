@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -198,8 +199,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "it must be an integer >= 1")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if not _is_num(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "it must be finite and >= 0 (0 means greedy)")
         if self.temperature == 0 and self.n > 1:  # vLLM's rule: n copies of one greedy output
             raise bad("n", "greedy sampling (temperature 0) gives one output: set n=1, or a temperature > 0")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -208,8 +209,8 @@ class SamplingParams:
             raise bad("top_k", "it must be an integer >= -1; use 0 or -1 to disable")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "it must be in [0, 1]; use 0 to disable")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "it must be > 0; use 1 to disable")
+        if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "it must be finite and > 0; use 1 to disable")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_num(value) or not -2 <= value <= 2:
@@ -247,7 +248,8 @@ class SamplingParams:
             raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise bad("logit_bias", "biases must be in [-100, 100]")
-        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "ignore_eos",
+                     "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "it must be True or False")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):

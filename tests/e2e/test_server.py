@@ -996,6 +996,7 @@ BAD_INPUTS = [
     ("max-tokens-bool", C, {"max_tokens": True}, 400, "max_tokens"),
     ("prompt-type", C, {"prompt": 12}, 400, "prompt"),
     ("temperature", C, {"temperature": -0.5}, 400, "temperature"),
+    ("temperature-infinite", C, b'{"model": "tiny-spec", "prompt": "x", "temperature": Infinity}', 400, "temperature"),
     ("top-p", C, {"top_p": 1.5}, 400, "top_p"),
     ("n-zero", C, {"n": 0}, 400, "n"),
     ("logprobs", C, {"logprobs": 21}, 400, "logprobs"),

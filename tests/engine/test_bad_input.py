@@ -421,6 +421,10 @@ BAD_PARAMS = [
     (dict(n=2.0), "n"),
     (dict(n=2, temperature=0), "n"),
     (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(temperature=float("inf")), "temperature"),  # was taken: masked logits became NaN, masks ignored
+    (dict(ignore_eos="no"), "ignore_eos"),  # was read as True
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logit_bias={5: 101.0}), "logit_bias"),
