@@ -33,7 +33,13 @@ def text_message(message: dict) -> dict:
     """The message as chat templates take it (vLLM's preparation): OpenAI-style content parts joined
     into its text by newlines (other part types are refused), and an assistant message's tool-call
     arguments, JSON text in OpenAI's format, parsed into the object templates print."""
+    if not isinstance(message, dict):
+        raise RequestError(f"a message must be a dict with 'role' and 'content'; got {type(message).__name__}")
+    if not isinstance(message.get("role"), str) or not message["role"]:
+        raise RequestError(f"a message's role {message.get('role')!r} is invalid: give a string such as 'user'")
     content = message.get("content")
+    if not (content is None or isinstance(content, (str, list))):
+        raise RequestError(f"a message's content {content!r} is invalid: give a string, a list of text parts or None")
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                    for part in content):

@@ -325,7 +325,7 @@ def check_dtype_name(dtype: str | torch.dtype, field_name: str = "dtype") -> Non
     if isinstance(dtype, torch.dtype):
         ok = dtype in (torch.float32, torch.bfloat16, torch.float16)
     else:
-        ok = dtype == "auto" or dtype in DTYPE_NAMES
+        ok = isinstance(dtype, str) and (dtype == "auto" or dtype in DTYPE_NAMES)
     if not ok:
         raise ConfigError(f"{field_name}={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
 

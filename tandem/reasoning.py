@@ -118,7 +118,7 @@ def reasoning_format(name: str | None) -> ReasoningFormat | None:
     """The parser of that name (None: none); ValueError listing the names for another."""
     if name is None:
         return None
-    if name not in REASONING_PARSERS:
+    if not isinstance(name, str) or name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={name!r} is not supported; use one of {sorted(REASONING_PARSERS)} "
                          "or leave it out")
     return REASONING_PARSERS[name]

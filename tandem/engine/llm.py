@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -158,8 +159,13 @@ class LLM:
         if tokenizer_mode != "auto":
             raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
                               "model's Hugging Face tokenizer)")
-        if not isinstance(trust_remote_code, bool):
-            raise ConfigError(f"trust_remote_code={trust_remote_code!r} must be True or False")
+        for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
+                           ("enforce_eager", enforce_eager)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}={flag!r} must be True or False")
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
+                              "model's own")
         check_dtype_name(dtype)  # before a model is fetched or converted for it
 
         dev = resolve_device(device)
@@ -241,7 +247,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 gpu_memory_utilization=float(gpu_memory_utilization),
-                enable_prefix_caching=bool(enable_prefix_caching),
+                enable_prefix_caching=enable_prefix_caching,
                 num_blocks=num_gpu_blocks_override,
                 cache_dtype=kv_cache_dtype,
             ),
@@ -259,7 +265,7 @@ class LLM:
             reasoning_parser=reasoning_parser,
             structured_outputs_in_reasoning=in_reasoning,
             per_request_spec_decode_metrics=per_request_spec_decode_metrics,
-            extra={"enforce_eager": bool(enforce_eager), "max_cudagraph_tokens": max_cudagraph_tokens},
+            extra={"enforce_eager": enforce_eager, "max_cudagraph_tokens": max_cudagraph_tokens},
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)
         if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
@@ -342,6 +348,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise RequestError(f"sampling_params must be a SamplingParams, a list of them (one per prompt) or "
+                                   f"None (the model's defaults), got {type(sampling_params).__name__}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise RequestError(
@@ -402,8 +411,8 @@ class LLM:
                 raise RequestError(f"chat(): {e}") from None
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-            except ValueError as e:
-                raise RequestError(f"chat template could not be applied: {e}") from None
+            except Exception as e:  # jinja's errors, a template's raise_exception, bad tools: the template's input
+                raise RequestError(f"chat template could not be applied: {type(e).__name__}: {e}") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -296,6 +296,12 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(dtype="fp8"), "dtype"),
         (dict(dtype=torch.float64), "dtype"),
         (dict(dtype=torch.int8), "dtype"),
+        (dict(dtype=["auto"]), "dtype"),  # was a bare TypeError (unhashable)
+        (dict(speculative_config={"model": "d", "num_speculative_tokens": 2, "dtype": {}}), "dtype"),
+        (dict(reasoning_parser=["qwen3"]), "reasoning_parser"),
+        (dict(tokenizer=5), "tokenizer"),
+        (dict(enable_prefix_caching="no"), "enable_prefix_caching"),  # was read as True
+        (dict(enforce_eager="no"), "enforce_eager"),
         (dict(device="tpu"), "device"),
         (dict(max_model_len=1024), "max_model_len"),  # max_position_embeddings is 512
         (dict(max_model_len=0), "max_model_len"),
@@ -515,6 +521,19 @@ def test_chat_takes_message_dicts(llm):
     for bad in ("hello", ["hello"], [[{"content": "no role"}]]):
         with pytest.raises(RequestError, match="conversation"):
             llm.chat(bad, GREEDY, use_tqdm=False)
+    for bad, match in (({"role": None, "content": "x"}, "role None"), ({"role": "user", "content": 5}, "content 5")):
+        with pytest.raises(RequestError, match=match):  # were rendered as they were
+            llm.chat([bad], GREEDY, use_tqdm=False)
+
+
+def test_chat_template_errors_are_request_errors(llm):
+    """A template that does not parse, raises, or reads past the messages: a RequestError, not jinja's."""
+    ok = [{"role": "user", "content": "hi"}]
+    for template, match in (("{% for %}", "TemplateSyntaxError"), ("{{ raise_exception('no') }}", "no"),
+                            ("{{ messages[5].content }}", "Undefined")):
+        with pytest.raises(RequestError, match=match):
+            llm.chat(ok, GREEDY, use_tqdm=False, chat_template=template)
+    assert_idle(llm)
 
 
 def test_bool_token_id(llm):
@@ -532,8 +551,9 @@ def test_mismatched_number_of_sampling_params(llm):
 
 
 def test_sampling_params_of_the_wrong_type(llm):
-    with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
-        llm.generate([{"prompt_token_ids": [5, 6]}], [{"temperature": 0}], use_tqdm=False)
+    for bad in ([{"temperature": 0}], 5, {"temperature": 0}):  # 5 was a bare TypeError (not iterable)
+        with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
+            llm.generate([{"prompt_token_ids": [5, 6]}], bad, use_tqdm=False)
     assert_idle(llm)
 
 
