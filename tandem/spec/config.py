@@ -27,7 +27,8 @@ MAX_TREE_DEPTH = 256
 MAX_CORPUS_TOKENS = 1 << 24
 # Keys that configure a draft model, refused with a lookup method when set (their defaults pass)
 DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_parallel_size", "draft_vocab_size",
-                    "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager")
+                    "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager",
+                    "seed", "draft_load_format")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
@@ -184,11 +185,11 @@ class SpeculativeConfig:
         if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be a positive integer "
                               "(1, or the target's tensor_parallel_size), or None for the target's")
+        cls._refuse_unknown(spec)  # first: a misspelt key is named as such, not as a missing one
         if "num_speculative_tokens" not in spec:
             raise ConfigError("speculative_config.num_speculative_tokens is required (the number of drafts k)")
         if not spec.get("model"):
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
-        cls._refuse_unknown(spec)
         rates = spec.get("synthetic_acceptance_rates")
         if rates is not None:
             if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
@@ -224,12 +225,12 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.model={model!r} is not used by method={method!r}, which proposes "
                               "from tokens seen before; leave model out (or pass method='draft_model' to draft with it)")
         spec["method"] = method
+        cls._refuse_unknown(spec)
         if "num_speculative_tokens" not in spec:
             why = "; vLLM's default for suffix lookup, the tree depth (24), would have a GPU capture verification " \
                   "graphs for each of 1..24 drafts, so tandem asks (its benchmarks use 4 and 8)" if method == "suffix" else ""
             raise ConfigError(f"speculative_config.num_speculative_tokens is required (the most tokens a lookup "
                               f"proposes){why}")
-        cls._refuse_unknown(spec)
         for key in DRAFT_MODEL_KEYS:
             field = cls.__dataclass_fields__[key]
             if key in spec and spec[key] != field.default:
@@ -239,6 +240,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config.draft_sample_method={spec['draft_sample_method']!r}: a lookup "
                               "has no draft distribution to sample; its drafts are verified as greedy ones (use "
                               "'greedy' or leave it out)")
+        if spec.get("rejection_sample_method") not in (None, "standard", "block", "synthetic"):
+            _one_of("rejection_sample_method", spec["rejection_sample_method"], ("standard", "block"))
         for key in ("rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length"):
             if spec.get(key) not in (None, "standard", "block"):
                 raise ConfigError(f"speculative_config.{key}={spec[key]!r}: synthetic acceptance measures a draft "
@@ -283,6 +286,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
+        if k >= target_max_model_len:
+            raise ConfigError(f"speculative_config.num_speculative_tokens={k} must be below max_model_len="
+                              f"{target_max_model_len}: a request's context holds its drafts while they are verified")
         _one_of("method", self.method, METHODS)
         _one_of("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _one_of("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
@@ -304,7 +310,7 @@ class SpeculativeConfig:
                 raise ConfigError(
                     f"speculative_config.synthetic_acceptance_rates has {len(rates)} entries; it needs k={k}"
                 )
-            if any(not isinstance(r, (int, float)) or not 0 <= r <= 1 for r in rates):
+            if any(not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1 for r in rates):
                 raise ConfigError(f"speculative_config.synthetic_acceptance_rates={list(rates)} must lie in [0, 1]")
             if any(b > a for a, b in zip(rates, rates[1:])):
                 raise ConfigError(
@@ -331,7 +337,8 @@ class SpeculativeConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"speculative_config.seed={self.seed!r} must be an integer in [0, {MAX_SEED}]")
         check_dtype_name(self.dtype, "speculative_config.dtype")
-        if length is not None and (not isinstance(length, (int, float)) or not 1 <= length <= k + 1):
+        if length is not None and (not isinstance(length, (int, float)) or isinstance(length, bool)
+                                   or not 1 <= length <= k + 1):
             raise ConfigError(f"speculative_config.synthetic_acceptance_length={length!r} must be in [1, k+1={k + 1}]")
         size = self.draft_vocab_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):

@@ -23,6 +23,7 @@ def cfg(**kw):
         (dict(num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
         (dict(num_speculative_tokens=True), "num_speculative_tokens"),
+        (dict(num_speculative_tokens=128), "num_speculative_tokens=128 must be below max_model_len=128"),
         (dict(method="eagle"), "method"),
         (dict(draft_sample_method="nucleus"), "draft_sample_method"),
         (dict(rejection_sample_method="typical"), "rejection_sample_method"),
@@ -36,6 +37,8 @@ def cfg(**kw):
         (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.5, 0.6, 0.1]), "non-increasing"),
         (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=4.5), "synthetic_acceptance_length"),
         (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=0.5), "synthetic_acceptance_length"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=True), "synthetic_acceptance_length"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[True] * 3), "[0, 1]"),
         (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=2.0,
               synthetic_acceptance_rates=[1, 1, 0]), "exactly one"),
         (dict(max_model_len=256), "max_model_len"),
@@ -77,6 +80,8 @@ def test_missing_required_keys():
         SpeculativeConfig.from_user({"num_speculative_tokens": 2}, 128)
     with pytest.raises(ConfigError, match="dict or SpeculativeConfig"):
         SpeculativeConfig.from_user("draft", 128)
+    with pytest.raises(ConfigError, match=r"unknown keys \['modle'\]"):  # a misspelt key named, not "model is required"
+        SpeculativeConfig.from_user({"modle": "x", "num_speculative_tokens": 2}, 128)
 
 
 def test_vllm_keys_that_ask_for_nothing_more():

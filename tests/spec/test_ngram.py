@@ -93,12 +93,19 @@ def test_config_defaults_aliases_and_errors():
         ({"draft_confidence_threshold": 0.5}, "draft_confidence_threshold"),
         ({"bogus": 1}, "unknown keys"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"num_speculative_tokens": 512}, "must be below max_model_len=512"),
+        ({"rejection_sample_method": "bogus"}, r"rejection_sample_method='bogus' is not supported; use one of "
+                                               r"\['standard', 'block'\]"),  # not the synthetic message
+        ({"seed": 3}, "speculative_config.seed=3 configures a draft model"),  # were taken silently
+        ({"draft_load_format": "dummy"}, "draft_load_format='dummy' configures a draft model"),
     ]
     for extra, words in bad:
         with pytest.raises(ConfigError, match=words):
             SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2, **extra}, 512)
     with pytest.raises(ConfigError, match="num_speculative_tokens is required"):
         SpeculativeConfig.from_user({"method": "ngram"}, 512)
+    with pytest.raises(ConfigError, match=r"unknown keys \['num_speculative_token'\]"):  # before "is required"
+        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_token": 3}, 512)
     with pytest.raises(ConfigError, match="prompt_lookup_max sets n-gram lookup"):
         SpeculativeConfig.from_user({"model": "/x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, 512)
 
