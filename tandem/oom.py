@@ -1,4 +1,4 @@
-"""GPU out-of-memory as a ConfigError that names the setting to change.
+"""Out-of-memory (GPU, and the host's for CPU engines) as a ConfigError that names the setting to change.
 
 Start-up allocates in four places that a configuration can overrun: the weights (the model and
 its dtype), the profiling forward (max_num_batched_tokens), the KV pool (its budget's setting)
@@ -8,13 +8,16 @@ device has, and the fix. The failed step's tensors are released before it is rai
 finished frames of the error's traceback are cleared and the allocator's cache emptied), so a
 process that catches it can go on, or retry with other settings, without a restart.
 
-`check_weights_fit` refuses weights that cannot fit before a byte is allocated. A step that runs
+`check_weights_fit` refuses weights that cannot fit before a byte is allocated, `check_host_fits`
+a CPU engine's buffers larger than the machine's memory (which Linux would grant, then kill the
+process for touching); on a CPU the guard takes the host allocator's error too. A step that runs
 out of memory later, while serving, is the engine's StepError (tandem/engine/engine.py), whose
 message names the same settings; `release_failed_step` frees what it held.
 """
 from __future__ import annotations
 
 import gc
+import os
 import traceback
 
 import torch
@@ -45,6 +48,25 @@ def check_weights_fit(num_bytes: int, device: torch.device, what: str, fix: str)
         raise ConfigError(f"{what}: the weights need {_gib(num_bytes)}, the GPU has {device_memory(device)}; {fix}")
 
 
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_fits(num_bytes: int, what: str, fix: str) -> None:
+    """Raise ConfigError when num_bytes exceed the machine's physical memory."""
+    total = host_memory_bytes()
+    if total is not None and num_bytes > total:
+        raise ConfigError(f"{what} needs {_gib(num_bytes)}, more than this machine's {_gib(total)} of memory; {fix}")
+
+
+def _host_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
 class OutOfMemoryGuard:
     """`with OutOfMemoryGuard(device, doing, fix):` turns a CUDA out-of-memory error in the body into
     ConfigError(f"{doing} ran out of GPU memory (...); {fix}"), after releasing what the body held."""
@@ -56,11 +78,17 @@ class OutOfMemoryGuard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None or not issubclass(exc_type, torch.OutOfMemoryError):
+        if exc_type is None:
+            return
+        if issubclass(exc_type, torch.OutOfMemoryError):
+            where = "GPU memory"
+        elif _host_out_of_memory(exc):
+            where = "host memory"
+        else:
             return
         memory = release_failed_step(exc, self.device)
         del exc, tb
-        raise ConfigError(f"{self.doing} ran out of GPU memory{memory}; {self.fix}") from None
+        raise ConfigError(f"{self.doing} ran out of {where}{memory}; {self.fix}") from None
 
 
 def release_failed_step(exc: BaseException, device: torch.device) -> str:

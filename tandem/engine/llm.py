@@ -35,6 +35,7 @@ from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.layers.quant import QUANTIZATIONS
 from tandem.models.loader import load_model
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
+from tandem.oom import check_host_fits
 from tandem.outputs import RequestOutput
 from tandem.parallel.group import TPGroup, backend_for, host_store
 from tandem.parallel.shard import check_shardable
@@ -46,6 +47,13 @@ from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict
+
+
+# Bytes one slot of max_num_seqs takes at least, on the host whatever the device (the scheduler's
+# and the sampler's per-slot lists and buffers; block tables and a speculator's buffers add more):
+# a count whose slots alone exceed the machine's memory is refused up front (Linux would grant
+# the allocations, then kill the process for touching them).
+SLOT_HOST_BYTES = 1024
 
 
 class LLM:
@@ -94,6 +102,8 @@ class LLM:
         tensor-parallel engine (tandem/parallel/workers.py); not for callers."""
         launch = {name: value for name, value in locals().items() if name not in ("self", "_rank")}
         _check_positive_int("max_num_seqs", max_num_seqs)
+        check_host_fits(max_num_seqs * SLOT_HOST_BYTES, f"max_num_seqs={max_num_seqs} (its per-request slots)",
+                        "lower max_num_seqs")
         _check_positive_int("block_size", block_size)
         if max_num_batched_tokens is not None:
             _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)

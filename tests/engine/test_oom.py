@@ -45,3 +45,30 @@ def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch):
                             "80.0 GiB (other processes hold 70.0 GiB); use a smaller model, or a smaller dtype")
     check_weights_fit(8 * GiB, cuda, "model='small'", "-")  # fits
     check_weights_fit(1 << 50, torch.device("cpu"), "model='big'", "-")  # host memory is not checked
+
+
+def test_host_out_of_memory_becomes_a_config_error():
+    """A CPU engine: the host allocator's refusal is the same ConfigError; other RuntimeErrors pass."""
+    with pytest.raises(ConfigError, match=r"^allocating the KV cache \(9 blocks\) ran out of host memory; lower k$"):
+        with OutOfMemoryGuard(torch.device("cpu"), "allocating the KV cache (9 blocks)", "lower k"):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 1000000000000000 bytes. Error code 12")
+    with pytest.raises(RuntimeError, match="shape"):
+        with OutOfMemoryGuard(torch.device("cpu"), "doing", "fix"):
+            raise RuntimeError("shape mismatch")
+
+
+def test_cpu_settings_beyond_the_machines_memory_are_refused(tmp_path):
+    """Sizes Linux would grant and then kill the process for touching: refused up front, by name."""
+    from tandem import LLM
+    from tandem.oom import host_memory_bytes
+    from tests.helpers import make_hf_model
+
+    if host_memory_bytes() is None:
+        pytest.skip("the OS does not report its memory")
+    model = str(make_hf_model(tmp_path / "m", seed=0))
+    for kwargs, name in ((dict(kv_cache_memory_bytes=1 << 60), "kv_cache_memory_bytes"),
+                         (dict(num_gpu_blocks_override=1 << 50), "num_gpu_blocks_override"),
+                         (dict(max_num_seqs=1 << 40), "max_num_seqs")):
+        with pytest.raises(ConfigError, match=rf"{name}=\d+.* more than this machine's .* lower {name}$"):
+            LLM(model, device="cpu", dtype="float32", **kwargs)
