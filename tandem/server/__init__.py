@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from tandem.chat import load_chat_template
 from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
@@ -178,6 +179,29 @@ def name_list(what: str):
     return parse
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Refuse a --host that names no address here, or a --port another process holds, before the
+    model loads (uvicorn would find out only after it, with a message naming neither flag). The
+    trial socket is closed again: a process that takes the port in between still makes uvicorn fail."""
+    from tandem.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host!r} is not an address of this machine ({e}); give one such as 127.0.0.1 "
+                          "(this machine only) or 0.0.0.0 (every interface)") from None
+    if port == 0:  # any free port: nothing to check
+        return
+    with socket.socket(family, kind, proto) as trial:
+        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            trial.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}; choose another --port "
+                              "(or --host), or stop the process that holds it") from None
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Resolve the model to serve (vLLM's positional MODEL, or --model) into args.model, and refuse
     flag combinations that would be silently ignored (ranges are checked while parsing)."""
@@ -233,3 +257,4 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         raise ConfigError('--tool-call-parser is used only by tool_choice "auto"; add --enable-auto-tool-choice or drop '
                           "--tool-call-parser")
+    check_listen_address(args.host, args.port)  # last: the flags' own mistakes are named first

@@ -285,6 +285,21 @@ def test_serve_model_and_draft_given_once(capsys, argv, says):
     assert capsys.readouterr().err.startswith(says)
 
 
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(tmp_path, capsys):
+    """--host that names no address, or a --port another socket holds: refused by flag before the
+    model loads (uvicorn would say so only after loading it, naming neither)."""
+    import socket
+
+    assert main(["serve", str(tmp_path / "never-loaded"), "--host", "999.1.1.1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host '999.1.1.1' is not an address of this machine")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", str(tmp_path / "never-loaded"), "--port", str(port)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: cannot listen on --host 127.0.0.1 --port {port}: ")
+
+
 def test_generate_with_vllms_speculative_config(tmp_path, capsys):
     """--speculative-config takes vLLM's JSON object: its keys reach the engine (k = 2 here), and a
     bad key is named as LLM names it."""

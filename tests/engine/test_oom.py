@@ -1,4 +1,4 @@
-"""Running out of GPU memory at start-up is a ConfigError that names the setting to change, and
+"""Running out of GPU (or host) memory at start-up is a ConfigError that names the setting to change, and
 what the failed step allocated is released (the GPU side: tests/gpu/test_gpu_engine.py)."""
 import weakref
 
