@@ -63,7 +63,11 @@ def load_tokenizer(path, field: str | None = None):
 
 
 def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
-    ids = list(arch.eos_token_ids)
+    """Every token id that ends a request: the tokenizer's EOS first (the primary one, as vLLM's:
+    a request it ends has no stop_reason), then config.json's and generation_config.json's others
+    (vLLM adds those to stop_token_ids, so a request one of them ends reports its id as stop_reason)."""
+    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    ids += arch.eos_token_ids
     gen = Path(model_dir) / "generation_config.json"
     if gen.exists():
         try:
@@ -73,8 +77,6 @@ def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
         except (KeyError, TypeError):
             eos = None
         ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
 
 

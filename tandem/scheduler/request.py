@@ -23,7 +23,7 @@ class Request:
     params: SamplingParams
     seed: int
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # the primary (tokenizer's) EOS first: models.source.eos_token_ids
     priority: int = 0  # scheduling_policy="priority": lower runs first (ties: lower req_id, i.e. arrival)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -294,7 +294,8 @@ def test_a_stop_token_is_in_token_ids_but_not_in_the_text(llm):
 
 def test_min_tokens_holds_back_every_eos_id(tmp_path):
     """An EOS id that only generation_config.json names (Qwen2.5-Instruct's <|endoftext|>) is masked
-    until min_tokens like config.json's, and ends the request after it."""
+    until min_tokens like config.json's, and ends the request after it with its id as stop_reason (vLLM
+    adds such ids to stop_token_ids); the tokenizer's EOS ends one with none."""
     import json
 
     d = make_hf_model(tmp_path / "m", init_std=0.3)
@@ -306,6 +307,9 @@ def test_min_tokens_holds_back_every_eos_id(tmp_path):
     out = llm.generate({"prompt_token_ids": [8, 9]}, p, use_tqdm=False)[0].outputs[0]
     assert extra_eos not in out.token_ids[:3]
     assert len(out.token_ids) == 4 and out.token_ids[-1] == extra_eos and out.finish_reason == "stop"
+    assert out.stop_reason == extra_eos and llm.engine.eos_token_ids[0] == llm.tokenizer.eos_token_id
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(logit_bias={1: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == 1 and out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_penalties_change_greedy_output(llm):
