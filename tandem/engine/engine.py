@@ -117,8 +117,9 @@ class Engine:
         self.cfg = dataclasses.replace(cfg, cache=cache)
         kv_bytes = num_blocks * bytes_per_block(cfg, draft_bytes)
         self._budget_setting = budget_setting(cfg)  # the setting that sized the KV pool (for errors)
-        with OutOfMemoryGuard(cfg.device, f"allocating the KV cache ({num_blocks} blocks, {kv_bytes / 2**30:.1f} GiB)",
-                              f"lower {self._budget_setting}"):
+        with OutOfMemoryGuard(cfg.device, f"allocating the KV cache ({num_blocks} blocks, {kv_bytes / 2**30:.1f} GiB) "
+                              f"and the per-request state of max_num_seqs={cfg.sched.max_num_seqs}",
+                              f"lower {self._budget_setting} or max_num_seqs"):
             self.runner = build_runner(self.cfg, cache, model, speculator_factory)
         self.spec_metrics = None
         if speculator_factory is not None:

@@ -72,3 +72,20 @@ def test_cpu_settings_beyond_the_machines_memory_are_refused(tmp_path):
                          (dict(max_num_seqs=1 << 40), "max_num_seqs")):
         with pytest.raises(ConfigError, match=rf"{name}=\d+.* more than this machine's .* lower {name}$"):
             LLM(model, device="cpu", dtype="float32", **kwargs)
+
+
+def test_per_request_state_beyond_the_machines_memory_names_max_num_seqs(tmp_path):
+    """Probabilistic drafts keep k x vocab draft probabilities per slot: more than the up-front check
+    counts. The allocator's refusal names max_num_seqs beside the KV budget."""
+    from tandem import LLM
+    from tandem.oom import host_memory_bytes
+    from tests.helpers import make_spec_models
+
+    if host_memory_bytes() is None or host_memory_bytes() > 32 * GiB:  # (51 GB of them)
+        pytest.skip("needs a machine whose memory 10M slots of draft probabilities exceed")
+    models = make_spec_models(tmp_path)
+    spec = {"model": str(models["near"]), "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}
+    with pytest.raises(ConfigError, match=r"max_num_seqs=10000000 ran out of host memory; "
+                                          r"lower kv_cache_memory_bytes or max_num_seqs$"):
+        LLM(str(models["target"]), device="cpu", dtype="float32", max_model_len=64, block_size=8,
+            kv_cache_memory_bytes=1 << 20, max_num_seqs=10_000_000, speculative_config=spec)
