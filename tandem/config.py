@@ -64,6 +64,7 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     sliding_window: int | None = None  # attention window in effect (Mistral's, or Qwen's when enabled)
+    o_bias: bool = False  # o_proj has a bias (Llama's and Qwen3's attention_bias)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -188,6 +189,12 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         )
     if raw.get("mlp_bias"):
         raise ConfigError(f"{field}: mlp_bias=True in {path} is not supported")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":  # the MLP's kernels are SiLU-and-multiply
+        raise ConfigError(f"{field}: hidden_act={act!r} in {path} is not supported (tandem's MLP is SwiGLU: 'silu')")
+    attention_bias = raw.get("attention_bias", False)
+    if not isinstance(attention_bias, bool):
+        raise ConfigError(f"{field}: attention_bias={attention_bias!r} in {path} must be true or false")
     quantized = raw.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "unnamed") if isinstance(quantized, dict) else quantized
@@ -212,6 +219,9 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     if head_dim < 1:
         raise ConfigError(f"{field}: hidden_size={hidden} over num_attention_heads={num_heads} in {path} leaves no "
                           "head_dim")
+    if head_dim % 2:
+        raise ConfigError(f"{field}: head_dim={head_dim} in {path} (given, or hidden_size={hidden} over "
+                          f"num_attention_heads={num_heads}) is odd; rotary embeddings rotate pairs of dimensions")
     num_kv_heads = count("num_key_value_heads", num_heads)
     if num_heads % num_kv_heads:
         raise ConfigError(f"{field}: num_attention_heads={num_heads} in {path} is not a multiple of "
@@ -219,7 +229,8 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{field}: rope_scaling={rope!r} in {path} must be an object")
-    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    # transformers 5 keeps rope_theta in rope_parameters; when a config also has a top-level one, that wins there
+    rope_theta = rope.get("rope_theta") if "rope_theta" in rope else raw.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
@@ -236,9 +247,11 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     if not isinstance(tie, bool):
         raise ConfigError(f"{field}: tie_word_embeddings={tie!r} in {path} must be true or false")
     scaling = None if rope_type == "default" else tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    eos_ids = token_ids_setting(raw.get("eos_token_id"), f"{field}: eos_token_id", path)
+    # Qwen2 has q/k/v biases always; attention_bias gives Llama and Qwen3 q/k/v and o biases (as
+    # transformers builds them); Mistral's attention has none.
+    qkv_bias = arch == "Qwen2ForCausalLM" or (attention_bias and arch != "MistralForCausalLM")
+    o_bias = attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     # Mistral applies sliding_window when set; Qwen2/3 configs carry one that applies only with
     # use_sliding_window.
     window = raw.get("sliding_window") if arch == "MistralForCausalLM" or raw.get("use_sliding_window") else None
@@ -262,7 +275,17 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         sliding_window=count("sliding_window") if window is not None else None,
+        o_bias=o_bias,
     )
+
+
+def token_ids_setting(value, what: str, path) -> tuple[int, ...]:
+    """A config file's token id or list of ids (eos_token_id) -> a tuple; ConfigError for anything else."""
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+    if bad is not None:
+        raise ConfigError(f"{what}={value!r} in {path} must be a token id (a non-negative integer) or a list of them")
+    return tuple(ids)
 
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "enable_in_reasoning", "reasoning_parser")

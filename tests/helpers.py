@@ -61,8 +61,10 @@ def make_hf_model(
     tokenizer: bool = True,
     add_bos: bool = False,
     init_std: float = 0.2,
+    extra: dict | None = None,
 ) -> Path:
-    """Save a random transformers model (fp32 safetensors) and a tokenizer into path."""
+    """Save a random transformers model (fp32 safetensors) and a tokenizer into path; extra: more
+    config settings (attention_bias, ...)."""
     import transformers
 
     cls = {
@@ -90,6 +92,7 @@ def make_hf_model(
         kwargs["rope_scaling"] = rope_scaling
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    kwargs.update(extra or {})
     config = cls[0](**kwargs)
     torch.manual_seed(seed)
     model = cls[1](config).eval()

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         # q, k and v projections packed into one matmul (rows [q | k | v]); see parallel.shard.PACKED_FROM.
         self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=arch.o_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)

@@ -125,14 +125,17 @@ def _weight_files(cfg: ModelConfig, field: str) -> list[str]:
     folder may hold other copies, e.g. Mistral's consolidated.safetensors), else every one."""
     index = os.path.join(cfg.path, "model.safetensors.index.json")
     if not os.path.exists(index):
-        return sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+        return sorted(p for p in glob.glob(os.path.join(cfg.path, "*.safetensors")) if os.path.isfile(p))
     try:
         weight_map = json.loads(pathlib.Path(index).read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
+        bad = next((n for n in names if not isinstance(n, str) or not n), None)
+        if bad is not None:
+            raise TypeError(f"its weight_map names the file {bad!r}")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{field}: {index} is not a valid safetensors index ({type(e).__name__}: {e}); "
                           "re-download it") from None
-    missing = [n for n in names if not os.path.exists(os.path.join(cfg.path, n))]
+    missing = [n for n in names if not os.path.isfile(os.path.join(cfg.path, n))]
     if missing:
         raise ConfigError(f"{field}: {cfg.path} lacks the weight files {missing[:3]} that its "
                           "model.safetensors.index.json names; re-download them")
@@ -157,7 +160,7 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
     for path in files:
         try:
             _read_file(path, params, cfg, device, loaded, shards_seen, field, local, cut)
-        except SafetensorError as e:
+        except (SafetensorError, OSError) as e:
             raise ConfigError(f"{field}: {path} is not a valid safetensors file ({e}); re-download or re-convert "
                               "it") from None
     for target, seen in shards_seen.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import DTYPE_NAMES
+from tandem.config import DTYPE_NAMES, token_ids_setting
 from tandem.errors import ConfigError
 
 
@@ -76,7 +76,7 @@ def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
             raise ConfigError(f"model: {gen} is not valid JSON ({e})") from None
         except (KeyError, TypeError):
             eos = None
-        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        ids += token_ids_setting(eos, "model: eos_token_id", gen)
     return tuple(dict.fromkeys(ids))
 
 

@@ -48,8 +48,8 @@ def vocab_rows(vocab_size: int, size: int) -> int:
 
 
 # Checkpoint projections whose output rows the ranks split (column-parallel; weight and bias),
-# and those whose input columns they split (row-parallel; the weight: a bias is added once, after
-# the sum, and none of these models has one).
+# and those whose input columns they split (row-parallel; the weight: a bias, o_proj's under
+# attention_bias, is added once: rank 0 keeps it, the others hold zeros, and the sum adds it).
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COLUMN_SPLIT = ("o_proj", "down_proj")
 # Our packed parameters: the checkpoint projections stacked in their rows (tandem/models/loader.py packs them).
@@ -98,6 +98,8 @@ def read_rank_part(name: str, tensor, shape: tuple[int, ...], rank: int, size: i
     """Rank's part of checkpoint tensor `name` of `shape`, read from `tensor`: a safetensors slice
     (only that part leaves the file) or a whole tensor."""
     dim = split_dim(name)
+    if size > 1 and rank > 0 and name.endswith(tuple(f"{m}.bias" for m in COLUMN_SPLIT)):
+        return torch.zeros_like(tensor[:])
     if dim is None or size == 1:
         return tensor[:]
     start, stop = rank_span(name, shape[dim], rank, size)

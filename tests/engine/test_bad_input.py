@@ -125,18 +125,33 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}}, "low_freq_factor"),
     (lambda c: c | {"rope_scaling": {"type": "linear"}}, "'factor'"),
-    (lambda c: c | {"rope_theta": None}, "rope_theta"),
+    (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta"),
     (lambda c: c | {"rms_norm_eps": None}, "rms_norm_eps"),
     (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    (lambda c: c | {"hidden_act": "gelu"}, r"hidden_act='gelu'.*'silu'"),
+    (lambda c: c | {"attention_bias": "yes"}, "attention_bias"),
+    (lambda c: c | {"head_dim": 9}, r"head_dim=9 .* is odd"),
+    (lambda c: {k: v for k, v in c.items() if k != "head_dim"} | {"hidden_size": 60}, r"head_dim=15 .*hidden_size=60 over num_attention_heads=4.* is odd"),
+    (lambda c: c | {"eos_token_id": "</s>"}, "eos_token_id='</s>'"),
+    (lambda c: c | {"eos_token_id": [1, 2.5]}, "eos_token_id"),
     (lambda c: c | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantized checkpoint \(quantization_config, quant_method 'fp8'\).*quantization='fp8'"),
 ], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
-        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str", "pre-quantized"])
+        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
+        "head-dim-9", "head-dim-15", "eos-str", "eos-float", "pre-quantized"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
     d = _copy_with_config(model_dir, tmp_path / "m", change)
     with pytest.raises(ConfigError, match=match) as e:
         LLM(str(d), dtype="float32")
     assert "config.json" in str(e.value)
+
+
+def test_generation_config_eos_of_the_wrong_type_is_named(model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(ConfigError, match=r"eos_token_id=\['</s>'\] in .*generation_config.json must be a token id"):
+        LLM(str(d), dtype="float32", max_model_len=MAX_LEN)
 
 
 def test_architectures_given_as_a_string(model_dir, tmp_path):
@@ -150,6 +165,9 @@ def test_broken_weight_files(model_dir, tmp_path):
     (weights,) = truncated.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ConfigError, match="not a valid safetensors file"):
+        LLM(str(truncated), dtype="float32", max_model_len=MAX_LEN)
+    (truncated / "extra.safetensors").mkdir()  # a folder of that name is no weight file
+    with pytest.raises(ConfigError, match="truncated/model.safetensors is not a valid safetensors file"):
         LLM(str(truncated), dtype="float32", max_model_len=MAX_LEN)
     pickled = tmp_path / "pickled"
     shutil.copytree(model_dir, pickled)
@@ -186,6 +204,9 @@ def test_weight_files_are_the_ones_the_index_names(model_dir, tmp_path, referenc
         LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
     (sharded / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not a valid safetensors index"):
+        LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {names[0]: 7}}))
+    with pytest.raises(ConfigError, match="not a valid safetensors index .*names the file 7"):
         LLM(str(sharded), dtype="float32", max_model_len=MAX_LEN)
     (sharded / "model.safetensors.index.json").unlink()  # no index: every file, and the stale copy clashes
     with pytest.raises(ConfigError, match="appears twice"):

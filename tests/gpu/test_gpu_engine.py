@@ -319,6 +319,26 @@ def test_head_dim_80_on_gpu_matches_cpu(tmp_path):
         LLM(str(odd), dtype="float32", device="cuda", max_model_len=512)
 
 
+def test_o_proj_bias_on_gpu_matches_cpu(tmp_path):
+    """attention_bias (Llama's q/k/v and o biases): the GPU's one-row GEMV that adds o_proj into the
+    residual, its few-row verification GEMM and the prefill's matmul each add the bias; fp32 greedy
+    tokens and logprobs (graphs and speculation on) are the CPU's."""
+    target = make_hf_model(tmp_path / "t", "llama", hidden_size=128, init_std=0.3, max_position_embeddings=1024,
+                           extra={"attention_bias": True})
+    draft = make_hf_model(tmp_path / "d", "llama", num_layers=1, seed=4, max_position_embeddings=1024,
+                          extra={"attention_bias": True})
+    spec = dict(model=str(draft), num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    gpu, llm = _run(target, "float32", spec, params=params)
+    gpu_lps = [o.outputs[0].logprobs for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    del llm
+    cpu, llm = _run(target, "float32", spec, device="cpu", params=params)
+    cpu_lps = [o.outputs[0].logprobs for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    assert gpu == cpu
+    for a, b in zip(sum(gpu_lps, []), sum(cpu_lps, [])):
+        assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=5e-4)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_seeded_sampling_with_greedy_drafts_equals_target_on_gpu(models, dtype):
     """The fused sampler's coupled test: with greedy drafts a seeded sampled request emits the

@@ -20,6 +20,9 @@ CASES = [
     ("qwen2", dict(num_heads=6, num_kv_heads=3, hidden_size=48, head_dim=16)),
     ("qwen3", dict(num_heads=4, num_kv_heads=2, head_dim=24)),
     ("qwen3", dict(num_heads=8, num_kv_heads=2, tie=True)),
+    # attention_bias: q/k/v and o biases (transformers' Llama and Qwen3)
+    ("llama", dict(num_heads=4, num_kv_heads=2, extra={"attention_bias": True})),
+    ("qwen3", dict(num_heads=4, num_kv_heads=2, extra={"attention_bias": True})),
 ]
 
 
@@ -90,6 +93,21 @@ def test_batched_mixed_steps_match_transformers(tmp_path):
     torch.testing.assert_close(logits[0], ref0, atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1], ref1, atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[2:], ref2, atol=1e-4, rtol=0)
+
+
+def test_rope_theta_in_rope_parameters_wins_as_in_transformers(tmp_path):
+    """A config.json with a top-level rope_theta and another in rope_parameters (one written by
+    transformers 4, edited by 5): transformers 5 rotates by rope_parameters' value, and so do we."""
+    import json
+
+    import transformers
+
+    path = make_hf_model(tmp_path / "m", tokenizer=False)
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_theta"], raw["rope_parameters"] = 500000.0, {"rope_type": "default", "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(raw))
+    want = transformers.AutoConfig.from_pretrained(str(path)).rope_parameters["rope_theta"]
+    assert read_arch_config(path).rope_theta == want == 10000.0
 
 
 def _hf_greedy(hf, ids, n):

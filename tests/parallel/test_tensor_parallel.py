@@ -211,6 +211,18 @@ def test_tied_uneven_vocabulary_two_ranks(models):
     assert _tokens(_run(models["tied"], 2, params=p)) == _tokens(_run(models["tied"], 1, params=p))
 
 
+def test_o_proj_bias_is_added_once_over_two_ranks(models, tmp_path):
+    """attention_bias gives Llama an o_proj bias, a row-parallel one: rank 0 adds it, the sum once."""
+    biased = make_hf_model(tmp_path / "biased", "llama", extra={"attention_bias": True}, seed=5)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    one, two = _run(biased, 1, params=p), _run(biased, 2, params=p)
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
 def test_seeded_sampling_two_ranks_match_one(models):
     """Seeded sampling with probabilistic drafts: both ranks draw the same keyed tokens from the
     gathered logits (no token is exchanged), and those are the one-rank engine's."""
