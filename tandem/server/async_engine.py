@@ -133,6 +133,7 @@ class _Tracked:
     stream: RequestStream
     num_tokens: list[int]  # tokens seen so far, per sequence
     last_time: list[float] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)  # per sequence, once it finished
 
 
 class AsyncEngine:
@@ -270,7 +271,8 @@ class AsyncEngine:
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)
             return
-        self._live[stream.request_id] = _Tracked(stream, [0] * cmd.params.n, [0.0] * cmd.params.n)
+        n = cmd.params.n
+        self._live[stream.request_id] = _Tracked(stream, [0] * n, [0.0] * n, [None] * n)
         if self.metrics is not None:
             self.metrics.on_accepted(len(cmd.prompt_token_ids))
         stream.put(_ACCEPTED)
@@ -318,9 +320,9 @@ class AsyncEngine:
             self._needs_step = True  # the next step() reports (and forgets) the aborted request
             if error is not None:
                 tracked.stream.put(error)
-            if self.metrics is not None:
-                reason = "abort" if error is None else "error"
-                self.metrics.on_finished([reason] * len(tracked.num_tokens),
+            if self.metrics is not None:  # a sibling (n > 1) that finished before keeps its own reason
+                cut = "abort" if error is None else "error"
+                self.metrics.on_finished([reason or cut for reason in tracked.finish_reasons],
                                          time.monotonic() - tracked.stream.arrival_time)
 
     def _abort_all(self, error: BaseException) -> None:
@@ -362,6 +364,8 @@ class AsyncEngine:
 
     def _dispatch(self, tracked: _Tracked, out: RequestOutput) -> None:
         now = time.monotonic()
+        for seq in out.outputs:
+            tracked.finish_reasons[seq.index] = seq.finish_reason
         if self.metrics is not None:
             self._observe(tracked, out, now)
         if out.finished:

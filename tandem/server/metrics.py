@@ -33,7 +33,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens", m, registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time from arrival to the first token",
                               m, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between tokens of one sequence",
+        # One observation per output of a sequence, the whole gap, as vLLM: a step's accepted drafts come together
+        self.itl = Histogram("tandem_inter_token_latency_seconds",
+                             "Time between one sequence's successive outputs (one per engine step that gave it tokens)",
                              m, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Time from arrival to the end of a request",
                              m, buckets=_E2E_BUCKETS, registry=r)
@@ -58,6 +60,10 @@ class ServerMetrics:
                                           "Estimated P(the first position + 1 drafts are accepted) (adaptive)",
                                           m + ["position"], registry=r)
         self._steps_seen = [0] * (num_speculative_tokens + 1)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.running,
+                       self.waiting, self.kv_usage, self.kv_free, self.kv_total, self.draft_rounds, self.draft_tokens,
+                       self.accepted_tokens):  # every series shows from the start, as vLLM's
+            metric.labels(model_name)
         for reason in FINISH_REASONS:
             self.requests_finished.labels(model_name, reason)
         for pos in range(num_speculative_tokens):
@@ -74,8 +80,7 @@ class ServerMetrics:
         """num_new tokens of one sequence arrived gap_s after its previous ones (None: the first ones)."""
         self.generation_tokens.labels(self.model_name).inc(num_new)
         if gap_s is not None and num_new:
-            for _ in range(num_new):
-                self.itl.labels(self.model_name).observe(gap_s / num_new)
+            self.itl.labels(self.model_name).observe(gap_s)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model_name).observe(ttft_s)

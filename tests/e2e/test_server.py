@@ -1411,6 +1411,62 @@ def test_metrics_of_adaptive_speculation(model_dirs):
     assert estimated == sorted(estimated, reverse=True) and estimated[0] < 1
 
 
+
+def _samples(metrics, name: str) -> dict:
+    """ServerMetrics' samples of one name: {sorted labels: value}."""
+    from prometheus_client import generate_latest
+
+    return {tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for s in family.samples if s.name == name}
+
+
+def test_every_series_shows_before_the_first_request_and_a_gap_is_one_observation():
+    """As vLLM's: the token, latency and gauge series exist from the start; the inter-token latency
+    takes one observation per output a sequence gets (the whole gap, however many tokens it brought:
+    a speculative step's accepted drafts arrive together), not one per token."""
+    from tandem.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", num_speculative_tokens=2)
+    for name in ("tandem_prompt_tokens_total", "tandem_generation_tokens_total",
+                 "tandem_time_to_first_token_seconds_count", "tandem_inter_token_latency_seconds_count",
+                 "tandem_e2e_request_latency_seconds_count", "tandem_num_requests_running",
+                 "tandem_kv_cache_usage_perc", "tandem_spec_decode_num_drafts_total"):
+        assert _samples(metrics, name) == {(("model_name", "m"),): 0.0}, name
+    metrics.on_tokens(1, None)
+    metrics.on_tokens(3, 0.25)
+    assert _samples(metrics, "tandem_inter_token_latency_seconds_count") == {(("model_name", "m"),): 1.0}
+    assert _samples(metrics, "tandem_inter_token_latency_seconds_sum") == {(("model_name", "m"),): 0.25}
+    assert _samples(metrics, "tandem_generation_tokens_total") == {(("model_name", "m"),): 4.0}
+
+
+def test_an_aborted_request_counts_a_finished_sibling_by_its_own_reason():
+    """n = 2: the first sequence stopped, then the client left while the second ran: one "stop"
+    and one "abort" (vLLM counts each of n's child requests as it ends), not two aborts."""
+    from tandem.outputs import CompletionOutput, RequestOutput
+    from tandem.server.async_engine import AsyncEngine, RequestStream, _Tracked
+    from tandem.server.metrics import ServerMetrics
+
+    class Engine:
+        def abort_request(self, request_id):
+            pass
+
+    async def run():
+        metrics = ServerMetrics("m")
+        client = AsyncEngine(Engine(), metrics=metrics)
+        tracked = _Tracked(RequestStream("r", asyncio.get_running_loop()), [0, 0], [0.0, 0.0], [None, None])
+        client._live["r"] = tracked
+        seqs = [CompletionOutput(0, "a", [5, 6], None, None, finish_reason="stop", stop_reason="b"),
+                CompletionOutput(1, "aa", [5, 5], None, None)]
+        client._dispatch(tracked, RequestOutput("r", None, [1], seqs, finished=False))
+        client._abort("r", None)
+        return metrics
+
+    counts = _samples(asyncio.run(run()), "tandem_request_success_total")
+    assert {labels[0][1]: v for labels, v in counts.items()} == {"stop": 1.0, "length": 0.0, "abort": 1.0,
+                                                                  "error": 0.0}
+
+
 # ---------------------------------------------------------------- per-request metrics
 def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
     """--enable-per-request-metrics with --per-request-spec-decode-metrics detailed: each response's
