@@ -307,7 +307,8 @@ def _draft_model(args) -> str | None:
                   ("--draft-token-map", args.draft_token_map)]
     draft_flag_conflicts(args, draft_only)
     if args.no_draft:
-        for flag, value in [("--draft", args.draft), ("--speculative-config", args.speculative_config)] + draft_only:
+        for flag, value in [("--draft", args.draft), ("--speculative-config", args.speculative_config),
+                            ("--compare", args.compare or None)] + draft_only:
             if value is not None:
                 raise ConfigError(f"{flag} conflicts with --no-draft, which runs the target alone; drop one of them")
         return None
@@ -317,7 +318,8 @@ def _draft_model(args) -> str | None:
         return args.draft
     if args.model is None:  # the default target comes with its default draft
         return DEFAULT_DRAFT
-    for flag, value in draft_only:  # a --model of the user's own runs alone unless given a --draft
+    # a --model of the user's own runs alone unless given a --draft: nothing to tune or compare
+    for flag, value in draft_only + [("--compare", args.compare or None)]:
         if value is not None:
             raise ConfigError(f"{flag} needs a draft model, and --model without --draft runs the target alone; "
                               f"add --draft PATH or drop {flag.split()[0]}")
@@ -372,14 +374,16 @@ def _generate(args) -> int:
         elif spec_cfg is not None and spec_cfg.adaptive:  # "auto" judged drafting not worth its cost at every step
             line += f"; k=0..{spec_cfg.k}, no drafts (none judged worth their cost)"
         print("\n" + line + "]", file=sys.stderr)
-    if args.compare:
-        base = llm if spec is None else LLM(model, **common)
-        base_out, base_s = _stream(base, prompt_ids, params, echo=False)
+    if args.compare:  # (only with a draft: _draft_model refuses it otherwise)
+        low_precision = llm.config.model.dtype != torch.float32
+        _release(llm)  # its KV pool took the memory fraction the target-only engine is sized from
+        del llm
+        base_out, base_s = _stream(LLM(model, **common), prompt_ids, params, echo=False)
         bn = len(base_out.outputs[0].token_ids)
         a, b = base_out.outputs[0].token_ids, out.outputs[0].token_ids
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         same = "yes" if a == b else f"no, from token {first}"
-        if a != b and params.temperature == 0 and llm.config.model.dtype != torch.float32:
+        if a != b and params.temperature == 0 and low_precision:
             same += (" (greedy: in bf16/fp16 the 1 + k row verification can round differently from a 1-row"
                      " decode (on a GPU, or with cpu_matmul='torch'/'fbgemm'), so near-ties can flip; float32"
                      " gives identical tokens)")
@@ -389,6 +393,21 @@ def _generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _release(llm) -> None:
+    """Free what an LLM holds (its tensor-parallel ranks, its GPU memory) once the caller drops it."""
+    import gc
+
+    import torch
+
+    close = getattr(llm.engine, "close", None)  # a tensor-parallel engine's ranks
+    if close is not None:
+        close()
+    llm.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _detect(args) -> int:

@@ -173,6 +173,9 @@ def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     (["--draft-vocab-size", "100"], "--draft-vocab-size needs a draft model"),
     (["--rejection-sample-method", "block"], "--rejection-sample-method needs a draft model"),
     (["--draft-token-map", "m.json", "--no-draft"], "--draft-token-map conflicts with --no-draft"),
+    # --compare times the draft against the target alone: with no draft it compared the target with itself
+    (["--compare", "--no-draft"], "--compare conflicts with --no-draft"),
+    (["--compare"], "--compare needs a draft model"),
     (["--speculative-config", '{"model": "D", "num_speculative_tokens": 2}', "--draft", "D"],
      "--draft conflicts with --speculative-config"),
     (["--speculative-config", '{"model": "D", "num_speculative_tokens": 2}', "-k", "2"],

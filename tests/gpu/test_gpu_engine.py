@@ -339,6 +339,22 @@ def test_o_proj_bias_on_gpu_matches_cpu(tmp_path):
         assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=5e-4)
 
 
+def test_generate_compare_on_gpu(models, capsys):
+    """`tandem generate --compare` on CUDA (the README's main job on a GPU machine): the speculative
+    engine gives its memory back before the target-only engine sizes its KV pool from
+    gpu_memory_utilization, which used to find no room left."""
+    from tandem.cli import main
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    target, draft = models
+    rc = main(["generate", "--model", str(target), "--draft", str(draft), "--device", "cuda", "--dtype", "float32",
+               "--max-tokens", "16", "--ignore-eos", "--compare", "The quick brown fox"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "identical output: yes" in err and "speedup" in err
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_seeded_sampling_with_greedy_drafts_equals_target_on_gpu(models, dtype):
     """The fused sampler's coupled test: with greedy drafts a seeded sampled request emits the
