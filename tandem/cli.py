@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import sys
 import time
 
@@ -336,13 +337,18 @@ def _generate(args) -> int:
 
     from tandem import LLM, SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
-        ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        structured_outputs=args.structured_outputs,
-    )
+    from tandem.errors import RequestError
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+            ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+            structured_outputs=args.structured_outputs,
+        )
+    except RequestError as e:  # "SamplingParams.max_tokens=0 ..." -> "--max-tokens=0 ...": the flag that set it
+        raise RequestError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,

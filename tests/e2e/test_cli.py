@@ -190,6 +190,19 @@ def test_generate_draft_flag_conflicts(tmp_path, capsys, extra, flag):
     assert err.startswith(f"error: {flag}") and "does not exist" not in err
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--max-tokens", "0"], "error: --max-tokens=0 is invalid"),
+    (["--min-tokens", "5", "--max-tokens", "3"], "error: --min-tokens=5 is invalid"),
+    (["--top-p", "2"], "error: --top-p=2.0 is invalid"),
+    (["--temperature", "-1"], "error: --temperature=-1.0 is invalid"),
+])
+def test_generate_sampling_flags_are_named(tmp_path, capsys, extra, says):
+    """A bad sampling flag is refused before the model loads, by its flag (not SamplingParams' field)."""
+    rc = main(["generate", "--model", str(tmp_path / "missing"), *extra, "hello"])
+    assert rc == 2
+    assert capsys.readouterr().err.startswith(says)
+
+
 def test_generate_chat_without_template(tmp_path, capsys):
     model = make_hf_model(tmp_path / "t", "qwen2")
     (model / "chat_template.jinja").unlink(missing_ok=True)
