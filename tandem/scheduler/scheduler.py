@@ -83,6 +83,7 @@ class Scheduler:
         self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
         self._freed_slots: list[int] = []
         self._finished_outputs: list[tuple[int, int, int]] = []  # StepPlan.finished_outputs
+        self._finished_at: dict[int, int] = {}  # req_id -> its entry in _finished_outputs
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -104,14 +105,21 @@ class Scheduler:
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None,
                num_output_tokens: int | None = None) -> None:
         """num_output_tokens: the output tokens that stand, where fewer than the request emitted (a
-        stop string found part-way through a step's tokens)."""
+        stop string found part-way through a step's tokens). A stop string found in a step whose
+        tokens ended the request already (EOS, max_tokens) finishes it again: fewer tokens stand."""
         if req.is_finished:
+            entry = self._finished_at.get(req.req_id)
+            if num_output_tokens is not None and entry is not None:
+                slot, start, end = self._finished_outputs[entry]
+                self._finished_outputs[entry] = (slot, start, min(end, start + num_output_tokens))
+                req.finish_reason, req.stop_reason = reason, stop_reason
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
             if reason != "abort":
                 start = len(req.prompt_token_ids)
                 kept = len(req.output_token_ids) if num_output_tokens is None else num_output_tokens
+                self._finished_at[req.req_id] = len(self._finished_outputs)
                 self._finished_outputs.append((req.slot, start, start + kept))
             self._release(req)
         else:
@@ -414,7 +422,7 @@ class Scheduler:
         plan (an empty plan too: the runner takes them from it, ModelRunner.release)."""
         plan = StepPlan(new_reqs=new_reqs, reqs=reqs, freed_slots=self._freed_slots,
                         finished_outputs=self._finished_outputs)
-        self._freed_slots, self._finished_outputs = [], []
+        self._freed_slots, self._finished_outputs, self._finished_at = [], [], {}
         return plan
 
     def _release(self, req: Request) -> None:

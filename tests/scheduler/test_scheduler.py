@@ -692,12 +692,30 @@ def test_finish_reasons():
 
 
 def test_eos_ids_come_from_the_request():
-    h = Harness(token_fn=scripted({0: [3, 1, 4], 1: [3, 1, 4]}))
+    """The first is the tokenizer's EOS (no stop_reason); another, config.json's or
+    generation_config.json's, reports its id, as vLLM's stop_token_ids do."""
+    h = Harness(token_fn=scripted({0: [3, 1, 4], 1: [3, 1, 4], 2: [3, 9, 4]}))
     a = h.add(prompt(4), max_tokens=5, eos=(4,))
     b = h.add(prompt(4), max_tokens=5, eos=())
+    c = h.add(prompt(4), max_tokens=5, eos=(1, 9))
     h.run()
-    assert a.output_token_ids == [3, 1, 4] and a.finish_reason == "stop"
+    assert a.output_token_ids == [3, 1, 4] and (a.finish_reason, a.stop_reason) == ("stop", None)
     assert len(b.output_token_ids) == 5 and b.finish_reason == "length"
+    assert c.output_token_ids == [3, 9] and (c.finish_reason, c.stop_reason) == ("stop", 9)
+
+
+def test_a_stop_string_in_a_step_that_ended_the_request_trims_its_finished_output():
+    """The scheduler ends a request on EOS at the end of an accepted run; the detokenizer then finds a
+    stop string earlier in that run: the response a lookup learns from (StepPlan.finished_outputs)
+    keeps only the tokens that stand, and the reason becomes the stop string."""
+    h = Harness(k=3, token_fn=scripted({0: [5, 6, 7, EOS]}))
+    req = h.add(prompt(4), max_tokens=10)
+    while not req.is_finished:
+        h.step()
+    assert req.output_token_ids == [5, 6, 7, EOS]
+    h.s.finish(req, "stop", "ab", num_output_tokens=2)
+    assert [(start, end) for _, start, end in h.s.schedule().finished_outputs] == [(4, 6)]
+    assert (req.finish_reason, req.stop_reason) == ("stop", "ab")
 
 
 # ---------------------------------------------------------------- planning ahead (async scheduling)
