@@ -327,16 +327,33 @@ def _draft_model(args) -> str | None:
     return None
 
 
+def speculative_config_from_flags(args, draft: str | None, default_k: int) -> dict | None:
+    """`generate`'s and `serve`'s speculative_config: --speculative-config as given, else one for
+    draft (a model, or a lookup's name) from the draft flags; --load-format applies to a draft model
+    too, and to nothing a lookup holds."""
+    from tandem.spec.config import with_draft_load_format
+
+    if args.speculative_config is not None:
+        return with_draft_load_format(args.speculative_config, args.load_format)
+    if draft is None:
+        return None
+    k = default_k if args.num_speculative_tokens is None else args.num_speculative_tokens
+    spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method or "greedy",
+                quantization=args.draft_quantization, draft_vocab_size=args.draft_vocab_size,
+                draft_token_map=args.draft_token_map,
+                rejection_sample_method=args.rejection_sample_method or "standard")
+    if args.adaptive:
+        spec["num_speculative_tokens_per_batch_size"] = "auto"
+    return with_draft_load_format(spec, args.load_format)
+
+
 def _generate(args) -> int:
     draft = _draft_model(args)  # before the imports and loads below, so a flag mistake fails fast
     model = DEFAULT_TARGET if args.model is None else args.model
-    k = DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
-    method = args.draft_sample_method or "greedy"
 
     import torch
 
     from tandem import LLM, SamplingParams
-
     from tandem.errors import RequestError
 
     try:
@@ -353,16 +370,7 @@ def _generate(args) -> int:
                   load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
                   quantization=args.quantization)
-    spec = None
-    if args.speculative_config is not None:
-        spec = {"draft_load_format": args.load_format, **args.speculative_config}
-    elif draft is not None:
-        spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=method,
-                    draft_load_format=args.load_format, quantization=args.draft_quantization,
-                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map,
-                    rejection_sample_method=args.rejection_sample_method or "standard")
-        if args.adaptive:
-            spec["num_speculative_tokens_per_batch_size"] = "auto"
+    spec = speculative_config_from_flags(args, draft, DEFAULT_K)
     t0 = time.perf_counter()
     llm = LLM(model, speculative_config=spec, **common)
     load_s = time.perf_counter() - t0

@@ -1341,18 +1341,9 @@ def run_server(args: argparse.Namespace) -> int:
     check_serve_args(args)  # before the model loads, so a flag mistake fails fast
     from tandem.engine.llm import LLM
 
-    spec = None
-    if args.speculative_config is not None:
-        spec = {"draft_load_format": args.load_format, **args.speculative_config}
-    elif args.draft is not None:
-        k = DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
-        method = args.draft_sample_method or "greedy"
-        spec = dict(model=args.draft, num_speculative_tokens=k, draft_sample_method=method,
-                    draft_load_format=args.load_format, quantization=args.draft_quantization,
-                    draft_vocab_size=args.draft_vocab_size, draft_token_map=args.draft_token_map,
-                    rejection_sample_method=args.rejection_sample_method or "standard")
-        if args.adaptive:
-            spec["num_speculative_tokens_per_batch_size"] = "auto"
+    from tandem.cli import speculative_config_from_flags
+
+    spec = speculative_config_from_flags(args, args.draft, DEFAULT_K)
     llm = LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

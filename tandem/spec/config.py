@@ -33,6 +33,23 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
 
+def lookup_method(spec: dict) -> str | None:
+    """"ngram" or "suffix" when a speculative_config dict asks for a lookup, else None: by vLLM's
+    names for them, as method, or as model when the method is left to it (a SpeculativeConfig object
+    carries method="draft_model", the field's default)."""
+    unset = spec.get("method", "draft_model") in ("draft_model", None)
+    for method, aliases in (("ngram", NGRAM_ALIASES), ("suffix", SUFFIX_ALIASES)):
+        if spec.get("method") in aliases or (unset and spec.get("model") in aliases):
+            return method
+    return None
+
+
+def with_draft_load_format(spec: dict, load_format: str) -> dict:
+    """The command line's --load-format for the draft model as well (unless the spec sets its own);
+    a lookup has no model to load, and refuses the key."""
+    return spec if lookup_method(spec) is not None else {"draft_load_format": load_format, **spec}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Accepted by LLM(speculative_config=...) as this object or a dict with the same keys.
@@ -167,12 +184,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.tensor_parallel_size is not a draft setting; pass "
                               "draft_tensor_parallel_size instead (1: the whole draft on every rank, or the target's "
                               "tensor_parallel_size)")
-        # vLLM's names for the lookups; model="[ngram]" (or "suffix") too when the method is left to
-        # it (a SpeculativeConfig object carries method="draft_model", the field's default)
-        unset = spec.get("method", "draft_model") == "draft_model"
-        for method, aliases in (("ngram", NGRAM_ALIASES), ("suffix", SUFFIX_ALIASES)):
-            if spec.get("method") in aliases or (unset and spec.get("model") in aliases):
-                return cls._lookup_from_user(spec, method, target_max_model_len)
+        lookup = lookup_method(spec)
+        if lookup is not None:
+            return cls._lookup_from_user(spec, lookup, target_max_model_len)
         if spec.get("method", "draft_model") not in METHODS:  # before the keys a draft model needs
             _one_of("method", spec["method"], METHODS)
         for key in PROMPT_LOOKUP_KEYS:

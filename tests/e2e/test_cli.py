@@ -349,6 +349,10 @@ def test_generate_with_ngram_and_suffix_lookup(tmp_path, capsys):
     spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
     assert main([*argv, "--speculative-config", json.dumps(spec), "--compare", prompt]) == 0
     assert "identical output: yes" in capsys.readouterr().err
+    # --load-format reaches a draft model, never a lookup (which refuses draft_load_format)
+    for lookup in (["--draft", "ngram"], ["--draft", "suffix"], ["--speculative-config", json.dumps(spec)]):
+        assert main([*argv, "--load-format", "dummy", *lookup, prompt]) == 0, capsys.readouterr().err
+    capsys.readouterr()
     assert main([*argv, "--speculative-config", json.dumps({**spec, "prompt_lookup_max": 3}), prompt]) == 2
     assert "speculative_config.prompt_lookup_max sets n-gram lookup" in capsys.readouterr().err
 
