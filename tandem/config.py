@@ -229,7 +229,7 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{field}: rope_scaling={rope!r} in {path} must be an object")
-    # transformers 5 keeps rope_theta in rope_parameters; when a config also has a top-level one, that wins there
+    # rope_parameters' rope_theta wins over a top-level one, as in transformers 5 (which keeps it there)
     rope_theta = rope.get("rope_theta") if "rope_theta" in rope else raw.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
