@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Salts keep the noise streams disjoint: target sampling, draft sampling, the residual
-# resample after a rejection, the uniforms of the accept test, and block verification's
-# uniforms (keyed by the round's first position and the row: tandem/spec/rejection.py).
+# Salts keep the noise streams disjoint: target sampling, draft sampling (one salt per draft
+# column: draft_salt), the residual resample after a rejection, the uniforms of the accept test,
+# block verification's uniforms (keyed by the round's first position and the row:
+# tandem/spec/rejection.py) and the watermark's keyed draws (tandem/sampling/watermark.py).
 TARGET_SALT = 0
 DRAFT_SALT = 1
 RECOVER_SALT = 2
 ACCEPT_SALT = 3
 BLOCK_SALT = 4
+WATERMARK_SALT = 5
 
 _M32 = 0xFFFFFFFF
 
@@ -36,6 +38,17 @@ def _fmix32(h: Tensor) -> Tensor:
     h = h ^ (h >> 13)
     h = _mul32(h, 0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+def draft_salt(column: int) -> int:
+    """The salt of a round's drafts at column (0-based; the column-th draft of the round): 1 + 8 * column,
+    never another stream's salt. A position is drafted again by the round after one that ended before it,
+    at a smaller column, so with fresh noise: block verification reads a round's drafts past the tokens it
+    keeps (their p / q ratios decide how far it accepts), and a draft drawn again with the same noise would
+    repeat what that decision already saw (with a draft that ignores its context, exactly), biasing the
+    next round away from the target's distribution. Keying by column is keying by the round's first
+    position (column = position - that), and DraftSpeculator.repair draws a column again with its noise."""
+    return DRAFT_SALT + 8 * column
 
 
 def noise_key(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:

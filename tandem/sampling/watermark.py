@@ -36,10 +36,9 @@ from torch import Tensor
 from tandem.errors import ConfigError
 from tandem.plan import NewReq
 from tandem.runner.upload import Uploader
-from tandem.sampling.gumbel import _M32, _fmix32, _mul32, noise_key, uniform
+from tandem.sampling.gumbel import _M32, WATERMARK_SALT, _fmix32, _mul32, noise_key, uniform
 from tandem.sampling_params import MAX_SEED, SamplingParams
 
-WATERMARK_SALT = 4  # disjoint from the salts of tandem.sampling.gumbel
 MAX_CONTEXT_WIDTH = 64
 DEDUP_SCOPES = ("none", "single_turn", "all")
 MIN_HISTORY = 64

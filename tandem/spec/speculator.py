@@ -42,7 +42,7 @@ from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch
 from tandem.runner.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
-from tandem.sampling.gumbel import DRAFT_SALT
+from tandem.sampling.gumbel import draft_salt
 from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
@@ -338,7 +338,7 @@ class DraftSpeculator(Speculator):
                     mask: tuple[Tensor, Tensor] | None = None) -> None:
         """Sample drafts[:, step] from the draft's logits: a draft step's [n, head_cols], or cached
         ones [n, V] (repair); gen_pos [n] is the position of the token being drafted (the noise
-        key). Watermarked requests draw with the target's keyed noise on the draft's distribution,
+        key, with the column step: draft_salt). Watermarked requests draw with the target's keyed noise on the draft's distribution,
         whatever draft_sample_method says: the shared noise is what makes a draft equal the
         target's keyed draw.
 
@@ -378,7 +378,7 @@ class DraftSpeculator(Speculator):
         tokens = logits.argmax(dim=-1)  # greedy drafts, and every request at temperature 0
         unmarked = len(marked) < len(sampling)
         if self.probabilistic and unmarked:
-            drawn = draw(scaled, self.state.seeds[slots], gen_pos, DRAFT_SALT, self.attn_backend.use_triton)
+            drawn = draw(scaled, self.state.seeds[slots], gen_pos, draft_salt(step), self.attn_backend.use_triton)
             tokens = torch.where(temp > 0, drawn, tokens)
         if marked:  # (temperature > 0 by definition)
             (idx,) = self.attn_backend.upload(marked)

@@ -32,7 +32,8 @@ from tandem.kernels.gumbel import argmax_rows, gumbel_sample, gumbel_uniform  # 
 from tandem.kernels.kv_store import _kv_store_kernel, kv_store  # noqa: E402
 from tandem.kernels.rejection import rejection_sample  # noqa: E402
 from tandem.layers.backend import AttnBackend  # noqa: E402
-from tandem.sampling.gumbel import ACCEPT_SALT, DRAFT_SALT, RECOVER_SALT, TARGET_SALT, gumbel_argmax  # noqa: E402
+from tandem.sampling.gumbel import (ACCEPT_SALT, DRAFT_SALT, RECOVER_SALT, TARGET_SALT, draft_salt,  # noqa: E402
+                                   gumbel_argmax)
 from tests.kernels.interp import interpret_mark  # noqa: E402
 from tests.kernels.refs import (  # noqa: E402
     gumbel_sample_ref,
@@ -274,12 +275,14 @@ def check_gumbel(device, n, vocab, dtype, salt, seed):
 def test_gumbel_sample_gpu(dtype, n, vocab):
     check_gumbel(GPU, max(n, 4), vocab, dtype, TARGET_SALT, seed=n)
     check_gumbel(GPU, max(n, 4), vocab, dtype, DRAFT_SALT, seed=n + 1)
+    check_gumbel(GPU, max(n, 4), vocab, dtype, draft_salt(3), seed=n + 2)  # a round's fourth draft
 
 
 @interpret
 def test_gumbel_sample_interpret():
     check_gumbel("cpu", 6, 3001, torch.float32, TARGET_SALT, seed=0)
     check_gumbel("cpu", 5, 700, torch.float32, RECOVER_SALT, seed=1)
+    check_gumbel("cpu", 5, 700, torch.float32, draft_salt(2), seed=2)
 
 
 def check_argmax(device, n, vocab, dtype, seed):
@@ -308,11 +311,13 @@ def test_argmax_rows_interpret():
 
 # ----------------------------------------------------------------------------- rejection
 def random_verify_batch(device, num_reqs, vocab, k_max, seed, greedy_frac=0.3, with_q=True, synthetic=False,
-                        pad=0, drop_sampled=False):
+                        pad=0, drop_sampled=False, forced=False):
     """Requests with 0..k_max drafts laid out as the speculator does; drafts drawn from q with
     the DRAFT salt (greedy requests mostly draft the target argmax). pad: p and q are views of
     rows pad wider (a padded vocabulary); drop_sampled: every other non-greedy row is left out of
-    sampled_idx (it then stops at its argmax)."""
+    sampled_idx (it then stops at its argmax); forced: a third of the draft rows allow one token
+    in p and q alike (a grammar's forced text) while their draft is another one, which q could not
+    have drawn: a residual with no mass, where the samplers emit p's argmax."""
     g = torch.Generator().manual_seed(seed)
     ks = torch.randint(0, k_max + 1, (num_reqs,), generator=g).tolist()
     num_rows = sum(k + 1 for k in ks)
@@ -329,6 +334,13 @@ def random_verify_batch(device, num_reqs, vocab, k_max, seed, greedy_frac=0.3, w
     drafts = gumbel_argmax(q, seeds, positions, DRAFT_SALT)
     greedy = greedy_req[row_req]
     drafts = torch.where(greedy & (torch.rand(num_rows, generator=g) < 0.7), p.argmax(-1), drafts)
+    if forced:
+        rows = (~bonus & (torch.rand(num_rows, generator=g) < 0.33)).nonzero().flatten()
+        only = torch.randint(2, vocab, (rows.numel(),), generator=g)
+        for t in (p, q):
+            t[rows] = NEG_INF
+            t[rows, only] = 0.0
+        drafts[rows] = torch.where(only == 2, 3, 2)
     drafts = torch.where(bonus, -1, drafts)
     sampled = (~greedy).nonzero().flatten()
     if drop_sampled:
@@ -378,6 +390,7 @@ def check_rejection(device, num_reqs, vocab, k_max, seed, **kw):
     reached = row_index < emitted[row_req]
     assert (tokens[~reached] == -1).all()
     assert ((tokens[reached] >= 0) & (tokens[reached] < vocab)).all()
+    assert (args[0][reached].gather(1, tokens[reached][:, None]) > NEG_INF).all()  # every token one p allows
     reached_ref = row_index < ref_emitted[row_req]
     same_row = (tokens == ref_tokens) & (reached == reached_ref)
     bad_reqs = torch.unique(row_req[reached & ~same_row | reached_ref & ~same_row]).tolist()
@@ -398,6 +411,7 @@ REJECTION_EDGES = {  # (num_reqs, vocab, k_max, keywords)
     "padded-vocab": (8, 5000, 4, dict(pad=24)),
     "sampled-subset": (16, 3000, 4, dict(greedy_frac=0.0, drop_sampled=True)),
     "sampled-subset-greedy-drafts": (16, 3000, 4, dict(greedy_frac=0.0, drop_sampled=True, with_q=False)),
+    "forced-rows": (16, 5000, 4, dict(greedy_frac=0.0, forced=True)),
 }
 
 
@@ -449,6 +463,7 @@ def check_block(device, num_reqs, vocab, k_max, seed, **kw):
     assert ((emitted >= 1) & (emitted <= k_max + 1)).all()
     reached = row_index < emitted[row_req]
     assert (tokens[~reached] == -1).all() and ((tokens[reached] >= 0) & (tokens[reached] < vocab)).all()
+    assert (args[0][reached].gather(1, tokens[reached][:, None]) > NEG_INF).all()  # every token one p allows
     row_same = (~reached | (tokens == ref_tokens)).long()
     same = (emitted == ref_emitted) & torch.ones(num_reqs, dtype=torch.int64, device=device).scatter_reduce(
         0, row_req, row_same, "amin").bool()

@@ -119,7 +119,8 @@ def test_detector_finds_the_key_and_only_the_key():
 
 def test_detector_p_values_are_uniform_without_the_watermark():
     """Under the null (text not drawn with the key) the p-value is uniform, even for repetitive
-    text: repeated (context, token) pairs are scored once."""
+    text: repeated (context, token) pairs are scored once. Each text has its own key: texts of
+    three tokens share their pairs, so under one key their p-values would move together."""
     g = torch.Generator().manual_seed(5)
     p_values = []
     for i in range(400):
@@ -127,7 +128,7 @@ def test_detector_p_values_are_uniform_without_the_watermark():
             out = torch.randint(0, 3, (60,), generator=g).tolist()
         else:
             out = torch.randint(0, 1000, (60,), generator=g).tolist()
-        p_values.append(detect_watermark(out, {"key": 99}).p_value)
+        p_values.append(detect_watermark(out, {"key": 99 + i}).p_value)
     assert sps.kstest(np.array(p_values), "uniform").pvalue > ALPHA
     _, out = _random_walk_draws(key=1, n=40, vocab=50, w=4, seed=3, watermark=False)
     assert detect_watermark(out + out, {"key": 1}).num_tokens <= len(out) + 4  # the repeat adds no pairs

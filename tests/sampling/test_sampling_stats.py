@@ -16,11 +16,14 @@ from tandem import LLM, SamplingParams
 from tandem.plan import NewReq
 from tandem.sampling.gumbel import (
     ACCEPT_SALT,
+    BLOCK_SALT,
     DRAFT_SALT,
     RECOVER_SALT,
     TARGET_SALT,
+    WATERMARK_SALT,
     _fmix32,
     _mul32,
+    draft_salt,
     gumbel_argmax,
     gumbel_noise,
     noise_key,
@@ -31,7 +34,9 @@ from tandem.sampling.state import SamplingState
 from tests.stats import ALPHA, chisq_counts_pvalue, chisq_pvalue
 from tests.helpers import hf_model, make_hf_model
 
-SALTS = (TARGET_SALT, DRAFT_SALT, RECOVER_SALT, ACCEPT_SALT)
+# Every stream: a draft's salt per column (draft_salt) never meets another one's.
+SALTS = (TARGET_SALT, DRAFT_SALT, RECOVER_SALT, ACCEPT_SALT, BLOCK_SALT, WATERMARK_SALT,
+         *(draft_salt(c) for c in range(1, 16)))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -70,7 +70,20 @@ def models(tmp_path_factory):
     save_file(cut, str(near_cut / "model.safetensors"), metadata={"format": "pt"})
     config["vocab_size"] = V - 4
     (near_cut / "config.json").write_text(json.dumps(config))
-    return {"target": target, "near": near, "small": small, "target_tok": target_tok, "near_cut": near_cut}
+    # A pair that ignores its context (every embedding row the same): each token is an independent
+    # draw, and a draft is the same token whatever came before it.
+    free, free_draft = root / "free", root / "free_draft"
+    shutil.copytree(target, free)
+    shutil.copytree(near, free_draft)
+    for d in (free, free_draft):
+        w = load_file(str(d / "model.safetensors"))
+        w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"][:1].expand(V, -1).contiguous()
+        if d == free_draft:  # further from the target: overlap 0.72
+            g = torch.Generator().manual_seed(7)
+            w["lm_head.weight"] = w["lm_head.weight"] + 0.3 * torch.randn(w["lm_head.weight"].shape, generator=g)
+        save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": target, "near": near, "small": small, "target_tok": target_tok, "near_cut": near_cut,
+            "free": free, "free_draft": free_draft}
 
 
 def _word_tokenizer(n: int):
@@ -304,6 +317,30 @@ def test_block_verification_matches_target_distribution(models, method):
     m = llm.engine.spec_metrics
     assert 0.1 < m.num_accepted_tokens / m.num_draft_tokens < 0.9  # blocks kept, cut and emptied
     _check(models, tokens, configs, f"block/{method}")
+
+
+def test_block_verification_draws_each_round_s_drafts_afresh(models, monkeypatch):
+    """Block verification decides how many drafts it keeps from all of them, the ones past its
+    block included, and the next round drafts those positions again: with the noise of the first
+    draw (keyed by seed and position alone) a draft that ignores its context repeats the drafts
+    the last decision turned down, and tokens 3 and 4 leave the target's distribution. Draft
+    noise is keyed by the draft's column as well (draft_salt): a fresh draw."""
+    import tandem.spec.speculator as speculator_mod
+    from tandem.sampling.gumbel import DRAFT_SALT
+
+    cfg = dict(temperature=1.0)
+    joint = exact_joint(models["free"], cfg)
+    pvalues = []
+    for fresh in (True, False):
+        if not fresh:
+            monkeypatch.setattr(speculator_mod, "draft_salt", lambda column: DRAFT_SALT)
+        llm = _llm(models, "free_draft", k=3, target="free", rejection_sample_method="block")
+        (tokens,) = sample_tokens(llm, [cfg], 20_000, seed_base=97_000_000, max_tokens=5)
+        m = llm.engine.spec_metrics
+        assert 0.2 < m.num_accepted_tokens / m.num_draft_tokens < 0.8
+        pvalues.append(fit_pvalues(tokens, joint))
+    assert min(pvalues[0].values()) > ALPHA, pvalues[0]
+    assert min(pvalues[1].values()) < 1e-4, pvalues[1]  # the control: the test sees the bias
 
 
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
