@@ -17,8 +17,8 @@ round, each matcher is advanced over the tokens the step emitted and then over e
 the draft's next row is masked with the language after them, so the draft proposes only tokens
 the target may emit. Everything the round consumed is rolled back after it; the engine then
 advances the matchers over what the step emitted (Grammars.accept). On a GPU a round runs free
-instead, and the drafts from the first that leaves the language (misfits) are drawn again under
-masks from the matchers advanced over the drafts that fit (repair_masks).
+instead, and the drafts from the first that the target's row forbids (misfits) are drawn again
+under masks from the matchers advanced over the drafts that fit (repair_masks).
 """
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ class Grammars:
         self.drafts: dict[int, list[int]] = {}  # req_id -> the drafts pending in its slot
         # req_id -> how often its free drafting rounds leave the grammar (a moving average, "auto")
         self.misfit_rate: dict[int, float] = {}
+        # req_id -> (drafts, their rows [len(drafts) + 1, words]): what misfits computed for a free
+        # round's drafts that fit, for the next bitmask, until the matcher moves (accept, remove).
+        self._fitting_rows: dict[int, tuple[list[int], torch.Tensor]] = {}
         self._valid: dict[str, None] = {}  # grammars that compiled, oldest first
         self._ll_tokenizer = None  # built on first use (about a second for a 150k vocabulary)
         self._executor = None
@@ -171,6 +174,7 @@ class Grammars:
         self.matchers.pop(req_id, None)
         self.drafts.pop(req_id, None)
         self.misfit_rate.pop(req_id, None)
+        self._fitting_rows.pop(req_id, None)
 
     def set_drafts(self, req_id: int, drafts: list[int]) -> None:
         """The drafts now pending in a sequence's slot (dropped for a finished one)."""
@@ -183,6 +187,7 @@ class Grammars:
         matcher = self.matchers.get(req_id)
         if matcher is None or not tokens or matcher.is_stopped():  # stopped: complete, only EOS follows
             return
+        self._fitting_rows.pop(req_id, None)
         if any(t in self.eos_token_ids for t in tokens[:-1]):  # (an EOS and more: ignore_eos)
             tokens = tokens[:self._completed_by(matcher, tokens) or len(tokens)]
         if not matcher.consume_tokens(tokens):
@@ -203,23 +208,28 @@ class Grammars:
 
     def misfits(self, drafts: dict[int, list[int]]) -> dict[int, int]:
         """The constrained sequences among drafts (req_id -> the drafts of a free round) whose
-        drafts leave the language -> req_id -> the index of the first that does (after an EOS
-        that completes the output, the first that is not EOS: only EOS may follow, as the masks
-        of "round" drafting have it). Each sequence's misfit rate follows."""
-        out = {}
-        for req_id, tokens in drafts.items():
-            matcher = self.matchers.get(req_id)
-            if matcher is None or not tokens:
-                continue
-            n = self._completed_by(matcher, tokens)
-            if n is not None:  # complete at n: only EOS follows (which does not consume)
-                after = [i for i, t in enumerate(tokens[n:], n) if t not in self.eos_token_ids]
-                if after:
-                    out[req_id] = after[0]
-            else:
-                n = matcher.validate_tokens(tokens)
-                if n < len(tokens):
-                    out[req_id] = n
+        drafts leave the language -> req_id -> the index of the first that does. A draft fits
+        where the row the target will verify it with allows it (_draft_rows: after an EOS that
+        completes the output only EOS), not merely where the matcher could consume it: a matcher
+        follows any tokens that spell the language's bytes, while the rows of forced text (a
+        choice's rest, a JSON key) allow one tokenization of it, and a draft the target's row
+        forbids, kept because it fits the bytes, would be verified against a draft distribution
+        it was not drawn from (and emit a token the grammar forbids). Each sequence's misfit rate
+        follows."""
+        seqs = [(req_id, tokens) for req_id, tokens in drafts.items() if tokens and req_id in self.matchers]
+        if not seqs:
+            return {}
+        rows = self._draft_rows([(self.matchers[req_id], tokens) for req_id, tokens in seqs])
+        out, row = {}, 0
+        for req_id, tokens in seqs:
+            ids = torch.tensor(tokens, dtype=torch.int64)  # [n]
+            words = rows[row + torch.arange(len(tokens)), ids // 32].long()  # [n] each draft's word of its row
+            misfit = (((words >> (ids % 32)) & 1) == 0).nonzero()
+            if len(misfit):
+                out[req_id] = int(misfit[0, 0])
+            else:  # the next step verifies these drafts with these rows
+                self._fitting_rows[req_id] = (tokens, rows[row: row + len(tokens) + 1])
+            row += len(tokens) + 1
             rate = self.misfit_rate.get(req_id, 0.0)
             self.misfit_rate[req_id] = (1 - MISFIT_WEIGHT) * rate + MISFIT_WEIGHT * (req_id in out)
         return out
@@ -252,24 +262,42 @@ class Grammars:
 
     def bitmask(self, plan: StepPlan) -> GrammarMask | None:
         """The step's bitmask rows for its sampling constrained requests (None: it has none)."""
-        import llguidance.torch
-
         reqs = [i for i, r in enumerate(plan.reqs) if r.sample and r.req_id in self.matchers]
         if not reqs:
             return None
-        num_rows = sum(plan.reqs[i].num_drafts + 1 for i in reqs)
-        bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)  # -1: every token allowed
-        plain, drafted, row = [], [], 0  # (matcher, first row[, drafts])
+        parts, todo = [], []  # each request's rows; (its index in parts, (matcher, drafts)) to compute
         for i in reqs:
             r = plan.reqs[i]
             drafts = self.drafts.get(r.req_id, [])[: r.num_drafts]
             if len(drafts) != r.num_drafts:
                 raise RuntimeError(f"request {r.req_id} verifies {r.num_drafts} drafts but {len(drafts)} reached "
                                    "the host")
-            matcher = self.matchers[r.req_id]
+            fitting = self._fitting_rows.get(r.req_id)
+            if fitting is not None and fitting[0][: len(drafts)] == drafts:  # (a row depends on the drafts before)
+                parts.append(fitting[1][: len(drafts) + 1])
+            else:
+                todo.append((len(parts), (self.matchers[r.req_id], drafts)))
+                parts.append(None)
+        if todo:
+            rows = self._draft_rows([seq for _, seq in todo])
+            for (j, _), part in zip(todo, rows.split([len(drafts) + 1 for _, (_, drafts) in todo])):
+                parts[j] = part
+        return GrammarMask(reqs, torch.cat(parts).numpy())
+
+    def _draft_rows(self, seqs: list[tuple[Any, list[int]]]) -> torch.Tensor:
+        """The bitmask rows the target verifies drafts with: for each (matcher, drafts), len(drafts)
+        + 1 rows, the matcher's next-token row after each prefix of the drafts (advanced over them
+        and rolled back) -> [sum(len(drafts) + 1), words] int32 (host)."""
+        import llguidance.torch
+
+        num_rows = sum(len(drafts) + 1 for _, drafts in seqs)
+        bitmask = torch.full((num_rows, self.num_words), -1, dtype=torch.int32)  # -1: every token allowed
+        plain, drafted, row = [], [], 0  # (matcher, first row[, drafts])
+        for matcher, drafts in seqs:
+            end = row + len(drafts) + 1
             n = self._completed_by(matcher, drafts)
             if n is not None:  # the rows after a draft EOS that completes the output: EOS again
-                bitmask[row + n: row + len(drafts) + 1] = self._eos_row()
+                bitmask[row + n: end] = self._eos_row()
                 drafts = drafts[:max(n - 1, 0)]  # (llguidance fills no row after a draft that stops the matcher)
             if matcher.is_stopped():
                 bitmask[row] = self._eos_row()
@@ -277,12 +305,12 @@ class Grammars:
                 drafted.append((matcher, row, drafts))
             else:
                 plain.append((matcher, row))
-            row += r.num_drafts + 1
+            row = end
         if plain:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:  # the matcher advanced over each draft in turn, then rolled back
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
-        return GrammarMask(reqs, bitmask.numpy())
+        return bitmask
 
     def _completed_by(self, matcher, tokens: list[int]) -> int | None:
         """How many of tokens the matcher follows up to and with the EOS that completes the output

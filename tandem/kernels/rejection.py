@@ -103,6 +103,20 @@ def _row_stats(stats_ptr, argmax_ptr, row, NB, HAS_Q: tl.constexpr, NB_POW2: tl.
 
 
 @triton.jit
+def _stop_draw(cand_val_ptr, cand_idx_ptr, row, NB, NB_POW2: tl.constexpr, argmax):
+    """A sampled row's stop draw: the best of its blocks' candidates (the first index among equal
+    scores), or argmax (int64, p's) where every score is -inf: a residual with no mass (p == q),
+    which follows no rejection that p and q drew, as the torch samplers have it."""
+    b = tl.arange(0, NB_POW2)
+    ok = b < NB
+    val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
+    top = tl.max(val, 0)
+    cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
+    token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
+    return tl.where(top == -float("inf"), argmax, token)
+
+
+@triton.jit
 def _block_draw_kernel(
     p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr,
     draft_ptr, bonus_ptr, sampled_ptr, seeds_ptr, positions_ptr,
@@ -193,7 +207,6 @@ def _rejection_kernel(
         num_rows += tl.sum(hit.to(tl.int64), 0)
     j = num_rows * 0
     running = num_rows > 0
-    b = tl.arange(0, NB_POW2)
     while running:
         row = start + j
         raw_draft = tl.load(draft_ptr + row)
@@ -209,11 +222,7 @@ def _rejection_kernel(
         token = argmax.to(tl.int64)  # the row's stop token: its draw if it samples, else the argmax
         if ANY_SAMPLED:
             if tl.load(sampled_ptr + row) != 0:
-                ok = b < NB
-                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
-                top = tl.max(val, 0)
-                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
-                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
+                token = _stop_draw(cand_val_ptr, cand_idx_ptr, row, NB, NB_POW2, token)
         if SYNTHETIC:
             idx = tl.minimum(tl.load(row_index_ptr + row), num_rates - 1)
             accept = u < tl.load(rates_ptr + idx)
@@ -349,6 +358,7 @@ def _log_ratio(p_ptr, q_ptr, stride_p, stride_q, stats_ptr, argmax_ptr, draft_pt
         if HAS_Q:
             log_qx = tl.load(q_ptr + r * stride_q + x) - m_q - tl.log(s_q)
         step = tl.minimum(tl.maximum(log_px - log_qx, -200.0), 200.0)
+        step = tl.where(log_px == -float("inf"), -200.0, step)  # a draft p forbids ends every block
         logr = tl.minimum(logr + step, 0.0)
     return logr
 
@@ -458,10 +468,7 @@ def _block_verify_kernel(
             _, _, argmax, _, _ = _row_stats(stats_ptr, argmax_ptr, row, NB, False, NB_POW2)
             token = argmax.to(tl.int64)
             if tl.load(sampled_ptr + row) != 0:
-                val = tl.load(cand_val_ptr + row * NB + b, mask=ok, other=-float("inf"))
-                top = tl.max(val, 0)
-                cand = tl.load(cand_idx_ptr + row * NB + b, mask=ok, other=0)
-                token = tl.min(tl.where(ok & (val == top), cand, 2147483647), 0).to(tl.int64)
+                token = _stop_draw(cand_val_ptr, cand_idx_ptr, row, NB, NB_POW2, token)
             tl.store(tokens_ptr + row, token)
         else:
             tl.store(tokens_ptr + row, -1)

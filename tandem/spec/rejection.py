@@ -104,9 +104,10 @@ def rejection_sample(
                 noise_key(seeds[idx], positions[idx], TARGET_SALT),
                 noise_key(seeds[idx], positions[idx], RECOVER_SALT),
             )
-        salt_noise = gumbel_from_keys(keys, vocab)
-        # An all-zero residual (p == q exactly) can only follow an acceptance; any token will do.
-        stop_token[idx] = (scores + salt_noise).argmax(dim=-1)
+        drawn = (scores + gumbel_from_keys(keys, vocab)).argmax(dim=-1)
+        if not coupled:  # an all-zero residual (p == q) follows no rejection that p and q drew: p's argmax
+            drawn = torch.where(~bonus & (residual.sum(-1) <= 0), target_argmax[idx], drawn)
+        stop_token[idx] = drawn
 
     if synthetic_rates is not None:
         accept = u < synthetic_rates[row_index.clamp(max=synthetic_rates.shape[0] - 1)]
@@ -155,6 +156,7 @@ def block_rejection_sample(
     # (P = e^-200 is 0 to every later test) keeps the sums finite; each request's walk is lifted by
     # 1e6 per request so one cumulative max over all rows never crosses a request.
     ratio = (p_x.double().clamp(min=1e-300).log() - q_x.double().clamp(min=1e-300).log()).clamp(-200.0, 200.0)
+    ratio = torch.where(p_x > 0, ratio, -200.0)  # a draft p forbids ends every block, whatever q says of it
     ratio = torch.where(is_draft, ratio, 0.0)  # [num_rows]: row i's draft's log ratio
     walk = ratio.cumsum(0) - ratio  # sum over the rows before, across requests
     first = torch.zeros(num_reqs, dtype=walk.dtype, device=walk.device).scatter_reduce(
@@ -191,11 +193,12 @@ def block_rejection_sample(
             residual = scaled.scatter(1, draft[idx][:, None], 0.0)
         else:
             residual = (scaled - q[idx]).clamp(min=0)
-        empty = residual.sum(-1, keepdim=True) <= 0  # (only where the block cannot stop: any token will do)
-        scores = torch.where(bonus[:, None] | empty, p_logits[idx], residual.log())
+        scores = torch.where(bonus[:, None], p_logits[idx], residual.log())
         keys = torch.where(bonus, noise_key(seeds[idx], positions[idx], TARGET_SALT),
                            noise_key(seeds[idx], positions[idx], RECOVER_SALT))
-        stop_token[idx] = (scores + gumbel_from_keys(keys, vocab)).argmax(dim=-1)
+        drawn = (scores + gumbel_from_keys(keys, vocab)).argmax(dim=-1)
+        empty = ~bonus & (residual.sum(-1) <= 0)  # (only where the block cannot stop): p's argmax, as rejection_sample
+        stop_token[idx] = torch.where(empty, target_argmax[idx], drawn)
     row_tokens = torch.where(row_index < num_accepted[row_req], row_draft, stop_token)
     return row_tokens, num_accepted + 1
 

@@ -147,6 +147,44 @@ def test_draft_masks_follow_the_tokens_and_roll_back(models):
     assert matcher.validate_tokens([one, two, dash]) == 3  # rolled back to the start of the output
     assert grammars.misfits({0: [one, two, x, dash]}) == {0: 2}
     assert grammars.misfits({0: [one, two, dash]}) == {}
+    # The next step verifies fitting drafts with the rows misfits computed, while the matcher stays.
+    from tandem.plan import ScheduledReq, StepPlan
+
+    grammars.set_drafts(0, [one, two, dash])
+    plan = StepPlan([], [ScheduledReq(0, 0, 10, [5], 2, [0, 1], True, 1, 3)])
+    assert 0 in grammars._fitting_rows
+    kept = grammars.bitmask(plan).bitmask
+    grammars._fitting_rows.clear()
+    assert (grammars.bitmask(plan).bitmask == kept).all() and kept.shape[0] == 3
+    grammars.misfits({0: [one, two, dash]})
+    grammars.accept(0, [one])
+    assert 0 not in grammars._fitting_rows
+
+
+def test_a_draft_the_target_row_forbids_is_a_misfit(models):
+    """A matcher follows any tokens that spell the language's bytes, but the row of forced text
+    allows one tokenization of it: after "jumps" of the choice "jumps over", " o" and not " "
+    (which the matcher would follow with "o", "ve", "r"). The target verifies a draft with that
+    row, so " " is a misfit and is drawn again; kept as it fits the bytes, a sampled draft would
+    be verified against a draft distribution it was not drawn from and emit a token the choice
+    forbids. 2,000 sampled requests, repaired free rounds: every output is one of the choices."""
+    choices = ["The quick brown fox", "jumps over", "the lazy dog", "def fib(n)", "return n", "Paris is", "capital"]
+    llm = _llm(models, "near", method="probabilistic", max_num_seqs=256)
+    llm.engine.grammar_drafting = "repair"
+    grammars, tok = llm.engine.grammars, llm.engine.tokenizer
+    matcher = grammars.compile(StructuredOutputsParams(choice=choices))
+    grammars.add(0, matcher)
+    assert matcher.consume_tokens(tok.encode("jumps"))
+    space, o, ve, r = tok.convert_tokens_to_ids(["Ġ", "o", "ve", "r"])
+    assert matcher.validate_tokens([space, o, ve, r]) == 4  # the bytes fit
+    assert grammars.misfits({0: [space, o, ve]}) == {0: 0}
+    grammars.remove(0)
+    n = 2000
+    params = [SamplingParams(temperature=1.3, seed=s, max_tokens=30, structured_outputs=StructuredOutputsParams(
+        choice=choices)) for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": [5, 40, 41, 7]}] * n, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs if o.outputs[0].text not in choices] == []
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > n
 
 
 def test_auto_masks_the_rounds_of_requests_that_often_miss(models):
