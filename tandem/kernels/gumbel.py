@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
+from tandem.sampling.gumbel import salt_word
 
 _BLOCK_V = 2048  # tokens per inner step of a program
 
@@ -35,7 +36,12 @@ def _fmix32(h):
 @triton.jit
 def _noise_key(seed, position, SALT: tl.constexpr):
     """seed, position int64 scalars (seed >= 0) -> uint32 key, as tandem.sampling.gumbel.noise_key."""
-    salt_word = tl.full((), SALT, tl.uint32) * 0x9E3779B1 + 0x7F4A7C15
+    return _keyed(seed, position, tl.full((), SALT, tl.uint32) * 0x9E3779B1 + 0x7F4A7C15)
+
+
+@triton.jit
+def _keyed(seed, position, salt_word):
+    """_noise_key with the salt's word (uint32) given, as tandem.sampling.gumbel.salt_word makes it."""
     h = _fmix32(seed.to(tl.uint32) ^ salt_word)
     h = _fmix32(h ^ (seed >> 32).to(tl.uint32))
     return _fmix32(h ^ position.to(tl.uint32))
@@ -58,8 +64,9 @@ def _gumbel(key, tokens):
 
 # The chunking follows the number of rows (enough programs to fill the chip), which changes from
 # step to step in serving: neither it nor the chunk count is specialised on, so a new batch size
-# compiles nothing (a cold serving run at 32 slots had compiled variants of both mid-run).
-@triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
+# compiles nothing (a cold serving run at 32 slots had compiled variants of both mid-run). Nor is
+# the salt: each column of a draft round has its own (tandem.sampling.gumbel.draft_salt).
+@triton.jit(do_not_specialize=["num_chunks", "chunk_size", "salt_word"])
 def _gumbel_block_kernel(
     logits_ptr,  # [n, V] fp32 / bf16 / fp16
     temperature_ptr,  # [n] fp32
@@ -71,8 +78,8 @@ def _gumbel_block_kernel(
     vocab,
     num_chunks,
     chunk_size,  # tokens per program, a multiple of BLOCK_V
+    salt_word,  # int32: the salt's word (tandem.sampling.gumbel.salt_word), its bits as a signed int
     BLOCK_V: tl.constexpr,
-    SALT: tl.constexpr,
     SAMPLE: tl.constexpr,  # False: plain argmax (temperature, seeds and positions are not read)
     PDL: tl.constexpr,
 ):
@@ -83,7 +90,7 @@ def _gumbel_block_kernel(
     key = 0
     if SAMPLE:
         temp = tl.load(temperature_ptr + row)
-        key = _noise_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), SALT)
+        key = _keyed(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), salt_word.to(tl.uint32, bitcast=True))
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     best_val = -float("inf")
     best_idx = chunk * chunk_size
@@ -179,9 +186,11 @@ def _blocked_argmax(logits: Tensor, noise: tuple[Tensor, Tensor, Tensor] | None,
     part_val = torch.empty((n, num_chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((n, num_chunks), dtype=torch.int32, device=logits.device)
     temperature, seeds, positions = noise if noise is not None else (logits, logits, logits)  # unread
+    word = salt_word(salt)
     _gumbel_block_kernel[(n, num_chunks)](
         logits, temperature, seeds, positions, part_val, part_idx, logits.stride(0), vocab, num_chunks, chunk,
-        BLOCK_V=_BLOCK_V, SALT=salt, SAMPLE=noise is not None, num_warps=8, **pdl_flags(logits),
+        word - (1 << 32) if word >= 1 << 31 else word,
+        BLOCK_V=_BLOCK_V, SAMPLE=noise is not None, num_warps=8, **pdl_flags(logits),
     )
     _argmax_reduce_kernel[(n,)](
         part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(triton.cdiv(vocab, _BLOCK_V)),

@@ -51,10 +51,14 @@ def draft_salt(column: int) -> int:
     return DRAFT_SALT + 8 * column
 
 
+def salt_word(salt: int) -> int:
+    """The 32-bit word a salt mixes into a key."""
+    return (salt * 0x9E3779B1 + 0x7F4A7C15) & _M32
+
+
 def noise_key(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
     """seeds [n] int64 (>= 0), positions [n] int64 -> per-row key [n] int64 in [0, 2**32)."""
-    salt_word = (salt * 0x9E3779B1 + 0x7F4A7C15) & _M32
-    h = _fmix32((seeds & _M32) ^ salt_word)
+    h = _fmix32((seeds & _M32) ^ salt_word(salt))
     h = _fmix32(h ^ ((seeds >> 32) & _M32))
     return _fmix32(h ^ (positions & _M32))
 
