@@ -217,10 +217,17 @@ class Grammars:
         it was not drawn from (and emit a token the grammar forbids). Each sequence's misfit rate
         follows."""
         seqs = [(req_id, tokens) for req_id, tokens in drafts.items() if tokens and req_id in self.matchers]
+        out = {}
+        for req_id, tokens in seqs:  # a first draft the matcher cannot follow needs no rows (no row allows it)
+            if tokens[0] not in self.eos_token_ids and self.matchers[req_id].validate_tokens(tokens[:1]) == 0:
+                out[req_id] = 0
+        for req_id in out:
+            self._note_misfit(req_id, True)
+        seqs = [(req_id, tokens) for req_id, tokens in seqs if req_id not in out]
         if not seqs:
-            return {}
+            return out
         rows = self._draft_rows([(self.matchers[req_id], tokens) for req_id, tokens in seqs])
-        out, row = {}, 0
+        row = 0
         for req_id, tokens in seqs:
             ids = torch.tensor(tokens, dtype=torch.int64)  # [n]
             words = rows[row + torch.arange(len(tokens)), ids // 32].long()  # [n] each draft's word of its row
@@ -230,9 +237,12 @@ class Grammars:
             else:  # the next step verifies these drafts with these rows
                 self._fitting_rows[req_id] = (tokens, rows[row: row + len(tokens) + 1])
             row += len(tokens) + 1
-            rate = self.misfit_rate.get(req_id, 0.0)
-            self.misfit_rate[req_id] = (1 - MISFIT_WEIGHT) * rate + MISFIT_WEIGHT * (req_id in out)
+            self._note_misfit(req_id, req_id in out)
         return out
+
+    def _note_misfit(self, req_id: int, missed: bool) -> None:
+        rate = self.misfit_rate.get(req_id, 0.0)
+        self.misfit_rate[req_id] = (1 - MISFIT_WEIGHT) * rate + MISFIT_WEIGHT * missed
 
     def masked_rounds(self, req_ids) -> None:
         """Sequences whose drafts were masked in the round: their drafts could not miss, so their
