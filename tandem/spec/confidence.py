@@ -1,10 +1,11 @@
 """Confidence-based early stop of a drafting round (vLLM's draft_confidence_threshold).
 
 A request's chain of drafts stays alive while every draft so far had a top-1 probability under
-the draft model of at least tau; its first draft below tau is still proposed (it is already drawn,
-and verifying it costs little), the ones after it are not. The round stops launching draft steps
-once every chain has ended, which saves the draft's forwards on the rounds it is unsure of. Each
-request proposes its own number of drafts (at least 1, at most its plan's).
+the draft model of at least tau; it proposes the drafts before its first draft below tau, and
+always its first draft (as vLLM's DraftConfidenceStop: j drafts, at least one, for a chain that
+ends at draft j, 0-based). The round stops launching draft steps once every chain has ended,
+which saves the draft's forwards on the rounds it is unsure of. Each request proposes its own
+number of drafts (at least 1, at most its plan's; vLLM gives a batch one count).
 
 The stop reads only the draft's distributions, never the target's or any draw the verification
 makes, so the rejection sampler still returns the target's distribution: a draft block cut where
@@ -30,7 +31,11 @@ class ConfidenceStop:
         logits = logits.float()
         top = torch.exp(logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).tolist()  # [n] top-1 probability
         for row, p in enumerate(top):
-            if self.alive[row] and (p < self.tau or step + 1 >= self.counts[row]):
+            if not self.alive[row]:
+                continue
+            if p < self.tau:  # the drafts before this one, or the first
                 self.alive[row] = False
-                self.counts[row] = min(self.counts[row], step + 1)
+                self.counts[row] = min(self.counts[row], max(step, 1))
+            elif step + 1 >= self.counts[row]:  # the plan's drafts, all sure
+                self.alive[row] = False
         return not any(self.alive)

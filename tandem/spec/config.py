@@ -112,8 +112,8 @@ class SpeculativeConfig:
     # None, and refused with probabilistic drafts (as vLLM refuses it).
     use_local_argmax_reduction: bool | None = None
     # vLLM's confidence-based early stop (tau): a request's chain of drafts ends at its first draft
-    # whose top-1 probability under the draft model is below tau (that draft still verified; the
-    # first draft always drafted), and a round stops drafting once every chain has ended. The stop
+    # whose top-1 probability under the draft model is below tau (the drafts before it verified; the
+    # first draft always), and a round stops drafting once every chain has ended. The stop
     # reads only the draft's distributions, so the output keeps the target's. CPU only (on a GPU
     # the readback after each draft step would stall the draft graphs; vLLM allows it on SM121).
     draft_confidence_threshold: float | None = None

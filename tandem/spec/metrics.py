@@ -51,8 +51,11 @@ class SpecMetrics:
         return 1 + self.num_accepted_tokens / self.num_draft_rounds if self.num_draft_rounds else None
 
     def per_position_rates(self) -> list[float]:
-        """Unconditional per-position acceptance: P(draft i accepted) over rounds that drafted i."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        """Unconditional per-position acceptance, as vLLM's log line: drafts accepted at position i
+        over every round (rounds that drafted fewer than i + 1 count as misses there), so the rates
+        never rise with i and sum to the mean acceptance length minus 1."""
+        rounds = self.num_draft_rounds
+        return [a / rounds if rounds else 0.0 for a in self.accepted_per_position]
 
     def log_line(self) -> str:
         if not self.num_draft_rounds:

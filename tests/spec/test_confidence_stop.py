@@ -45,10 +45,13 @@ def _logits(top: list[float], vocab: int = 8) -> torch.Tensor:
 
 def test_each_chain_ends_at_its_first_unsure_draft():
     stop = ConfidenceStop(0.5, [3, 3, 2, 0])  # the last request drafts nothing this round
-    assert not stop.after(0, _logits([0.9, 0.2, 0.9, 0.9]))  # request 1 ends: its unsure draft is kept
+    assert not stop.after(0, _logits([0.9, 0.2, 0.9, 0.9]))  # request 1 ends: a first draft is always kept
     assert stop.counts == [3, 1, 2, 0] and stop.alive == [True, False, True, False]
-    assert stop.after(1, _logits([0.3, 0.99, 0.99, 0.99]))  # request 0 ends at 2; request 2 reached its plan
-    assert stop.counts == [2, 1, 2, 0]
+    assert stop.after(1, _logits([0.3, 0.99, 0.99, 0.99]))  # request 0 ends, its unsure draft left out
+    assert stop.counts == [1, 1, 2, 0]  # (request 2 reached its plan)
+    late = ConfidenceStop(0.5, [3])
+    assert not late.after(0, _logits([0.6])) and not late.after(1, _logits([0.6])) and late.after(2, _logits([0.4]))
+    assert late.counts == [2]
     sure = ConfidenceStop(0.5, [3])
     assert not sure.after(0, _logits([0.6])) and not sure.after(1, _logits([0.51])) and sure.after(2, _logits([0.7]))
     assert sure.counts == [3]

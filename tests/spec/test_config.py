@@ -214,6 +214,9 @@ def test_metrics_arithmetic():
     assert m.accepted_per_position == [2, 1, 1] and m.drafted_per_position == [3, 3, 2]
     assert m.length_histogram == [0, 1, 1, 0, 1]
     assert "acceptance rate 0.500" in m.log_line()
+    # Per-position rates over every round, as vLLM's (not over the rounds that drafted the position).
+    assert m.per_position_rates() == pytest.approx([a / m.num_draft_rounds for a in (2, 1, 1)])
+    assert sum(m.per_position_rates()) == pytest.approx(m.mean_acceptance_length - 1)
 
 
 def test_metrics_leave_out_drafts_past_max_tokens():
