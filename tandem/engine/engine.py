@@ -282,10 +282,11 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> None:
         """Queue a request. priority (scheduling_policy="priority" only): lower values are
-        scheduled first, and may preempt running requests of a higher value."""
+        scheduled first, and may preempt running requests of a higher value. cache_salt (vLLM's):
+        the request shares prefix-cache blocks only with requests of the same salt."""
         if self._dead is not None:
             raise StepError(f"the engine stopped after a device error ({self._dead}); restart the process", [],
                             fatal=True)
@@ -293,6 +294,8 @@ class Engine:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_priority(priority)
         priority = int(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(f"cache_salt={cache_salt!r} must be a non-empty string (or left out)")
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
@@ -318,6 +321,7 @@ class Engine:
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 priority=priority,
+                cache_salt=cache_salt,
             )
             self._next_id += 1
             detok = self.detokenizer.new_state(

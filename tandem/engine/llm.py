@@ -344,7 +344,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in order. priority:
-        one integer per prompt (lower first), for an LLM built with scheduling_policy="priority"."""
+        one integer per prompt (lower first), for an LLM built with scheduling_policy="priority".
+        A dict prompt may carry "cache_salt" (vLLM's): it shares cached prefix blocks only with
+        prompts of the same salt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -376,8 +378,9 @@ class LLM:
         items = []
         for prompt, p in zip(prompts, params):
             ids, text, from_text = self._tokenize(prompt)
-            items.append((self.engine.truncate_text_prompt(text, ids, p) if from_text else ids, text))
-        for (ids, _), p in zip(items, params):
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            items.append((self.engine.truncate_text_prompt(text, ids, p) if from_text else ids, text, salt))
+        for (ids, _, _), p in zip(items, params):
             self.engine.validate_request(ids, p)  # every request checked before any work starts
         return self._run(items, params, use_tqdm, priority)
 
@@ -446,14 +449,14 @@ class LLM:
     def _run(self, items, params, use_tqdm: bool, priority: Sequence[int]) -> list[RequestOutput]:
         ids = []
         final_only: dict[int, SamplingParams] = {}  # id of a caller's params -> its FINAL_ONLY copy
-        for (token_ids, text), p, rank in zip(items, params, priority):
+        for (token_ids, text, salt), p, rank in zip(items, params, priority):
             request_id = str(self._counter)
             self._counter += 1
             if p.output_kind != RequestOutputKind.FINAL_ONLY:  # only the final outputs are read (as vLLM)
                 if id(p) not in final_only:
                     final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 p = final_only[id(p)]
-            self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank)
+            self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank, cache_salt=salt)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}
         bar = None

@@ -1,20 +1,33 @@
 """BlockManager: the paged-KV block pool with reference counts and a prefix cache.
 
 A block id addresses one page of block_size token positions in every KV tensor (target and,
-when speculating, draft). Full blocks whose KV is computed are registered under a chained
-hash (parent hash, token ids), so requests sharing a prefix share blocks. Blocks whose
-reference count drops to zero keep their cached content and are evicted least recently
-used first, only when the free list is empty.
+when speculating, draft). Full blocks whose KV is computed are registered under (the chained
+hash of the blocks before, token ids), so requests sharing a prefix share blocks. The chained
+hash is sha256 (Python's hash() of ints is predictable, and a crafted collision would hand one
+prompt another's KV), and its root is the request's cache_salt: requests with different salts
+share no block, so one user cannot learn from cache hits what another's prompts were (vLLM's
+cache_salt). Blocks whose reference count drops to zero keep their cached content and are
+evicted least recently used first, only when the free list is empty.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from tandem.scheduler.request import Request
 
 
-def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: empty, or its cache salt's digest."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"tandem cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def chain_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """The chained hash of a full block whose parent hash is `parent`."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -28,7 +41,7 @@ class BlockManager:
         self.block_keys: list[tuple | None] = [None] * num_blocks  # cache key of a cached block
         self.free_ids: deque[int] = deque(range(num_blocks))  # unreferenced, no cached content
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; LRU first
-        self.cached: dict[tuple, int] = {}  # (parent hash, token ids) -> block id
+        self.cached: dict[tuple, int] = {}  # (parent's chained hash, token ids) -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,13 +71,13 @@ class BlockManager:
             return []
         bs = self.block_size
         tokens = req.all_token_ids
-        parent, found = None, []
+        parent, found = chain_root(req.cache_salt), []
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             block = self.cached.get(key)
             if block is None:
                 break
-            parent = hash(key)
+            parent = chain_hash(*key)
             found.append((block, parent))
         return found
 
@@ -91,13 +104,13 @@ class BlockManager:
         end = min(req.num_computed_tokens, req.num_tokens, req.num_tokens if limit is None else limit)
         for i in range(len(req.block_hashes), end // bs):
             tokens = tokens or req.all_token_ids
-            parent = req.block_hashes[-1] if req.block_hashes else None
+            parent = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt)
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             block = req.block_ids[i]
             if key not in self.cached and self.block_keys[block] is None:
                 self.cached[key] = block
                 self.block_keys[block] = key
-            req.block_hashes.append(hash(key))
+            req.block_hashes.append(chain_hash(*key))
 
     def free(self, req: Request) -> None:
         """Drop req's references; tail blocks go to the eviction queue first."""

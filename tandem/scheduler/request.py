@@ -25,10 +25,11 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     eos_token_ids: tuple[int, ...] = ()  # the primary (tokenizer's) EOS first: models.source.eos_token_ids
     priority: int = 0  # scheduling_policy="priority": lower runs first (ties: lower req_id, i.e. arrival)
+    cache_salt: str | None = None  # the root of its blocks' chained hashes (BlockManager): shares only with its salt
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full computed blocks
     slot: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -140,6 +140,8 @@ def request_error(e: RequestError, fields: dict[str, str], prompt_param: str) ->
     if msg.startswith("prompt"):
         where = "" if prompt_param == "prompt" else f"the prompt built from '{prompt_param}': "
         return APIError(400, where + msg, param=prompt_param)
+    if msg.startswith("cache_salt"):
+        return APIError(400, msg, param="cache_salt")
     return APIError(400, msg)
 
 
@@ -741,7 +743,8 @@ class OpenAIServer:
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
-                                    next(iter(body.constraint_fields()), None), priority=body.priority)
+                                    next(iter(body.constraint_fields()), None), priority=body.priority,
+                                    cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -884,7 +887,8 @@ class OpenAIServer:
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
                                     body.max_tokens_field,
                                     "tools" if constraint is not None else next(iter(body.constraint_fields()), None),
-                                    priority=body.priority, background=background)
+                                    priority=body.priority, background=background, cache_salt=body.cache_salt,
+                                    tokens_as_ids=body.return_tokens_as_token_ids)
 
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
@@ -1002,16 +1006,19 @@ class OpenAIServer:
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
                         constraint_param: str | None = None, priority: int = 0,
-                        background: BackgroundRun | None = None) -> Response:
+                        background: BackgroundRun | None = None, cache_salt: str | None = None,
+                        tokens_as_ids: bool | None = None) -> Response:
         """constraint_param: the field that set params' structured output ('tools' for a tool
         choice's), named by the error when it does not compile; background: generate apart from this
         request (a Responses renderer's run), which is answered at once: the response queued, or
-        its events as they come (the client going away does not stop it)."""
+        its events as they come (the client going away does not stop it); cache_salt,
+        tokens_as_ids: the request's cache_salt and return_tokens_as_token_ids."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
-        renderer.tokens_as_ids = self.tokens_as_ids
-        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority)
+        renderer.tokens_as_ids = self.tokens_as_ids or bool(tokens_as_ids)
+        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority,
+                                     cache_salt)
 
         def release() -> None:
             for s in streams:
@@ -1066,7 +1073,7 @@ class OpenAIServer:
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str, constraint_param: str | None = None,
-                      priority: int = 0) -> list[RequestStream]:
+                      priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
         capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
         if len(prompts) * params.n > capacity:  # a 503 would say "retry later", and no retry could fit
             param = "n" if params.n > 1 else prompt_param
@@ -1077,7 +1084,7 @@ class OpenAIServer:
         try:
             for i, p in enumerate(prompts):
                 streams.append(await self.client.add_request(f"{response_id}-{i}", p.token_ids, params, p.text,
-                                                             priority))
+                                                             priority, cache_salt))
         except BaseException as e:
             for s in streams:
                 self.client.release(s)

@@ -114,6 +114,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -180,7 +181,7 @@ class AsyncEngine:
     # ---------------------------------------------------------------- event-loop API
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it.
 
@@ -194,7 +195,7 @@ class AsyncEngine:
                                "stream holds each request's newest output, which must be cumulative; leave "
                                "output_kind as CUMULATIVE (the default)")
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority))
+        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt))
         try:
             await stream.accepted()
         except asyncio.CancelledError:
@@ -267,7 +268,7 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)
             return

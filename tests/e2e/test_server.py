@@ -502,6 +502,38 @@ def test_cors_docs_token_ids_and_prompt_tokens_details(model_dirs, live):
         server.stop()
 
 
+def test_cache_salt_and_token_ids_per_request(model_dirs, live):
+    """cache_salt (vLLM's): a prompt reaches the cached blocks of earlier prompts with its salt only
+    (with another salt, or none, nothing is cached); an empty salt is refused by name.
+    return_tokens_as_token_ids set by the request names tokens "token_id:N" without the server flag."""
+    server = LiveServer(_llm(model_dirs), enable_prompt_tokens_details=True)
+    try:
+        prompt = "Paris is the capital of France. Speculative decoding drafts tokens, " * 3
+
+        def cached(**salt) -> int:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **salt}
+            return server.post(C, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(cache_salt="alice") == 0
+        assert cached(cache_salt="alice") > 0
+        assert cached(cache_salt="bob") == 0 and cached() == 0
+        assert cached() > 0 and cached(cache_salt="bob") > 0
+        chat = server.post(CH, json={**OK_CH, "cache_salt": "carol"}).json()["usage"]["prompt_tokens_details"]
+        assert chat == {"cached_tokens": 0}
+        bad = server.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+        ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "logprobs": 1}
+        plain = live.post(C, json=ask).json()["choices"][0]["logprobs"]["tokens"]
+        ids = live.post(C, json={**ask, "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]["tokens"]
+        tok = live.llm.get_tokenizer()
+        assert all(t.startswith("token_id:") for t in ids)
+        assert [tok.decode([int(t.removeprefix("token_id:"))]) for t in ids] == plain
+        chat = live.post(CH, json={**OK_CH, "logprobs": True, "return_tokens_as_token_ids": True}).json()
+        assert all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
+    finally:
+        server.stop()
+
+
 def _certificates(root: Path) -> None:
     """A CA (ca.pem), and a server certificate for 127.0.0.1 and a client one, both signed by it
     ({server,client}.pem, .key), made by the openssl command."""

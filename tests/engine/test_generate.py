@@ -201,6 +201,14 @@ def test_vllm_prompt_and_seed_forms(llm, model):
     assert as_dict.prompt == text and as_dict.prompt_token_ids == as_str.prompt_token_ids
     assert as_dict.outputs[0].token_ids == as_str.outputs[0].token_ids
     assert as_str.num_cached_tokens == as_str.metrics.num_cached_tokens  # vLLM's RequestOutput field
+    # cache_salt in a dict prompt (vLLM's): cached prefix blocks serve prompts of the same salt only
+    ids = list(range(40, 80))
+    salted = [llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, greedy, use_tqdm=False)[0]
+              for salt in ("a", "a", "b")]
+    assert [o.num_cached_tokens for o in salted] == [0, 32, 0]
+    assert salted[0].outputs[0].token_ids == salted[1].outputs[0].token_ids == salted[2].outputs[0].token_ids
+    with pytest.raises(RequestError, match="cache_salt"):
+        llm.generate({"prompt": text, "cache_salt": 5}, greedy, use_tqdm=False)
     # seed -1 is vLLM's "no seed": two runs sample independently (as None), not one fixed stream
     assert SamplingParams(seed=-1).seed is None
     sampled = [llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(seed=-1, max_tokens=16, ignore_eos=True),

@@ -102,6 +102,25 @@ def test_distinct_requests_get_distinct_blocks():
 # ---------------------------------------------------------------- prefix cache
 
 
+def test_cache_salt_roots_the_chain():
+    """Blocks are shared among requests of one cache_salt only (a salt roots the chained hash), and
+    the chained hashes are sha256 digests, not Python's hash()."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = make_req(range(10))
+    a.cache_salt = "alice"
+    compute_all(bm, a)
+    for salt, hit in (("alice", 8), ("bob", 0), (None, 0)):
+        b = make_req(range(10))
+        b.cache_salt = salt
+        assert len(bm.prefix_blocks(b)) * 4 == hit, salt
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in a.block_hashes)
+    plain = make_req(range(10))
+    compute_all(bm, plain)
+    assert plain.block_hashes[0] != a.block_hashes[0] and plain.block_ids[0] != a.block_ids[0]
+    again = make_req(range(10))
+    assert bm.match_prefix(again) == 8 and again.block_ids == plain.block_ids[:2]
+
+
 def test_prefix_hit_shares_blocks_with_ref_count_two():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = make_req(range(10))  # blocks [0..3] [4..7] full, [8, 9] partial
