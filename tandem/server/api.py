@@ -233,6 +233,7 @@ class _Renderer:
 
     prompt_tokens_details = False  # usage carries prompt_tokens_details.cached_tokens (the server sets it)
     tokens_as_ids = False  # logprobs name tokens "token_id:N" (the server sets it)
+    return_token_ids = False  # vLLM's return_token_ids: the prompt's and each choice's token ids, as sent
 
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
                  include_usage: bool, report: ResponseMetrics = ResponseMetrics(), continuous_usage: bool = False):
@@ -249,6 +250,16 @@ class _Renderer:
 
     def preamble(self) -> list[BaseModel]:
         return []
+
+    def ids(self, token_ids: list[int], prompt_token_ids: list[int] | None = None) -> dict:
+        """The extra fields of a choice (or chunk) under return_token_ids: its token ids (a chunk's:
+        those it adds), and the prompt's where given (a stream gives them in a choice's first chunk)."""
+        if not self.return_token_ids:
+            return {}
+        extra = {"token_ids": list(token_ids)}
+        if prompt_token_ids is not None:
+            extra["prompt_token_ids"] = list(prompt_token_ids)
+        return extra
 
     def opening(self, idx: int, out: RequestOutput) -> BaseModel | None:
         """A chunk sent before a choice's first text, once its request has output (prompt
@@ -351,6 +362,7 @@ class CompletionRenderer(_Renderer):
         # Streamed text_offset runs over the tokens' texts, as the whole response's does; the text
         # itself may lag behind the tokens (held back for stop strings).
         self.token_offset = [len(self.prompts[idx // self.n].text or "") if echo else 0 for idx in range(len(self.done))]
+        self.ids_sent = [False] * len(self.done)  # return_token_ids: the prompt's ids went with a choice's first delta
 
     @property
     def echo_logprobs(self) -> bool:
@@ -410,8 +422,11 @@ class CompletionRenderer(_Renderer):
             logprobs = completion_logprobs(token_ids, lps, self.params.logprobs, self.token_offset[idx],
                                            self.tokens_as_ids)
             self.token_offset[idx] += sum(len(_token_text(lp.get(t))) for t, lp in zip(token_ids, lps))
+        first = not self.ids_sent[idx]
+        self.ids_sent[idx] = True
+        ids = self.ids(token_ids, self.prompts[idx // self.n].token_ids if first else None)
         return self.chunk([CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
-                                            stop_reason=stop)])
+                                            stop_reason=stop, **ids)])
 
     def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         choices = []
@@ -431,7 +446,8 @@ class CompletionRenderer(_Renderer):
                                                                  self.tokens_as_ids))
                 choices.append(CompletionChoice(index=i * self.n + seq.index, text=prefix + text,
                                                 logprobs=logprobs, finish_reason=finish, stop_reason=stop,
-                                                prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs)))
+                                                prompt_logprobs=prompt_logprobs(out, self.shown_prompt_logprobs),
+                                                **self.ids(token_ids, out.prompt_token_ids)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage(outputs), **self.metrics(outputs))
 
@@ -454,8 +470,10 @@ class ChatRenderer(_Renderer):
 
     def preamble(self) -> list[BaseModel]:
         size = len(self.done)
-        chunks = [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role, content=""))])
-                  for i in range(size)]
+        ids = self.ids([], self.prompts[0].token_ids)
+        prompt_ids = {"prompt_token_ids": ids.pop("prompt_token_ids")} if ids else {}  # the chunk's, as vLLM's
+        chunks = [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role, content=""), **ids)],
+                             **prompt_ids) for i in range(size)]
         if self.echo_text:
             chunks += [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=self.echo_text))])
                        for i in range(size)]
@@ -481,7 +499,7 @@ class ChatRenderer(_Renderer):
         if thinking and self.include_reasoning:
             message.reasoning = message.reasoning_content = thinking
         return self.chunk([ChatStreamChoice(index=idx, delta=message, logprobs=logprobs,
-                                            finish_reason=finish, stop_reason=stop)])
+                                            finish_reason=finish, stop_reason=stop, **self.ids(token_ids))])
 
     def response(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
         choices = []
@@ -500,11 +518,13 @@ class ChatRenderer(_Renderer):
             message = ChatResponseMessage(role=self.role, content=self.echo_text + content if content is not None
                                           else self.echo_text or None, reasoning=thinking, reasoning_content=thinking,
                                           tool_calls=[ToolCall(function=c) for c in calls])
-            choices.append(ChatChoice(index=seq.index, message=message,
-                                      logprobs=logprobs, finish_reason=finish, stop_reason=seq.stop_reason))
+            choices.append(ChatChoice(index=seq.index, message=message, logprobs=logprobs, finish_reason=finish,
+                                      stop_reason=seq.stop_reason, **self.ids(seq.token_ids)))
+        prompt_ids = {"prompt_token_ids": list(outputs[0].prompt_token_ids)} if self.return_token_ids else {}
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(outputs), **self.metrics(outputs),
-                                      prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs(outputs[0], self.params.prompt_logprobs),
+                                      **prompt_ids)
 
 
 class ResponsesRenderer(ChatRenderer):
@@ -744,7 +764,8 @@ class OpenAIServer:
                                       prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
                                     next(iter(body.constraint_fields()), None), priority=body.priority,
-                                    cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids)
+                                    cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids,
+                                    token_ids=body.return_token_ids)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -888,7 +909,7 @@ class OpenAIServer:
                                     body.max_tokens_field,
                                     "tools" if constraint is not None else next(iter(body.constraint_fields()), None),
                                     priority=body.priority, background=background, cache_salt=body.cache_salt,
-                                    tokens_as_ids=body.return_tokens_as_token_ids)
+                                    tokens_as_ids=body.return_tokens_as_token_ids, token_ids=body.return_token_ids)
 
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
@@ -1007,16 +1028,17 @@ class OpenAIServer:
                         renderer: _Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
                         constraint_param: str | None = None, priority: int = 0,
                         background: BackgroundRun | None = None, cache_salt: str | None = None,
-                        tokens_as_ids: bool | None = None) -> Response:
+                        tokens_as_ids: bool | None = None, token_ids: bool | None = None) -> Response:
         """constraint_param: the field that set params' structured output ('tools' for a tool
         choice's), named by the error when it does not compile; background: generate apart from this
         request (a Responses renderer's run), which is answered at once: the response queued, or
         its events as they come (the client going away does not stop it); cache_salt,
-        tokens_as_ids: the request's cache_salt and return_tokens_as_token_ids."""
+        tokens_as_ids, token_ids: the request's cache_salt, return_tokens_as_token_ids, return_token_ids."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
         renderer.tokens_as_ids = self.tokens_as_ids or bool(tokens_as_ids)
+        renderer.return_token_ids = bool(token_ids)
         streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority,
                                      cache_salt)
 

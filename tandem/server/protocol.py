@@ -120,6 +120,7 @@ class _SamplingRequest(_Request):
     priority: int = 0  # vLLM's: lower is scheduled first (needs --scheduling-policy priority)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only among requests of one salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (or the server flag)
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the reply
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args (for plugins; read by none)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (StructuredOutputsParams'
     # fields) or its older guided_* fields; one of them per request.

@@ -534,6 +534,35 @@ def test_cache_salt_and_token_ids_per_request(model_dirs, live):
         server.stop()
 
 
+def test_return_token_ids(live):
+    """return_token_ids (vLLM's): the prompt's token ids and each choice's, whole or streamed (the
+    prompt's with a choice's first chunk, each chunk's own token ids), on completions and chat."""
+    tok = live.llm.get_tokenizer()
+    ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0.8, "seed": 3, "n": 2,
+           "ignore_eos": True, "return_token_ids": True}
+    whole = live.post(C, json=ask).json()["choices"]
+    assert whole[0]["prompt_token_ids"] == tok(PROMPTS[1]).input_ids
+    ids = [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in live.post(
+        C, json={**ask, "logprobs": 0, "return_tokens_as_token_ids": True}).json()["choices"]]
+    assert [c["token_ids"] for c in whole] == ids and all(len(t) == 6 for t in ids)
+    assert "token_ids" not in live.post(C, json={**ask, "return_token_ids": False}).json()["choices"][0]
+    chunks = [c.model_dump() for c in live.client.completions.create(
+        **{k: v for k, v in ask.items() if k not in ("return_token_ids", "ignore_eos")}, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})]
+    for idx in (0, 1):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == idx]
+        assert mine[0]["prompt_token_ids"] == whole[0]["prompt_token_ids"]
+        assert all("prompt_token_ids" not in ch for ch in mine[1:])
+        assert [t for ch in mine for t in ch["token_ids"]] == whole[idx]["token_ids"]
+    chat = live.post(CH, json={**OK_CH, "max_tokens": 5, "temperature": 0, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    streamed = [c.model_dump() for c in live.client.chat.completions.create(
+        model=MODEL, messages=OK_CH["messages"], max_tokens=5, temperature=0, stream=True,
+        extra_body={"return_token_ids": True})]
+    assert streamed[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for c in streamed for ch in c["choices"] for t in ch["token_ids"]] == chat["choices"][0]["token_ids"]
+
+
 def _certificates(root: Path) -> None:
     """A CA (ca.pem), and a server certificate for 127.0.0.1 and a client one, both signed by it
     ({server,client}.pem, .key), made by the openssl command."""
