@@ -717,8 +717,9 @@ class OpenAIServer:
             ids = (await self._off_loop(self._prompt, body.prompt, body.add_special_tokens is not False)).token_ids
         else:
             ids = (await self._off_loop(self._chat_prompt, body)).token_ids  # no special tokens unless asked
-        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
-                                             tokens=ids).model_dump(mode="json"))
+        extra = {"token_strs": self.tokenizer.convert_ids_to_tokens(ids)} if body.return_token_strs else {}
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                             **extra).model_dump(mode="json"))
 
     async def detokenize(self, request: Request) -> Response:
         body = await _parse(request, DetokenizeRequest)

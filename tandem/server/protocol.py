@@ -493,6 +493,7 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None  # rendered by the chat template, as chat completions render them
+    return_token_strs: bool = False  # vLLM's: the tokens' strings (the tokenizer's own pieces) as token_strs
 
 
 class TokenizeResponse(_Response):

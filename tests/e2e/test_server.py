@@ -323,6 +323,9 @@ def test_tokenize_detokenize_and_version(live, reference):
     tok = reference.get_tokenizer()
     r = live.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
     assert r["tokens"] == tok(PROMPTS[0]).input_ids and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    assert "token_strs" not in r
+    strs = live.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()["token_strs"]
+    assert strs == tok.convert_ids_to_tokens(r["tokens"])  # vLLM's return_token_strs
     messages = [{"role": "user", "content": "hi"}]
     chat = live.post("/tokenize", json={"messages": messages}).json()
     usage = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
