@@ -470,10 +470,9 @@ class ChatRenderer(_Renderer):
 
     def preamble(self) -> list[BaseModel]:
         size = len(self.done)
-        ids = self.ids([], self.prompts[0].token_ids)
-        prompt_ids = {"prompt_token_ids": ids.pop("prompt_token_ids")} if ids else {}  # the chunk's, as vLLM's
-        chunks = [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role, content=""), **ids)],
-                             **prompt_ids) for i in range(size)]
+        prompt_ids = {"prompt_token_ids": list(self.prompts[0].token_ids)} if self.return_token_ids else {}
+        chunks = [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role, content=""),
+                                               **self.ids([]))], **prompt_ids) for i in range(size)]  # as vLLM's
         if self.echo_text:
             chunks += [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=self.echo_text))])
                        for i in range(size)]
