@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -159,6 +160,13 @@ class Prompt:
 
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token masked out (top-k, bias) reads this, as in vLLM
+
+
+def _response_id(request: Request, body, prefix: str) -> str:
+    """vLLM's rule: the response's id is prefix-X, X the X-Request-Id header, else the body's
+    request_id, else fresh (the engine's ids add a suffix, so a reused X never collides)."""
+    given = request.headers.get("x-request-id") or body.request_id
+    return f"{prefix}-{given}" if given else random_id(prefix)
 
 
 def _floor(logprob: float) -> float:
@@ -758,7 +766,7 @@ class OpenAIServer:
             params = params.clone(prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-        renderer = CompletionRenderer(random_id("cmpl"), model, prompts, params, self._include_usage(body),
+        renderer = CompletionRenderer(_response_id(request, body, "cmpl"), model, prompts, params, self._include_usage(body),
                                       self.report, self._continuous_usage(body), echo=body.echo,
                                       shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
                                       prompt_only=prompt_only)
@@ -770,7 +778,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         model = self._check_common(body)
-        return await self._chat(request, body, model, random_id("chatcmpl"), ChatRenderer)
+        return await self._chat(request, body, model, _response_id(request, body, "chatcmpl"), ChatRenderer)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: the request as a chat completion, told back as the Responses API."""
@@ -1105,7 +1113,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.client.add_request(f"{response_id}-{i}", p.token_ids, params, p.text,
+                streams.append(await self.client.add_request(f"{response_id}-{i}-{uuid.uuid4().hex[:8]}", p.token_ids, params, p.text,
                                                              priority, cache_salt))
         except BaseException as e:
             for s in streams:

@@ -119,6 +119,7 @@ class _SamplingRequest(_Request):
     watermarking: bool | None = None  # False opts out of the server's --watermark-config (vLLM's field)
     priority: int = 0  # vLLM's: lower is scheduled first (needs --scheduling-policy priority)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only among requests of one salt
+    request_id: str | None = None  # vLLM's: the response's id is cmpl-/chatcmpl- and it (X-Request-Id wins)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (or the server flag)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the reply
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args (for plugins; read by none)

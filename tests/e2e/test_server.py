@@ -505,6 +505,23 @@ def test_cors_docs_token_ids_and_prompt_tokens_details(model_dirs, live):
         server.stop()
 
 
+def test_request_id_names_the_response(live):
+    """vLLM's request_id: the response's id is cmpl-/chatcmpl- and it, streamed too; an X-Request-Id
+    header wins over it; two requests in flight under one id both succeed."""
+    import concurrent.futures
+    assert live.post(C, json={**OK_C, "request_id": "abc"}).json()["id"] == "cmpl-abc"
+    assert live.post(CH, json={**OK_CH, "request_id": "abc"}).json()["id"] == "chatcmpl-abc"
+    head = live.post(CH, json={**OK_CH, "request_id": "abc"}, headers={"X-Request-Id": "trace-7"}).json()
+    assert head["id"] == "chatcmpl-trace-7"
+    assert live.post(C, json=OK_C).json()["id"].startswith("cmpl-")
+    ids = {c.id for c in live.client.chat.completions.create(**OK_CH, stream=True, extra_body={"request_id": "s1"})}
+    assert ids == {"chatcmpl-s1"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ask = {**OK_C, "max_tokens": 8, "ignore_eos": True, "request_id": "same"}
+        replies = list(pool.map(lambda _: live.post(C, json=ask), range(4)))
+    assert [(r.status_code, r.json()["id"]) for r in replies] == [(200, "cmpl-same")] * 4
+
+
 def test_cache_salt_and_token_ids_per_request(model_dirs, live):
     """cache_salt (vLLM's): a prompt reaches the cached blocks of earlier prompts with its salt only
     (with another salt, or none, nothing is cached); an empty salt is refused by name.
