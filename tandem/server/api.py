@@ -546,6 +546,7 @@ class ResponsesRenderer(ChatRenderer):
         count the reasoning tokens; decode (token ids -> text) finds a `</think>` spelt in text."""
         super().__init__(*args, **kwargs)
         self.builder = builder
+        builder.params = self.params  # the response reports the temperature and top_p used
         self.reasoning_tags = reasoning_tags or {}
         self.decode = decode
 
@@ -808,6 +809,10 @@ class OpenAIServer:
             err.message, err.param = responses_names(err.message, err.param)
             raise err from None
         store = self.responses_store if body.store is not False else None
+        if body.request_id is not None and self.responses_store is not None \
+                and self.responses_store.get(body.request_id) is not None:
+            raise APIError(400, f"'request_id': a stored response already has the id '{body.request_id}'; give "
+                           "another (it names the response)", param="request_id")
         if body.background and store is None:
             why = ("'store' is false" if self.responses_store is not None
                    else "this server stores no responses (start it with --responses-store-size N)")

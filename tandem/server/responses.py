@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tandem.sampling_params import SamplingParams
 from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
     ChatLogprobs, UsageInfo, _SamplingRequest
 
@@ -266,8 +267,10 @@ def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = No
 
 def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is one user message; items are messages (developer as
-    system), function calls (joined into one assistant message per turn) and their outputs (tool
-    messages); reasoning items are dropped (the template writes its own thinking)."""
+    system; each its own), function calls (joined to the assistant message before them, if any)
+    and their outputs (tool messages); a reasoning item's text is the next assistant message's
+    reasoning_content (templates that print it do). A stored response's function call that its
+    max_output_tokens cut (status incomplete) is left out: it was never a call."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -275,10 +278,10 @@ def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) ->
         raise ResponsesRequestError("'input' must be a string or a list of items (objects)", "input")
     thinking: str | None = None  # a reasoning item's text, for the assistant turn it precedes
 
-    def assistant() -> dict[str, Any]:
-        """The assistant message of this turn: the one just before, or a new one."""
+    def assistant(new: bool = False) -> dict[str, Any]:
+        """The assistant message of this turn: the one just before, or a new one (new: always)."""
         nonlocal thinking
-        if not out or out[-1]["role"] != "assistant":
+        if new or not out or out[-1]["role"] != "assistant":
             out.append({"role": "assistant", "content": None})
         if thinking is not None:  # Qwen3's template prints it inside a tool-calling turn
             out[-1]["reasoning_content"], thinking = thinking, None
@@ -293,10 +296,12 @@ def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) ->
                                             "'assistant'", f"{where}.role")
             text = _text(item.get("content"), f"{where}.content")
             if role == "assistant":
-                message = assistant()
-                message["content"] = text if message["content"] is None else message["content"] + text
+                assistant(new=True)["content"] = text
             else:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
+                thinking = None  # a thinking belongs to the assistant turn right after it
+        elif kind == "function_call" and i < num_previous and item.get("status") == "incomplete":
+            continue
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -305,6 +310,7 @@ def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) ->
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+            thinking = None
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             thinking = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
@@ -371,9 +377,13 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
-        if not isinstance(fmt.get("schema", {}), dict):
-            raise ResponsesRequestError("'text.format.schema' must be a JSON schema (an object)", "text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema", {}),
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:  # OpenAI's (and vLLM's) required fields
+            raise ResponsesRequestError("'text.format.name' is required with type 'json_schema': name the schema",
+                                        "text.format.name")
+        if not isinstance(fmt.get("schema"), dict):
+            raise ResponsesRequestError("'text.format.schema' is required with type 'json_schema': give a JSON "
+                                        "schema (an object)", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
     raise ResponsesRequestError(f"'text.format' type {fmt.get('type')!r} is not one of 'text', 'json_object', "
                                 "'json_schema'", "text.format")
@@ -404,7 +414,8 @@ class ResponseBuilder:
 
     def __init__(self, body: ResponsesRequest, model: str, on_done=None, stored: bool = False):
         """on_done: called with the final Response object (a store's put); stored: whether it will be."""
-        self.id, self.model, self.body = _id("resp"), model, body
+        self.id, self.model, self.body = body.request_id or _id("resp"), model, body  # vLLM's request_id
+        self.params: SamplingParams | None = None  # what sampling uses (the renderer sets it): the reported values
         self.on_done, self.stored = on_done, stored
         self.on_event: Callable[[dict[str, Any]], None] | None = None  # sees every event made (a BackgroundRun)
         self.created_at = int(time.time())
@@ -413,6 +424,9 @@ class ResponseBuilder:
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its function_call item
         self.finish_reason: str | None = None
+        # Logprobs of tokens no message has shown yet (thinking, a call before any text): as in the whole
+        # response (and vLLM's), a message's logprobs are every output token's, so its first delta takes them.
+        self.held_logprobs: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ the Response object
     def response(self, status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
@@ -423,7 +437,8 @@ class ResponseBuilder:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata, "parallel_tool_calls": body.parallel_tool_calls,
-            "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+            "temperature": body.temperature if self.params is None else self.params.temperature,
+            "top_p": body.top_p if self.params is None else self.params.top_p, "top_logprobs": body.top_logprobs or 0,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
             "reasoning": body.reasoning, "truncation": body.truncation or "disabled", "store": self.stored,
@@ -477,10 +492,18 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         for choice in chunk.choices:
             delta = choice.delta
+            logprobs = _logprobs(choice.logprobs)
             if delta.reasoning:
                 events += self._text_delta("reasoning", delta.reasoning, [])
             if delta.content:
-                events += self._text_delta("message", delta.content, _logprobs(choice.logprobs))
+                events += self._text_delta("message", delta.content, self.held_logprobs + logprobs)
+                self.held_logprobs = []
+            else:  # tokens that showed no text: they join the last message (or the next one)
+                message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
+                if message is not None:
+                    message["content"][0]["logprobs"] += logprobs
+                else:
+                    self.held_logprobs += logprobs
             for call in delta.tool_calls:
                 if call.index not in self.calls:
                     events += self._close()
@@ -500,7 +523,7 @@ class ResponseBuilder:
         """The last events: the open item closed (an empty message when the reply had nothing), then
         the whole response."""
         status = self.status(self.finish_reason)
-        events = [] if self.items else self._open(_message_item(_id("msg"), "", [], "in_progress"))
+        events = [] if self.items else self._open(_message_item(_id("msg"), "", self.held_logprobs, "in_progress"))
         events += self._close("incomplete" if status == "incomplete" else "completed")
         response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens, reasoning_tokens)))
         return events + [self.event(f"response.{status}", response=response)]

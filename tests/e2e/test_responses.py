@@ -16,6 +16,7 @@ pytest.importorskip("uvicorn")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
+from tandem.errors import RequestError  # noqa: E402
 from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, ResponseStore, \
     chat_request  # noqa: E402
 from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
@@ -92,6 +93,26 @@ def test_a_previous_output_passed_back_is_one_assistant_turn():
     assert turn["content"] == "Checking." and turn["reasoning_content"] == "Use the tool."
     assert [(c["id"], c["function"]["name"]) for c in turn["tool_calls"]] == [("c1", "f"), ("c2", "g")]
     assert (got[3]["tool_call_id"], got[4]["content"]) == ("c1", "2")
+
+
+def test_input_items_keep_their_turns_apart():
+    """Two assistant messages in a row stay two messages; a thinking followed by a user message (no
+    assistant turn after it) is dropped; a stored response's call its limit cut (status incomplete,
+    arguments not JSON) is left out of the continued conversation, a client's own is not."""
+    cut = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"cit', "status": "incomplete"}
+    items = [{"role": "user", "content": "Q1"},
+             {"type": "message", "role": "assistant", "content": "First."},
+             {"type": "message", "role": "assistant", "content": "Second."},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "R1"}]}, cut,
+             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    got = [m.template_dict() for m in chat_request(ResponsesRequest.model_validate({"input": "x"}), items,
+                                                    num_previous=len(items)).messages]
+    assert [(m["role"], m["content"]) for m in got] == [
+        ("user", "Q1"), ("assistant", "First."), ("assistant", "Second."), ("user", "Q2"), ("assistant", "A2")]
+    assert not any("reasoning_content" in m or m.get("tool_calls") for m in got)
+    own = chat_request(ResponsesRequest.model_validate({"input": [{"role": "user", "content": "Q"}, cut]}))
+    with pytest.raises(RequestError, match="not JSON"):  # the client's own cut call is kept, and is its mistake
+        own.messages[-1].template_dict()
 
 
 def test_instructions_and_input_items_are_the_chat_messages(live):
@@ -195,6 +216,46 @@ def test_reasoning_is_its_own_item(live):
     assert added == ["reasoning", "message"] and [i.type for i in events[-1].response.output] == added
 
 
+def test_a_streamed_message_has_the_whole_ones_logprobs(live):
+    """As in the whole response (and vLLM's), a message's logprobs are every output token's: the
+    thinking's and the EOS's too, streamed or not; the deltas and output_text.done carry them all."""
+    from tandem.reasoning import REASONING_PARSERS
+
+    server = live.app.state.server
+    for reasoning, reply in ((None, "It is sunny."), ("qwen3", "<think>Paris is in France.</think>\n\nIt is sunny.")):
+        kw = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=99, temperature=0, top_logprobs=0,
+                  extra_body={"guided_regex": re.escape(reply)})
+        server.reasoning = REASONING_PARSERS[reasoning] if reasoning else None
+        try:
+            whole = live.client.responses.create(**kw)
+            events = _events(live.client.responses.create(**kw, stream=True))
+        finally:
+            server.reasoning = None
+        tokens = [lp.token for lp in whole.output[-1].content[0].logprobs]
+        assert len(tokens) == whole.usage.output_tokens and "".join(tokens).startswith(reply)  # then the EOS
+        streamed = events[-1].response.output[-1].content[0].logprobs
+        assert [(lp.token, lp.logprob) for lp in streamed] == [
+            (lp.token, pytest.approx(lp.logprob, abs=1e-3)) for lp in whole.output[-1].content[0].logprobs]
+        deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        done = next(e for e in events if e.type == "response.output_text.done")
+        assert deltas == tokens[:len(deltas)] and [lp.token for lp in done.logprobs] == tokens
+
+
+def test_response_reports_its_sampling_and_takes_request_id(model_dirs):  # noqa: F811
+    """Unset temperature / top_p / top_logprobs report what sampling used (vLLM's); vLLM's request_id
+    names the response; an id a stored response has is refused."""
+    server = LiveServer(_llm(model_dirs), responses_store_size=4)
+    try:
+        r = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r1"})
+        assert (r.id, r.temperature, r.top_p, r.top_logprobs) == ("r1", 1.0, 1.0, 0)
+        assert server.client.responses.retrieve("r1").id == "r1"
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r1"})
+        assert e.value.body["param"] == "request_id"
+    finally:
+        server.stop()
+
+
 def test_json_schema_format_and_logprobs(live):
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
               "required": ["city"], "additionalProperties": False}
@@ -225,6 +286,8 @@ def test_json_schema_format_and_logprobs(live):
     (dict(tool_choice={"type": "web_search"}, tools=[FLAT_WEATHER]), "tool_choice", "'tool_choice' must be"),
     (dict(text={"format": "json"}), "text.format", "must be an object"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": "{}"}}), "text.format.schema", "schema"),
+    (dict(text={"format": {"type": "json_schema", "schema": {}}}), "text.format.name", "name the schema"),
+    (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text.format.schema", "is required"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}), "text.format",
      "'text.format': not a constraint"),
     (dict(tools=[{"type": "function", "parameters": {}}]), "tools.0.name", "'tools.0.name' is required"),
