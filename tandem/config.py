@@ -157,6 +157,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
 
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json leaves it out
 # Supported rope_scaling types -> the keys each needs (numbers, read by tandem/layers/rotary.py).
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -252,9 +253,12 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     # transformers builds them); Mistral's attention has none.
     qkv_bias = arch == "Qwen2ForCausalLM" or (attention_bias and arch != "MistralForCausalLM")
     o_bias = attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
-    # Mistral applies sliding_window when set; Qwen2/3 configs carry one that applies only with
-    # use_sliding_window.
-    window = raw.get("sliding_window") if arch == "MistralForCausalLM" or raw.get("use_sliding_window") else None
+    # Mistral applies sliding_window when set (absent: transformers' default, 4096; null: none);
+    # Qwen2/3 configs carry one that applies only with use_sliding_window.
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+    else:
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     return ArchConfig(
         architecture=arch,
         vocab_size=count("vocab_size"),
@@ -274,7 +278,7 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        sliding_window=count("sliding_window") if window is not None else None,
+        sliding_window=count("sliding_window", window) if window is not None else None,
         o_bias=o_bias,
     )
 

@@ -392,9 +392,16 @@ def build_config(info: GGUFInfo, dtype: torch.dtype = torch.float32) -> dict:
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
     }
-    rtype = a("rope.scaling.type")
+    rot = _int(a("rope.dimension_count"))
+    if rot is not None and rot != head_dim:
+        raise ModelFormatError(f"{info.path.name}: {info.arch}.rope.dimension_count={rot} rotates part of each "
+                               f"head (head_dim {head_dim}); partial rotary embeddings are not supported")
+    # As llama.cpp reads it: the factor under rope.scaling.factor, else the older rope.scale_linear,
+    # and the type linear unless rope.scaling.type names another (early converters wrote the factor alone).
+    factor = a("rope.scaling.factor")
+    factor = float(a("rope.scale_linear", 0.0) if factor is None else factor) or 1.0
+    rtype = a("rope.scaling.type") or ("linear" if factor != 1.0 else None)
     if rtype and rtype != "none":
-        factor = float(a("rope.scaling.factor", 1.0))
         rs = {"rope_type": rtype, "type": rtype, "factor": factor}
         orig = a("rope.scaling.original_context_length")
         if orig:

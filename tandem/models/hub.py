@@ -62,7 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MARKER = "tandem-complete.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a GGUF's RoPE factor without a scaling type read as linear
 
 
 class ModelNotFoundError(ConfigError):

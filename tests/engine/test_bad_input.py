@@ -291,6 +291,11 @@ def test_sliding_window_caps_the_context(tmp_path):
     assert LLM(str(d), dtype="float32").config.sched.max_model_len == 64
     with pytest.raises(ConfigError, match="sliding_window=64"):
         LLM(str(d), dtype="float32", max_model_len=128)
+    # A Mistral config.json without the key has transformers' default window; null means none.
+    absent = _copy_with_config(mistral, tmp_path / "absent", lambda c: {k: v for k, v in c.items() if k != "sliding_window"})
+    assert read_arch_config(absent).sliding_window == 4096
+    null = _copy_with_config(mistral, tmp_path / "null", lambda c: c | {"sliding_window": None})
+    assert read_arch_config(null).sliding_window is None
     # Qwen2 configs carry a window that applies only with use_sliding_window.
     qwen = make_hf_model(tmp_path / "qwen", "qwen2")
     off = _copy_with_config(qwen, tmp_path / "off", lambda c: c | {"sliding_window": 64, "use_sliding_window": False})

@@ -156,6 +156,36 @@ def test_unsupported_rope_scaling_is_refused_before_converting(tmp_path, monkeyp
     assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
+@pytest.mark.parametrize("keys", [{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+                                  {"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0}, {"rope.dimension_count": 8}])
+def test_rope_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch, keys):
+    """A RoPE factor without a scaling type is linear scaling, under either key (llama.cpp's reading;
+    early converters wrote rope.scale_linear alone); a rope.dimension_count short of head_dim (a
+    partial rotary) is refused by name."""
+    import gguf
+
+    add_dims = gguf.GGUFWriter.add_rope_dimension_count
+
+    def with_keys(self, n):
+        add_dims(self, keys.get("rope.dimension_count", n))
+        for key, value in keys.items():
+            if key == "rope.scaling.type":
+                self.add_string(f"{self.arch}.{key}", value)
+            elif key != "rope.dimension_count":
+                self.add_float32(f"{self.arch}.{key}", value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_keys)
+    src = tmp_path / "scaled.gguf"
+    G.write_tiny_gguf(src)
+    if "rope.dimension_count" in keys:
+        with pytest.raises(ModelFormatError, match=r"rope.dimension_count=8 .*\(head_dim 16\)"):
+            resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+        return
+    out = resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
+    assert (scaling["rope_type"], scaling["factor"]) == ("linear", 4.0)
+
+
 def test_unsupported_tensor_type(tmp_path):
     src = tmp_path / "int.gguf"
     G.write_tiny_gguf(src, extra_tensors={"blk.0.attn_q.bias": np.arange(64, dtype=np.int8)})
