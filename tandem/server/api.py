@@ -908,6 +908,9 @@ class OpenAIServer:
         constraint = tools.constraint()
         if constraint is not None:
             params = params.clone(structured_outputs=constraint)
+        if tools.mode == "auto" and tools.parser == "hermes" and params.skip_special_tokens:
+            # vLLM's hermes parser does the same: some tokenizers mark <tool_call> special, and the text needs it
+            params = params.clone(skip_special_tokens=False)
         prompts = [await self._off_loop(self._chat_prompt, body)]
         # The reply's role, and what echo repeats: the last message's content when it has that role (vLLM's).
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role

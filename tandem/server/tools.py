@@ -55,7 +55,8 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DO
 # streamed piece by piece.
 _HEAD = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:%s)"\s*:\s*(?=\{)'
 _HERMES_HEAD = re.compile(r"<tool_call>\s*" + _HEAD % "arguments|parameters")
-_ITEM_HEAD = re.compile(r"(?:\[|\}\s*,)\s*" + _HEAD % "parameters")  # "required"'s array items
+# "required"'s array items (the array may follow blanks: a reasoning model's after </think>)
+_ITEM_HEAD = re.compile(r"\s*(?:\[|\}\s*,)\s*" + _HEAD % "parameters")
 _HEAD_MAX = 200  # characters from where a head should begin to where it must have been read
 
 
@@ -208,7 +209,7 @@ def hermes_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int]
     for i, t in enumerate(tools):
         schema = t["parameters"] if t["strict"] else _ANY_OBJECT
         schema = {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
-        head = '\n{"name": ' + json.dumps(t["name"]) + ', "arguments": '
+        head = '\n{"name": ' + json.dumps(t["name"], ensure_ascii=False) + ', "arguments": '
         lines.append(f"call_{i}: {begins} {json.dumps(head)} %json {json.dumps(schema)} {close}")
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     lines[1] = f"start: ({calls}){'*' if parallel else '?'} text"
@@ -260,7 +261,7 @@ def llama3_json_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str,
     for i, t in enumerate(tools):
         schema = t["parameters"] if t["strict"] else _ANY_OBJECT
         schema = {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
-        head = '{"name": ' + json.dumps(t["name"]) + ', "parameters": '
+        head = '{"name": ' + json.dumps(t["name"], ensure_ascii=False) + ', "parameters": '
         lines.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} \"}}\"")
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     tag = f"<[{tag_tokens[_PYTHON_TAG]}]>? " if _PYTHON_TAG in tag_tokens else ""
@@ -369,7 +370,8 @@ class ToolChoice:
         """(content, calls) of a finished choice's text, each call's arguments as the model wrote
         them. Text that does not hold calls stays content (a choice cut short by max_tokens, for one)."""
         if self.mode == "named":  # (a blank before the object: after a reasoning model's </think>)
-            return None, [FunctionCall(name=self.name, arguments=text.lstrip())]
+            text = text.lstrip()  # none at all (cut in the thinking or just after it): no call, as in vLLM
+            return None, [FunctionCall(name=self.name, arguments=text)] if text else []
         if self.mode == "required":
             try:
                 items = json.loads(text)
@@ -508,6 +510,8 @@ class ToolStream:
 
     def _arguments(self) -> DeltaMessage | None:
         text = self.text.lstrip()  # as parse reads it
+        if not text:  # the call begins with its first argument text (none: no call, as parse says)
+            return None
         if self.call_id is None:  # the call's first piece: its id and name
             self.call_id = random_id("chatcmpl-tool")
             self.sent = len(text)

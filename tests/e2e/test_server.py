@@ -1329,6 +1329,23 @@ def test_auto_tool_choice_parses_hermes_calls(live, reference):
     assert strict.choices[0].message.content == ref.text and strict.choices[0].finish_reason == ref.finish_reason
 
 
+def test_hermes_auto_tool_choice_keeps_special_tokens(live):
+    """As vLLM's hermes parser: with tools and the parser at work, skip_special_tokens is off (some
+    tokenizers hold <tool_call> as a special token, which the text must keep); tool_choice "none"
+    leaves it on. Shown with this tokenizer's special <s>, forced by a grammar."""
+    server = live.app.state.server
+    bos = live.llm.get_tokenizer().convert_tokens_to_ids("<s>")
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=20, temperature=0, tools=[WEATHER],
+                  extra_body={"guided_grammar": f'start: "Hi " <[{bos}]> " there"'})
+    server.tool_call_parser = "hermes"
+    try:
+        auto = live.client.chat.completions.create(**kwargs).choices[0].message.content
+        none = live.client.chat.completions.create(**kwargs, tool_choice="none").choices[0].message.content
+    finally:
+        server.tool_call_parser = None
+    assert (auto, none) == ("Hi <s> there", "Hi  there")
+
+
 def test_auto_tool_choice_parses_llama3_json_calls(live, reference):
     """--tool-call-parser llama3_json: a reply that opens with {"name": ..., "parameters": ...}
     calls ("; " between them) is those calls, streamed or not (forced here with a regex); a reply

@@ -178,14 +178,19 @@ def test_streamed_calls_send_their_arguments_as_they_come(size):
     assert _stream(named, '\n\n{"x": 1}', size)[1] == [("f", '{"x": 1}')] == \
         [(c.name, c.arguments) for c in named.parse('\n\n{"x": 1}')[1]]
     assert named.finish_reason([], "stop") == "stop"
+    # no answer at all (cut in a reasoning model's thinking, or just after it): no call, streamed or not
+    assert named.parse("\n") == (None, []) and _stream(named, "\n", size)[1] == []
     required = ToolChoice("required", named.tools + ({"name": "g", "parameters": {"type": "object"}},))
     text = '[{"name": "f", "parameters": {"x": [1, "]"]}}, {"name": "g", "parameters": {}}]'
     content, calls, deltas = _stream(required, text, size)
     assert content == "" and calls == [("f", '{"x": [1, "]"]}'), ("g", "{}")]
     assert calls == [(c.name, c.arguments) for c in required.parse(text)[1]]
-    if size == 1:  # f's arguments are sent as they come, before g is written
-        first_g = next(i for i, d in enumerate(deltas) if any(c.index == 1 for c in d.tool_calls))
-        assert sum(1 for d in deltas[:first_g] if d.tool_calls) > 10
+    for blank in ("", "\n\n"):  # after blanks too (a reasoning model's, after </think>)
+        content, calls, deltas = _stream(required, blank + text, size)
+        assert content == "" and calls == [(c.name, c.arguments) for c in required.parse(blank + text)[1]]
+        if size == 1:  # f's arguments are sent as they come, before g is written
+            first_g = next(i for i, d in enumerate(deltas) if any(c.index == 1 for c in d.tool_calls))
+            assert sum(1 for d in deltas[:first_g] if d.tool_calls) > 10
     assert required.finish_reason(required.parse(text)[1], "stop") == "tool_calls"
     assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
 
@@ -243,6 +248,9 @@ def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
             assert not fits(choice, bad), bad
         if as_tokens:  # a second call needs the tag token, which only a call may write
             assert fits(choice, call + "\n" + call) == parallel
+    # a name beyond ASCII is written as the template's tojson writes it, not \u-escaped
+    meteo = ToolChoice("auto", ({**strict, "name": "météo"},), parser="hermes", tag_tokens=tuple(sorted(tags.items())))
+    assert fits(meteo, call.replace('"f"', '"météo"')) and not fits(meteo, call.replace('"f"', '"m\\u00e9t\\u00e9o"'))
 
 
 @pytest.mark.parametrize("as_token", [False, True])
