@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from tandem.chat import text_message
 from tandem.errors import RequestError
@@ -392,9 +392,17 @@ class ToolCall(_Response):
     function: FunctionCall
 
 
+@model_serializer(mode="wrap")
+def _carried_only(self, handler) -> dict[str, Any]:
+    """A streamed delta's fields without those it does not carry (None, an empty list), as OpenAI's
+    and vLLM's streams leave them out: a call's later pieces hold only their arguments."""
+    return {k: v for k, v in handler(self).items() if v is not None and v != []}
+
+
 class DeltaFunctionCall(_Response):
     name: str | None = None
     arguments: str | None = None
+    _carried = _carried_only
 
 
 class DeltaToolCall(_Response):
@@ -404,6 +412,7 @@ class DeltaToolCall(_Response):
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
+    _carried = _carried_only
 
 
 class ChatResponseMessage(_Response):
@@ -434,11 +443,15 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(_Response):
+    """A streamed chat chunk's delta (what it does not carry left out)."""
+
     role: str | None = None
     content: str | None = None
     reasoning: str | None = None  # as ChatResponseMessage's
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    _carried = _carried_only
 
 
 class ChatStreamChoice(_Response):

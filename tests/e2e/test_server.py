@@ -819,6 +819,18 @@ def test_sse_wire_format_ends_with_done(live):
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
     json.loads(events[0][len("data: "):])
+    # A chat delta holds only what it carries (vLLM's and OpenAI's shape): a call's later pieces only
+    # their index and arguments, text pieces only content; no null reasoning, no empty tool_calls.
+    body = {**OK_CH, "max_tokens": 20, "temperature": 0, "stream": True, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    with httpx.stream("POST", live.url + CH, timeout=60, json=body) as r:
+        deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {") and '"choices":[{' in line]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    calls = [d["tool_calls"][0] for d in deltas[1:] if d]
+    assert set(calls[0]) == {"index", "id", "type", "function"} and set(calls[0]["function"]) == {"name", "arguments"}
+    assert all(c == {"index": 0, "function": {"arguments": c["function"]["arguments"]}} for c in calls[1:])
+    assert all(set(d) <= {"tool_calls"} for d in deltas[1:])
 
 
 # ---------------------------------------------------------------- chat
@@ -1406,8 +1418,8 @@ def test_reasoning_parser_splits_the_thinking(live):
     assert message.reasoning == message.reasoning_content == "Paris is in France."
     assert message.content == "\n\nIt is sunny."
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.reasoning or "" for d in deltas) == message.reasoning
-    assert "".join(d.reasoning_content or "" for d in deltas) == message.reasoning
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
     message = tools.choices[0].message
