@@ -175,7 +175,7 @@ class Engine:
         self._seq_of: dict[int, SeqState] = {}
         self._next_id = 0
         self._aborted: list[RequestState] = []
-        self._dead: StepError | None = None  # a fatal step error: the GPU cannot run anything more
+        self._dead: str | None = None  # why the engine takes no more work (a fatal step error; stop())
 
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
@@ -288,8 +288,7 @@ class Engine:
         scheduled first, and may preempt running requests of a higher value. cache_salt (vLLM's):
         the request shares prefix-cache blocks only with requests of the same salt."""
         if self._dead is not None:
-            raise StepError(f"the engine stopped after a device error ({self._dead}); restart the process", [],
-                            fatal=True)
+            raise StepError(self._dead, [], fatal=True)
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.validate_priority(priority)
@@ -468,8 +467,12 @@ class Engine:
             self._aborted[:0] = touched.values()  # reported by the next step
             ended = self._end_requests_of(running)
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
+                if self.tensor_parallel:  # the other ranks may wait in this step's collectives for good
+                    self.stop("the engine stopped: a step was interrupted under tensor parallelism, so its ranks "
+                              "no longer agree; restart the process")
                 raise
             error = self._step_error(e, running, ended if running else None, fatal)
+            cause = "a device error" if fatal else "a failed step under tensor parallelism"
             if self.tensor_parallel and not fatal:
                 # One rank's failure (its memory, say) need not be the others': they may have run the
                 # step and gone on, and the ranks' engines must agree for their collectives to meet.
@@ -477,11 +480,20 @@ class Engine:
                 error = StepError(f"{error}; under tensor parallelism a failed step stops the engine (its ranks may "
                                   "no longer agree); restart the process", error.request_ids, fatal=True)
             if fatal:
-                self._dead = error
-                for request_id in list(self._requests):  # nothing can run them any more
-                    self.abort_request(request_id)
+                self.stop(f"the engine stopped after {cause} ({error}); restart the process")
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return self._outputs(touched)
+
+    def stop(self, why: str) -> None:
+        """Take no more work: every request ends (aborted, reported by the next step) and every
+        later add_request raises a fatal StepError saying why."""
+        self._dead = why
+        for request_id in list(self._requests):  # nothing can run them any more
+            self.abort_request(request_id)
+
+    @property
+    def stopped(self) -> bool:
+        return self._dead is not None
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """The outputs of the requests that progressed, as each one's output_kind asks: every one

@@ -296,11 +296,13 @@ class LLM:
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
                 store = host_store(tp_size)
                 workers = Workers(tp_size, store.port, launch)
-                workers.wait_started()
-                self.tp = TPGroup(0, tp_size, store.port, dev, store)
-            else:
-                self.tp = TPGroup(rank, tp_size, port, dev)
         try:
+            if workers is not None:
+                workers.wait_started()
+                workers.wait_joining(store)  # rank 0's join waits for every rank: not for one that failed
+                self.tp = TPGroup(0, tp_size, store.port, dev, store)
+            elif tp_size > 1:
+                self.tp = TPGroup(rank, tp_size, port, dev)
             target = load_model(cfg.model, dev, tp=self.tp)
             eos = eos_token_ids(model_dir, arch, self.tokenizer)
             factory = None
@@ -321,6 +323,9 @@ class LLM:
                 # A rank that failed (its own out-of-memory, say) broke rank 0's collective: its error is the cause.
                 cause = workers.failed_rank() if is_transport_error(e) else None
                 workers.close()
+                if self.tp is not None:
+                    self.tp.close()
+                torch.set_num_threads(threads)
                 if cause is not None:
                     raise cause from e
             raise
@@ -449,30 +454,30 @@ class LLM:
     def _run(self, items, params, use_tqdm: bool, priority: Sequence[int]) -> list[RequestOutput]:
         ids = []
         final_only: dict[int, SamplingParams] = {}  # id of a caller's params -> its FINAL_ONLY copy
-        for (token_ids, text, salt), p, rank in zip(items, params, priority):
-            request_id = str(self._counter)
-            self._counter += 1
-            if p.output_kind != RequestOutputKind.FINAL_ONLY:  # only the final outputs are read (as vLLM)
-                if id(p) not in final_only:
-                    final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                p = final_only[id(p)]
-            self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank, cache_salt=salt)
-            ids.append(request_id)
         done: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        mine = set(ids)
         try:
+            for (token_ids, text, salt), p, rank in zip(items, params, priority):
+                request_id = str(self._counter)
+                self._counter += 1
+                if p.output_kind != RequestOutputKind.FINAL_ONLY:  # only the final outputs are read (as vLLM)
+                    if id(p) not in final_only:
+                        final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                    p = final_only[id(p)]
+                self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank, cache_salt=salt)
+                ids.append(request_id)
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            mine = set(ids)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in mine:  # not an earlier call's aborted request
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-        except BaseException:  # a failed step (StepError), Ctrl-C: end this call's requests, keep the engine
+        except BaseException:  # a refused request, a failed step (StepError), Ctrl-C: end this call's requests
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise

@@ -29,6 +29,11 @@ def backend_for(device: torch.device) -> str:
     return os.environ.get("TANDEM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
 
 
+def joining_key(rank: int) -> str:
+    """The key a rank sets in rank 0's store just before it joins the group."""
+    return f"tandem/joining/{rank}"
+
+
 def host_store(size: int) -> dist.TCPStore:
     """Rank 0's rendezvous: a key-value store on a free local port (`.port`), for the other ranks to join."""
     return dist.TCPStore(HOST, 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
@@ -44,6 +49,8 @@ class TPGroup:
         self.rank, self.size = rank, size
         self.device = device
         self._store = store if store is not None else dist.TCPStore(HOST, port, size, False, timeout=TIMEOUT)
+        if rank != 0:  # rank 0 joins once every rank has said so (Workers.wait_joining)
+            self._store.set(joining_key(rank), "1")
         backend = backend_for(device)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()

@@ -13,12 +13,17 @@ its memory allows) is agreed through the group (TPGroup.min_int); a choice made 
 
 Each worker says it started before rank 0 joins the group: one that exits first (a script that
 makes the LLM at its top level, which every spawned rank imports) is reported with what to do,
-not waited for. A worker that fails to build its engine reports its error through its pipe and
-rank 0 raises it: once rank 0 has built its own engine, or, when the failed rank makes rank 0's
-next collective fail (gloo: the peer's connection reset, at once; NCCL, not run across GPUs
-here, may notice only at TPGroup's timeout), in place of that collective's error. Once a worker has exited, every later call but an abort raises a fatal
-StepError; a step that fails on rank 0 stops the engine (fatal too), since the other ranks may
-have run it and gone on (Engine.tensor_parallel).
+not waited for; rank 0 joins once every worker has said it is joining (TPGroup's store key), and
+a worker that fails before that has its error raised, not waited for. A worker that fails to
+build its engine reports its error through its pipe and rank 0 raises it: once rank 0 has built
+its own engine, or, when the failed rank makes rank 0's next collective fail (gloo: the peer's
+connection reset, at once; NCCL, not run across GPUs here, may notice only at TPGroup's
+timeout), in place of that collective's error. A worker whose own call fails later (its memory,
+say: a bad request fails on every rank alike and is not one) reports the error and exits, so
+rank 0's collectives fail at once rather than wait for it, and rank 0 raises that error. Once a
+worker has exited, every later call but an abort raises a fatal StepError; a step that fails on
+rank 0 stops the engine (fatal too), since the other ranks may have run it and gone on
+(Engine.tensor_parallel), and so does one interrupted there (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -27,11 +32,13 @@ import os
 import time
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
 
-from tandem.errors import ConfigError, StepError
+from tandem.errors import ConfigError, RequestError, StepError, TandemError
+from tandem.parallel.group import joining_key
 
 logger = logging.getLogger("tandem")
 
@@ -77,6 +84,19 @@ class Workers:
                         "above). The ranks are spawned processes that import your main module first: create the "
                         "LLM under `if __name__ == \"__main__\":`, not at the module's top level")
 
+    def wait_joining(self, store) -> None:
+        """Return once every rank has said it joins the group (its key in rank 0's store), so rank
+        0's join, which waits for them all, cannot wait for a rank that failed before; raise that
+        rank's error."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            while not store.check([joining_key(rank)]):
+                if conn.poll(0.05) or not proc.is_alive() or time.monotonic() > deadline:
+                    error = _startup_error(rank, conn, proc) if conn.poll(0) or not proc.is_alive() else \
+                        RuntimeError(f"tensor-parallel rank {rank} did not join within {START_TIMEOUT_S} s")
+                    self.close()
+                    raise error or RuntimeError(f"tensor-parallel rank {rank} said it was ready before joining")
+
     def wait_ready(self) -> None:
         """Return once every rank has built its engine; raise the first rank's start-up error."""
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
@@ -104,14 +124,35 @@ class Workers:
         return errors[0] if errors and not is_transport_error(errors[0]) else None
 
     def send(self, name: str, args: tuple, kwargs: dict) -> list[int]:
-        """Send a call to every live rank; -> the ranks whose process has exited."""
+        """Send a call to every live rank; -> the ranks whose process has exited. A call that
+        cannot be sent (a request's extra_args that do not pickle) is refused before any rank gets it."""
+        try:
+            message = ForkingPickler.dumps((name, args, kwargs))  # what conn.send would send
+        except Exception as e:
+            raise RequestError(f"{name}: its arguments cannot be sent to the other tensor-parallel ranks ({e}); "
+                               "a request's SamplingParams (extra_args too) must be picklable") from None
         gone = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             if not proc.is_alive():
                 gone.append(rank)
                 continue
-            conn.send((name, args, kwargs))
+            conn.send_bytes(message)
         return gone
+
+    def failed_call(self, wait_s: float = 2.0) -> StepError | None:
+        """After a call failed on rank 0 (a collective broken by a rank that left): the error the
+        first rank that failed reported, or None."""
+        deadline = time.monotonic() + wait_s
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())):
+                    status, detail = conn.recv()
+                    if status == "failed":
+                        return StepError(f"tensor-parallel rank {rank} failed, so the engine stopped; restart the "
+                                         f"process. Its error: {detail}", [], fatal=True)
+            except (EOFError, OSError):
+                continue
+        return None
 
     def close(self) -> None:
         for conn in self.conns:
@@ -148,18 +189,31 @@ class ReplicatedEngine:
         attr = getattr(self._engine, name)
         if name in REPLICATED_CALLS:
             def replicated(*args, **kwargs):
+                if self._engine.stopped:  # it raises or reports what ended; the other ranks take no more
+                    return attr(*args, **kwargs)
                 gone = self._workers.send(name, args, kwargs)
                 if gone and name != "abort_request":  # (an abort still ends the request here)
-                    raise StepError(f"tensor-parallel rank {gone[0]} has exited, and the engine cannot run without "
-                                    "it; restart the process", [], fatal=True)
-                return attr(*args, **kwargs)
+                    error = self._workers.failed_call(0) or StepError(
+                        f"tensor-parallel rank {gone[0]} has exited, and the engine cannot run without it; restart "
+                        "the process", [], fatal=True)
+                    self._engine.stop(str(error))
+                    raise error
+                try:
+                    return attr(*args, **kwargs)
+                except StepError as e:
+                    cause = self._workers.failed_call() if e.fatal else None
+                    if cause is None:
+                        raise
+                    self._engine.stop(str(cause))
+                    raise StepError(str(cause), e.request_ids, fatal=True) from e
 
             return replicated
         return attr
 
     def close(self) -> None:
-        """Stop the other ranks and leave the group (the engine runs no step after this); the
-        process gets its torch threads back."""
+        """Stop the other ranks and leave the group: the engine takes no more work (a later call
+        says it was closed); the process gets its torch threads back."""
+        self._engine.stop("the engine was closed (engine.close()); make a new LLM to generate again")
         self._workers.close()
         self._tp.close()
         torch.set_num_threads(self._threads)
@@ -225,6 +279,15 @@ def _worker_main(rank: int, size: int, port: int, llm_kwargs: dict, conn: Connec
         name, args, kwargs = msg
         try:
             getattr(engine, name)(*args, **kwargs)
-        except Exception:  # rank 0 meets the same error in the same call and reports it
-            logger.debug("tensor-parallel rank %d: %s failed", rank, name, exc_info=True)
+        except TandemError:  # a bad request: rank 0 refuses it the same way
+            pass
+        except BaseException as e:
+            # This rank's own failure (its memory, say), which rank 0 may not share: the ranks no longer
+            # agree. Say so and leave, so rank 0's collectives fail at once instead of waiting for this rank.
+            logger.error("tensor-parallel rank %d: %s failed", rank, name, exc_info=True)
+            try:
+                conn.send(("failed", f"{name}: {e!r}"))
+            except (OSError, ValueError):
+                pass
+            break
     llm.tp.close()

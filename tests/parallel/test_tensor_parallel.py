@@ -191,6 +191,89 @@ def test_a_rank_that_fails_to_load_names_its_error(models, tmp_path, monkeypatch
     assert info.value.__cause__ is not None  # rank 0's own failure, chained
 
 
+def test_a_rank_that_fails_before_joining_is_not_waited_for(models, monkeypatch):
+    """Rank 1 fails before it joins the group (here: a setting only it gets, refused; in life, its
+    GPU busy): rank 0 does not wait for it to join (the group's 600 s timeout) but raises its error,
+    and gets its torch threads back."""
+    import time
+
+    import tandem.engine.llm as llm_mod
+
+    real = llm_mod.Workers
+    monkeypatch.setattr(llm_mod, "Workers", lambda size, port, launch: real(size, port, dict(launch, dtype="float7")))
+    threads, t0 = torch.get_num_threads(), time.monotonic()
+    with pytest.raises(ConfigError, match=r"tensor-parallel rank 1: .*float7"):
+        LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 60 and torch.get_num_threads() == threads
+
+
+def test_a_rank_whose_own_call_fails_stops_the_engine_at_once(models):
+    """A call that fails on rank 1 alone (in life, its own out-of-memory; here a step it alone is
+    sent, wrongly): rank 1 reports its error and leaves, so rank 0's next step does not wait in a
+    collective for it but raises rank 1's error, fatal; the engine then takes no more work, and
+    once closed says so."""
+    import time
+
+    llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        llm.engine._workers.send("step", ("not a step's argument",), {})
+        t0 = time.monotonic()
+        with pytest.raises(StepError, match=r"tensor-parallel rank 1 failed.*step: TypeError") as info:
+            llm.generate(PROMPTS, p, use_tqdm=False)
+        assert info.value.fatal and time.monotonic() - t0 < 60
+        assert not llm.engine.has_unfinished_requests()
+        with pytest.raises(StepError, match="rank 1 failed"):
+            llm.generate(PROMPTS[:1], p, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    with pytest.raises(StepError, match=r"the engine was closed \(engine.close\(\)\)"):
+        llm.generate(PROMPTS[:1], p, use_tqdm=False)
+
+
+def test_an_interrupted_step_stops_the_engine(models, monkeypatch):
+    """Ctrl-C on rank 0 in a step: the other rank may wait in that step's collectives, so the ranks
+    no longer agree; the interrupt reaches the caller, and the engine takes no more work (a fatal
+    StepError saying why) rather than hang or mismatch collectives."""
+    llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        runner = llm.engine._engine.runner
+        real, calls = runner.launch_sampling, []
+
+        def interrupted(*args, **kwargs):  # after the step's forward: rank 1 waits in the sampling's gather
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "launch_sampling", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, p, use_tqdm=False)
+        with pytest.raises(StepError, match="interrupted under tensor parallelism") as info:
+            llm.generate(PROMPTS, p, use_tqdm=False)
+        assert info.value.fatal
+    finally:
+        llm.engine.close()
+
+
+def test_a_request_that_cannot_reach_the_other_ranks_is_refused(models):
+    """Every rank gets each request: extra_args that do not pickle are refused by name (a
+    RequestError, not pickle's TypeError), and the call's earlier requests end with it."""
+    import threading
+
+    llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    try:
+        ok = SamplingParams(temperature=0, max_tokens=4)
+        bad = SamplingParams(temperature=0, max_tokens=4, extra_args={"lock": threading.Lock()})
+        with pytest.raises(RequestError, match="must be picklable"):
+            llm.generate(PROMPTS[:2], [ok, bad], use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        assert len(llm.generate(PROMPTS[:1], ok, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.close()
+
+
 def test_an_unguarded_script_gets_told_not_stuck(models, tmp_path):
     """A script that makes a tensor-parallel LLM at its top level: each spawned rank imports it
     first, which fails there; rank 0 says why and what to do instead of waiting for that rank."""
