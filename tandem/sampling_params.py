@@ -1,10 +1,13 @@
 """SamplingParams: what a request asks of the sampler, validated at construction."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
 import math
+import numbers
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +149,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.output_kind = _output_kind(self.output_kind)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: True asks for the sampled token's alone
+                setattr(self, name, 1)
+        for name in _INT_FIELDS:  # numpy's integers (and other integer types) as int, as vLLM takes them
+            setattr(self, name, _as_int(getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float(getattr(self, name)))
         if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if isinstance(self.stop, str):
@@ -161,27 +171,29 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)):
                 raise RequestError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r} is invalid: "
                                    "give a list of token ids")
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = [_as_int(t) for t in self.allowed_token_ids]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
             raise RequestError(f"SamplingParams.bad_words={self.bad_words!r} is invalid: give a list of strings")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.bad_words_token_ids is not None:
             if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
                 isinstance(w, (list, tuple)) for w in self.bad_words_token_ids
             ):
                 raise RequestError(f"SamplingParams.bad_words_token_ids={self.bad_words_token_ids!r} is invalid: "
                                    "give a list of token id lists")
-            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            self.bad_words_token_ids = [[_as_int(t) for t in w] for w in self.bad_words_token_ids]
+        self.stop_token_ids = [_as_int(t) for t in self.stop_token_ids or []]
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                _is_int(t) or is_int_text(t) for t in self.logit_bias
-            ) or not all(_is_num(b) for b in self.logit_bias.values()):
+                _is_int(_as_int(t)) or is_int_text(t) for t in self.logit_bias
+            ) or not all(_is_num(_as_float(b)) for b in self.logit_bias.values()):
                 raise RequestError(
                     f"SamplingParams.logit_bias={self.logit_bias!r} is invalid: give a dict of token id -> bias"
                 )
-            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            self.logit_bias = {int(_as_int(t)): float(b) for t, b in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -270,7 +282,36 @@ class SamplingParams:
         )
 
     def clone(self, **changes) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        """A copy with changes; nothing in it is shared with self (vLLM's clone is a deep copy):
+        the lists and dicts are rebuilt, the constraint and extra_args copied (extra_args that do
+        not deep-copy, a lock say, shallowly)."""
+        own = {"structured_outputs": copy.deepcopy(self.structured_outputs)}
+        if self.extra_args is not None:
+            try:
+                own["extra_args"] = copy.deepcopy(self.extra_args)
+            except Exception:
+                own["extra_args"] = dict(self.extra_args)
+        return dataclasses.replace(self, **{**own, **changes})
+
+
+# The fields that hold an integer and a number: numpy's (and other numeric types) taken as int / float.
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _as_int(x):
+    """An integer of another type (numpy's) as int; anything else (bool too) as it is, for the checks."""
+    if isinstance(x, (bool, int)) or not isinstance(x, numbers.Integral):
+        return x
+    return operator.index(x)
+
+
+def _as_float(x):
+    """A real number of another type (numpy's float32) as float; anything else as it is."""
+    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real):
+        return x
+    return float(x)
 
 
 def _is_int(x) -> bool:

@@ -214,8 +214,9 @@ class Engine:
         return full[:head] + text_ids[n - (k - num_special):] + full[head + n:]
 
     def resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
-        """params with logprobs / prompt_logprobs of -1 as the whole vocabulary; RequestError past
-        max_logprobs (as vLLM's)."""
+        """A copy of params (the request's own: a caller changing its object later changes no
+        request, as vLLM's clone) with logprobs / prompt_logprobs of -1 as the whole vocabulary;
+        RequestError past max_logprobs or the vocabulary (as vLLM's)."""
         cap = self.cfg.model.max_logprobs
         changes = {}
         for name in ("logprobs", "prompt_logprobs"):
@@ -226,9 +227,12 @@ class Engine:
             if cap != -1 and n > cap:
                 raise RequestError(f"SamplingParams.{name}={getattr(params, name)} is invalid: this engine returns at "
                                    f"most max_logprobs={cap} per token; ask for fewer, or raise max_logprobs")
+            if n > self.vocab_size:
+                raise RequestError(f"SamplingParams.{name}={n} is invalid: the vocabulary has {self.vocab_size} "
+                                   "tokens; ask for at most that many (-1: all of them)")
             if n != getattr(params, name):
                 changes[name] = n
-        return params.clone(**changes) if changes else params
+        return params.clone(**changes)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served; changes nothing."""

@@ -483,15 +483,16 @@ class Scheduler:
             req.per_step_drafted.append(num_drafts)
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, int | str | None] | None:
-        """The length cap first, then EOS, then stop tokens, as in vLLM: a stop token that is also the
-        last one allowed finishes with "length", the primary EOS (eos_token_ids[0]) with no stop_reason
-        even when stop_token_ids lists it, any other EOS id with its id (vLLM counts those as stop tokens)."""
+        """EOS, then stop tokens (once min_tokens are out), then the length cap, as in vLLM (since
+        its PR 27640): a stop token that is also the last one allowed finishes with "stop"; the
+        primary EOS (eos_token_ids[0]) with no stop_reason even when stop_token_ids lists it, any
+        other EOS id with its id (vLLM counts those as stop tokens)."""
         num_out = len(req.output_token_ids)
-        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length", None
         if num_out >= req.params.min_tokens:
             if not req.params.ignore_eos and token in req.eos_token_ids:
                 return "stop", None if token == req.eos_token_ids[0] else token
             if token in req.params.stop_token_ids:
                 return "stop", token
+        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length", None
         return None

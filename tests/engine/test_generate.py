@@ -264,6 +264,11 @@ def test_max_logprobs_caps_what_a_request_asks(llm, model):
     assert probs.item() == pytest.approx(1.0, abs=1e-4)
     with pytest.raises(ConfigError, match="max_logprobs"):
         LLM(str(model), dtype="float32", max_model_len=64, block_size=8, max_logprobs=-2)
+    # No cap, but no more than the vocabulary holds: refused by name before anything runs (as vLLM)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestError, match=rf"SamplingParams.{name}={vocab + 1} .*vocabulary has {vocab}"):
+            wide.generate([prompt, prompt], SamplingParams(max_tokens=2, **{name: vocab + 1}), use_tqdm=False)
+        assert not wide.engine.has_unfinished_requests()
 
 
 def test_min_tokens_and_eos(llm):
@@ -275,6 +280,50 @@ def test_min_tokens_and_eos(llm):
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
     out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
+
+
+def test_a_stop_token_that_is_the_last_allowed_stops(llm):
+    """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
+    out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""
+    eos = llm.engine.eos_token_ids[0]
+    run = lambda **kw: llm.generate({"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0, max_tokens=1, **kw),
+                                    use_tqdm=False)[0].outputs[0]
+    out = run(logit_bias={eos: 100.0}, skip_special_tokens=False)
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([eos], "", "stop", None)
+    out = run(logit_bias={50: 100.0}, stop_token_ids=[50])
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([50], "", "stop", 50)
+    assert run(logit_bias={50: 100.0}).finish_reason == "length"
+
+
+def test_a_request_keeps_the_params_it_was_added_with(llm):
+    """The engine keeps a copy of each request's SamplingParams (vLLM's clone, a deep copy): a
+    caller reusing its object for the next request changes no request already running."""
+    import numpy as np
+
+    prompt = [8, 9, 10]
+    alone = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[])
+    engine = llm.engine
+    engine.add_request("kept", prompt, p)
+    engine.step()
+    p.temperature, p.max_tokens = 1.0, 2
+    p.stop.append(llm.get_tokenizer().decode(alone[3:5]))
+    p.stop_token_ids.append(alone[4])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == alone
+    q = SamplingParams(extra_args={"tags": ["a"]}, structured_outputs={"regex": "[a-z]+"})
+    c = q.clone()
+    assert c.extra_args == q.extra_args and c.extra_args["tags"] is not q.extra_args["tags"]
+    assert c.structured_outputs == q.structured_outputs and c.structured_outputs is not q.structured_outputs
+    # numpy's numbers and logprobs=True are taken, as vLLM takes them
+    n = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), seed=np.int64(3), logprobs=True,
+                       allowed_token_ids=[np.int64(4)], logit_bias={np.int64(5): np.float32(1.0)})
+    assert (n.max_tokens, n.temperature, n.seed, n.logprobs, n.allowed_token_ids, n.logit_bias) == \
+        (5, 0.5, 3, 1, [4], {5: 1.0})
+    assert type(n.max_tokens) is int and type(n.temperature) is float
 
 
 def test_a_stop_token_is_in_token_ids_but_not_in_the_text(llm):

@@ -671,7 +671,7 @@ def test_finish_reasons():
     min_tok = h.add(prompt(4), max_tokens=10, min_tokens=3)
     min_stop = h.add(prompt(4), max_tokens=10, min_tokens=2, stop_token_ids=[77])
     max_len = h.add(prompt(15), max_tokens=100, eos=())  # max_model_len=20 caps it at 5 outputs
-    eos_at_max = h.add(prompt(4), max_tokens=2)  # a stop token that is also the last allowed: "length" (vLLM)
+    eos_at_max = h.add(prompt(4), max_tokens=2)  # a stop token that is also the last allowed: "stop" (vLLM's now)
     stop_at_max = h.add(prompt(4), max_tokens=2, stop_token_ids=[77])
     eos_listed = h.add(prompt(4), max_tokens=10, stop_token_ids=[EOS])  # EOS first: no stop_reason (vLLM)
     eos_listed_ignored = h.add(prompt(4), max_tokens=10, stop_token_ids=[EOS], ignore_eos=True)
@@ -684,8 +684,8 @@ def test_finish_reasons():
     assert (min_tok.finish_reason, min_tok.output_token_ids) == ("stop", [EOS, EOS, EOS])
     assert (min_stop.finish_reason, min_stop.stop_reason, min_stop.output_token_ids) == ("stop", 77, [77, 77])
     assert max_len.finish_reason == "length" and max_len.num_tokens == 20 and len(max_len.output_token_ids) == 5
-    assert (eos_at_max.finish_reason, eos_at_max.stop_reason, eos_at_max.output_token_ids) == ("length", None, [5, EOS])
-    assert (stop_at_max.finish_reason, stop_at_max.stop_reason, stop_at_max.output_token_ids) == ("length", None, [5, 77])
+    assert (eos_at_max.finish_reason, eos_at_max.stop_reason, eos_at_max.output_token_ids) == ("stop", None, [5, EOS])
+    assert (stop_at_max.finish_reason, stop_at_max.stop_reason, stop_at_max.output_token_ids) == ("stop", 77, [5, 77])
     assert (eos_listed.finish_reason, eos_listed.stop_reason) == ("stop", None)
     assert (eos_listed_ignored.finish_reason, eos_listed_ignored.stop_reason) == ("stop", EOS)
     h.check_no_leaks()
