@@ -57,7 +57,8 @@ class StructuredOutputsParams:
             raise bad("json", "give a JSON schema, as a dict or its JSON text")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
+            blank = isinstance(value, str) and not (value if name == "regex" else value.strip())  # (" ": a regex)
+            if value is not None and (not isinstance(value, str) or blank):
                 raise bad(name, "give a non-empty string")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(

@@ -58,7 +58,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema is an object (or true / false)")
-            if params.disable_additional_properties:
+            if params.disable_additional_properties and kind == "json":  # (json_object: any object, as vLLM)
                 schema = _closed_objects(copy.deepcopy(schema))
             # Free whitespace unless disabled; a schema's own "x-guidance" options (llguidance's) hold otherwise.
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -72,14 +72,20 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise RequestError(f"StructuredOutputsParams.{kind} is invalid: {e}") from None
 
 
+_SCHEMA_VALUES = ("const", "enum", "default", "examples")  # a JSON schema's keys that hold data, not schemas
+
+
 def _closed_objects(schema: Any) -> Any:
-    """disable_additional_properties: every object schema that leaves additionalProperties unset
-    gets additionalProperties false (in place; -> schema)."""
+    """disable_additional_properties: every object schema that names properties (or patterns of
+    them) and leaves additionalProperties unset gets additionalProperties false, as vLLM's; a
+    free-form {"type": "object"} stays free, and values (const, enum, default, examples) stay as
+    they are (in place; -> schema)."""
     if isinstance(schema, dict):
-        if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
             schema["additionalProperties"] = False
-        for value in schema.values():
-            _closed_objects(value)
+        for key, value in schema.items():
+            if key not in _SCHEMA_VALUES:
+                _closed_objects(value)
     elif isinstance(schema, list):
         for value in schema:
             _closed_objects(value)
@@ -182,20 +188,24 @@ class Grammars:
             self.drafts[req_id] = drafts
 
     def accept(self, req_id: int, tokens: list[int]) -> None:
-        """Advance a sequence's matcher over the tokens it emitted. Once an EOS completes the
-        output the matcher stops: what follows (EOS again, under ignore_eos) is not consumed."""
+        """Advance a sequence's matcher over the tokens it emitted, as far as it goes: once it
+        stops (the output complete: only EOS may follow) what follows is not consumed, whether
+        one step emitted it with the last token or a later step did (a row the constraint and
+        another mask left empty: min_tokens holding back that EOS), so a speculative step and
+        target-only steps leave the matcher alike. A token it refuses (drawn from such an empty
+        row before the output was complete) or its own failure puts it in error, which llguidance
+        counts as stopped: its rows allow only EOS from then on, so the output ends (vLLM's
+        rows of an errored matcher)."""
         matcher = self.matchers.get(req_id)
         if matcher is None or not tokens or matcher.is_stopped():  # stopped: complete, only EOS follows
             return
         self._fitting_rows.pop(req_id, None)
-        if any(t in self.eos_token_ids for t in tokens[:-1]):  # (an EOS and more: ignore_eos)
-            tokens = tokens[:self._completed_by(matcher, tokens) or len(tokens)]
-        if not matcher.consume_tokens(tokens):
-            # Only a row the constraint and another mask left empty (min_tokens holding back the EOS
-            # a complete output needs, allowed_token_ids outside the language) samples such a token.
-            logger.error("request %d emitted tokens its structured output does not allow (%s); it continues "
-                         "unconstrained", req_id, matcher.get_error())
-            self.remove(req_id)
+        n = matcher.try_consume_tokens(tokens)
+        if n < len(tokens) and not matcher.is_stopped():
+            matcher.consume_tokens(tokens[n:n + 1])  # refused: the matcher errs
+        if matcher.is_error():
+            logger.error("request %d: its structured output's matcher failed (%s); only EOS may follow, so its "
+                         "output ends", req_id, matcher.get_error())
 
     def draft_masks(self, plan: StepPlan) -> DraftMasks | None:
         """The masks of the step's drafting round for its constrained requests that draft (None:

@@ -25,6 +25,10 @@ MAX_N = 128  # choices per request: more would take the whole batch
 UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported",
     "logits_processors": "custom logits processors are not supported",
+    "structural_tag": "structural tags are not supported; hold the output with structured_outputs (json, regex, "
+                      "choice or grammar) or response_format",
+    "guided_whitespace_pattern": "a whitespace pattern is not supported; structured_outputs' disable_any_whitespace "
+                                 "gives JSON without free whitespace",
 }
 
 # vLLM's older structured-output fields -> the StructuredOutputsParams field each sets.
@@ -135,6 +139,8 @@ class _SamplingRequest(_Request):
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
     use_beam_search: Any = None
     logits_processors: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
 
     def unsupported_field(self) -> str | None:
         """The first vLLM field this request sets that tandem does not implement (None, false and

@@ -209,6 +209,14 @@ def test_disable_additional_properties_closes_objects():
     assert "additionalProperties" not in json.dumps(opened)
     assert json.dumps(closed).count('"additionalProperties": false') == 2
     assert "additionalProperties" not in json.dumps(schema)  # the caller's schema is left alone
+    # As vLLM's: only schemas that name properties close; a free-form object and values stay as they are
+    free = {"type": "object", "properties": {"meta": {"type": "object"}, "c": {"const": {"properties": {}}}}}
+    closed = json.loads(grammar_text(StructuredOutputsParams(json=free, disable_additional_properties=True)))
+    assert json.dumps(closed).count('"additionalProperties": false') == 1 and '"const": {"properties": {}}' in \
+        json.dumps(closed)
+    any_object = StructuredOutputsParams(json_object=True, disable_additional_properties=True)
+    assert grammar_text(any_object) == grammar_text(StructuredOutputsParams(json_object=True))
+    assert StructuredOutputsParams(regex=" ").regex == " "  # a regex of one space is one
 
 
 def test_synthetic_acceptance_refuses_constraints(models):
@@ -223,14 +231,26 @@ def test_synthetic_acceptance_refuses_constraints(models):
 def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
     """min_tokens past the end of the language leaves rows with no token to draw (the complete
     output allows only EOS, which min_tokens holds back): the request runs to its min_tokens
-    without a failure, its neighbours untouched."""
-    llm = _llm(models)
-    params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=16,
-                             structured_outputs=StructuredOutputsParams(choice=["fox"])),
-              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))]
-    outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], params, use_tqdm=False)
-    assert outs[0].outputs[0].text.startswith("fox") and len(outs[0].outputs[0].token_ids) >= 12
-    assert re.fullmatch(REGEX, outs[1].outputs[0].text)
+    without a failure, its neighbours untouched; so do allowed_token_ids without EOS, and a
+    grammar whose matcher fails (llguidance's item limit): it ends at EOS. A speculative step
+    that emits the completing token and a filler together leaves the matcher as target-only
+    steps do, so the outputs are the same token for token."""
+    so = StructuredOutputsParams(choice=["fox", "Paris"])
+    params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=16, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+              SamplingParams(temperature=0, max_tokens=10, structured_outputs=so,
+                             allowed_token_ids=[294, 89, 66, 67, 0]),
+              SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(grammar='start: "a" start'))]
+    prompts = [{"prompt_token_ids": [5, 40, 41, 7]}, {"prompt_token_ids": [7, 8]}, {"prompt_token_ids": [5, 40]},
+               {"prompt_token_ids": [9, 9]}]
+    outs = {draft: _llm(models, draft, k=5).generate(prompts, params, use_tqdm=False) for draft in (None, "near")}
+    assert _tokens(outs["near"]) == _tokens(outs[None])
+    fox, regex, allowed, endless = (o.outputs[0] for o in outs[None])
+    assert fox.text == "fox" and len(fox.token_ids) >= 12 and fox.finish_reason == "stop"
+    assert re.fullmatch(REGEX, regex.text)
+    assert allowed.text.startswith("fox") and allowed.finish_reason == "length"
+    assert endless.text == "a" and endless.finish_reason == "stop"
 
 
 def test_bitmask_rows_follow_the_drafts(models):
@@ -283,4 +303,4 @@ def test_ignore_eos_goes_on_with_eos_after_a_complete_output(models, caplog):
             first = seq.token_ids.index(eos)
             assert len(seq.token_ids) == 48 and set(seq.token_ids[first:]) == {eos}, (draft, seq.token_ids)
             assert check(seq.text), (draft, seq.text)
-    assert "does not allow" not in caplog.text
+    assert "matcher failed" not in caplog.text
