@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from typing import Any
@@ -29,10 +30,21 @@ def load_chat_template(value: str, flag: str = "--chat-template") -> str:
                           "backslash as \\\\, or give the template as a file") from None
 
 
-def text_message(message: dict) -> dict:
-    """The message as chat templates take it (vLLM's preparation): OpenAI-style content parts joined
-    into its text by newlines (other part types are refused), and an assistant message's tool-call
-    arguments, JSON text in OpenAI's format, parsed into the object templates print."""
+# A message's keys that reach the template (vLLM's): others are dropped.
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content", "tools",
+                "task")
+# Content part types that are text (the Responses API's too), and the key holding it.
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def text_message(message: dict, content_format: str = "string") -> dict:
+    """The message as chat templates take it (vLLM's preparation): its content's text parts (and
+    plain strings among them) joined by newlines ("string", most templates), or as a list of text
+    parts for a template that loops over them ("openai": content_format()); null content as none
+    (""); other part types refused by name. An assistant message's tool-call arguments, JSON text
+    in OpenAI's format, are parsed into the object templates print (empty or null: {}), and an
+    empty tool_calls list is dropped; reasoning and reasoning_content both carry the thinking;
+    keys a template is not given (MESSAGE_KEYS) are left out."""
     if not isinstance(message, dict):
         raise RequestError(f"a message must be a dict with 'role' and 'content'; got {type(message).__name__}")
     if not isinstance(message.get("role"), str) or not message["role"]:
@@ -40,22 +52,65 @@ def text_message(message: dict) -> dict:
     content = message.get("content")
     if not (content is None or isinstance(content, (str, list))):
         raise RequestError(f"a message's content {content!r} is invalid: give a string, a list of text parts or None")
-    if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise RequestError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-        message = {**message, "content": "\n".join(part["text"] for part in content)}
+    texts = [content] if isinstance(content, str) else [_part_text(part) for part in content or []]
+    message = {k: v for k, v in message.items() if k in MESSAGE_KEYS}
+    message["content"] = [{"type": "text", "text": t} for t in texts] if content_format == "openai" \
+        else "\n".join(texts)
+    for key, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+        if message.get(key) is not None and message.get(other) is None:
+            message[other] = message[key]
     calls = message.get("tool_calls")
-    if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                       and isinstance(c["function"].get("arguments"), str) for c in calls):
-        message = {**message, "tool_calls": [_parsed_arguments(c, i) for i, c in enumerate(calls)]}
+    if isinstance(calls, list) and not calls:
+        del message["tool_calls"]  # the template's plain assistant turn
+    elif isinstance(calls, list):
+        message["tool_calls"] = [_parsed_arguments(c, i) for i, c in enumerate(calls)]
     return message
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = TEXT_PART_KEYS.get(kind)
+    if key is None or not isinstance(part.get(key), str):
+        what = f"a {kind!r} part" if isinstance(kind, str) else f"{part!r}"
+        raise RequestError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported; got {what}")
+    return part[key]
+
+
+def content_format(template: Any) -> str:
+    """vLLM's detection of how a chat template takes content: "openai" (a list of parts) when it
+    loops over a message's content, else "string"."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    return _content_format(template) if isinstance(template, str) else "string"
+
+
+@functools.lru_cache(maxsize=16)
+def _content_format(template: str) -> str:
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):  # message['content'] | selectattr(...)
+            it = it.node
+        if (isinstance(it, nodes.Getattr) and it.attr == "content") or (
+                isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content"):
+            return "openai"
+    return "string"
 
 
 def _parsed_arguments(call: Any, i: int) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), (str, type(None))):
         return call
+    if not function.get("arguments"):  # none: no arguments (vLLM's)
+        return {**call, "function": {**function, "arguments": {}}}
     try:
         arguments = json.loads(function["arguments"])
     except ValueError as e:
@@ -65,10 +120,13 @@ def _parsed_arguments(call: Any, i: int) -> Any:
 
 
 def template_kwargs(chat_template: str | None, add_generation_prompt: bool, continue_final_message: bool,
-                    tools: list | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    tools: list | None = None, extra: dict[str, Any] | None = None,
+                    documents: list | None = None) -> dict[str, Any]:
     """apply_chat_template's keyword arguments: extra (chat_template_kwargs) override the others, as
-    in vLLM; tokenize and conversation stay the caller's."""
+    in vLLM; tokenize and conversation stay the caller's; documents (a RAG template's) only when given."""
     kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools)
+    if documents is not None:
+        kwargs["documents"] = documents
     kwargs.update({k: v for k, v in (extra or {}).items() if k not in ("tokenize", "conversation")})
     return kwargs

@@ -28,7 +28,7 @@ from tandem.config import (
     resolve_dtype,
     resolve_max_model_len,
 )
-from tandem.chat import template_kwargs, text_message
+from tandem.chat import content_format, template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
@@ -421,10 +421,11 @@ class LLM:
             raise RequestError("chat(): chat_template_kwargs must be a dict of template variables")
         kwargs = template_kwargs(chat_template, add_generation_prompt, continue_final_message, tools,
                                  chat_template_kwargs)
+        fmt = content_format(kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None))
         prompts = []
         for conv in conversations:
             try:
-                messages = [text_message(m) for m in conv]
+                messages = [text_message(m, fmt) for m in conv]
             except RequestError as e:
                 raise RequestError(f"chat(): {e}") from None
             try:

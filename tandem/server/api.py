@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.chat import template_kwargs
+from tandem.chat import content_format, template_kwargs
 from tandem.errors import ConfigError, RequestError
 from tandem.outputs import Logprob, RequestOutput
 from tandem.reasoning import ReasoningFormat, ReasoningSplit, reasoning_format, reasoning_tag_tokens
@@ -1024,15 +1024,16 @@ class OpenAIServer:
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError(400, "'continue_final_message' continues the last message, so 'add_generation_prompt' "
                            "must be false; set 'add_generation_prompt': false", param="continue_final_message")
+        kwargs = template_kwargs(body.chat_template or self.chat_template, body.add_generation_prompt,
+                                 body.continue_final_message, tools=tools_for_template(body),
+                                 extra=chat_kwargs, documents=body.documents)  # tokenized below
+        fmt = content_format(kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None))
         conversation = []
         for i, m in enumerate(body.messages):
             try:
-                conversation.append(m.template_dict())
+                conversation.append(m.template_dict(fmt))
             except RequestError as e:
                 raise APIError(400, f"'messages.{i}': {e}", param=f"messages.{i}") from None
-        kwargs = template_kwargs(body.chat_template or self.chat_template, body.add_generation_prompt,
-                                 body.continue_final_message, tools=tools_for_template(body),
-                                 extra=chat_kwargs)  # the text is tokenized here
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template

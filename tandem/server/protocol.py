@@ -257,8 +257,12 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Request):
-    type: Literal["text"]
-    text: str
+    """A content part: text ("text", the Responses API's "input_text" / "output_text", "refusal");
+    other types are refused by name when the message is prepared (tandem.chat.text_message)."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
 
 
 class FunctionDefinition(_Request):
@@ -290,10 +294,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | str] | None = None
 
-    def template_dict(self) -> dict[str, Any]:
-        return text_message(self.model_dump(exclude_none=True))  # text parts joined, as vLLM joins them
+    def template_dict(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as the template takes it (tandem.chat.text_message; content_format: its)."""
+        return text_message(self.model_dump(exclude_none=True), content_format)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -308,6 +313,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False  # leave the last message open: the reply continues it
     add_special_tokens: bool = False  # on top of the template's own (which usually holds them)
     echo: bool = False  # the reply starts with the last message's content when it has the reply's role
+    documents: list[dict[str, Any]] | None = None  # vLLM's: to the template (RAG templates print them)
     # A Jinja template instead of the tokenizer's: refused unless the server trusts request templates.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
@@ -513,6 +519,7 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None  # rendered by the chat template, as chat completions render them
+    documents: list[dict[str, Any]] | None = None  # to the template, as chat completions give them
     return_token_strs: bool = False  # vLLM's: the tokens' strings (the tokenizer's own pieces) as token_strs
 
 

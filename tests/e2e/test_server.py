@@ -379,6 +379,43 @@ def test_chat_template_and_its_kwargs(live, reference):
     assert r.status_code == 200, r.text
 
 
+def test_messages_reach_the_template_as_vllm_prepares_them(live, reference):
+    """vLLM's preparation of messages (chat_utils): null content is empty; text parts (plain
+    strings and the Responses API's input_text too) are joined by newlines, or kept as parts for a
+    template that loops over them; another part type is refused by name; an empty tool_calls list
+    is dropped and empty arguments are {}; keys a template is not given are left out; documents
+    reach the template."""
+    tok = reference.get_tokenizer()
+    server = live.app.state.server
+
+    def prompt(messages, template, **extra) -> str:
+        r = live.post("/tokenize", json={"messages": messages, "chat_template": template, **extra})
+        assert r.status_code == 200, r.text
+        return tok.decode(r.json()["tokens"])
+
+    strings = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}|{{ 'tool_calls' in m }}|{{ 'x' in m }}" \
+              "{% if 'tool_calls' in m %}|{{ m['tool_calls'][0]['function']['arguments'] }}{% endif %}]" \
+              "{% endfor %}{% for d in documents or [] %}<{{ d['text'] }}>{% endfor %}"
+    parts = "{% for m in messages %}{% for p in m['content'] %}({{ p['text'] }}){% endfor %}{% endfor %}"
+    server.trust_request_chat_template = True
+    try:
+        got = prompt([{"role": "user", "content": None, "x": "hidden"},
+                      {"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]},
+                      {"role": "assistant", "content": "ok", "tool_calls": []},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}]}],
+                     strings, documents=[{"text": "doc"}])
+        assert got == "[user:|False|False][user:a\nb|False|False][assistant:ok|False|False][assistant:|True|False|{}]" \
+            "<doc>", got
+        assert prompt([{"role": "user", "content": "ab"}, {"role": "user", "content": ["c", "d"]}], parts) == \
+            "(ab)(c)(d)"
+        bad = live.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+        assert bad.status_code == 400 and "'image_url' part" in bad.json()["error"]["message"], bad.text
+    finally:
+        server.trust_request_chat_template = False
+
+
 def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
     """api_keys (--api-key): a /v1 request without one of the keys is a 401 that reaches no handler,
     the other routes stay open; chat_template (--chat-template): the server's template is what chat
@@ -1112,8 +1149,7 @@ BAD_INPUTS = [
     ("stream-options-without-stream", C, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat-missing-messages", CH, {"messages": None}, 400, "messages"),
     ("chat-empty-messages", CH, {"messages": []}, 400, "messages"),
-    ("chat-image-part", CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages.0.content"),
+    ("chat-image-part", CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0"),
     ("chat-top-logprobs-alone", CH, {"top_logprobs": 2}, 400, "top_logprobs"),
     ("chat-top-logprobs-range", CH, {"logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("chat-max-completion-tokens", CH, {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
