@@ -83,7 +83,8 @@ def parse_watermark_config(value: Any) -> WatermarkConfig | None:
     cfg = WatermarkConfig(**raw)
     key, width, history = cfg.key, cfg.context_width, cfg.deduplicate_contexts_max_history
     if not _is_int(key) or not 0 <= key <= MAX_SEED:
-        raise ConfigError(f"watermark_config.key must be an integer in [0, {MAX_SEED}], got a {type(key).__name__}")
+        what = "an integer out of that range" if _is_int(key) else f"a {type(key).__name__}"  # (the key stays secret)
+        raise ConfigError(f"watermark_config.key must be an integer in [0, {MAX_SEED}], got {what}")
     if not _is_int(width) or not 1 <= width <= MAX_CONTEXT_WIDTH:
         raise ConfigError(f"watermark_config.context_width={width!r} must be an integer in [1, {MAX_CONTEXT_WIDTH}]")
     if cfg.algorithm != "gumbel":
