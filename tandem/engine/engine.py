@@ -217,6 +217,10 @@ class Engine:
         """A copy of params (the request's own: a caller changing its object later changes no
         request, as vLLM's clone) with logprobs / prompt_logprobs of -1 as the whole vocabulary;
         RequestError past max_logprobs or the vocabulary (as vLLM's)."""
+        return params.clone(**self._logprobs_changes(params))
+
+    def _logprobs_changes(self, params: SamplingParams) -> dict[str, int]:
+        """resolve_logprobs' changes to params, checked."""
         cap = self.cfg.model.max_logprobs
         changes = {}
         for name in ("logprobs", "prompt_logprobs"):
@@ -232,13 +236,13 @@ class Engine:
                                    "tokens; ask for at most that many (-1: all of them)")
             if n != getattr(params, name):
                 changes[name] = n
-        return params.clone(**changes)
+        return changes
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        self.resolve_logprobs(params)
+        self._logprobs_changes(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         if not prompt_token_ids:
             raise RequestError("prompt is empty: give at least one token")
