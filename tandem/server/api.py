@@ -767,10 +767,10 @@ class OpenAIServer:
             params = params.clone(prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-        renderer = CompletionRenderer(_response_id(request, body, "cmpl"), model, prompts, params, self._include_usage(body),
-                                      self.report, self._continuous_usage(body), echo=body.echo,
-                                      shown_prompt_logprobs=self._shown_prompt_logprobs(body), decode=decode,
-                                      prompt_only=prompt_only)
+        renderer = CompletionRenderer(_response_id(request, body, "cmpl"), model, prompts, params,
+                                      self._include_usage(body), self.report, self._continuous_usage(body),
+                                      echo=body.echo, shown_prompt_logprobs=self._shown_prompt_logprobs(body),
+                                      decode=decode, prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
                                     next(iter(body.constraint_fields()), None), priority=body.priority,
                                     cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids,
@@ -1122,8 +1122,9 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.client.add_request(f"{response_id}-{i}-{uuid.uuid4().hex[:8]}", p.token_ids, params, p.text,
-                                                             priority, cache_salt))
+                engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats
+                streams.append(await self.client.add_request(engine_id, p.token_ids, params, p.text, priority,
+                                                             cache_salt))
         except BaseException as e:
             for s in streams:
                 self.client.release(s)

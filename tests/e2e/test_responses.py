@@ -246,11 +246,12 @@ def test_response_reports_its_sampling_and_takes_request_id(model_dirs):  # noqa
     names the response; an id a stored response has is refused."""
     server = LiveServer(_llm(model_dirs), responses_store_size=4)
     try:
-        r = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r1"})
+        ask = dict(model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r1"})
+        r = server.client.responses.create(**ask)
         assert (r.id, r.temperature, r.top_p, r.top_logprobs) == ("r1", 1.0, 1.0, 0)
         assert server.client.responses.retrieve("r1").id == "r1"
         with pytest.raises(openai.BadRequestError) as e:
-            server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={"request_id": "r1"})
+            server.client.responses.create(**ask)
         assert e.value.body["param"] == "request_id"
     finally:
         server.stop()

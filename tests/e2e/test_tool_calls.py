@@ -249,7 +249,8 @@ def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
         if as_tokens:  # a second call needs the tag token, which only a call may write
             assert fits(choice, call + "\n" + call) == parallel
     # a name beyond ASCII is written as the template's tojson writes it, not \u-escaped
-    meteo = ToolChoice("auto", ({**strict, "name": "météo"},), parser="hermes", tag_tokens=tuple(sorted(tags.items())))
+    meteo = ToolChoice("auto", ({**strict, "name": "météo"},), parser="hermes",
+                       tag_tokens=tuple(sorted(tags.items())))
     assert fits(meteo, call.replace('"f"', '"météo"')) and not fits(meteo, call.replace('"f"', '"m\\u00e9t\\u00e9o"'))
 
 

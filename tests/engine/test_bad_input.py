@@ -292,7 +292,8 @@ def test_sliding_window_caps_the_context(tmp_path):
     with pytest.raises(ConfigError, match="sliding_window=64"):
         LLM(str(d), dtype="float32", max_model_len=128)
     # A Mistral config.json without the key has transformers' default window; null means none.
-    absent = _copy_with_config(mistral, tmp_path / "absent", lambda c: {k: v for k, v in c.items() if k != "sliding_window"})
+    absent = _copy_with_config(mistral, tmp_path / "absent",
+                               lambda c: {k: v for k, v in c.items() if k != "sliding_window"})
     assert read_arch_config(absent).sliding_window == 4096
     null = _copy_with_config(mistral, tmp_path / "null", lambda c: c | {"sliding_window": None})
     assert read_arch_config(null).sliding_window is None

@@ -157,7 +157,8 @@ def test_unsupported_rope_scaling_is_refused_before_converting(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("keys", [{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
-                                  {"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0}, {"rope.dimension_count": 8}])
+                                  {"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0},
+                                  {"rope.dimension_count": 8}])
 def test_rope_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch, keys):
     """A RoPE factor without a scaling type is linear scaling, under either key (llama.cpp's reading;
     early converters wrote rope.scale_linear alone); a rope.dimension_count short of head_dim (a
