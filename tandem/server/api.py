@@ -1347,6 +1347,7 @@ def build_app(
     app.state.server = server
 
     def route(path: str, handler, method: str = "POST") -> None:
+        counted = path != "/health"  # a probe's 503 (a stopped engine) is no request's error
         async def endpoint(request: Request) -> Response:
             try:
                 return await handler(request)
@@ -1354,7 +1355,8 @@ def build_app(
                 err = _api_error(e)
                 if err.status >= 500 and not isinstance(e, (ServerOverloaded, EngineStopped, APIError)):
                     logger.exception("%s failed", path)
-                metrics.on_error(err.status)
+                if counted:
+                    metrics.on_error(err.status)
                 return err.response()
 
         app.add_api_route(path, endpoint, methods=[method])

@@ -231,6 +231,13 @@ class AsyncEngine:
             except Exception:  # never let one bad request or step end the loop for everyone
                 logger.exception("engine loop iteration failed; continuing")
         self._abort_all(EngineStopped("the server shut down before this request finished"))
+        while True:  # requests queued behind the stop (a fatal step's, which the loop did not await) are refused
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.stream.put(EngineStopped("the engine stopped and takes no new requests"))
         logger.info("engine loop stopped")
 
     def _handle_commands(self) -> bool:

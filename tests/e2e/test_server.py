@@ -1106,10 +1106,33 @@ def test_a_device_error_stops_the_loop_and_health_says_so(model_dirs, monkeypatc
         r = server.post(C, json={**OK_C, "max_tokens": 3})
         assert r.status_code == 500 and "restart the process" in r.json()["error"]["message"], r.text
         _wait_for(lambda: not server.app.state.engine_client.is_running)
-        assert httpx.get(server.url + "/health").status_code == 503
+        for _ in range(3):  # a supervisor's probes are no request's errors
+            assert httpx.get(server.url + "/health").status_code == 503
         assert server.post(C, json=OK_C).status_code == 503
+        errors = {k[1]: v for k, v in server.metrics().items() if k[0] == "tandem_request_errors_total"}
+        assert errors == {(("status", "500"),): 1, (("status", "503"),): 1}, errors
+        # A request the loop finds queued behind its stop is refused, not left waiting for ever.
+        from tandem.server.async_engine import EngineStopped, _Add, _Stop
+
+        client = server.app.state.engine_client
+        stream = _ForLoop()
+        client._commands.put(_Stop())
+        client._commands.put(_Add(stream, [5, 6], SamplingParams(), None))
+        client._run()
+        assert isinstance(stream.items[-1], EngineStopped)
     finally:
         server.stop()
+
+
+class _ForLoop:
+    """A request stream's put, recorded (what the loop thread hands the event loop)."""
+
+    def __init__(self):
+        self.items = []
+
+    def put(self, item) -> bool:
+        self.items.append(item)
+        return True
 
 
 # ---------------------------------------------------------------- bad input
