@@ -52,7 +52,7 @@ def text_message(message: dict, content_format: str = "string") -> dict:
     content = message.get("content")
     if not (content is None or isinstance(content, (str, list))):
         raise RequestError(f"a message's content {content!r} is invalid: give a string, a list of text parts or None")
-    texts = [content] if isinstance(content, str) else [_part_text(part) for part in content or []]
+    texts = [content] if isinstance(content, str) else [part_text(part) for part in content or []]
     message = {k: v for k, v in message.items() if k in MESSAGE_KEYS}
     message["content"] = [{"type": "text", "text": t} for t in texts] if content_format == "openai" \
         else "\n".join(texts)
@@ -67,7 +67,8 @@ def text_message(message: dict, content_format: str = "string") -> dict:
     return message
 
 
-def _part_text(part: Any) -> str:
+def part_text(part: Any) -> str:
+    """A content part's text (a plain string is one); RequestError naming another part type."""
     if isinstance(part, str):
         return part
     kind = part.get("type") if isinstance(part, dict) else None

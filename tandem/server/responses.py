@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tandem.chat import part_text
+from tandem.errors import RequestError
 from tandem.sampling_params import SamplingParams
 from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
     ChatLogprobs, UsageInfo, _SamplingRequest
@@ -38,8 +40,6 @@ REFUSED_FIELDS = {
     "prompt": "prompt templates are not supported; send the text in 'input'",
     "max_tool_calls": "a cap on tool calls is not supported; leave it out",
 }
-# Text content part types that carry text, in input messages.
-TEXT_PARTS = ("input_text", "output_text", "text")
 # A chat field's name in errors -> the Responses field it came from.
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                "response_format": "text.format"}
@@ -332,11 +332,11 @@ def _text(content: Any, where: str) -> str:
     a refusal part is its text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        texts = [p.get("text") if p.get("type") in TEXT_PARTS else p.get("refusal") if p.get("type") == "refusal"
-                 else None for p in content]
-        if all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
+    if isinstance(content, list):
+        try:
+            return "\n".join(part_text(p) for p in content)  # chat's reading of a part
+        except RequestError:
+            pass
     raise ResponsesRequestError(f"'{where}' must be a string or text parts ({{'type': 'input_text', 'text': ...}}); "
                                 "this server takes text only", where)
 
