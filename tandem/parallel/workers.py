@@ -91,11 +91,15 @@ class Workers:
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             while not store.check([joining_key(rank)]):
-                if conn.poll(0.05) or not proc.is_alive() or time.monotonic() > deadline:
-                    error = _startup_error(rank, conn, proc) if conn.poll(0) or not proc.is_alive() else \
-                        RuntimeError(f"tensor-parallel rank {rank} did not join within {START_TIMEOUT_S} s")
+                error = None
+                if conn.poll(0.05) or not proc.is_alive():  # it said something before joining: its failure
+                    error = _startup_error(rank, conn, proc) or RuntimeError(
+                        f"tensor-parallel rank {rank} said it was ready before joining")
+                elif time.monotonic() > deadline:
+                    error = RuntimeError(f"tensor-parallel rank {rank} did not join within {START_TIMEOUT_S} s")
+                if error is not None:
                     self.close()
-                    raise error or RuntimeError(f"tensor-parallel rank {rank} said it was ready before joining")
+                    raise error
 
     def wait_ready(self) -> None:
         """Return once every rank has built its engine; raise the first rank's start-up error."""
