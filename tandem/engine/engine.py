@@ -355,13 +355,14 @@ class Engine:
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds
-        a leading space into the first token, after a space (as vLLM bans both)."""
+        a leading space into the first token (the spaced spelling starts with another token and is no
+        longer), after a space: vLLM bans both, by this rule."""
         out = []
         for word in params.bad_words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out.append(plain)
-            if spaced != plain and len(spaced) == len(plain):
+            if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
         return [w for w in out if w]
 

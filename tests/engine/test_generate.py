@@ -142,6 +142,19 @@ def test_bad_words(llm):
     assert out.token_ids[: first + len(ids) - 1] == base.token_ids[: first + len(ids) - 1]
 
 
+def test_bad_words_spaced_spelling_rule():
+    """The spaced spelling is banned too only where the space folds into a different first token and
+    the word keeps its length (vLLM's rule): not where only a later token differs."""
+    from types import SimpleNamespace
+
+    from tandem.engine.engine import Engine
+
+    spellings = {"ab": [1, 2], " ab": [3, 2], "cd": [4, 5], " cd": [4, 6], "ef": [7], " ef": [8, 7]}
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens: spellings[text])
+    ids = Engine._bad_word_ids(SimpleNamespace(tokenizer=tok), SamplingParams(bad_words=["ab", " cd", "ef"]))
+    assert ids == [[1, 2], [3, 2], [4, 5], [7]]
+
+
 def test_truncate_prompt_tokens(llm):
     """The prompt's last k tokens run (left truncation, as vLLM); -1 keeps max_model_len of them."""
     prompt = list(range(20, 220))  # longer than max_model_len = 128
