@@ -73,7 +73,9 @@ def part_text(part: Any) -> str:
         return part
     kind = part.get("type") if isinstance(part, dict) else None
     key = TEXT_PART_KEYS.get(kind)
-    if key is None or not isinstance(part.get(key), str):
+    if key is not None and not isinstance(part.get(key), str):
+        raise RequestError(f"a {kind!r} content part needs a string {key!r} field; got {part.get(key)!r}")
+    if key is None:
         what = f"a {kind!r} part" if isinstance(kind, str) else f"{part!r}"
         raise RequestError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported; got {what}")
     return part[key]

@@ -17,6 +17,10 @@ from tandem.errors import RequestError
 logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
+# The sampler works in float32: a parameter outside its normal range becomes inf or 0 there, and a masked
+# logit (-inf) times 0, or over inf, is NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it (vLLM's rule): logits / T overflow
 
 # The kinds of constraint a StructuredOutputsParams holds (exactly one is set).
@@ -212,8 +216,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "it must be an integer >= 1")
-        if not _is_num(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise bad("temperature", "it must be finite and >= 0 (0 means greedy)")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", "it must be >= 0 (0 means greedy) and a finite float32")
         if self.temperature == 0 and self.n > 1:  # vLLM's rule: n copies of one greedy output
             raise bad("n", "greedy sampling (temperature 0) gives one output: set n=1, or a temperature > 0")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -222,8 +226,9 @@ class SamplingParams:
             raise bad("top_k", "it must be an integer >= -1; use 0 or -1 to disable")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "it must be in [0, 1]; use 0 to disable")
-        if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", "it must be finite and > 0; use 1 to disable")
+        if not _is_num(self.repetition_penalty) or not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise bad("repetition_penalty", "it must be > 0 and a finite, normal float32 (in [1.2e-38, 3.4e38]); "
+                      "use 1 to disable")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_num(value) or not -2 <= value <= 2:
@@ -255,6 +260,8 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "token ids must be integers >= 0")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "bad words must be non-empty strings")
+        if self.bad_words is not None and not all(w.isascii() or _encodable(w) for w in self.bad_words):
+            raise bad("bad_words", "a bad word holds a lone surrogate, which is not valid Unicode")
         if self.bad_words_token_ids is not None and any(
             not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids
         ):
@@ -306,6 +313,14 @@ def _as_int(x):
     if isinstance(x, (bool, int)) or not isinstance(x, numbers.Integral):
         return x
     return operator.index(x)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_float(x):

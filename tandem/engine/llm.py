@@ -432,6 +432,7 @@ class LLM:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except Exception as e:  # jinja's errors, a template's raise_exception, bad tools: the template's input
                 raise RequestError(f"chat template could not be applied: {type(e).__name__}: {e}") from None
+            _check_encodable(text, "chat(): the rendered conversation")
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -448,6 +449,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("string prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
+            _check_encodable(prompt, "the prompt")
             return self.tokenizer(prompt).input_ids, prompt, True
         raise RequestError("a prompt must be a string, a {'prompt': str} dict or a {'prompt_token_ids': [...]} "
                            f"dict, got {type(prompt).__name__}")
@@ -537,3 +539,13 @@ def _checked_defaults(defaults: dict) -> dict:
         logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
                        "to use the engine's own): %s", defaults)
     return defaults
+
+
+def _check_encodable(text: str, what: str) -> None:
+    """A RequestError for text that is not valid Unicode (a lone surrogate, as from a bad decode with
+    errors="surrogateescape"), which the tokenizer would refuse with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not "
+                           "valid Unicode: decode the text with errors='replace' or remove it") from None

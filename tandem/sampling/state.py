@@ -77,7 +77,8 @@ class SamplingState:
         for req in reqs:
             self.params[req.slot] = req.params
             self.seeds_cpu[req.slot] = req.seed
-        ints = [[r.params.top_k if r.params.top_k > 0 else 0 for r in reqs], [r.seed for r in reqs]]
+        # top_k 0 is off; so is one as large as the vocabulary, however large (vLLM's rule)
+        ints = [[r.params.top_k if 0 < r.params.top_k < self.vocab_size else 0 for r in reqs], [r.seed for r in reqs]]
         floats = [[getattr(r.params, name) for r in reqs] for name in _FLOAT_PARAMS]
         slot_t, int_t, float_t = self.upload([r.slot for r in reqs], [v for row in ints for v in row],
                                              _float_bits([v for row in floats for v in row]))

@@ -457,6 +457,10 @@ BAD_PARAMS = [
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(temperature=float("inf")), "temperature"),  # was taken: masked logits became NaN, masks ignored
+    (dict(temperature=1e39), "temperature"),  # finite, but inf in float32: the same NaNs
+    (dict(repetition_penalty=1e-50), "repetition_penalty"),  # 0 in float32: -inf * 0 let masked tokens through
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(bad_words=["ok", "\ud800"]), "bad_words"),  # a lone surrogate: the tokenizer's bare TypeError
     (dict(ignore_eos="no"), "ignore_eos"),  # was read as True
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(presence_penalty=2.5), "presence_penalty"),
@@ -521,6 +525,29 @@ def test_bad_prompt(llm, prompt, match):
     with pytest.raises(RequestError, match=match):
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert_idle(llm)
+
+
+def test_text_that_is_not_unicode_is_a_request_error(llm):
+    """A lone surrogate in a prompt or a chat message: a RequestError that says where, not the
+    tokenizer's TypeError."""
+    for prompt in ("ab\ud800", {"prompt": "ab\ud800"}):
+        with pytest.raises(RequestError, match=r"the prompt holds '\\ud800' at index 2, a lone surrogate"):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="rendered conversation holds '\\\\udfff'"):
+        llm.chat([{"role": "user", "content": "hi \udfff"}], GREEDY, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_top_k_past_the_vocabulary_is_off(llm, reference):
+    """top_k as large as the vocabulary or larger, even past int64, samples from all of it (vLLM):
+    it used to fail the step and end the requests batched with it."""
+    prompts, outs = reference
+    p = SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": prompts[0]}, p, use_tqdm=False)[0].outputs[0].token_ids
+    for top_k in (VOCAB, 2**63, 10**30):
+        got = llm.generate([{"prompt_token_ids": q} for q in prompts], [p.clone(top_k=top_k), GREEDY],
+                           use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want and got[1].outputs[0].token_ids == outs[1]
 
 
 def test_prompts_argument_not_a_sequence(llm):

@@ -205,6 +205,8 @@ def test_chat_takes_vllms_arguments(llm):
         llm.chat(msgs, p, continue_final_message=True)
     with pytest.raises(RequestError, match="text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p)
+    with pytest.raises(RequestError, match="'text' content part needs a string 'text' field; got None"):
+        llm.chat([{"role": "user", "content": [{"type": "text"}]}], p)  # was: "only text parts ... got a 'text' part"
 
 
 def test_vllm_prompt_and_seed_forms(llm, model):
