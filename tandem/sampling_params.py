@@ -5,7 +5,6 @@ import copy
 import dataclasses
 import enum
 import logging
-import math
 import numbers
 import operator
 import re
