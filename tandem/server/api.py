@@ -1107,8 +1107,13 @@ class OpenAIServer:
         """Cut each prompt to what runs (truncate_prompt_tokens): the context check and the usage count it."""
         engine = self.client.engine
         for p in prompts:
-            p.token_ids = (engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer) if p.from_text
-                           else engine.truncate_prompt(p.token_ids, params))
+            if p.from_text:  # a text prompt's echo stays its text, as vLLM's
+                p.token_ids = engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer)
+                continue
+            kept = engine.truncate_prompt(p.token_ids, params)
+            if len(kept) < len(p.token_ids) and self.tokenizer is not None:  # ids echo as the ones that ran
+                p.text = self.tokenizer.decode(kept)
+            p.token_ids = kept
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str, constraint_param: str | None = None,

@@ -266,6 +266,24 @@ def test_truncate_prompt_tokens(live, reference):
     assert r.json()["usage"]["prompt_tokens"] == 50
 
 
+def test_echo_of_a_truncated_token_id_prompt_is_what_ran(live, reference):
+    """echo with a cut token-id prompt gives the kept tokens' text (vLLM decodes the cut ids), in step
+    with the echoed logprobs' tokens and offsets; it used to echo the whole prompt."""
+    tok = reference.get_tokenizer()
+    ids = tok(" ".join(PROMPTS), add_special_tokens=False).input_ids
+    kept = tok.decode(ids[-4:])
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "n": 1,
+            "truncate_prompt_tokens": 4, "logprobs": 0}
+    r = live.post(C, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith(kept) and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert choice["logprobs"]["text_offset"][:4] == [len(tok.decode(ids[-4:-4 + i])) for i in range(4)]
+    streamed = live.client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                              logprobs=0, stream=True, extra_body={"truncate_prompt_tokens": 4})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
+
+
 def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(tmp_path):
     """A text prompt is cut the way the tokenizer cuts from the left (as vLLM tokenizes): the BOS it
     adds stays, and counts; token-id prompts are cut as they are."""
