@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -27,6 +28,33 @@ def int_in(lo: int, hi: int | None = None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use {want}") from None
         if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
+        return value
+
+    return parse
+
+
+_DECIMAL_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def size_in(lo: int):
+    """An integer >= lo, plain or with vLLM's unit suffixes: k m g t are powers of 1000 (25.6k is 25600),
+    K M G T powers of 1024 (whole numbers only: 1K is 1024)."""
+    want = f"an integer >= {lo}, or one with a unit (32k = 32000, 32K = 32768, 1G = 2**30)"
+
+    def parse(text: str) -> int:
+        found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+        try:
+            if found is None:
+                value = int(text)
+            elif found[2] in _DECIMAL_UNITS:
+                value = int(float(found[1]) * _DECIMAL_UNITS[found[2]])
+            else:
+                value = int(found[1]) * _BINARY_UNITS[found[2]]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use {want}") from None
+        if value < lo:
             raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
         return value
 
@@ -207,24 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--max-model-len", type=int_in(1), default=None)
+    gen.add_argument("--max-model-len", type=size_in(1), default=None,
+                     help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")
     gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                      help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--min-tokens", type=int, default=0)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    # The sampling defaults are this command's own (greedy, 128 tokens), not vLLM's SamplingParams() (1.0, 16),
+    # and the model's generation_config.json is not read: a demonstration run is repeatable.
+    gen.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate (default 128)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS or a stop may end it (default 0)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one's (default 0)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1: off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="default 0: off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="default 0: off")
+    gen.add_argument("--seed", type=int, default=None, help="the sampling seed (default: the engine's, 0)")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--quiet", action="store_true", help="print only the completion")
+    gen.add_argument("--ignore-eos", action="store_true", help="run on past EOS, to --max-tokens")
+    gen.add_argument("--quiet", action="store_true",
+                     help="no statistics line after the completion (--compare still prints its comparison)")
     from tandem.server import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
@@ -261,8 +293,41 @@ def main(argv: list[str] | None = None) -> int:
             return _token_map(args)
         return _generate(args)
     except TandemError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(e), args)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, without a traceback
+        return 130
+    except BrokenPipeError:  # `tandem generate ... | head`: the reader has what it wanted
+        try:  # so the flush at exit does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no file behind it
+            pass
+        return 0
+
+
+# The engine's names for what a command-line flag sets, in the errors it raises.
+_ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
+                 "max_num_batched_tokens": "--max-num-batched-tokens", "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+                 "gpu_memory_utilization": "--gpu-memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
+                 "block_size": "--block-size", "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization",
+                 "dtype": "--dtype", "device": "--device"}
+_DRAFT_FLAGS = {"model": "--draft", "num_speculative_tokens": "--num-speculative-tokens",
+                "quantization": "--draft-quantization", "draft_sample_method": "--draft-sample-method",
+                "draft_vocab_size": "--draft-vocab-size", "draft_token_map": "--draft-token-map",
+                "rejection_sample_method": "--rejection-sample-method"}
+
+
+def in_flag_terms(message: str, args: argparse.Namespace) -> str:
+    """An engine error as the command line's user wrote it: "speculative_config.model: ..." becomes
+    "--draft: ..." unless they gave --speculative-config themselves, "max_model_len=..." "--max-model-len=...",
+    "StructuredOutputsParams.regex" "--structured-outputs regex"."""
+    found = re.match(r"speculative_config\.(\w+)", message)
+    if found and found[1] in _DRAFT_FLAGS and getattr(args, "speculative_config", None) is None:
+        return _DRAFT_FLAGS[found[1]] + message[found.end():]
+    found = re.match(r"(\w+)(?==)", message)
+    if found and found[1] in _ENGINE_FLAGS:
+        return _ENGINE_FLAGS[found[1]] + message[found.end():]
+    return re.sub(r"StructuredOutputsParams\.(\w+)", r"--structured-outputs \1", message)
 
 
 def _token_map(args) -> int:
@@ -388,6 +453,8 @@ def _generate(args) -> int:
         elif spec_cfg is not None and spec_cfg.adaptive:  # "auto" judged drafting not worth its cost at every step
             line += f"; k=0..{spec_cfg.k}, no drafts (none judged worth their cost)"
         print("\n" + line + "]", file=sys.stderr)
+    else:
+        print()  # the completion's line ends
     if args.compare:  # (only with a draft: _draft_model refuses it otherwise)
         low_precision = llm.config.model.dtype != torch.float32
         _release(llm)  # its KV pool took the memory fraction the target-only engine is sized from

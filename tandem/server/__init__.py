@@ -13,7 +13,7 @@ import socket
 from tandem.chat import load_chat_template
 from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
                         QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
-                        draft_flag_conflicts, float_in, int_in, non_empty, speculative_config,
+                        draft_flag_conflicts, float_in, int_in, non_empty, size_in, speculative_config,
                         structured_outputs_config, watermark_config)
 from tandem.config import SPEC_DECODE_METRICS_LEVELS
 from tandem.reasoning import REASONING_PARSERS
@@ -53,8 +53,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=DRAFT_TOKEN_MAP_HELP)
     model.add_argument("--tokenizer", default=None, type=non_empty("pass a tokenizer path, or leave --tokenizer out"),
                        help="tokenizer path (default: the model's)")
-    model.add_argument("--served-model-name", action="append", default=None, type=non_empty("pass a name"),
-                       help="name clients use for the model (repeatable; default: the model as given)")
+    model.add_argument("--served-model-name", action="extend", nargs="+", default=None, type=non_empty("pass a name"),
+                       help="names clients use for the model (several after one flag, as vLLM, or the flag repeated; "
+                            "the first names it in /metrics; default: the model as given)")
     model.add_argument("--dtype", default="auto")
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -68,25 +69,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
                             "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=int_in(1), default=None)
+    engine.add_argument("--max-model-len", type=size_in(1), default=None,
+                        help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")
     engine.add_argument("--max-num-seqs", type=int_in(1), default=64, help="sequences per batch (default 64)")
-    engine.add_argument("--max-num-batched-tokens", type=int_in(1), default=None)
+    engine.add_argument("--max-num-batched-tokens", type=size_in(1), default=None,
+                        help="tokens per step, prefill chunks included (units as vLLM: 8k, 8K)")
     engine.add_argument("--block-size", type=int_in(1), default=16)
-    engine.add_argument("--kv-cache-memory-bytes", type=int_in(1), default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=size_in(1), default=None,
+                        help="the KV cache's size in bytes, instead of --gpu-memory-utilization's share (units as "
+                             "vLLM: 8G = 8 * 2**30, 8g = 8e9)")
     engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9)
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
     engine.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
-    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of prompt blocks seen before (default on, as vLLM)")
+    engine.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                        help="the same as --no-enable-prefix-caching")
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                         help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "
                              "field (lower first, then arrival), a waiting request preempting running ones of a "
                              "lower priority")
-    engine.add_argument("--enforce-eager", action="store_true",
+    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                         help="run every step eagerly: no CUDA graphs (slower; start-up is quicker and takes less memory)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default 127.0.0.1: this machine only, where vLLM listens on "
+                             "every interface; 0.0.0.0 for every interface, as in a container)")
     server.add_argument("--port", type=int_in(0, 65535), default=8000)
     server.add_argument("--root-path", default="", help="the path prefix a proxy serves the app under (ASGI root_path)")
     server.add_argument("--ssl-keyfile", default=None, type=non_empty("pass a key file"), help="serve HTTPS: the key")
@@ -119,9 +129,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "latest unstarted requests of a lower priority are refused to make way)")
     server.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                         help="seconds to let requests in flight finish on shutdown before aborting them")
-    server.add_argument("--api-key", action="append", default=None, type=non_empty("pass a key"),
-                        help="the /v1 routes answer only requests with 'Authorization: Bearer KEY' (repeatable: any "
-                             "of the keys; default: the TANDEM_API_KEY environment variable, if set; else open)")
+    server.add_argument("--api-key", action="extend", nargs="+", default=None, type=non_empty("pass a key"),
+                        help="the /v1 routes answer only requests with 'Authorization: Bearer KEY' (any of the keys: "
+                             "several after one flag, as vLLM, or the flag repeated; default: the TANDEM_API_KEY "
+                             "environment variable, else vLLM's VLLM_API_KEY, if set; else open)")
     server.add_argument("--chat-template", default=None, type=non_empty("pass a template file or text"),
                         help="the chat template to use instead of the tokenizer's: a Jinja file's path, or the "
                              "template's text")
@@ -154,6 +165,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="keep the last N /v1/responses responses (those not sent with store false), for "
                              "previous_response_id and GET / DELETE /v1/responses/{id}; default 0: none kept, and "
                              "previous_response_id is refused")
+    server.add_argument("--response-role", default="assistant", type=non_empty("pass a role name"),
+                        help="the role of chat replies when the request has add_generation_prompt (the default; "
+                             "as vLLM's flag, default 'assistant')")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM command lines; tandem never logs requests' contents")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -247,8 +263,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag}: no file {path!r}; give the path of a PEM file")
-    if args.api_key is None and os.environ.get("TANDEM_API_KEY"):
-        args.api_key = [os.environ["TANDEM_API_KEY"]]
+    for variable in ("TANDEM_API_KEY", "VLLM_API_KEY"):  # vLLM's variable too: a key it guarded stays needed
+        if args.api_key is None and os.environ.get(variable):
+            args.api_key = [os.environ[variable]]
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)  # the text; a missing file fails here
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

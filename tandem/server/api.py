@@ -664,8 +664,9 @@ class OpenAIServer:
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
                  force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
-                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False):
+                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False, response_role: str = "assistant"):
         engine = client.engine
+        self.response_role = response_role  # chat replies' role under add_generation_prompt
         self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N"
         # the last responses of /v1/responses, for previous_response_id and GET (None: none kept)
@@ -913,7 +914,7 @@ class OpenAIServer:
             params = params.clone(skip_special_tokens=False)
         prompts = [await self._off_loop(self._chat_prompt, body)]
         # The reply's role, and what echo repeats: the last message's content when it has that role (vLLM's).
-        role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+        role = self.response_role if body.add_generation_prompt else body.messages[-1].role
         last = body.messages[-1]
         echo_text = last.template_dict().get("content") or "" if body.echo and last.role == role else ""
         renderer = renderer_class(response_id, model, prompts, params, self._include_usage(body), self.report,
@@ -1290,6 +1291,7 @@ def build_app(
     enable_docs: bool = True,
     root_path: str = "",
     return_tokens_as_token_ids: bool = False,
+    response_role: str = "assistant",
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1306,7 +1308,8 @@ def build_app(
     None: no CORS headers, so browsers on other origins are refused); enable_docs: FastAPI's /docs,
     /redoc and /openapi.json; root_path: the prefix a proxy serves the app under (the routes answer
     with and without it, as vLLM's); return_tokens_as_token_ids: logprobs name each token
-    "token_id:N" rather than by its text (vLLM's flag: a token that is part of a character has no text).
+    "token_id:N" rather than by its text (vLLM's flag: a token that is part of a character has no text);
+    response_role: the role of chat replies to requests with add_generation_prompt (vLLM's flag).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1326,7 +1329,7 @@ def build_app(
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
                           report, enable_force_include_usage, responses_store_size, chat_template,
-                          enable_prompt_tokens_details, return_tokens_as_token_ids)
+                          enable_prompt_tokens_details, return_tokens_as_token_ids, response_role)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1404,7 +1407,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
@@ -1421,7 +1424,7 @@ def run_server(args: argparse.Namespace) -> int:
                     responses_store_size=args.responses_store_size, api_keys=args.api_key,
                     chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, **ssl_settings(args))
     DrainingServer(config, app).run()

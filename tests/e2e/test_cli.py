@@ -245,6 +245,8 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
     (["--per-request-spec-decode-metrics", "full"], "--per-request-spec-decode-metrics"),
     (["--speculative-config", "model=D"], "--speculative-config"),
+    (["--max-model-len", "1.5K"], "--max-model-len"),  # binary units take whole numbers (vLLM's rule)
+    (["--kv-cache-memory-bytes", "2X"], "--kv-cache-memory-bytes"),
 ])
 def test_serve_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "serve", argv, flag, [])
@@ -342,7 +344,7 @@ def test_generate_with_ngram_and_suffix_lookup(tmp_path, capsys):
     assert main([*argv, "--speculative-config", json.dumps(spec), "--compare", prompt]) == 0
     assert "identical output: yes" in capsys.readouterr().err
     assert main([*argv, "--draft", "ngram", "--draft-quantization", "fp8", prompt]) == 2
-    assert "speculative_config.quantization='fp8' configures a draft model" in capsys.readouterr().err
+    assert "error: --draft-quantization='fp8' configures a draft model" in capsys.readouterr().err
     # suffix decoding: --draft suffix, or its keys through --speculative-config
     assert main([*argv, "--draft", "suffix", "-k", "4", "--compare", prompt]) == 0
     assert "identical output: yes" in capsys.readouterr().err
@@ -429,6 +431,83 @@ def test_serve_api_key_from_the_environment_and_inline_chat_templates(tmp_path, 
     args = parser.parse_args(["M", "--chat-template", "{{ '\\u2211 ∑ é' }}"])
     check_serve_args(args)
     assert args.chat_template == "{{ '∑ ∑ é' }}"
+
+
+def test_serve_takes_vllms_command_line_forms(monkeypatch):
+    """vLLM's spellings: several names or keys after one flag, sizes with units, --[no-]enable-prefix-caching,
+    --no-enforce-eager, --response-role, --disable-log-requests; VLLM_API_KEY when TANDEM_API_KEY is unset."""
+    from tandem.server import add_serve_args, check_serve_args
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    args = parser.parse_args(["M", "--served-model-name", "a", "b", "--served-model-name", "c", "--api-key", "k1",
+                              "k2", "--max-model-len", "32k", "--max-num-batched-tokens", "8K",
+                              "--kv-cache-memory-bytes", "1.5g", "--no-enable-prefix-caching", "--no-enforce-eager",
+                              "--response-role", "bot", "--disable-log-requests"])
+    assert args.model_tag == "M" and args.served_model_name == ["a", "b", "c"] and args.api_key == ["k1", "k2"]
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (32000, 8192, 1500000000)
+    assert not args.enable_prefix_caching and not args.enforce_eager and args.response_role == "bot"
+    assert parser.parse_args(["M", "--no-prefix-caching"]).enable_prefix_caching is False
+    defaults = parser.parse_args(["M"])
+    assert defaults.enable_prefix_caching and defaults.response_role == "assistant"
+    assert parser.parse_args(["M", "--max-model-len", "2K"]).max_model_len == 2048
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")
+    check_serve_args(defaults)
+    assert defaults.api_key == ["sk-vllm"]
+
+
+def test_serve_response_role(tmp_path):
+    """--response-role names the role of chat replies (streamed and not) under add_generation_prompt."""
+    from fastapi.testclient import TestClient
+
+    from tandem import LLM
+    from tandem.server.api import build_app
+
+    llm = LLM(str(make_hf_model(tmp_path / "t", "qwen2")), dtype="float32", max_model_len=64)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(build_app(llm, "m", response_role="bot")) as client:
+        assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+        first = next(line for line in client.post("/v1/chat/completions", json={**body, "stream": True}).iter_lines()
+                     if line.startswith("data: {"))
+        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "bot"
+
+
+def test_engine_errors_name_the_flag_that_set_the_value(tmp_path, capsys):
+    """An error the engine raises about a value a flag set names that flag, not the engine's field."""
+    model = make_hf_model(tmp_path / "t", "qwen2")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--draft", str(tmp_path / "missing"), "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: --draft: ")
+    assert main(["generate", "--model", str(model), "--no-draft", "--max-model-len", "100000", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: --max-model-len=100000 ")
+    assert main(["generate", "--model", str(model), "--no-draft", "--structured-outputs", '{"regex": "(("}', "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: --structured-outputs regex ")
+    spec = json.dumps({"model": str(tmp_path / "missing"), "num_speculative_tokens": 2})
+    assert main(["generate", "--model", str(model), "--speculative-config", spec, "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: speculative_config.model")  # the user wrote that key
+
+
+def test_generate_into_a_closed_pipe_or_interrupted_ends_quietly(tmp_path, monkeypatch):
+    """`tandem generate ... | head` and Ctrl-C end without a traceback (exit 0 and 130)."""
+    import subprocess
+    import sys
+
+    import tandem.cli as cli
+
+    model = str(make_hf_model(tmp_path / "t", "qwen2"))
+    argv = ["generate", "--model", model, "--no-draft", "--dtype", "float32", "--ignore-eos", "--max-tokens", "400",
+            "hi"]
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # as `head -c 1` does
+    assert proc.wait(timeout=300) == 0
+    assert b"Traceback" not in proc.stderr.read()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_stream", interrupted)
+    assert main(argv) == 130
 
 
 def test_async_engine_bad_queue_limit_is_a_config_error():
