@@ -47,16 +47,15 @@ class SpeculatorFactory:
                 f"speculative_config.max_model_len={max_len} is below the target's max_model_len="
                 f"{target.max_model_len}; a shorter draft context is not supported: lower max_model_len to {max_len}"
             )
-        if arch.max_position_embeddings < max_len:
+        # Both limits in one error, so that following its advice once is enough.
+        limits = [f"{arch.max_position_embeddings} positions"] + (
+            [f"sliding_window={arch.sliding_window} (sliding-window attention is not supported)"]
+            if arch.sliding_window is not None else [])
+        limit = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
+        if limit < max_len:
             raise ConfigError(
-                f"the draft model {spec.model!r} supports {arch.max_position_embeddings} positions, fewer than "
-                f"max_model_len={max_len}; lower max_model_len to {arch.max_position_embeddings}"
-            )
-        if arch.sliding_window is not None and arch.sliding_window < max_len:
-            raise ConfigError(
-                f"the draft model {spec.model!r} has sliding_window={arch.sliding_window}, below max_model_len="
-                f"{max_len}, and sliding-window attention is not supported; lower max_model_len to "
-                f"{arch.sliding_window}"
+                f"the draft model {spec.model!r} supports {' and '.join(limits)}, fewer than max_model_len={max_len}; "
+                f"lower max_model_len to {limit}"
             )
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
         draft_tp = tp if tp is not None and spec.draft_tensor_parallel_size != 1 else None

@@ -303,6 +303,14 @@ def test_sliding_window_caps_the_context(tmp_path):
     assert read_arch_config(off).sliding_window is None
     on = _copy_with_config(qwen, tmp_path / "on", lambda c: c | {"sliding_window": 64, "use_sliding_window": True})
     assert read_arch_config(on).sliding_window == 64
+    # A draft with both limits: one error naming both and the lower, which then suffices (it used to
+    # advise 256, whose error then advised 64).
+    draft = _copy_with_config(mistral, tmp_path / "draft",
+                              lambda c: c | {"sliding_window": 64, "max_position_embeddings": 256})
+    spec = dict(model=str(draft), num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match=r"supports 256 positions and sliding_window=64 .* lower max_model_len to 64"):
+        LLM(str(qwen), dtype="float32", speculative_config=spec)
+    assert LLM(str(qwen), dtype="float32", max_model_len=64, speculative_config=spec).config.spec.k == 2
 
 
 def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
