@@ -85,6 +85,10 @@ class Scheduler:
         self._finished_outputs: list[tuple[int, int, int]] = []  # StepPlan.finished_outputs
         self._finished_at: dict[int, int] = {}  # req_id -> its entry in _finished_outputs
         self.num_preemptions = 0
+        # Prefix-cache lookups of admitted prompts, in tokens (vLLM's prefix_cache_queries / _hits): each
+        # request's first admission with prefix caching on, not one with prompt logprobs (it skips the cache).
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---------------------------------------------------------------- requests in and out
     def add(self, req: Request) -> None:
@@ -333,6 +337,9 @@ class Scheduler:
             return None
         if not req.num_preemptions:  # the prompt's hit when first admitted (vLLM's); a re-admission's is its own work
             req.num_cached_tokens = num_cached
+            if self.blocks.enable_prefix_caching and req.params.prompt_logprobs is None:
+                self.num_prefix_queries += len(req.all_token_ids)
+                self.num_prefix_hits += num_cached
         req.slot = item.slot = self.free_slots.pop()
         item.block_ids = list(req.block_ids)
         req.status = Status.RUNNING

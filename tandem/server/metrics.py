@@ -46,6 +46,9 @@ class ServerMetrics:
         self.kv_total = Gauge("tandem_kv_cache_total_blocks", "KV blocks in the pool", m, registry=r)
         self.preemptions = Counter("tandem_num_preemptions", "Sequences preempted (their KV freed, recomputed later)",
                                    m, registry=r)
+        self.prefix_queries = Counter("tandem_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (first admissions)", m, registry=r)
+        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens the prefix cache served", m, registry=r)
         self.draft_rounds = Counter("tandem_spec_decode_num_drafts", "Verified draft rounds", m, registry=r)
         self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted",
@@ -70,7 +73,9 @@ class ServerMetrics:
             self.accepted_per_pos.labels(model_name, str(pos))
         self._spec_seen = (0, 0, 0, [0] * num_speculative_tokens)
         self._preemptions_seen = 0
-        self.preemptions.labels(model_name)
+        self._prefix_seen = (0, 0)
+        for metric in (self.preemptions, self.prefix_queries, self.prefix_hits):
+            metric.labels(model_name)
 
     # ---------------------------------------------------------------- called by the loop thread
     def on_accepted(self, num_prompt_tokens: int) -> None:
@@ -101,6 +106,10 @@ class ServerMetrics:
         self.kv_total.labels(name).set(sched.blocks.num_blocks)
         self.preemptions.labels(name).inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
+        queries, hits = self._prefix_seen
+        self.prefix_queries.labels(name).inc(sched.num_prefix_queries - queries)
+        self.prefix_hits.labels(name).inc(sched.num_prefix_hits - hits)
+        self._prefix_seen = (sched.num_prefix_queries, sched.num_prefix_hits)
         spec = engine.spec_metrics
         if spec is None:
             return

@@ -1569,6 +1569,17 @@ def test_metrics_parse_and_move(live):
     assert accepted >= 0 and after[("tandem_spec_decode_num_accepted_tokens_total", ())] > 0
     for gauge in ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc"):
         assert (gauge, ()) in after
+    # Prefix-cache queries and hits, in prompt tokens (vLLM's prefix_cache_queries / _hits): a new prompt
+    # misses, and the same prompt again hits all of its full blocks but the last token's.
+    prompt = "metrics " + " ".join(PROMPTS)
+    for hit in (False, True):
+        before = after
+        r = live.post(C, json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        after = live.metrics()
+        num_prompt = r.json()["usage"]["prompt_tokens"]
+        assert delta("tandem_prefix_cache_queries_total") == delta("tandem_prompt_tokens_total") == num_prompt
+        hits = delta("tandem_prefix_cache_hits_total")
+        assert (num_prompt - 16 <= hits < num_prompt) if hit else hits == 0, (num_prompt, hits)
 
 
 def test_metrics_of_adaptive_speculation(model_dirs):
