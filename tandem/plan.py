@@ -127,3 +127,6 @@ class StepResult:
     num_drafts_proposed: list[int]  # drafts now pending in each request's slot
     # per request: the logprobs of ScheduledReq.prompt_logprob_targets (None when it has none)
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # plan.reqs index -> the draft steps its chain ran, for the requests the confidence stop cut short
+    # (num_drafts_proposed < num_next_drafts; the rest ran their plan's); None: none was
+    draft_steps: dict[int, int] | None = None

@@ -62,9 +62,9 @@ class Launched:
     # host after the draft round, the event recorded after that copy)
     drafts: tuple[list[int], Tensor, torch.cuda.Event | None] | None = None
     masked_drafts: bool = False  # its drafting round masked structured-output requests' drafts step by step
-    # plan.reqs index -> drafts proposed, for requests whose round proposed fewer than num_next_drafts
-    # (draft_confidence_threshold's early stop); None: every request its plan's
-    fewer_drafts: dict[int, int] | None = None
+    # plan.reqs index -> (drafts proposed, draft steps its chain ran), for requests whose round proposed
+    # fewer than num_next_drafts (draft_confidence_threshold's early stop); None: every request its plan's
+    fewer_drafts: dict[int, tuple[int, int]] | None = None
     # Every sampling request's drafts proposed [num_sampling], being copied to the host after a round
     # that counts them on the device (a lookup, n-gram or suffix), and the event after that copy; None: not counted so
     draft_counts: tuple[Tensor, torch.cuda.Event | None] | None = None
@@ -349,13 +349,16 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
-        for i, count in (launched.fewer_drafts or {}).items():
+        draft_steps = None
+        for i, (count, steps) in (launched.fewer_drafts or {}).items():
             proposed[i] = count
+            draft_steps = draft_steps or {}
+            draft_steps[i] = steps
         if launched.draft_counts is not None:
             for i, count in zip(launched.sampling, launched.draft_counts[0].tolist()):
                 proposed[i] = count
         return StepResult(sampled_token_ids=sampled, logprobs=logprobs, num_drafts_proposed=proposed,
-                          prompt_logprobs=_prompt_results(launched))
+                          prompt_logprobs=_prompt_results(launched), draft_steps=draft_steps)
 
     def repair_drafts(self, launched: Launched, result: StepResult, misfits: dict[int, int],
                       drafts: dict[int, list[int]], grammars) -> dict[int, list[int]]:

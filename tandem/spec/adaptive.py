@@ -14,8 +14,8 @@ off; the scheduler then has it catch up when drafting resumes.
 
 Under the confidence stop (tandem/spec/confidence.py) a round planned with K drafts may propose
 fewer: S_j then counts a draft never proposed as rejected (the stop's yield), and the cost of
-planning K is the measured one scaled by how often the stop lets some chain of the batch draft
-that far (`AdaptiveDrafts.expected_costs`; the costs are measured with the stop off).
+planning K is the measured one scaled by how often the stop lets some chain of the batch run that
+many draft steps (`AdaptiveDrafts.expected_costs`; the costs are measured with the stop off).
 
 A position that is never verified is never observed: while K stays below k, the estimate of
 S_K goes stale. So when S_K has not been observed for `probe_interval` steps, the policy
@@ -122,17 +122,21 @@ class AdaptiveDrafts:
         self.estimator = estimator if estimator is not None else AcceptanceEstimator(k)
         self.probe_interval = probe_interval
         self.num_steps_by_k = [0] * (k + 1)  # steps that proposed K drafts, K = 0..k (observe)
-        # Under the confidence stop: R_j = P(a chain proposes more than j drafts | it planned more),
-        # the same survival estimate over (drafts planned, drafts proposed); 1 without the stop.
+        # Under the confidence stop: R_j = P(a chain runs more than j draft steps | it planned more drafts),
+        # the same survival estimate over (drafts planned, draft steps run); 1 without the stop. A chain
+        # ended by an unsure draft ran the step that drew it: one step more than the drafts it proposes.
         self.proposals = AcceptanceEstimator(k)
-        # req id -> the drafts its next round planned, for rounds the confidence stop cut short
-        self.planned_by_req: dict[int, int] = {}
+        # req id -> (the drafts its next round planned, the draft steps its chain ran), for rounds the
+        # confidence stop cut short
+        self.planned_by_req: dict[int, tuple[int, int]] = {}
 
     def expected_costs(self, num_reqs: int) -> list[float]:
         """The expected ms of a step planning K = 0..k drafts. A round's draft steps end once every
         chain has (the confidence stop), so planning K costs cost(1) plus, for each further draft
-        step j, its share cost(j + 1) - cost(j) times P(some chain of the batch is still alive),
-        1 - (1 - R_j)^n; without the stop every R_j is 1 and this is the measured cost(K)."""
+        step j, its share cost(j + 1) - cost(j) times P(some chain of the batch runs step j),
+        1 - (1 - R_j)^n; without the stop every R_j is 1 and this is the measured cost(K). (The share
+        also holds the verification of draft j, which the next step skips where the stop dropped
+        draft j though its step ran: a slight over-pricing, on the safe side.)"""
         row = self.costs.at(num_reqs)
         alive = self.proposals.survival()
         out = list(row[:2])
@@ -172,19 +176,22 @@ class AdaptiveDrafts:
         and left out they would be seen only in the rounds the draft was sure of, so the estimate
         of deep positions would rise with the stop and steer K up for nothing. Counted this way
         S_j is the yield of the policy in force: P(draft j is proposed and the first j + 1 are
-        accepted). The same rounds teach `proposals` how long the stop lets a chain run, which
-        prices a plan of K drafts (expected_costs)."""
-        planned = self.planned_by_req
-        verified = [(item, max(item.num_drafts, planned.get(item.req_id, 0)), len(tokens) - 1)
+        accepted). The same rounds teach `proposals` how many draft steps the stop lets a chain run,
+        which prices a plan of K drafts (expected_costs)."""
+        cut = self.planned_by_req
+        verified = [(item, *cut.get(item.req_id, (item.num_drafts, item.num_drafts)), len(tokens) - 1)
                     for item, tokens in zip(plan.reqs, result.sampled_token_ids) if item.num_drafts and tokens]
-        self.estimator.observe([(num_planned, num_accepted) for _, num_planned, num_accepted in verified])
-        self.proposals.observe([(num_planned, item.num_drafts) for item, num_planned, _ in verified])
+        self.estimator.observe([(max(item.num_drafts, num_planned), num_accepted)
+                                for item, num_planned, _, num_accepted in verified])
+        self.proposals.observe([(max(item.num_drafts, num_planned), num_steps)
+                                for item, num_planned, num_steps, _ in verified])
         # Rebuilt every step: a request verifies its drafts the step after it proposes them.
-        self.planned_by_req = {item.req_id: item.num_next_drafts
-                               for item, num_proposed in zip(plan.reqs, result.num_drafts_proposed)
+        steps = result.draft_steps or {}
+        self.planned_by_req = {item.req_id: (item.num_next_drafts, steps.get(i, num_proposed))
+                               for i, (item, num_proposed) in enumerate(zip(plan.reqs, result.num_drafts_proposed))
                                if num_proposed < item.num_next_drafts}
-        proposed = max((item.num_next_drafts for item in plan.reqs), default=0)
-        self.num_steps_by_k[proposed] += 1
+        if any(item.sample for item in plan.reqs):  # a step of prefill chunks alone chose no K
+            self.num_steps_by_k[max(item.num_next_drafts for item in plan.reqs)] += 1
 
     def summary(self) -> dict:
         """What it chose and believes, as plain data (the benchmarks' JSON)."""

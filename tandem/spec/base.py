@@ -139,10 +139,11 @@ class Speculator:
 
     # ---------------------------------------------------------------- propose
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor,
-                masks: DraftMasks | None = None) -> dict[int, int] | Tensor | None:
+                masks: DraftMasks | None = None) -> dict[int, tuple[int, int]] | Tensor | None:
         """Draft num_next_drafts tokens for every sampling request of the step (row_tokens [num_rows],
         num_emitted [num_sampling]: what verify() gave) -> the requests that propose fewer than
-        their plan's, as {plan.reqs index: count} (known on the host) or a device tensor of every
+        their plan's, as {plan.reqs index: (count, draft steps its chain ran)} (known on the host) or a
+        device tensor of every
         sampling request's count [num_sampling] (the runner brings it back with the step's
         results); None: every request proposes its plan's number."""
         raise NotImplementedError

@@ -5,7 +5,9 @@ the draft model of at least tau; it proposes the drafts before its first draft b
 always its first draft (as vLLM's DraftConfidenceStop: j drafts, at least one, for a chain that
 ends at draft j, 0-based). The round stops launching draft steps once every chain has ended,
 which saves the draft's forwards on the rounds it is unsure of. Each request proposes its own
-number of drafts (at least 1, at most its plan's; vLLM gives a batch one count).
+number of drafts (at least 1, at most its plan's; vLLM gives a batch one count), and runs its own
+number of draft steps: one more than its drafts when an unsure draft ended it (the step that drew
+that draft ran), as many when its plan did.
 
 The stop reads only the draft's distributions, never the target's or any draw the verification
 makes, so the rejection sampler still returns the target's distribution: a draft block cut where
@@ -23,6 +25,7 @@ class ConfidenceStop:
     def __init__(self, tau: float, planned: list[int]):
         self.tau = tau
         self.counts = list(planned)  # per drafting request: the drafts it proposes
+        self.steps = [0] * len(planned)  # per drafting request: the draft steps its chain ran (set as it ends)
         self.alive = [n > 0 for n in planned]
 
     def after(self, step: int, logits: Tensor) -> bool:
@@ -36,6 +39,8 @@ class ConfidenceStop:
             if p < self.tau:  # the drafts before this one, or the first
                 self.alive[row] = False
                 self.counts[row] = min(self.counts[row], max(step, 1))
+                self.steps[row] = step + 1
             elif step + 1 >= self.counts[row]:  # the plan's drafts, all sure
                 self.alive[row] = False
+                self.steps[row] = step + 1
         return not any(self.alive)

@@ -128,7 +128,7 @@ class DraftSpeculator(Speculator):
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor,
-                masks: DraftMasks | None = None) -> dict[int, int] | None:
+                masks: DraftMasks | None = None) -> dict[int, tuple[int, int]] | None:
         """Catch the draft up on this step's tokens (and any it skipped before), then draft
         num_next_drafts tokens for every sampling request that does not skip the draft.
 
@@ -136,8 +136,9 @@ class DraftSpeculator(Speculator):
         their draft logits before each draft is taken. The round then runs step by step, each
         step's drafts of those requests brought to the host (a wait) while the next forward runs.
 
-        -> the requests (plan.reqs indices) that propose fewer drafts than their plan's, and how
-        many (draft_confidence_threshold's early stop, tandem/spec/confidence.py); None: none."""
+        -> the requests (plan.reqs indices) that propose fewer drafts than their plan's, with how
+        many and how many draft steps their chain ran (draft_confidence_threshold's early stop,
+        tandem/spec/confidence.py); None: none."""
         k = max((plan.reqs[i].num_next_drafts for i in batch.sampling), default=0)
         drafting = [n for n, i in enumerate(batch.sampling) if plan.reqs[i].num_next_drafts]  # into batch.sampling
         if masks is not None:
@@ -148,15 +149,16 @@ class DraftSpeculator(Speculator):
             finally:
                 masks.finish()
             return None
-        counts = self._propose(plan, batch, row_tokens, num_emitted, k, drafting, None)
-        if counts is None:
+        stop = self._propose(plan, batch, row_tokens, num_emitted, k, drafting, None)
+        if stop is None:
             return None
         planned = [plan.reqs[batch.sampling[n]].num_next_drafts for n in drafting]
-        return {batch.sampling[n]: c for n, c, p in zip(drafting, counts, planned) if c < p} or None
+        return {batch.sampling[n]: (c, s) for n, c, s, p in zip(drafting, stop.counts, stop.steps, planned)
+                if c < p} or None
 
     def _propose(self, plan: StepPlan, batch: Batch, row_tokens: Tensor, num_emitted: Tensor, k: int,
-                 drafting: list[int], constrained: _Constrained | None) -> list[int] | None:
-        """-> each drafting request's number of drafts when the confidence stop ran (None: the plan's)."""
+                 drafting: list[int], constrained: _Constrained | None) -> ConfidenceStop | None:
+        """-> the confidence stop's record of the round, when it ran (None: every chain drafted its plan)."""
         layout = _catchup_layout(plan, batch.input_ids.shape[0], extra=k > 0)
         if not layout.lens:
             return None  # every request skips the draft
@@ -210,7 +212,7 @@ class DraftSpeculator(Speculator):
             stop = ConfidenceStop(self.confidence_threshold, [r.num_next_drafts for r in sampling])
         self._draft_step(0, logits, slots, pos + 1, sampling, mask)
         if stop is not None and stop.after(0, logits[:, : self.head_cols]):
-            return stop.counts
+            return stop
         if graphs is not None and graphs.loops and self._greedy(sampling) and graphs.bucket(len(sampling)) is not None:
             graphs.run_loop(slots, pos, table)
             return None
@@ -226,7 +228,7 @@ class DraftSpeculator(Speculator):
             self._draft_step(step, logits, slots, pos + 1, sampling, mask)
             if stop is not None and stop.after(step, logits[:, : self.head_cols]):
                 break
-        return stop.counts if stop is not None else None
+        return stop
 
     def _local_argmax(self, sampling, constrained: _Constrained | None) -> bool:
         """Whether a round's drafts are argmaxes a tensor-parallel draft can take from each rank's

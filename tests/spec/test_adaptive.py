@@ -114,15 +114,20 @@ def test_observe_counts_the_steps_by_drafts_proposed():
     assert policy.estimator.weight == pytest.approx([3, 3], abs=0.01)  # prior 2 + one round
     assert policy.estimator.hits == pytest.approx([3, 2], abs=0.01)  # accepted 1 of 2 drafts
     assert "steps by drafts proposed {1: 1}" in policy.log_line()
+    # A step of prefill chunks alone (none samples) chose no K: it is not counted as K = 0.
+    chunk = ScheduledReq(1, 1, 0, [1, 2, 3], 0, [0], False, 0)
+    policy.observe(StepPlan([], [chunk]), StepResult([[]], [None], [0]))
+    assert policy.num_steps_by_k == [0, 1, 0]
 
 
 def test_a_round_cut_by_the_confidence_stop_counts_its_unproposed_drafts_as_rejected():
     policy = AdaptiveDrafts(4, costs(k=4))
-    # Step 1 plans 4 drafts for request 7 and 4 for request 8; the stop lets 7 propose only 2.
+    # Step 1 plans 4 drafts for request 7 and 4 for request 8; the stop lets 7 propose only 2 (its
+    # third draft was unsure: the step that drew it ran, 3 steps in all).
     step1 = [ScheduledReq(7, 0, 5, [1], 0, [0], True, 0, num_next_drafts=4),
              ScheduledReq(8, 1, 5, [1], 0, [0], True, 0, num_next_drafts=4)]
-    policy.observe(StepPlan([], step1), StepResult([[3], [3]], [None, None], [2, 4]))
-    assert policy.planned_by_req == {7: 4}
+    policy.observe(StepPlan([], step1), StepResult([[3], [3]], [None, None], [2, 4], draft_steps={0: 3}))
+    assert policy.planned_by_req == {7: (4, 3)}
     # Step 2 verifies them: 7 accepts both of its 2 drafts, 8 accepts 2 of its 4.
     step2 = [ScheduledReq(7, 0, 6, [3], 2, [0], True, 1, num_next_drafts=4),
              ScheduledReq(8, 1, 6, [3], 4, [0], True, 1, num_next_drafts=4)]
@@ -132,8 +137,8 @@ def test_a_round_cut_by_the_confidence_stop_counts_its_unproposed_drafts_as_reje
     assert [w - b for w, b in zip(policy.estimator.weight, before)] == pytest.approx([2, 2, 2, 2], abs=0.01)
     assert policy.estimator.hits == pytest.approx([4, 4, 2, 2], abs=0.01)  # the prior 2 each, then 2, 2, 0, 0
     assert policy.planned_by_req == {}
-    # How far the chains ran: request 7 planned 4 and proposed 2 (positions 2, 3 cut), 8 all 4.
-    assert policy.proposals.hits == pytest.approx([4, 4, 3, 3], abs=0.01)
+    # How far the chains ran: request 7 planned 4 and ran 3 draft steps (position 3 cut), 8 all 4.
+    assert policy.proposals.hits == pytest.approx([4, 4, 4, 3], abs=0.01)
 
 
 def test_without_the_stop_a_plan_costs_what_was_measured():

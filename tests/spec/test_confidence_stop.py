@@ -49,12 +49,13 @@ def test_each_chain_ends_at_its_first_unsure_draft():
     assert stop.counts == [3, 1, 2, 0] and stop.alive == [True, False, True, False]
     assert stop.after(1, _logits([0.3, 0.99, 0.99, 0.99]))  # request 0 ends, its unsure draft left out
     assert stop.counts == [1, 1, 2, 0]  # (request 2 reached its plan)
+    assert stop.steps == [2, 1, 2, 0]  # the step that drew an unsure draft ran: request 0 ran two, proposes one
     late = ConfidenceStop(0.5, [3])
     assert not late.after(0, _logits([0.6])) and not late.after(1, _logits([0.6])) and late.after(2, _logits([0.4]))
-    assert late.counts == [2]
+    assert late.counts == [2] and late.steps == [3]
     sure = ConfidenceStop(0.5, [3])
     assert not sure.after(0, _logits([0.6])) and not sure.after(1, _logits([0.51])) and sure.after(2, _logits([0.7]))
-    assert sure.counts == [3]
+    assert sure.counts == [3] and sure.steps == [3]
 
 
 def test_greedy_output_is_the_targets_and_unsure_rounds_are_cut(models):
