@@ -34,6 +34,7 @@ from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.layers.quant import QUANTIZATIONS
 from tandem.models.loader import load_model
+from tandem.metrics_reader import Metric, engine_metrics
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.oom import check_host_fits
 from tandem.outputs import RequestOutput
@@ -330,10 +331,16 @@ class LLM:
                     raise cause from e
             raise
         self.config = self.engine.cfg
+        self._model_name = model  # as given: get_metrics' model_name label, as vLLM's
         self._counter = 0
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics(): the engine's counters and gauges now (tandem/metrics_reader.py),
+        named as /metrics names them, "tandem_spec_decode_num_drafts" for vLLM's "vllm:spec_decode_num_drafts"."""
+        return engine_metrics(self.engine, self._model_name)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling_params runs: the model's generation_config.json sampling

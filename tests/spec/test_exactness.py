@@ -58,6 +58,26 @@ def test_near_draft_matches_target(models, baseline, k, method):
     assert all(o.metrics.num_draft_tokens > 0 for o in outs)
 
 
+def test_get_metrics_reads_as_vllms(models):
+    """LLM.get_metrics() in vLLM's shapes: the spec-decode counters and the per-position Vector that
+    vLLM's spec_decode example reads, equal to the engine's counts and to the requests' own."""
+    from tandem.metrics_reader import Counter, Gauge, Vector
+
+    llm = _llm(models, "near", 3)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    got = {m.name: m for m in llm.get_metrics()}
+    assert got["tandem_spec_decode_num_drafts"].labels == {"model_name": str(models["target"])}
+    drafts, tokens = got["tandem_spec_decode_num_drafts"], got["tandem_spec_decode_num_draft_tokens"]
+    accepted = got["tandem_spec_decode_num_accepted_tokens"]
+    per_pos = got["tandem_spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(drafts, Counter) and isinstance(per_pos, Vector) and len(per_pos.values) == 3
+    assert tokens.value == sum(o.metrics.num_draft_tokens for o in outs) > 0
+    assert accepted.value == sum(per_pos.values) == sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafts.value == llm.engine.spec_metrics.num_draft_rounds > 0
+    assert isinstance(got["tandem_num_requests_running"], Gauge) and got["tandem_num_requests_running"].value == 0
+    assert got["tandem_prefix_cache_queries"].value == sum(len(o.prompt_token_ids) for o in outs)
+
+
 @pytest.mark.parametrize("k,isa", [(2, "avx512"), (4, "avx512"), (7, "avx512"), (4, "avx2")])
 def test_bf16_matches_target_only_bit_for_bit(models, k, isa):
     """In bf16 too: the CPU linears (each build of our kernel) give a row the same bits in any
