@@ -362,8 +362,8 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
 
 def eps_engine(root, shape, base_name, args, max_num_seqs=1, **llm_kw):
     """The eps pair's engine: draft = the target's first 4 layers (+ its embeddings, norm,
-    head), copied in; returns it with the target's layers >= 4 o_proj / down_proj weights, which
-    set_eps scales."""
+    head), copied in; returns it with the o_proj / down_proj weights of the target's layers of
+    index >= 4 (0-based: the issue's "layers 5 and up", which the draft lacks), which set_eps scales."""
     tdir = write_config(root, base_name, shape)
     ddir = write_config(root, base_name + "-first4", dict(shape, num_hidden_layers=4))
     spec = dict(model=ddir, num_speculative_tokens=4, draft_load_format="dummy", **llm_kw.pop("spec_extra", {}))
@@ -379,7 +379,8 @@ def eps_engine(root, shape, base_name, args, max_num_seqs=1, **llm_kw):
 
 
 def set_eps(llm, originals, eps: float) -> None:
-    """In the target, layers >= 4 have o_proj and down_proj scaled by eps (0: the draft exactly)."""
+    """In the target, layers of index >= 4 (0-based) have o_proj and down_proj scaled by eps (0: the draft
+    exactly)."""
     target = llm.engine.runner.model
     with torch.no_grad():
         for i, (o, d) in originals.items():
@@ -735,7 +736,10 @@ def main(argv=None) -> int:
             spec_batches = batches
         pair_targets = [t for t, _ in spec_pairs] if "synthetic" in sections else []
         needed = shapes if full else list({name: (name, shape) for name, shape in [target] + pair_targets}.values())
-        base = target_only(root, needed, batches if full else spec_batches, args, bw, results)
+        base_batches = batches if full else spec_batches
+        if sections & {"eps", "hf"} and 1 not in base_batches:  # their ratios are over target-only at batch 1
+            base_batches = [1] + base_batches
+        base = target_only(root, needed, base_batches, args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
             ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))

@@ -16,6 +16,7 @@ its 128256-token vocabulary for the samplers.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -28,7 +29,14 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table  # noqa: E402
 
-COPY_BW = 4.3e12  # bytes/s, H200 device-to-device copy (read + write), measured here
+
+@functools.cache
+def copy_bw() -> float:
+    """bytes/s of a device-to-device copy (read + write), measured once, as gpu_bench's roofline takes it."""
+    from bench.gpu_bench import copy_bandwidth
+
+    return copy_bandwidth()
+
 H, HKV, D, BS = 32, 8, 128, 16
 VOCAB = 128256
 DEV = "cuda"
@@ -210,7 +218,7 @@ def sweep_decode() -> list[list]:
             except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
                 print(f"tile {tile}: {type(e).__name__}", flush=True)
                 continue
-            rows.append([f"B={b}", str(tile), f"{t * 1e6:.1f}", f"{100 * nbytes / t / COPY_BW:.0f}%"])
+            rows.append([f"B={b}", str(tile), f"{t * 1e6:.1f}", f"{100 * nbytes / t / copy_bw():.0f}%"])
     return rows
 
 
@@ -262,7 +270,7 @@ def sweep_gemv() -> list[list]:
         cublas = _rotating(lambda w: F.linear(x, w), ws)
         times = {cfg: _rotating(lambda w, cfg=cfg: gemv(x, w, config=cfg), ws) for cfg in GEMV_CONFIGS}
         best = min(times, key=times.get)
-        frac = lambda t: f"{100 * nbytes / t / COPY_BW:.0f}%"  # noqa: E731  (the roofline's definition)
+        frac = lambda t: f"{100 * nbytes / t / copy_bw():.0f}%"  # noqa: E731  (the roofline's definition)
         rows.append([name, f"{cublas * 1e6:.1f}", frac(cublas), f"{times[gemv_config(n, k)] * 1e6:.1f}",
                      str(best), f"{times[best] * 1e6:.1f}", frac(times[best]), f"{err:.1e}"]
                     + [f"{times[c] * 1e6:.1f}" for c in GEMV_CONFIGS])
@@ -293,7 +301,7 @@ def sweep_gemv_fp8() -> list[list]:
         times = {cfg: _rotating(lambda qs, cfg=cfg: gemv(x, qs[0], config=cfg, w_scale=qs[1]), q8)
                  for cfg in dict.fromkeys(FP8_CONFIGS + [gemv_config(n, k, True)])}
         best = min(times, key=times.get)
-        frac = lambda t: f"{100 * n * k / t / COPY_BW:.0f}%"  # noqa: E731
+        frac = lambda t: f"{100 * n * k / t / copy_bw():.0f}%"  # noqa: E731
         default = gemv_config(n, k, True)
         rows.append([name, f"{bf16 * 1e6:.1f}", str(default), f"{times[default] * 1e6:.1f}",
                      str(best), f"{times[best] * 1e6:.1f}", frac(times[best])]
@@ -393,7 +401,7 @@ def sweep_rows(m: int) -> list[list]:
         one = _rotating(lambda w: gemv(x[:1], w), ws)
         times = {cfg: _rotating(lambda w, cfg=cfg: gemm_rows(x, w, config=cfg), ws) for cfg in ROWS_CONFIGS}
         best = min(times, key=times.get)
-        frac = lambda t: f"{100 * nbytes / t / COPY_BW:.0f}%"  # noqa: E731
+        frac = lambda t: f"{100 * nbytes / t / copy_bw():.0f}%"  # noqa: E731
         rows.append([name, f"{cublas * 1e6:.1f}", frac(cublas), f"{one * 1e6:.1f}",
                      f"{times[rows_config(n, k)] * 1e6:.1f}", str(best), f"{times[best] * 1e6:.1f}", frac(times[best]),
                      f"{err:.1e}"] + [f"{times[c] * 1e6:.1f}" for c in ROWS_CONFIGS])
@@ -479,7 +487,7 @@ def sweep_w8(m: int) -> tuple[list[list], list[dict]]:
         top = min(ok, key=times.get)
         rows.append([name, m, f"{cublas * 1e6:.1f}", scaled, few, f"{times[w8_config(m, n, k)] * 1e6:.1f}",
                      best([c for c in ok if c[5]]), best([c for c in ok if not c[5]]),
-                     f"{100 * n * k / times[top] / COPY_BW:.0f}%", err(gemm_w8(x, *q8[0], config=top)), scaled_err])
+                     f"{100 * n * k / times[top] / copy_bw():.0f}%", err(gemm_w8(x, *q8[0], config=top)), scaled_err])
         raw.append(dict(layer=name, m=m, cublas_us=cublas * 1e6, tiles={str(c): times[c] * 1e6 for c in times}))
         del q8
         torch.cuda.empty_cache()
@@ -640,9 +648,9 @@ def sweep_fp8_attention() -> list[list]:
                     print(f"tile {tile} splits {ns}: {type(e).__name__}", flush=True)
         res = {key: t for key, t in res.items() if t == t}
         best = sorted(res, key=res.get)[:3]
-        rows.append([f"B={b} ctx={ctx}", f"{t_bf16 * 1e6:.1f} ({100 * 2 * nbytes / t_bf16 / COPY_BW:.0f}%)",
-                     f"{res[(None, None)] * 1e6:.1f} ({100 * nbytes / res[(None, None)] / COPY_BW:.0f}%)"]
-                    + [f"{t}, {ns}: {res[(t, ns)] * 1e6:.1f} ({100 * nbytes / res[(t, ns)] / COPY_BW:.0f}%)"
+        rows.append([f"B={b} ctx={ctx}", f"{t_bf16 * 1e6:.1f} ({100 * 2 * nbytes / t_bf16 / copy_bw():.0f}%)",
+                     f"{res[(None, None)] * 1e6:.1f} ({100 * nbytes / res[(None, None)] / copy_bw():.0f}%)"]
+                    + [f"{t}, {ns}: {res[(t, ns)] * 1e6:.1f} ({100 * nbytes / res[(t, ns)] / copy_bw():.0f}%)"
                        for t, ns in best])
     return rows
 
@@ -791,12 +799,12 @@ def main() -> None:
         achieved = f"{r['tflops']:.0f} TFLOP/s" if r.get("compute_bound") else f"{bw / 1e9:.0f} GB/s"
         table.append([r["kernel"], r["case"], f"{r['triton_us']:.1f}", f"{r['torch_us']:.1f}",
                       f"{r['torch_us'] / r['triton_us']:.1f}x", f"{r['eager_us']:.1f}", f"{r['bytes'] / 1e6:.1f}",
-                      achieved, "-" if r.get("compute_bound") else f"{100 * bw / COPY_BW:.0f}%"])
+                      achieved, "-" if r.get("compute_bound") else f"{100 * bw / copy_bw():.0f}%"])
     if args.json:
         Path(args.json).write_text(json.dumps(dict(env=environment(), device=torch.cuda.get_device_name(),
                                                    rows=rows), indent=2, default=str))
     print_table(["kernel", "case", "triton us", "torch us", "speedup", "eager us", "MB moved", "achieved",
-                 "of 4.3 TB/s"], table,
+                 f"of {copy_bw() / 1e12:.2f} TB/s"], table,
                 title=f"tandem kernels on {torch.cuda.get_device_name()} (GPU time in CUDA graphs, cold L2, median)")
 
 

@@ -7,7 +7,7 @@
 
 The default pair is built from one real checkpoint so acceptance is controlled: the draft is
 SmolLM2-135M's first 4 layers (with its embeddings, final norm and head) and the target is the
-full model with the output projections (o_proj, down_proj) of layers 4 and up scaled by eps,
+full model with the output projections (o_proj, down_proj) of layers 5 and up (0-based index >= 4) scaled by eps,
 so the two agree more often as eps shrinks. Greedy (or --temperature, seeded), batch 1, the same
 prompts for every configuration; one warm-up, then the median of --repeats timed runs.
 """
