@@ -52,9 +52,10 @@ TINY = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=
             num_key_value_heads=2, vocab_size=32000)
 TINY_DRAFT = dict(TINY, num_hidden_layers=1)
 
-# Per-position unconditional acceptance measured on the real Qwen2.5-Coder pair on CPU
-# (docs/benchmarks.md); overridable with --real-rates.
-REAL_RATES = None
+# Per-position unconditional acceptance measured on the real Qwen2.5-Coder pair on CPU at k = 8, code prompts
+# (docs/benchmarks.md, 2026-12-04: `python bench/real_pair.py --ks 8 --default-k 8 --classes code --skip-hf`);
+# the "real-cpu" profile's default, overridable with --real-rates.
+REAL_RATES = "0.924,0.859,0.783,0.739,0.707,0.663,0.630,0.598"
 
 
 def write_config(root: Path, name: str, shape: dict) -> str:
@@ -662,7 +663,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--hf-repeats", type=int, default=3,
                    help="warm timed transformers runs per mode (median), after one cold timed run")
-    p.add_argument("--real-rates", default=None, help="comma-separated per-position rates from the CPU run")
+    p.add_argument("--real-rates", default=REAL_RATES,
+                   help="the real-cpu profile's per-position rates, comma-separated, one per position up to the "
+                        "largest k (default: the real pair's on CPU at k = 8); 'none' leaves the profile out")
     p.add_argument("--flat-rates", default="",
                    help="also time the profiles flat-a: every unconditional per-position rate a (a_i = a, so "
                         "the draft acceptance rate, accepted / drafted, is a), comma-separated values of a")
@@ -717,13 +720,17 @@ def main(argv=None) -> int:
     batches = [1, 8] if args.quick else [1, 8, 32, 64]
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
-    real = [float(x) for x in args.real_rates.split(",")] if args.real_rates else None
+    real = [float(x) for x in args.real_rates.split(",")] if args.real_rates not in (None, "", "none") else None
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))
+    if real and "synthetic" in sections and max(ks) > len(real):
+        p.error(f"--real-rates gives {len(real)} positions and --ks reaches {max(ks)}: give a rate for every "
+                "position, or --real-rates none")
 
     def profiles(k):
         out = [(f"uniform-{a}", [a ** (i + 1) for i in range(k)]) for a in (0.6, 0.8, 0.9)]
         out += [(f"flat-{a}", [float(a)] * k) for a in args.flat_rates.split(",") if a]
-        if real:
-            out.append(("real-cpu", (real + [real[-1] * 0.9 ** j for j in range(1, k + 1)])[:k]))
+        if real:  # measured rates only: no position is made up (main refuses a k past them)
+            out.append(("real-cpu", real[:k]))
         return out
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -742,7 +749,6 @@ def main(argv=None) -> int:
         base = target_only(root, needed, base_batches, args, bw, results)
         write_json(args.out, results)
         if "synthetic" in sections:
-            ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.quick else list(range(1, 9)))
             for pair_target, pair_draft in spec_pairs:
                 synthetic(root, pair_target, pair_draft, base, ks, profiles, spec_batches, args, results)
         write_json(args.out, results)
