@@ -84,15 +84,22 @@ class TableAttnMetadata:
 
 
 def store_kv_masked(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter k/v rows into the cache (in its dtype: to_cache); rows with slot -1 write into a
-    scratch row that is never read (no data-dependent control flow, so it can be captured)."""
+    """Scatter k/v rows into the cache (in its dtype: to_cache); rows with slot -1 (padding) write
+    nothing new (no data-dependent control flow, so it can be captured).
+
+    Padding rows are sent to slot 0, which belongs to block 0, a block like any other: they write
+    what slot 0 is to hold after the step, the row a real token stores there or else its current
+    value, so that the duplicate index leaves the same bits whichever write lands last."""
     valid = slot_mapping >= 0
-    # Padding rows rewrite slot 0 with its own current value.
     safe = torch.where(valid, slot_mapping, 0)
     keep = valid[:, None, None]
+    at_zero = slot_mapping == 0
+    first = at_zero.to(torch.int32).argmax()  # the real row that stores slot 0, if any
     for new, cache in ((k, k_cache), (v, v_cache)):
         flat = as_bytes(cache.view(-1, *new.shape[1:]))
-        flat.index_copy_(0, safe, torch.where(keep, as_bytes(to_cache(new, cache.dtype)), flat[safe]))
+        rows = as_bytes(to_cache(new, cache.dtype))  # [n, Hkv, D]
+        slot_zero = torch.where(at_zero.any(), rows[first], flat[0])  # [Hkv, D]
+        flat.index_copy_(0, safe, torch.where(keep, rows, slot_zero))
 
 
 def dense_paged_attention(

@@ -64,6 +64,30 @@ def test_attention_reads_an_fp8_cache_as_its_values_widened(dtype):
                        dense_paged_attention(q, wide_k, wide_v, table, seq_lens, cu, 6, 0.25))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_a_padding_row_beside_a_token_at_slot_zero_keeps_that_token(dtype, device):
+    """Block 0 is handed to requests like any other: a padding row (slot -1, CUDA-graph padding)
+    beside a real token stored at slot 0 must not leave slot 0's old value (it did, the later of the
+    two duplicate writes winning); padding alone leaves slot 0 as it was."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 8, generator=g).to(device), torch.randn(3, 2, 8, generator=g).to(device)
+    for slots in ([0, -1, 5], [-1, 0, -1], [-1, 7, -1]):
+        k_cache = torch.randn(4, 4, 2, 8, generator=g).to(device, dtype)
+        v_cache = torch.randn(4, 4, 2, 8, generator=g).to(device, dtype)
+        before_k, before_v = k_cache.clone(), v_cache.clone()
+        store_kv_masked(k, v, k_cache, v_cache, torch.tensor(slots, device=device))
+        for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
+            flat, old = cache.view(-1, 2, 8).float(), before.view(-1, 2, 8).float()
+            for row, slot in enumerate(slots):
+                if slot >= 0:
+                    assert torch.equal(flat[slot], to_cache(new[row], dtype).float()), slots
+            if 0 not in slots:
+                assert torch.equal(flat[0], old[0]), slots
+            untouched = [s for s in range(16) if s not in slots]
+            assert torch.equal(flat[untouched], old[untouched]), slots
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8kv")
