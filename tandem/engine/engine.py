@@ -147,7 +147,8 @@ class Engine:
             k_for_batch = self.adaptive = AdaptiveDrafts(k, profile_step_costs(self.runner, self.cfg))
         self.scheduler = Scheduler(cfg.sched, cache, num_speculative_tokens=k, k_for_batch=k_for_batch,
                                    record_spec_steps=cfg.per_request_spec_decode_metrics == "detailed",
-                                   draft_kv=cfg.spec is None or not cfg.spec.lookup)
+                                   draft_kv=cfg.spec is None or not cfg.spec.lookup,
+                                   sampled_drafts=cfg.spec is not None and cfg.spec.draft_sample_method == "probabilistic")
         self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or 0 in cfg.spec.draft_counts
                                                                  or cfg.spec.lookup)
         if self.async_scheduling:

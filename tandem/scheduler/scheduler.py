@@ -62,11 +62,13 @@ class Scheduler:
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_speculative_tokens: int = 0,
                  k_for_batch: Callable[[int], int] | None = None, record_spec_steps: bool = False,
-                 draft_kv: bool = True):
+                 draft_kv: bool = True, sampled_drafts: bool = False):
         """k_for_batch: the drafts a step proposes at a batch size (None: num_speculative_tokens);
         record_spec_steps: keep every request's accepted and drafted count of each round (Request.per_step_*);
         draft_kv: the proposer keeps a KV cache of its own (a draft model), which must be fed the
-        tokens of steps it skipped before it drafts again (False: a lookup, n-gram or suffix, which sees every token)."""
+        tokens of steps it skipped before it drafts again (False: a lookup, n-gram or suffix, which sees every token);
+        sampled_drafts: the draft samples its tokens (probabilistic drafts), so whether a step drafts decides
+        which seeded draws its verification takes: a step planned ahead must draft as the synchronous one would."""
         assert cache.num_blocks is not None, "the engine sizes the KV pool before building the scheduler"
         if sched.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={sched.scheduling_policy!r} is not 'fcfs' or 'priority'")
@@ -76,6 +78,7 @@ class Scheduler:
         self.k_for_batch = k_for_batch
         self.record_spec_steps = record_spec_steps
         self.draft_kv = draft_kv
+        self.sampled_drafts = sampled_drafts
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -194,12 +197,23 @@ class Scheduler:
             return self.k
         return self.k_for_batch(min(len(self.running) + len(self.waiting), self.cfg.max_num_seqs))
 
+    def _drafts_if_some_stop(self) -> bool:
+        """Whether the batch, less requests that may stop in the step being collected (EOS, a stop
+        string or id, a grammar's end), would draft: the batch size k_for_batch then sees is any
+        from the requests that cannot stop to all of them."""
+        if self.k_for_batch is None:
+            return False
+        fixed = sum(1 for req in self.running if req.params.ignore_eos and not req.params.stop
+                    and not req.params.stop_token_ids and req.params.structured_outputs is None)
+        return any(self.k_for_batch(m) for m in range(max(fixed, 1), len(self.running)))
+
     def schedule_ahead(self, prev: StepPlan) -> StepPlan | None:
         """The next step, planned while `prev` still runs (before its result is known), for the
         one case whose plan does not depend on that result: without drafts, when every running
         request samples in `prev`, each continues with the one token `prev` samples for it (a
         PENDING_TOKEN the runner reads on the device). With a draft model, only where the batch
-        size turns drafting off (the draft skips the step). With a lookup (draft_kv=False), also
+        size turns drafting off (the draft skips the step), and with sampled drafts only where it stays
+        off whichever requests stop in `prev` (`_drafts_if_some_stop`). With a lookup (draft_kv=False), also
         while the last result applied drafted nothing for any running request: the step is planned
         without drafts and looks up after it (what `prev` looked up is left unverified; once a
         lookup finds drafts, steps wait for their result again, so a repeating stretch costs one
@@ -216,6 +230,8 @@ class Scheduler:
             if self.draft_kv or any(req.num_pending_drafts for req in self.running):
                 return None
             lookup = self._num_next_drafts()
+        elif self.k and self.sampled_drafts and self._drafts_if_some_stop():
+            return None  # the synchronous step, planned once prev's stops are out, would draft
         prev_items = {r.req_id: r for r in prev.reqs}
         for req in self.running:
             p = prev_items.get(req.req_id)

@@ -114,6 +114,28 @@ def test_steps_without_drafts_are_planned_ahead_with_a_draft(model):
     assert llm.engine._inflight is None and sched.blocks.num_free_blocks == llm.engine.cfg.cache.num_blocks
 
 
+def test_sampled_drafts_are_planned_ahead_only_where_a_stop_cannot_turn_drafting_on(model):
+    """Probabilistic drafts: a step planned ahead at a batch size without drafts, while a request
+    stops (EOS) in the step being collected, would skip the draft where the synchronous engine,
+    planning once that request is out, drafts; the seeded draws then differ. Such steps wait."""
+    eos = LLM(str(model), dtype="float32", max_model_len=96).get_tokenizer().eos_token_id
+    spec = {"model": str(model), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic",
+            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 8, 0]]}
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i] * 3} for i in range(3)]
+    params = [SamplingParams(temperature=0.9, seed=10, max_tokens=30, min_tokens=10, logit_bias={eos: 40.0}),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=12, max_tokens=30, ignore_eos=True)]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(str(model), dtype="float32", max_model_len=96, block_size=8, max_num_seqs=6,
+                  async_scheduling=overlap, speculative_config=spec)
+        assert llm.engine.async_scheduling == overlap
+        outs[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                         for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]
+    assert outs[False][0][1] == "stop" and len(outs[False][0][0]) == 11  # EOS once min_tokens allows it
+
+
 def test_lookup_steps_are_planned_ahead_while_nothing_matches(model):
     """method="ngram": while the last applied result drafted nothing, steps are planned ahead (no
     drafts verified, the lookup after them); once a lookup finds drafts, steps wait for their
