@@ -94,11 +94,12 @@ def store_kv_masked(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot
     safe = torch.where(valid, slot_mapping, 0)
     keep = valid[:, None, None]
     at_zero = slot_mapping == 0
-    first = at_zero.to(torch.int32).argmax()  # the real row that stores slot 0, if any
+    first = at_zero.to(torch.int32).argmax().view(1)  # [1] the real row that stores slot 0, if any
     for new, cache in ((k, k_cache), (v, v_cache)):
         flat = as_bytes(cache.view(-1, *new.shape[1:]))
         rows = as_bytes(to_cache(new, cache.dtype))  # [n, Hkv, D]
-        slot_zero = torch.where(at_zero.any(), rows[first], flat[0])  # [Hkv, D]
+        # index_select, not rows[first]: indexing by a 0-d tensor reads it on the host (a sync)
+        slot_zero = torch.where(at_zero.any(), rows.index_select(0, first)[0], flat[0])  # [Hkv, D]
         flat.index_copy_(0, safe, torch.where(keep, rows, slot_zero))
 
 
