@@ -70,6 +70,15 @@ class ArchConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
+    @property
+    def max_positions(self) -> int:
+        """The positions the model takes: max_position_embeddings, times the factor of linear RoPE
+        scaling (vLLM's derived length; llama3's factor already stretches the trained length)."""
+        scaling = self.rope_scaling_dict or {}
+        if scaling.get("rope_type", scaling.get("type")) == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
+        return self.max_position_embeddings
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -230,11 +239,22 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{field}: rope_scaling={rope!r} in {path} must be an object")
+    rope = dict(rope)
+    for partial in (raw.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
+        if partial is not None and partial != 1:
+            raise ConfigError(f"{field}: partial_rotary_factor={partial!r} in {path}: partial rotary embeddings are "
+                              "not supported (every head dimension is rotated)")
     # rope_parameters' rope_theta wins over a top-level one, as in transformers 5 (which keeps it there)
     rope_theta = rope.get("rope_theta") if "rope_theta" in rope else raw.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if rope_type == "llama3":  # a top-level original length wins, and max_position_embeddings stands in (transformers)
+        original = raw.get("original_max_position_embeddings")
+        if original is not None:
+            rope["original_max_position_embeddings"] = original
+        elif "original_max_position_embeddings" not in rope and _positive_number(raw.get("max_position_embeddings")):
+            rope["original_max_position_embeddings"] = raw["max_position_embeddings"]
     for key in ROPE_TYPES[rope_type]:
         if not _positive_number(rope.get(key)):
             raise ConfigError(f"{field}: rope_scaling of type {rope_type!r} in {path} needs a positive number "
@@ -375,9 +395,9 @@ def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.devi
 
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig, field_name: str = "max_model_len") -> int:
-    """The context length: at most the model's positions, and at most its attention window
-    (sliding-window attention is not implemented; within the window it changes nothing)."""
-    limit = arch.max_position_embeddings
+    """The context length: at most the model's positions (`ArchConfig.max_positions`), and at most
+    its attention window (sliding-window attention is not implemented; within the window it changes nothing)."""
+    limit = arch.max_positions
     window = arch.sliding_window
     if requested is None:
         if window is not None and window < limit:
@@ -394,7 +414,8 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig, field_name: s
         )
     if requested > limit:
         raise ConfigError(
-            f"{field_name}={requested} exceeds the model's max_position_embeddings={limit}; "
+            f"{field_name}={requested} exceeds the model's max_position_embeddings={arch.max_position_embeddings}"
+            + ("" if limit == arch.max_position_embeddings else f" (times the linear rope factor: {limit})") + "; "
             f"use {field_name}<={limit}"
         )
     return requested

@@ -48,10 +48,10 @@ class SpeculatorFactory:
                 f"{target.max_model_len}; a shorter draft context is not supported: lower max_model_len to {max_len}"
             )
         # Both limits in one error, so that following its advice once is enough.
-        limits = [f"{arch.max_position_embeddings} positions"] + (
+        limits = [f"{arch.max_positions} positions"] + (
             [f"sliding_window={arch.sliding_window} (sliding-window attention is not supported)"]
             if arch.sliding_window is not None else [])
-        limit = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
+        limit = min(arch.max_positions, arch.sliding_window or arch.max_positions)
         if limit < max_len:
             raise ConfigError(
                 f"the draft model {spec.model!r} supports {' and '.join(limits)}, fewer than max_model_len={max_len}; "

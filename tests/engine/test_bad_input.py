@@ -125,6 +125,9 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}}, "low_freq_factor"),
     (lambda c: c | {"rope_scaling": {"type": "linear"}}, "'factor'"),
+    (lambda c: c | {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),  # was ignored: every dim rotated
+    (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor=0.25"),
     (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta"),
     (lambda c: c | {"rms_norm_eps": None}, "rms_norm_eps"),
     (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
@@ -138,13 +141,23 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantized checkpoint \(quantization_config, quant_method 'fp8'\).*quantization='fp8'"),
 ], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
-        "llama3-no-low-freq", "linear-no-factor", "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
+        "llama3-no-low-freq", "linear-no-factor", "partial-rotary", "partial-rotary-in-rope", "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
         "head-dim-9", "head-dim-15", "eos-str", "eos-float", "pre-quantized"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
     d = _copy_with_config(model_dir, tmp_path / "m", change)
     with pytest.raises(ConfigError, match=match) as e:
         LLM(str(d), dtype="float32")
     assert "config.json" in str(e.value)
+
+
+def test_linear_rope_scaling_stretches_the_context(model_dir, tmp_path):
+    """Linear RoPE scaling by a factor takes factor x max_position_embeddings positions (vLLM's derived
+    length): the default context and the limit."""
+    d = _copy_with_config(model_dir, tmp_path / "linear", lambda c: c | {
+        "max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    assert LLM(str(d), dtype="float32").config.sched.max_model_len == 256
+    with pytest.raises(ConfigError, match=r"max_position_embeddings=64 \(times the linear rope factor: 256\)"):
+        LLM(str(d), dtype="float32", max_model_len=257)
 
 
 def test_generation_config_eos_of_the_wrong_type_is_named(model_dir, tmp_path):

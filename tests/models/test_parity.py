@@ -64,6 +64,34 @@ def test_logits_match_transformers(tmp_path, arch, kw):
         assert err <= 1e-4 * max(scale, 1.0), (chunks, err, scale)
 
 
+@pytest.mark.parametrize("top_level", [16, None])
+def test_llama3_original_length_is_read_as_transformers_reads_it(tmp_path, top_level):
+    """A checkpoint written with original_max_position_embeddings at the top of config.json too: that one
+    wins over the rope dict's (transformers 5, vLLM); with neither, max_position_embeddings stands in."""
+    import json
+
+    path = make_hf_model(tmp_path / "m", "llama", num_heads=4, num_kv_heads=2, max_position_embeddings=32,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = json.loads((path / "config.json").read_text())
+    if top_level is None:
+        cfg.pop("original_max_position_embeddings", None)
+        del cfg["rope_parameters"]["original_max_position_embeddings"]
+    else:
+        cfg["original_max_position_embeddings"] = top_level
+        cfg["rope_parameters"]["original_max_position_embeddings"] = 64
+    (path / "config.json").write_text(json.dumps(cfg))
+    want = top_level or 32
+    assert read_arch_config(path).rope_scaling_dict["original_max_position_embeddings"] == want
+    ids = torch.randint(0, 320, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        hf = hf_model(path)
+        assert hf.config.rope_parameters["original_max_position_embeddings"] == want
+        ref = hf(torch.tensor([ids])).logits[0]
+    err = (run_chunks(path, ids, [70]) - ref).abs().max().item()
+    assert err <= 1e-4 * max(ref.abs().max().item(), 1.0), err
+
+
 def test_batched_mixed_steps_match_transformers(tmp_path):
     """Decode tokens of several requests and a prefill chunk in one batch, like the engine does."""
     path = make_hf_model(tmp_path / "m", "qwen2", num_heads=4, num_kv_heads=2)
