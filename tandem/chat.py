@@ -72,7 +72,7 @@ def part_text(part: Any) -> str:
     if isinstance(part, str):
         return part
     kind = part.get("type") if isinstance(part, dict) else None
-    key = TEXT_PART_KEYS.get(kind)
+    key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
     if key is not None and not isinstance(part.get(key), str):
         raise RequestError(f"a {kind!r} content part needs a string {key!r} field; got {part.get(key)!r}")
     if key is None:

@@ -331,7 +331,7 @@ class LLM:
                     raise cause from e
             raise
         self.config = self.engine.cfg
-        self._model_name = model  # as given: get_metrics' model_name label, as vLLM's
+        self._model_name = str(model)  # as given: get_metrics' model_name label, as vLLM's
         self._counter = 0
 
     def get_tokenizer(self):

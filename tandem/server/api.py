@@ -1112,8 +1112,8 @@ class OpenAIServer:
                 p.token_ids = engine.truncate_text_prompt(p.text, p.token_ids, params, self.tokenizer)
                 continue
             kept = engine.truncate_prompt(p.token_ids, params)
-            if len(kept) < len(p.token_ids) and self.tokenizer is not None:  # ids echo as the ones that ran
-                p.text = self.tokenizer.decode(kept)
+            if len(kept) < len(p.token_ids):  # ids echo as the ones that ran
+                p.text = self._prompt(kept).text
             p.token_ids = kept
 
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,

@@ -282,6 +282,8 @@ def test_echo_of_a_truncated_token_id_prompt_is_what_ran(live, reference):
     streamed = live.client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True,
                                               logprobs=0, stream=True, extra_body={"truncate_prompt_tokens": 4})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
+    bad = live.post(C, json={**body, "prompt": [5, 6, -1, 7], "truncate_prompt_tokens": 2})
+    assert bad.status_code == 400 and "prompt_token_ids" in bad.text, bad.text  # was a 500 from decoding -1
 
 
 def test_truncate_prompt_tokens_keeps_a_text_prompts_bos(tmp_path):

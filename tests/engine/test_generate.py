@@ -207,6 +207,8 @@ def test_chat_takes_vllms_arguments(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p)
     with pytest.raises(RequestError, match="'text' content part needs a string 'text' field; got None"):
         llm.chat([{"role": "user", "content": [{"type": "text"}]}], p)  # was: "only text parts ... got a 'text' part"
+    with pytest.raises(RequestError, match="text content parts"):  # an unhashable type was a bare TypeError
+        llm.chat([{"role": "user", "content": [{"type": ["text"], "text": "x"}]}], p)
 
 
 def test_vllm_prompt_and_seed_forms(llm, model):
