@@ -319,14 +319,15 @@ _DRAFT_FLAGS = {"model": "--draft", "num_speculative_tokens": "--num-speculative
 
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """An engine error as the command line's user wrote it: "speculative_config.model: ..." becomes
-    "--draft: ..." unless they gave --speculative-config themselves, "max_model_len=..." "--max-model-len=...",
-    "StructuredOutputsParams.regex" "--structured-outputs regex"."""
+    "--draft: ..." unless they gave --speculative-config themselves; each setting of an engine field the
+    command has a flag for ("max_model_len=..., use max_model_len<=512") its flag; "StructuredOutputsParams.regex"
+    "--structured-outputs regex"."""
     found = re.match(r"speculative_config\.(\w+)", message)
     if found and found[1] in _DRAFT_FLAGS and getattr(args, "speculative_config", None) is None:
-        return _DRAFT_FLAGS[found[1]] + message[found.end():]
-    found = re.match(r"(\w+)(?==)", message)
-    if found and found[1] in _ENGINE_FLAGS:
-        return _ENGINE_FLAGS[found[1]] + message[found.end():]
+        message = _DRAFT_FLAGS[found[1]] + message[found.end():]
+    flags = {field: flag for field, flag in _ENGINE_FLAGS.items() if hasattr(args, field)}  # this command's
+    if flags:
+        message = re.sub(r"(?<![\w.-])(" + "|".join(flags) + r")(?=[=<>])", lambda m: flags[m[1]], message)
     return re.sub(r"StructuredOutputsParams\.(\w+)", r"--structured-outputs \1", message)
 
 
