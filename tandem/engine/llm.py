@@ -234,13 +234,13 @@ class LLM:
         # Steps that draft nothing are planned ahead as without a draft; the others overlap the
         # host's work with the device's drafting instead. A lookup's steps are planned ahead while
         # it finds nothing (Scheduler.schedule_ahead).
-        undrafted = spec is None or 0 in spec.draft_counts or spec.lookup
+        undrafted = spec is None or spec.plans_ahead
         if async_scheduling and not undrafted:
             raise ConfigError(
                 "async_scheduling=True is not supported with speculative_config unless method='ngram' or 'suffix', or "
-                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" "
-                "(it plans only steps without drafts ahead): with a draft model the host already applies each step while "
-                "the device drafts; leave async_scheduling unset"
+                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" with "
+                "greedy drafts (it plans only steps without drafts ahead): with a draft model the host already applies "
+                "each step while the device drafts; leave async_scheduling unset"
             )
         if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
             async_scheduling = dev.type == "cuda" and undrafted

@@ -149,6 +149,16 @@ class SpeculativeConfig:
         """num_speculative_tokens_per_batch_size="auto": the engine picks each step's drafts."""
         return self.num_speculative_tokens_per_batch_size == "auto"
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Some steps can be planned before the previous result is known (async scheduling) with the
+        synchronous engine's output: a lookup's while it finds nothing, a draft model's at batch sizes
+        that draft nothing. Not "auto" with probabilistic drafts: its K follows the result being
+        collected (the estimate, a probe falling due), and whether a step drafts decides its seeded draws."""
+        if self.lookup:
+            return True
+        return 0 in self.draft_counts and not (self.adaptive and self.draft_sample_method == "probabilistic")
+
     def _ranges(self) -> tuple[tuple[int, int, int], ...]:
         return () if self.adaptive else self.num_speculative_tokens_per_batch_size or ()
 

@@ -166,3 +166,8 @@ def test_async_scheduling_with_a_draft_is_refused(model):
             speculative_config={"model": str(model), "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(str(model), dtype="float32", async_scheduling="yes")
+    # "auto" with probabilistic drafts: its K follows the result being collected, whose seeded draws it decides
+    with pytest.raises(ConfigError, match="greedy drafts"):
+        LLM(str(model), dtype="float32", max_model_len=96, async_scheduling=True,
+            speculative_config={"model": str(model), "num_speculative_tokens": 2, "draft_sample_method": "probabilistic",
+                                "num_speculative_tokens_per_batch_size": "auto"})
