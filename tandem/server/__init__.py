@@ -168,8 +168,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--response-role", default="assistant", type=non_empty("pass a role name"),
                         help="the role of chat replies when the request has add_generation_prompt (the default; "
                              "as vLLM's flag, default 'assistant')")
-    server.add_argument("--disable-log-requests", action="store_true",
-                        help="accepted for vLLM command lines; tandem never logs requests' contents")
+    server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="log each request received: its prompt, token ids and sampling parameters (vLLM's flag; "
+                             "default off)")
+    server.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
+                        help="the same as --no-enable-log-requests (vLLM's older flag)")
+    server.add_argument("--max-log-len", type=int_in(0), default=None,
+                        help="with --enable-log-requests: the characters of a prompt and the token ids logged "
+                             "(default all)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

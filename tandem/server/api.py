@@ -86,6 +86,7 @@ from tandem.server.tools import (
 )
 
 logger = logging.getLogger("tandem.server")
+request_logger = logging.getLogger("tandem.server.requests")  # --enable-log-requests: each request received
 
 
 # ---------------------------------------------------------------- errors
@@ -664,8 +665,10 @@ class OpenAIServer:
                  trust_request_chat_template: bool = False, generation_defaults: dict | None = None,
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
                  force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
-                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False, response_role: str = "assistant"):
+                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False, response_role: str = "assistant",
+                 log_len: int | None = None):
         engine = client.engine
+        self.log_len = log_len  # log each request received, its prompt cut to this (-1: whole); None: no log
         self.response_role = response_role  # chat replies' role under add_generation_prompt
         self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N"
@@ -1129,6 +1132,10 @@ class OpenAIServer:
         try:
             for i, p in enumerate(prompts):
                 engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats
+                if self.log_len is not None:
+                    cut = slice(None if self.log_len < 0 else self.log_len)
+                    request_logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", engine_id,
+                                        p.text[cut] if p.text is not None else None, params, p.token_ids[cut])
                 streams.append(await self.client.add_request(engine_id, p.token_ids, params, p.text, priority,
                                                              cache_salt))
         except BaseException as e:
@@ -1292,6 +1299,8 @@ def build_app(
     root_path: str = "",
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -1309,7 +1318,9 @@ def build_app(
     /redoc and /openapi.json; root_path: the prefix a proxy serves the app under (the routes answer
     with and without it, as vLLM's); return_tokens_as_token_ids: logprobs name each token
     "token_id:N" rather than by its text (vLLM's flag: a token that is part of a character has no text);
-    response_role: the role of chat replies to requests with add_generation_prompt (vLLM's flag).
+    response_role: the role of chat replies to requests with add_generation_prompt (vLLM's flag);
+    log_requests: log each engine request received (its prompt, ids and sampling parameters; the prompt and
+    ids cut to max_log_len characters and ids), at INFO on the "tandem.server.requests" logger (vLLM's flag).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -1329,7 +1340,8 @@ def build_app(
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
                           report, enable_force_include_usage, responses_store_size, chat_template,
-                          enable_prompt_tokens_details, return_tokens_as_token_ids, response_role)
+                          enable_prompt_tokens_details, return_tokens_as_token_ids, response_role,
+                          (max_log_len if max_log_len is not None else -1) if log_requests else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1424,7 +1436,10 @@ def run_server(args: argparse.Namespace) -> int:
                     responses_store_size=args.responses_store_size, api_keys=args.api_key,
                     chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role,
+                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+    if args.enable_log_requests:
+        request_logger.setLevel(logging.INFO)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S, **ssl_settings(args))
     DrainingServer(config, app).run()

@@ -435,7 +435,8 @@ def test_serve_api_key_from_the_environment_and_inline_chat_templates(tmp_path, 
 
 def test_serve_takes_vllms_command_line_forms(monkeypatch):
     """vLLM's spellings: several names or keys after one flag, sizes with units, --[no-]enable-prefix-caching,
-    --no-enforce-eager, --response-role, --disable-log-requests; VLLM_API_KEY when TANDEM_API_KEY is unset."""
+    --no-enforce-eager, --response-role, --[no-]enable-log-requests and the older --disable-log-requests;
+    VLLM_API_KEY when TANDEM_API_KEY is unset."""
     from tandem.server import add_serve_args, check_serve_args
 
     parser = add_serve_args(argparse.ArgumentParser())
@@ -446,6 +447,7 @@ def test_serve_takes_vllms_command_line_forms(monkeypatch):
     assert args.model_tag == "M" and args.served_model_name == ["a", "b", "c"] and args.api_key == ["k1", "k2"]
     assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (32000, 8192, 1500000000)
     assert not args.enable_prefix_caching and not args.enforce_eager and args.response_role == "bot"
+    assert not args.enable_log_requests and parser.parse_args(["M", "--enable-log-requests"]).enable_log_requests
     assert parser.parse_args(["M", "--no-prefix-caching"]).enable_prefix_caching is False
     defaults = parser.parse_args(["M"])
     assert defaults.enable_prefix_caching and defaults.response_role == "assistant"
@@ -456,8 +458,11 @@ def test_serve_takes_vllms_command_line_forms(monkeypatch):
     assert defaults.api_key == ["sk-vllm"]
 
 
-def test_serve_response_role(tmp_path):
-    """--response-role names the role of chat replies (streamed and not) under add_generation_prompt."""
+def test_serve_response_role_and_request_log(tmp_path, caplog):
+    """--response-role names the role of chat replies (streamed and not) under add_generation_prompt;
+    --enable-log-requests logs each request received, its prompt and ids cut to --max-log-len."""
+    import logging
+
     from fastapi.testclient import TestClient
 
     from tandem import LLM
@@ -465,8 +470,13 @@ def test_serve_response_role(tmp_path):
 
     llm = LLM(str(make_hf_model(tmp_path / "t", "qwen2")), dtype="float32", max_model_len=64)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with TestClient(build_app(llm, "m", response_role="bot")) as client:
+    caplog.set_level(logging.INFO, logger="tandem.server.requests")
+    with TestClient(build_app(llm, "m", response_role="bot", log_requests=True, max_log_len=4)) as client:
         assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+        client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 1})
+        logged = [r.getMessage() for r in caplog.records if r.name == "tandem.server.requests"]
+        assert len(logged) == 2 and all(m.startswith("Received request ") for m in logged)
+        assert "prompt_token_ids: [5, 6, 7, 8]" in logged[1] and "max_tokens=1" in logged[1]
         first = next(line for line in client.post("/v1/chat/completions", json={**body, "stream": True}).iter_lines()
                      if line.startswith("data: {"))
         assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "bot"
