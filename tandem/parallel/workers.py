@@ -31,6 +31,7 @@ import logging
 import os
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
@@ -179,11 +180,13 @@ class ReplicatedEngine:
     everything else is the engine's own (reading attributes, validation, read-only calls)."""
 
     def __init__(self, engine, workers: Workers, tp, threads: int):
-        """threads: the caller's torch threads, which rank 0 gave up for its share of the CPU."""
+        """threads: the caller's torch threads, which rank 0 gave up for its share of the CPU. The
+        ranks stop and the threads come back on close(), or once the engine is dropped (or at exit)."""
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_workers", workers)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_threads", threads)
+        object.__setattr__(self, "_release", weakref.finalize(self, _release_ranks, workers, tp, threads))
 
     def __setattr__(self, name, value):
         self._workers.send("__setattr__", (name, value), {})
@@ -218,9 +221,14 @@ class ReplicatedEngine:
         """Stop the other ranks and leave the group: the engine takes no more work (a later call
         says it was closed); the process gets its torch threads back."""
         self._engine.stop("the engine was closed (engine.close()); make a new LLM to generate again")
-        self._workers.close()
-        self._tp.close()
-        torch.set_num_threads(self._threads)
+        self._release()
+
+
+def _release_ranks(workers: Workers, tp, threads: int) -> None:
+    """Stop the other ranks, leave the group and give the caller its torch threads back (once)."""
+    workers.close()
+    tp.close()
+    torch.set_num_threads(threads)
 
 
 # What a collective raises when another rank has gone (gloo's socket errors; NCCL's remote errors).

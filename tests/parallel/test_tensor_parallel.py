@@ -165,6 +165,23 @@ def test_a_rank_that_exits_stops_the_engine(models):
     assert torch.get_num_threads() == threads  # the CPU's share rank 0 gave up comes back
 
 
+def test_dropping_the_llm_stops_its_ranks_and_gives_the_threads_back(models):
+    """An LLM dropped without engine.close() (a script that just ends its use): its ranks stop and the
+    caller's torch threads come back; they stayed cut to rank 0's share for good."""
+    import gc
+
+    threads = torch.get_num_threads()
+    llm = LLM(str(models["target"]), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    procs = list(llm.engine._workers.procs)
+    assert torch.get_num_threads() < threads or threads == 1
+    del llm
+    gc.collect()
+    assert torch.get_num_threads() == threads
+    for proc in procs:
+        proc.join(timeout=30)
+        assert not proc.is_alive()
+
+
 def test_a_rank_that_fails_to_load_names_its_error(models, tmp_path, monkeypatch):
     """Rank 1 fails while loading, after joining the group (here: its copy of the checkpoint is
     corrupt; in life, its own out-of-memory): rank 0's next collective breaks at once, and rank 0
