@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                  "max_num_batched_tokens": "--max-num-batched-tokens", "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
                  "gpu_memory_utilization": "--gpu-memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
+                 "num_gpu_blocks_override": "--num-gpu-blocks-override",
                  "block_size": "--block-size", "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization",
                  "dtype": "--dtype", "device": "--device"}
 _DRAFT_FLAGS = {"model": "--draft", "num_speculative_tokens": "--num-speculative-tokens",

@@ -1418,6 +1418,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
