@@ -301,6 +301,9 @@ class Engine:
             raise StepError(self._dead, [], fatal=True)
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt_token_ids, (str, dict)):  # vLLM's LLMEngine takes a prompt; this engine takes ids
+            raise RequestError("Engine.add_request takes the prompt's token ids (prompt_token_ids); tokenize the text "
+                               "first (LLM.get_tokenizer()), or use LLM.generate")
         self.validate_priority(priority)
         priority = int(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -378,7 +381,19 @@ class Engine:
                 out.append((reqs[0].priority, reqs[0].req_id, request_id, len(reqs)))
         return out
 
-    def abort_request(self, request_id: str) -> bool:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's LLM.reset_prefix_cache): False, and nothing done,
+        while requests hold blocks, as vLLM's."""
+        if self.scheduler.requests:
+            logger.warning("the prefix cache was not reset: %d requests still hold blocks", len(self.scheduler.requests))
+            return False
+        self.scheduler.blocks.reset_prefix_cache()
+        return True
+
+    def abort_request(self, request_id: str | list[str]) -> bool:
+        """End a request (or each of vLLM's list of ids): -> whether any was in flight."""
+        if isinstance(request_id, (list, tuple, set, frozenset)):
+            return any([self.abort_request(r) for r in request_id])  # (a list: every id, not the first found)
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
@@ -625,9 +640,10 @@ class Engine:
     def _logprob_dict(self, lp: TokenLogprobs, detokenize: bool = True) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None and detokenize \
             else (lambda t: None)
-        out = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
-        if lp.token_id not in out:
-            out[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}  # the sampled token first (vLLM's)
+        for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+            if t not in out:
+                out[t] = Logprob(v, r + 1, decode(t))
         return out
 
     def _final_acceptance(self, m: RequestMetrics, reqs: list[Request]) -> None:

@@ -339,6 +339,15 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def llm_engine(self):
+        """vLLM's name for the engine (tandem's Engine: add_request takes token ids)."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's): False, and nothing done, while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(): the engine's counters and gauges now (tandem/metrics_reader.py),
         named as /metrics names them, "tandem_spec_decode_num_drafts" for vLLM's "vllm:spec_decode_num_drafts"."""
@@ -355,12 +364,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in order. priority:
         one integer per prompt (lower first), for an LLM built with scheduling_policy="priority".
         A dict prompt may carry "cache_salt" (vLLM's): it shares cached prefix blocks only with
-        prompts of the same salt."""
+        prompts of the same salt. lora_request: vLLM's argument, in its place; only None (no adapters)."""
+        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -403,16 +414,24 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate. As vLLM's:
-        OpenAI-style content parts of type "text" are joined by newlines; continue_final_message
-        leaves the last message open (with add_generation_prompt=False); tools go to the template;
-        chat_template_kwargs are extra template variables and override the arguments above."""
+        """Apply the tokenizer's chat template to each conversation, then generate. As vLLM's (its
+        arguments in its order): OpenAI-style content parts of type "text" are joined by newlines, or
+        passed as parts to a template that loops over them (chat_template_content_format "auto"; or
+        "string", "openai"); continue_final_message leaves the last message open (with
+        add_generation_prompt=False); tools go to the template; chat_template_kwargs are extra template
+        variables and override the arguments above. lora_request: only None (no adapters)."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise RequestError(f"chat(): chat_template_content_format={chat_template_content_format!r} must be "
+                               "'auto', 'string' or 'openai'")
         if self.tokenizer is None:
             raise RequestError("chat() needs a tokenizer, and this model directory has none")
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
@@ -430,7 +449,8 @@ class LLM:
             raise RequestError("chat(): chat_template_kwargs must be a dict of template variables")
         kwargs = template_kwargs(chat_template, add_generation_prompt, continue_final_message, tools,
                                  chat_template_kwargs)
-        fmt = content_format(kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None))
+        fmt = content_format(kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)) \
+            if chat_template_content_format == "auto" else chat_template_content_format
         prompts = []
         for conv in conversations:
             try:
@@ -558,3 +578,8 @@ def _check_encodable(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise RequestError(f"{what} holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not "
                            "valid Unicode: decode the text with errors='replace' or remove it") from None
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise RequestError("lora_request: LoRA adapters are not supported; leave it None")

@@ -44,7 +44,7 @@ from tandem.parallel.group import joining_key
 logger = logging.getLogger("tandem")
 
 # The engine calls repeated on every rank, in rank 0's order.
-REPLICATED_CALLS = ("add_request", "abort_request", "step")
+REPLICATED_CALLS = ("add_request", "abort_request", "step", "reset_prefix_cache")
 START_TIMEOUT_S = 1800  # building a rank's engine: loading, profiling, compiling the CPU kernels
 
 

@@ -522,3 +522,41 @@ def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
     one = timing_metrics(llm.generate({"prompt_token_ids": [8, 9]}, params.clone(max_tokens=1),
                                       use_tqdm=False)[0].metrics)
     assert one["mean_itl_ms"] is None and one["generation_time_ms"] == 0.0  # a single token: no gaps
+
+
+def test_vllms_offline_api_forms(llm):
+    """What scripts written for vLLM's LLM call: llm_engine, abort_request with a list of ids,
+    reset_prefix_cache, lora_request=None, chat_template_content_format; logprob dicts with the
+    sampled token first; Engine.add_request refusing a text prompt by name."""
+    engine = llm.llm_engine
+    assert engine is llm.engine
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for request_id in ("a", "b", "c"):
+        engine.add_request(request_id, [5, 6, 7], p)
+    engine.step()
+    assert engine.abort_request(["a", "b"]) and engine.abort_request(("c",)) and not engine.abort_request(["a"])
+    finished = {o.request_id: o for o in engine.step() if o.finished}  # the aborts are reported by the next step
+    assert {k: o.outputs[0].finish_reason for k, o in finished.items()} == {"a": "abort", "b": "abort", "c": "abort"}
+    with pytest.raises(RequestError, match="takes the prompt's token ids"):
+        engine.add_request("d", "hello", p)
+    llm.generate({"prompt_token_ids": list(range(10, 40))}, p, use_tqdm=False)
+    engine.add_request("e", [5, 6, 7], p)
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing done, as vLLM
+    engine.abort_request("e")
+    engine.step()
+    assert llm.reset_prefix_cache() is True and not engine.scheduler.blocks.cached
+    again = llm.generate({"prompt_token_ids": list(range(10, 40))}, p, use_tqdm=False, lora_request=None)[0]
+    assert again.num_cached_tokens == 0
+    with pytest.raises(RequestError, match="LoRA"):
+        llm.generate("hi", p, use_tqdm=False, lora_request=object())
+    sampled = SamplingParams(temperature=1.5, seed=1, max_tokens=8, logprobs=1, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, sampled, use_tqdm=False)[0]
+    assert all(next(iter(lp)) == t for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+    assert all(next(iter(lp)) == t for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    template = "{% for m in messages %}{{ m['content'] is string }}{% endfor %}"
+    for fmt, says in (("string", "True"), ("openai", "False")):
+        got = llm.chat(msgs, p, use_tqdm=False, chat_template=template, chat_template_content_format=fmt)[0]
+        assert got.prompt == says
+    with pytest.raises(RequestError, match="chat_template_content_format"):
+        llm.chat(msgs, p, use_tqdm=False, chat_template_content_format="parts")
