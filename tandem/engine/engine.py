@@ -83,8 +83,7 @@ def _is_fatal(e: BaseException) -> bool:
 class Engine:
     """Continuous-batching engine over one target model (and, optionally, a draft model)."""
 
-    def __init__(self, cfg: EngineConfig, model, tokenizer, eos_token_ids: tuple[int, ...], speculator_factory=None,
-                 memory_baseline=None):
+    def __init__(self, cfg: EngineConfig, model, tokenizer, eos_token_ids: tuple[int, ...], speculator_factory=None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         # The model's EOS set grows with generation_config.json and the tokenizer's (models.source):
@@ -110,8 +109,7 @@ class Engine:
             return taken
 
         # after_pool_estimate: bytes the budget set aside for what follows the KV pool (GPU; else 0)
-        num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool,
-                                                             memory_baseline)
+        num_blocks, self.after_pool_estimate = num_kv_blocks(cfg, model, draft_bytes, draft_model, after_pool)
         self.tensor_parallel = getattr(model, "tp", None) is not None
         if self.tensor_parallel:  # every rank's scheduler must see the same pool: the smallest any rank holds
             num_blocks = model.tp.min_int(num_blocks)

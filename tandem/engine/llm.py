@@ -37,7 +37,7 @@ from tandem.models.loader import load_model
 from tandem.metrics_reader import Metric, engine_metrics
 from tandem.models.source import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_dir
 from tandem.oom import check_host_fits
-from tandem.runner.memory import memory_baseline
+from tandem.runner.memory import check_gpu_share
 from tandem.outputs import RequestOutput
 from tandem.parallel.group import TPGroup, backend_for, host_store
 from tandem.parallel.shard import check_shardable
@@ -305,7 +305,7 @@ class LLM:
                 self.tp = TPGroup(0, tp_size, store.port, dev, store)
             elif tp_size > 1:
                 self.tp = TPGroup(rank, tp_size, port, dev)
-            baseline = memory_baseline(cfg)  # before the weights: what is not this engine's (GPU; else None)
+            check_gpu_share(cfg)  # before the weights: less free than the share asked for is refused at once
             target = load_model(cfg.model, dev, tp=self.tp)
             eos = eos_token_ids(model_dir, arch, self.tokenizer)
             factory = None
@@ -317,7 +317,7 @@ class LLM:
                 from tandem.spec.factory import SpeculatorFactory
 
                 factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos)
-            self.engine = Engine(cfg, target, self.tokenizer, eos, factory, baseline)
+            self.engine = Engine(cfg, target, self.tokenizer, eos, factory)
             if workers is not None:
                 workers.wait_ready()
                 self.engine = ReplicatedEngine(self.engine, workers, self.tp, threads)

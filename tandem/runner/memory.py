@@ -4,7 +4,6 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -19,32 +18,18 @@ logger = logging.getLogger("tandem")
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
-@dataclass(frozen=True)
-class MemoryBaseline:
-    """The device's memory before an engine loads anything: what is not this engine's."""
-
-    free: int
-    total: int
-    reserved: int  # by this process's allocator (engines still alive in it)
-
-    @property
-    def others(self) -> int:
-        """Bytes held outside this process's allocator: other processes, and this one's CUDA context."""
-        return self.total - self.free - self.reserved
-
-
-def memory_baseline(cfg: EngineConfig) -> MemoryBaseline | None:
-    """On a GPU sized from gpu_memory_utilization, before the weights load: the memory that is not this
-    engine's, and vLLM's start-up check, that the free memory covers the share asked for (the share
-    is this instance's, whatever other processes hold). None on a CPU, or with an explicit budget."""
+def check_gpu_share(cfg: EngineConfig) -> None:
+    """On a GPU sized from gpu_memory_utilization, before the weights load: vLLM's start-up check, that the
+    free memory covers the share asked for, so that memory other processes hold is named at once rather
+    than found as a pool too small. (The share bounds everything this process holds, its CUDA context and
+    engines still alive in it too, so a second engine on a GPU asks for the whole of what the GPU may use.)"""
     cache = cfg.cache
     if cfg.device.type != "cuda" or cache.num_blocks is not None or cache.kv_cache_memory_bytes is not None:
-        return None
+        return
     torch.cuda.synchronize(cfg.device)
     gc.collect()
     torch.cuda.empty_cache()  # blocks an earlier engine cached are nobody's
     free, total = torch.cuda.mem_get_info(cfg.device)
-    base = MemoryBaseline(free, total, torch.cuda.memory_reserved(cfg.device))
     share = int(total * cache.gpu_memory_utilization)
     if free < share:
         raise ConfigError(
@@ -53,18 +38,15 @@ def memory_baseline(cfg: EngineConfig) -> MemoryBaseline | None:
             f"engines still alive in this one, hold {(total - free) / 2**30:.1f} GiB); lower gpu_memory_utilization "
             "or free that memory"
         )
-    return base
 
 
 def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draft_model=None,
-                  after_pool: Callable[[], int] | None = None,
-                  baseline: MemoryBaseline | None = None) -> tuple[int, int]:
+                  after_pool: Callable[[], int] | None = None) -> tuple[int, int]:
     """Blocks that fit the budget, counting target and draft KV bytes per block together. On a
     GPU sized from gpu_memory_utilization, the largest step of both models is profiled (the draft
     runs the same prefill chunks), then after_pool() measures what the engine allocates after the
     pool (the runner's and speculator's buffers, the CUDA graphs, the sampler's temporaries;
-    `after_pool_bytes`) and the pool takes what is left of total * utilization, less only what this
-    engine took since `baseline` (vLLM's per-instance share). -> (blocks, the bytes set aside for after the pool).
+    `after_pool_bytes`) and the pool takes what is left. -> (blocks, the bytes set aside for after the pool).
 
     Raises ConfigError when the pool cannot hold even one request of max_model_len tokens.
     """
@@ -87,7 +69,7 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
             _profile_forward(cfg, model)
             if draft_model is not None:
                 _profile_forward(cfg, draft_model)
-        budget = _gpu_budget(cfg, baseline)  # before after_pool(): the kernels it loads stay, as its other memory
+        budget = _gpu_budget(cfg)  # before after_pool(): the kernels it loads stay, as its other memory
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
         if after_pool is not None:
             later = after_pool()
@@ -179,25 +161,21 @@ def _profile_forward(cfg: EngineConfig, model) -> None:
     torch.cuda.synchronize(cfg.device)
 
 
-def _gpu_budget(cfg: EngineConfig, baseline: MemoryBaseline | None = None) -> int:
-    """What is left of total * utilization after this engine's weights and activations measured so
-    far: its allocator's peak and what else it took since baseline (its CUDA context's growth,
-    libraries' workspaces). Without a baseline, everything outside the allocator counts against it."""
+def _gpu_budget(cfg: EngineConfig) -> int:
+    """What is left of total * utilization after the weights and activations measured so far, and
+    what is held outside this process's allocator (its CUDA context, other processes)."""
     device = cfg.device
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
     peak = torch.cuda.max_memory_reserved(device)  # what the allocator held at the peak, fragments too
-    outside = total - free - reserved  # held outside this process's allocator
-    if baseline is not None:
-        ours = peak - baseline.reserved + max(0, outside - baseline.others)
-    else:
-        ours = peak + outside
-    budget = int(total * cfg.cache.gpu_memory_utilization) - ours
+    budget = int(total * cfg.cache.gpu_memory_utilization) - peak - outside
     if budget <= 0:
         raise ConfigError(
             f"gpu_memory_utilization={cfg.cache.gpu_memory_utilization} leaves no room for the KV cache after "
-            f"what this engine takes on the device ({ours / 2**30:.1f} GiB: the weights and the largest step's "
-            f"activations); raise gpu_memory_utilization or use a smaller model"
+            f"what this process already holds on the device ({peak / 2**30:.1f} GiB: the weights and the largest "
+            f"step's activations, and any other engine still alive in it) and {outside / 2**30:.1f} GiB held outside "
+            "its allocator (its CUDA context, other processes); raise gpu_memory_utilization, free the other "
+            "engines, or use a smaller model"
         )
     return budget

@@ -79,9 +79,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the KV cache's size in bytes, instead of --gpu-memory-utilization's share (units as "
                              "vLLM: 8G = 8 * 2**30, 8g = 8e9)")
     engine.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
-                        help="this engine's share of the GPU's total memory (weights, activations, CUDA graphs, KV "
-                             "cache; default 0.9), whatever other processes hold: start-up is refused when less is "
-                             "free (vLLM's definition)")
+                        help="the share of the GPU's total memory the process may hold (weights, activations, CUDA "
+                             "graphs, KV cache; default 0.9); start-up is refused when less is free, and unlike vLLM "
+                             "memory other processes hold counts against it")
     engine.add_argument("--num-gpu-blocks-override", type=int_in(1), default=None,
                         help="the KV pool's size in blocks, instead of the one profiling gives (vLLM's flag)")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)

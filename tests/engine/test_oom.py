@@ -91,31 +91,22 @@ def test_per_request_state_beyond_the_machines_memory_names_max_num_seqs(tmp_pat
             kv_cache_memory_bytes=1 << 20, max_num_seqs=10_000_000, speculative_config=spec)
 
 
-def test_the_gpu_share_is_this_instances(monkeypatch):
-    """gpu_memory_utilization is this engine's share of the GPU, whatever other processes hold (vLLM's
-    definition): two engines at 0.45 each fit one GPU; free memory below the share is refused at start-up,
-    naming it."""
+def test_a_gpu_share_larger_than_the_free_memory_is_refused_at_start_up(monkeypatch):
+    """Less free memory than gpu_memory_utilization asks for (other processes hold it): refused before
+    the weights load, naming the setting and what others hold (vLLM's start-up check)."""
     from types import SimpleNamespace
 
     from tandem.runner import memory
 
-    cache = SimpleNamespace(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.45)
+    cache = SimpleNamespace(num_blocks=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
     cfg = SimpleNamespace(device=torch.device("cuda"), cache=cache)
-    state = dict(free=76 * GiB, total=140 * GiB, reserved=0, peak=0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["peak"])
-    base = memory.memory_baseline(cfg)  # another engine holds 64 GiB: 76 free cover the 63 asked
-    # This engine's weights and largest step: a 20 GiB peak; its CUDA context grew by 0.5 GiB.
-    state.update(free=76 * GiB - 20 * GiB - GiB // 2, reserved=20 * GiB, peak=20 * GiB)
-    assert memory._gpu_budget(cfg, base) == int(140 * GiB * 0.45) - 20 * GiB - GiB // 2
-    # (It used to count the other engine's 64 GiB against this one's share too: "leaves no room".)
-    state.update(free=70 * GiB, reserved=0, peak=0)
-    cache.gpu_memory_utilization = 0.9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GiB, 140 * GiB))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.9 asks for 126.0 GiB of the GPU's 140.0 GiB, "
-                                          r"but only 70.0 GiB is free at start-up"):
-        memory.memory_baseline(cfg)
-    cache.kv_cache_memory_bytes = GiB  # an explicit budget: no share to check
-    assert memory.memory_baseline(cfg) is None
+                                          r"but only 70.0 GiB is free at start-up .* hold 70.0 GiB"):
+        memory.check_gpu_share(cfg)
+    cache.gpu_memory_utilization = 0.5
+    memory.check_gpu_share(cfg)  # 70 GiB free covers it
+    cache.gpu_memory_utilization, cache.kv_cache_memory_bytes = 0.9, GiB  # an explicit budget: no share to check
+    memory.check_gpu_share(cfg)
