@@ -349,11 +349,10 @@ class ModelRunner:
             if lp_rows is not None and k is not None:
                 logprobs[i] = [_token_logprobs(lp_rows[r], k, num_top) for r in range(start, start + count)]
         proposed = [r.num_next_drafts if self.speculator is not None else 0 for r in plan.reqs]
-        draft_steps = None
-        for i, (count, steps) in (launched.fewer_drafts or {}).items():
+        fewer = launched.fewer_drafts or {}
+        for i, (count, _) in fewer.items():
             proposed[i] = count
-            draft_steps = draft_steps or {}
-            draft_steps[i] = steps
+        draft_steps = {i: steps for i, (_, steps) in fewer.items()} or None
         if launched.draft_counts is not None:
             for i, count in zip(launched.sampling, launched.draft_counts[0].tolist()):
                 proposed[i] = count
