@@ -240,6 +240,10 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     if not isinstance(rope, dict):
         raise ConfigError(f"{field}: rope_scaling={rope!r} in {path} must be an object")
     rope = dict(rope)
+    nested = [k for k, v in rope.items() if isinstance(v, dict)]
+    if nested:  # transformers 5's per-layer-type form ({"full_attention": {...}, ...}): read flat, it loses them
+        raise ConfigError(f"{field}: rope parameters per layer type ({', '.join(map(repr, nested))}) in {path} are not "
+                          "supported; this model has one kind of attention layer")
     for partial in (raw.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
         if partial is not None and partial != 1:
             raise ConfigError(f"{field}: partial_rotary_factor={partial!r} in {path}: partial rotary embeddings are "

@@ -126,6 +126,8 @@ def _copy_with_config(src, dst, change):
                                      "original_max_position_embeddings": 64}}, "low_freq_factor"),
     (lambda c: c | {"rope_scaling": {"type": "linear"}}, "'factor'"),
     (lambda c: c | {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),  # was ignored: every dim rotated
+    (lambda c: c | {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "per layer type \\('full_attention'\\)"),  # was read as plain RoPE, theta 10000
     (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
      "partial_rotary_factor=0.25"),
     (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta"),
@@ -141,7 +143,8 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantized checkpoint \(quantization_config, quant_method 'fp8'\).*quantization='fp8'"),
 ], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
-        "llama3-no-low-freq", "linear-no-factor", "partial-rotary", "partial-rotary-in-rope", "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
+        "llama3-no-low-freq", "linear-no-factor", "partial-rotary", "partial-rotary-in-rope", "nested-rope",
+        "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
         "head-dim-9", "head-dim-15", "eos-str", "eos-float", "pre-quantized"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):
     d = _copy_with_config(model_dir, tmp_path / "m", change)
