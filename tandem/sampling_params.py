@@ -259,7 +259,7 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "token ids must be integers >= 0")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "bad words must be non-empty strings")
-        if self.bad_words is not None and not all(w.isascii() or _encodable(w) for w in self.bad_words):
+        if self.bad_words is not None and any(lone_surrogate(w) is not None for w in self.bad_words):
             raise bad("bad_words", "a bad word holds a lone surrogate, which is not valid Unicode")
         if self.bad_words_token_ids is not None and any(
             not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids
@@ -314,12 +314,14 @@ def _as_int(x):
     return operator.index(x)
 
 
-def _encodable(text: str) -> bool:
+def lone_surrogate(text: str) -> int | None:
+    """Where text holds a lone surrogate (not valid Unicode, as from a decode with errors="surrogateescape";
+    a tokenizer refuses it with a bare TypeError), or None."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def _as_float(x):

@@ -44,7 +44,7 @@ from tandem.parallel.shard import check_shardable
 from tandem.parallel.workers import ReplicatedEngine, Workers, is_transport_error, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
-from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
+from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams, lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -571,13 +571,11 @@ def _checked_defaults(defaults: dict) -> dict:
 
 
 def _check_encodable(text: str, what: str) -> None:
-    """A RequestError for text that is not valid Unicode (a lone surrogate, as from a bad decode with
-    errors="surrogateescape"), which the tokenizer would refuse with a bare TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{what} holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not "
-                           "valid Unicode: decode the text with errors='replace' or remove it") from None
+    """A RequestError for text the tokenizer would refuse with a bare TypeError (`lone_surrogate`)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise RequestError(f"{what} holds {text[at]!r} at index {at}, a lone surrogate, which is not valid "
+                           "Unicode: decode the text with errors='replace' or remove it")
 
 
 def _no_lora(lora_request) -> None:

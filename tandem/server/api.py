@@ -666,9 +666,10 @@ class OpenAIServer:
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
                  force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
                  prompt_tokens_details: bool = False, tokens_as_ids: bool = False, response_role: str = "assistant",
-                 log_len: int | None = None):
+                 log_requests: bool = False, max_log_len: int | None = None):
         engine = client.engine
-        self.log_len = log_len  # log each request received, its prompt cut to this (-1: whole); None: no log
+        self.log_requests = log_requests  # log each request received ...
+        self.log_cut = slice(max_log_len)  # ... its prompt's characters and ids cut to max_log_len (None: all)
         self.response_role = response_role  # chat replies' role under add_generation_prompt
         self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details.cached_tokens
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N"
@@ -1132,8 +1133,8 @@ class OpenAIServer:
         try:
             for i, p in enumerate(prompts):
                 engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats
-                if self.log_len is not None:
-                    cut = slice(None if self.log_len < 0 else self.log_len)
+                if self.log_requests:
+                    cut = self.log_cut
                     request_logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", engine_id,
                                         p.text[cut] if p.text is not None else None, params, p.token_ids[cut])
                 streams.append(await self.client.add_request(engine_id, p.token_ids, params, p.text, priority,
@@ -1340,8 +1341,8 @@ def build_app(
                              num_spec_tokens=k)
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
                           report, enable_force_include_usage, responses_store_size, chat_template,
-                          enable_prompt_tokens_details, return_tokens_as_token_ids, response_role,
-                          (max_log_len if max_log_len is not None else -1) if log_requests else None)
+                          enable_prompt_tokens_details, return_tokens_as_token_ids, response_role, log_requests,
+                          max_log_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
