@@ -9,6 +9,8 @@ import re
 import sys
 import time
 
+from tandem.choices import KV_CACHE_DTYPES
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # Best of k = 2, 3, 4 over three side-by-side runs of bench/real_pair.py on the 2-core dev machine
@@ -181,7 +183,6 @@ def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
                               f"put it in the JSON object or drop {flag.split()[0]}")
 
 
-KV_CACHE_DTYPE_CHOICES = ["auto", "fp8", "fp8_e4m3"]  # tandem.config.KV_CACHE_DTYPES (not imported: torch)
 KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, saturated, no scale: half the memory a "
                         "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
 QUANTIZATION_HELP = ("fp8: the target's linear layers rounded to float8 e4m3 on load, one power-of-two scale per "
@@ -237,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=size_in(1), default=None,
                      help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")
-    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    gen.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                      help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
@@ -398,12 +399,12 @@ def speculative_config_from_flags(args, draft: str | None, default_k: int) -> di
     """`generate`'s and `serve`'s speculative_config: --speculative-config as given, else one for
     draft (a model, or a lookup's name) from the draft flags; --load-format applies to a draft model
     too, and to nothing a lookup holds."""
+    if args.speculative_config is None and draft is None:
+        return None  # before importing tandem.spec: the engine without it still runs
     from tandem.spec.config import with_draft_load_format
 
     if args.speculative_config is not None:
         return with_draft_load_format(args.speculative_config, args.load_format)
-    if draft is None:
-        return None
     k = default_k if args.num_speculative_tokens is None else args.num_speculative_tokens
     spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method or "greedy",
                 quantization=args.draft_quantization, draft_vocab_size=args.draft_vocab_size,

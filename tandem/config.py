@@ -19,8 +19,6 @@ from tandem.errors import ConfigError
 
 logger = logging.getLogger("tandem")
 
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # ModelConfig.logprobs_mode
-SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")  # EngineConfig.per_request_spec_decode_metrics
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -125,8 +123,6 @@ class CacheConfig:
         return torch.float8_e4m3fn if self.cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -142,9 +138,6 @@ class SchedulerConfig:
     # "fcfs": requests run in arrival order; "priority": by Request.priority (lower first), then
     # arrival, and a waiting request preempts running ones of a strictly lower priority.
     scheduling_policy: str = "fcfs"
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,8 @@ from typing import Any
 
 import torch
 
+from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
 from tandem.config import (
-    LOGPROBS_MODES,
-    KV_CACHE_DTYPES,
-    SCHEDULING_POLICIES,
-    SPEC_DECODE_METRICS_LEVELS,
     CacheConfig,
     EngineConfig,
     ModelConfig,

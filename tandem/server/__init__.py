@@ -11,11 +11,11 @@ import os
 import socket
 
 from tandem.chat import load_chat_template
-from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
+from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
+from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
                         QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
                         draft_flag_conflicts, float_in, int_in, non_empty, size_in, speculative_config,
                         structured_outputs_config, watermark_config)
-from tandem.config import SPEC_DECODE_METRICS_LEVELS
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
@@ -60,7 +60,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     model.add_argument("--seed", type=int_in(0), default=0)
-    model.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+    model.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES),
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")
     model.add_argument("--max-logprobs", type=int_in(-1), default=20,
                        help="the most logprobs a request may ask per token (default 20; -1: no cap)")
@@ -84,13 +84,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "memory other processes hold counts against it")
     engine.add_argument("--num-gpu-blocks-override", type=int_in(1), default=None,
                         help="the KV pool's size in blocks, instead of the one profiling gives (vLLM's flag)")
-    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
     engine.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt blocks seen before (default on, as vLLM)")
     engine.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                         help="the same as --no-enable-prefix-caching")
-    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+    engine.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
                         help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "
                              "field (lower first, then arrival), a waiting request preempting running ones of a "
                              "lower priority")
