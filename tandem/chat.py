@@ -126,10 +126,12 @@ def template_kwargs(chat_template: str | None, add_generation_prompt: bool, cont
                     tools: list | None = None, extra: dict[str, Any] | None = None,
                     documents: list | None = None) -> dict[str, Any]:
     """apply_chat_template's keyword arguments: extra (chat_template_kwargs) override the others, as
-    in vLLM; tokenize and conversation stay the caller's; documents (a RAG template's) only when given."""
+    in vLLM, except a null chat_template, which would unset the template given (vLLM drops it too);
+    tokenize and conversation stay the caller's; documents (a RAG template's) only when given."""
     kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools)
     if documents is not None:
         kwargs["documents"] = documents
-    kwargs.update({k: v for k, v in (extra or {}).items() if k not in ("tokenize", "conversation")})
+    kwargs.update({k: v for k, v in (extra or {}).items()
+                   if k not in ("tokenize", "conversation") and not (k == "chat_template" and v is None)})
     return kwargs

@@ -1016,9 +1016,7 @@ class OpenAIServer:
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
-        # a null chat_template among the kwargs would unset the server's template: dropped (vLLM's rule)
-        chat_kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
-                       if not (k == "chat_template" and v is None)}
+        chat_kwargs = body.chat_template_kwargs or {}
         if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
             for param, value in (("chat_template", body.chat_template),
                                  ("chat_template_kwargs", chat_kwargs.get("chat_template"))):

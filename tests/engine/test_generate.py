@@ -201,6 +201,9 @@ def test_chat_takes_vllms_arguments(llm):
     out = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=template, tools=[{"type": "function"}] * 2,
                    chat_template_kwargs={"suffix": "!"})[0]
     assert out.prompt == "2:hi!"
+    kept = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=template, tools=[{"type": "function"}],
+                    chat_template_kwargs={"chat_template": None})
+    assert kept[0].prompt == "1:hi"  # a null chat_template among the kwargs leaves the one given (vLLM's rule)
     with pytest.raises(RequestError, match="add_generation_prompt"):
         llm.chat(msgs, p, continue_final_message=True)
     with pytest.raises(RequestError, match="text content parts"):
