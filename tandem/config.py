@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,13 @@ class EngineConfig:
     # vLLM's --per-request-spec-decode-metrics: "detailed" keeps each round's accepted and drafted
     # counts per request (RequestMetrics.per_step_*); the counts and histograms are always kept.
     per_request_spec_decode_metrics: str = "none"
-    extra: dict = field(default_factory=dict)
+    enforce_eager: bool = False  # no CUDA graphs for the target (the draft's: SpeculativeConfig.enforce_eager)
+    max_cudagraph_tokens: int = 512  # the most tokens a piecewise graph of a mixed step captures (0: none)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether the target's steps replay CUDA graphs (on a GPU, unless enforce_eager)."""
+        return self.device.type == "cuda" and not self.enforce_eager
 
 
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json leaves it out

@@ -49,7 +49,7 @@ def capture_graphs(runner: ModelRunner, cfg: EngineConfig, stream: torch.cuda.St
     pool = torch.cuda.graph_pool_handle()
     counts = cfg.spec.verify_counts if cfg.spec is not None else ()
     tokens_per_req = [1] + [1 + d for d in counts]  # decode, and verification of each number of drafts
-    max_pieces = cfg.extra.get("max_cudagraph_tokens", 0)
+    max_pieces = cfg.max_cudagraph_tokens
     sched = cfg.sched
     runner.capture_graphs(tokens_per_req, sched.max_num_seqs, max_blocks, stream, pool,
                           piecewise_tokens=min(max_pieces, sched.max_num_batched_tokens))

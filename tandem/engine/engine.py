@@ -93,7 +93,7 @@ class Engine:
         draft_bytes = speculator_factory.kv_bytes_per_block(cfg.cache) if speculator_factory else 0
         draft_model = speculator_factory.model if speculator_factory is not None else None
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
-        use_graphs = cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
+        use_graphs = cfg.use_cuda_graphs
         # One side stream for every graph's warm-up and capture, the rehearsal's too (graphs.capture_on)
         self._capture_stream = torch.cuda.Stream(cfg.device) if use_graphs else None
 

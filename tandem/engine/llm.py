@@ -274,7 +274,8 @@ class LLM:
             reasoning_parser=reasoning_parser,
             structured_outputs_in_reasoning=in_reasoning,
             per_request_spec_decode_metrics=per_request_spec_decode_metrics,
-            extra={"enforce_eager": enforce_eager, "max_cudagraph_tokens": max_cudagraph_tokens},
+            enforce_eager=enforce_eager,
+            max_cudagraph_tokens=max_cudagraph_tokens,
         )
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)
         if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:

@@ -32,16 +32,12 @@ EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger on
 EAGER_MAX_STEP_MS = 500.0  # ... or the last size whose steps all took less (a real model on a CPU)
 
 
-def _uses_graphs(cfg: EngineConfig) -> bool:
-    return cfg.device.type == "cuda" and not cfg.extra.get("enforce_eager", False)
-
-
 def profile_sizes(cfg: EngineConfig) -> list[int]:
     """The batch sizes to time: the CUDA graphs' sizes up to max_num_seqs (a batch pads to one), or
     on the eager path powers of two up to EAGER_MAX_SIZE (a CPU step of a real model at hundreds
     of requests takes seconds; past the last size timed, its costs stand in)."""
     top = cfg.sched.max_num_seqs
-    if _uses_graphs(cfg):
+    if cfg.use_cuda_graphs:
         return [s for s in CAPTURE_SIZES if s < top] + [top]
     top = min(top, EAGER_MAX_SIZE)
     return [2**i for i in range(top.bit_length()) if 2**i < top] + [top]
@@ -52,7 +48,7 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     graphs 2 warm-up steps then 5 timed; eagerly 1 then 3, and no larger size once a step took
     EAGER_MAX_STEP_MS: the 1.5B / 0.5B Qwen pair on 2 CPU cores, k = 3, times batch 1 only)."""
     sched, k = cfg.sched, cfg.spec.num_speculative_tokens
-    graphs = _uses_graphs(cfg)
+    graphs = cfg.use_cuda_graphs
     warmups, reps = (2, 5) if graphs else (1, 3)
     sizes = [n for n in profile_sizes(cfg) if n <= sched.max_num_batched_tokens]
     n_max = sizes[-1]

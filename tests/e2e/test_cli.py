@@ -392,7 +392,7 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
     assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
     (auth,) = [m for m in app.user_middleware if m.cls is RequireApiKey]
     assert auth.kwargs["keys"] == ["sk-1", "sk-2"]
-    assert app.state.engine_client.engine.cfg.extra["enforce_eager"] is True
+    assert app.state.engine_client.engine.cfg.enforce_eager is True
     assert app.state.engine_client.engine.runner.kv.k[0].dtype == torch.float8_e4m3fn
     assert app.state.engine_client.engine.cfg.model.quantization == "fp8"
     (cors,) = [m for m in app.user_middleware if m.cls is CORSMiddleware]
