@@ -17,6 +17,7 @@
 - pdl: programmatic dependent launch (Hopper): every kernel above launches with it and waits for
   the kernel before it first thing (the attention reads its step metadata before: see pdl.py),
   so its launch overlaps that kernel's tail.
+- device: the SM count grids are sized by, and whether Triton's interpreter runs the kernels.
 
 And the CPU kernels, in C (one library built with the system compiler on first use for AVX2 or
 AVX-512 CPUs: cpu_build), which need no triton:

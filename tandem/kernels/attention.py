@@ -23,13 +23,13 @@ length exit, so the launch can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.kernels.device import interpreting, num_sms
 from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
@@ -233,13 +233,6 @@ def _split_merge_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tile_config(max_q_len: int, group_pad: int, block_d: int, elem_bytes: int) -> tuple[int, int, int, int]:
     """-> (BLOCK_Q, BLOCK_N, num_warps, num_stages) for a host-known query-length bound."""
     wide = elem_bytes == 4 or block_d > 128
@@ -270,7 +263,7 @@ def _max_shared_memory(device: torch.device) -> int:
 def _default_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, a power of two, at most MAX_SPLITS."""
     programs = max(1, num_reqs * num_kv_heads)
-    want = max(1, (2 * _num_sms(device)) // programs)
+    want = max(1, (2 * num_sms(device)) // programs)
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
@@ -367,7 +360,7 @@ def paged_attention(
         SPLIT=num_splits > 1, BLOCK_N=block_n, CACHE_BLOCK=k_cache.shape[1],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # NOTE: Triton 3.6's interpreter multiplies raw bf16 bits in tl.dot; upcast there only.
-        UPCAST_DOT=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     if num_splits > 1:

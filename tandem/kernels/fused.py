@@ -21,7 +21,6 @@ data-dependent allocation), so each launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -30,14 +29,11 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from tandem.kernels.device import interpreting
 from tandem.kernels.kv_store import to_cache
 from tandem.kernels.pdl import pdl_flags, release_then_wait, wait_for_inputs
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _numerics(t: Tensor) -> dict:
@@ -45,7 +41,7 @@ def _numerics(t: Tensor) -> dict:
 
     NOTE: Triton 3.6's interpreter truncates fp32 -> bf16 casts (no round-to-nearest-even), and
     cannot run libdevice calls; it takes the portable paths there."""
-    interpret = _interpret()
+    interpret = interpreting()
     return dict(
         CUDA_LIBM=t.is_cuda and not interpret,
         SOFT_BF16=interpret and t.dtype == torch.bfloat16,

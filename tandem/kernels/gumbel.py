@@ -10,13 +10,13 @@ to (max score, argmax), then one program per row reduces the block results. No s
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.kernels.device import num_sms
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 from tandem.sampling.gumbel import salt_word
 
@@ -131,16 +131,9 @@ def _gumbel_uniform_kernel(seeds_ptr, positions_ptr, out_ptr, vocab, SALT: tl.co
     tl.store(out_ptr + row.to(tl.int64) * vocab + offs, _uniform(key, offs), mask=offs < vocab)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _chunk_size(n: int, vocab: int, device: torch.device) -> int:
     """Tokens per program: enough programs to fill the chip twice over, at least one block."""
-    want_chunks = max(1, (2 * _num_sms(device)) // max(n, 1))
+    want_chunks = max(1, (2 * num_sms(device)) // max(n, 1))
     chunk = triton.next_power_of_2(triton.cdiv(vocab, want_chunks))
     return max(_BLOCK_V, min(chunk, 32 * _BLOCK_V))
 

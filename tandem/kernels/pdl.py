@@ -49,6 +49,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tandem.kernels.device import interpreting
+
 
 @functools.lru_cache(maxsize=None)
 def _has_pdl(device_index: int) -> bool:
@@ -57,7 +59,7 @@ def _has_pdl(device_index: int) -> bool:
 
 def pdl_enabled(t: Tensor) -> bool:
     """Whether kernels working on t launch with PDL."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TANDEM_PDL", "1") == "0":
+    if not t.is_cuda or interpreting() or os.environ.get("TANDEM_PDL", "1") == "0":
         return False
     return _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

@@ -19,7 +19,6 @@ one-program-per-request walk took 115 us at batch 1 (k = 4, 128256 tokens, H200)
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from tandem.kernels.device import interpreting
 from tandem.kernels.gumbel import _gumbel, _noise_key, _uniform
 from tandem.kernels.pdl import pdl_flags, wait_for_inputs
 from tandem.sampling.gumbel import ACCEPT_SALT, BLOCK_SALT, RECOVER_SALT, TARGET_SALT
@@ -37,7 +37,7 @@ _BLOCK_V = 4096
 # libdevice's expf is torch's CUDA exp, used where a single value decides (p(x), q(x)); the
 # per-block statistics and draws use tl.exp (ex2.approx), whose error only moves sums and scores
 # by about 1e-7 relative. The interpreter implements only tl.exp.
-if os.environ.get("TRITON_INTERPRET") == "1":
+if interpreting():
 
     @triton.jit
     def _exp(x):
