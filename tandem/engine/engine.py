@@ -638,9 +638,13 @@ class Engine:
     def _logprob_dict(self, lp: TokenLogprobs, detokenize: bool = True) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None and detokenize \
             else (lambda t: None)
-        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}  # the sampled token first (vLLM's)
+        # The sampled token first, ranked by the tokens at least as likely; one among the top-n takes its place
+        # there instead, so a tie ranks 1..n with none left out (vLLM's dict: the top-n entries overwrite it).
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
         for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
-            if t not in out:
+            if t == lp.token_id:
+                out[t] = Logprob(lp.logprob, r + 1, out[t].decoded_token)
+            elif t not in out:
                 out[t] = Logprob(v, r + 1, decode(t))
         return out
 

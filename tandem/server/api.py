@@ -898,7 +898,7 @@ class OpenAIServer:
     async def _chat(self, request: Request, body: ChatCompletionRequest, model: str, response_id: str,
                     renderer_class: type[ChatRenderer], background: BackgroundRun | None = None,
                     **renderer_kwargs) -> Response:
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs not in (None, 0) and not body.logprobs:  # 0 asks nothing (vLLM's rule)
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "'prompt_logprobs' with 'stream': true is supported on /v1/completions only; "

@@ -925,6 +925,10 @@ def test_chat_content_parts_logprobs_and_n(live, reference):
         assert [c.logprob for c in content] == pytest.approx(
             [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)], abs=1e-4)
         assert all(len(c.top_logprobs) == 2 for c in content)
+    for logprobs in (False, None):  # top_logprobs 0 asks for nothing, so it needs no logprobs (vLLM's rule): no 400
+        body = {k: v for k, v in {"logprobs": logprobs, "top_logprobs": 0}.items() if v is not None}
+        r = live.post(CH, json={**OK_CH, **body})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
 
 
 # ---------------------------------------------------------------- concurrency and disconnects

@@ -86,6 +86,36 @@ def test_prompt_logprobs_match_transformers(model, chunk):
         assert len(got[i]) <= 3
 
 
+def test_tied_tokens_rank_by_their_place_in_the_top_n(tmp_path):
+    """Tokens 2i and 2i + 1 share an LM-head row, so their logits tie exactly (bf16 logits tie often):
+    a sampled or prompt token among the top-n is ranked by its place there, so the entries rank 1..n
+    with no gap (it was ranked after its twin, which ranked 2 as well, and top_logprobs=1 came back
+    empty); one outside the top-n keeps the count of tokens at least as likely (vLLM's rules)."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.server.api import chat_logprobs
+
+    path = make_hf_model(tmp_path / "twin", "qwen2", seed=3)
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"].clone()
+    head[1::2] = head[0::2]
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    engine = LLM(str(path), dtype="float32", max_model_len=64, block_size=8)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, logprobs=n, prompt_logprobs=n, ignore_eos=True)
+              for s in range(4) for n in (1, 2)]
+    outs = engine.generate([{"prompt_token_ids": [5, 17, 99, 3, 250, 7]}] * len(params), params, use_tqdm=False)
+    checked = 0
+    for out, p in zip(outs, params):
+        c = out.outputs[0]
+        for token, lp in [*zip(c.token_ids, c.logprobs), *zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]:
+            top = sorted(v.rank for t, v in lp.items() if t != token or len(lp) == p.logprobs)
+            assert top == list(range(1, p.logprobs + 1)), lp
+            checked += lp[token].rank <= p.logprobs and (token ^ 1) in lp  # a tie within the top-n
+        assert all(len(e.top_logprobs) == p.logprobs for e in chat_logprobs(c.token_ids, c.logprobs, p.logprobs).content)
+    assert checked  # the seeds draw tied tokens among the top-n
+
+
 def test_logprobs_mode_is_checked(model):
     from tandem.errors import ConfigError
 
