@@ -349,7 +349,7 @@ def _token_map(args) -> int:
             texts.append(sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read())
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read {name!r} as UTF-8 text ({e})") from None
-    tokenizer = load_tokenizer(resolve_model_dir(args.model, "auto", "auto", "--model"))
+    tokenizer = load_tokenizer(resolve_model_dir(args.model, "auto", "--model"))
     if tokenizer is None:
         raise ConfigError(f"--model={args.model!r} has no tokenizer to count tokens with")
     ids = count_token_map(tokenizer, texts, args.size)
@@ -501,7 +501,7 @@ def _detect(args) -> int:
     from tandem.models.source import load_tokenizer, resolve_model_dir
 
     text = sys.stdin.read() if args.text == "-" else args.text
-    tok = load_tokenizer(resolve_model_dir(args.model, "auto", "auto"))
+    tok = load_tokenizer(resolve_model_dir(args.model, "auto"))
     if tok is None:
         raise ConfigError(f"--model {args.model} has no tokenizer to encode the text with; pass one that has")
     ids = tok(text, add_special_tokens=False).input_ids

@@ -366,13 +366,12 @@ def _ensure_converted(
             return target
         if target.exists():
             logger.warning("cached model at %s is unusable (%s); rebuilding it", target, why)
-        _convert_into(target, name, sha256, dtype, progress, get_source)
+        _convert_into(target, sha256, dtype, progress, get_source)
     return target
 
 
 def _convert_into(
     target: pathlib.Path,
-    name: str,
     sha256: str,
     dtype: torch.dtype,
     progress: bool,

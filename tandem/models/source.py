@@ -11,7 +11,7 @@ from tandem.config import DTYPE_NAMES, token_ids_setting
 from tandem.errors import ConfigError
 
 
-def resolve_model_dir(model: str, dtype, load_format: str, field: str = "model") -> Path:
+def resolve_model_dir(model: str, dtype, field: str = "model") -> Path:
     """A local HF directory, a .gguf file or a known model name -> a directory with config.json."""
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ConfigError(f"{field}={model!r} must be a path or a model name")

@@ -33,7 +33,7 @@ class Batch:
     prompt_reqs: list[int] | None = None  # indices into plan.reqs of the requests they belong to, in order
 
 
-def build_batch(plan: StepPlan, backend: AttnBackend, device: torch.device) -> Batch:
+def build_batch(plan: StepPlan, backend: AttnBackend) -> Batch:
     ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []

@@ -154,7 +154,7 @@ class ModelRunner:
         for new in plan.new_reqs:
             if self.speculator is not None:
                 self.speculator.add(new)
-        batch = build_batch(plan, self.attn_backend, self.device)
+        batch = build_batch(plan, self.attn_backend)
         if batch.pending_dst is not None:
             batch.input_ids[batch.pending_dst] = self.last_tokens[batch.pending_slots]
         if batch.draft_dst is not None:

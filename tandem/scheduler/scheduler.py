@@ -264,7 +264,7 @@ class Scheduler:
     def _schedule_running(self, req: Request, step: _StepBuild, reserve: int) -> ScheduledReq | None:
         item = self._make_item(req, step.budget, step.k_next, reserve)  # its size kept while room is made
         while True:
-            span = self._blocks_span(req, item)
+            span = self._blocks_span(item)
             if self.blocks.allocate(req, span):
                 item.block_ids = list(req.block_ids)
                 return item
@@ -347,7 +347,7 @@ class Scheduler:
         num_cached = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
         req.num_computed_tokens = num_cached
         item = self._make_item(req, budget, k_next)
-        if not self.blocks.allocate(req, self._blocks_span(req, item)):
+        if not self.blocks.allocate(req, self._blocks_span(item)):
             self.blocks.free(req)
             req.num_computed_tokens = 0
             return None
@@ -415,7 +415,7 @@ class Scheduler:
             draft_skip=skip,
         )
 
-    def _blocks_span(self, req: Request, item: ScheduledReq) -> int:
+    def _blocks_span(self, item: ScheduledReq) -> int:
         """Positions whose KV this step may write: the new tokens plus the draft model's lookahead
         (a lookup writes none), never past max_model_len (the draft writes a draft's KV at most at
         position max_model_len - 1)."""

@@ -269,7 +269,7 @@ def test_a_dtype_alias_converts_to_that_dtype(monkeypatch, tmp_path):
     asked = []
     monkeypatch.setattr(hub, "resolve_model", lambda model, dtype: asked.append(dtype) or tmp_path)
     for name in ("float", "fp32", "half", "fp16", "bf16", "auto", torch.float16):
-        resolve_model_dir(str(tmp_path / "x.gguf"), name, "auto")
+        resolve_model_dir(str(tmp_path / "x.gguf"), name)
     assert asked == [torch.float32, torch.float32, torch.float16, torch.float16, torch.bfloat16, torch.bfloat16,
                      torch.float16]
 
