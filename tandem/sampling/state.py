@@ -112,7 +112,8 @@ class SamplingState:
             ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
         if p.min_tokens > 0:
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            # EOS too under ignore_eos, as vLLM's all_stop_token_ids: min_tokens holds back every stop id
+            stop_ids = set(p.stop_token_ids) | set(self.eos_token_ids)
             stop_ids = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)
             (self.min_tokens_ids[slot],) = self.upload(stop_ids)
         if p.has_penalties:

@@ -330,6 +330,9 @@ def test_min_tokens_and_eos(llm):
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
     out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    # under ignore_eos, min_tokens still holds EOS back (vLLM masks all_stop_token_ids, EOS included)
+    out = llm.generate({"prompt_token_ids": [8, 9]}, p.clone(ignore_eos=True, min_tokens=5), use_tqdm=False)[0]
+    assert eos not in out.outputs[0].token_ids[:5] and out.outputs[0].token_ids[5:] == [eos] * 7
 
 
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
