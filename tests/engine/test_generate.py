@@ -532,6 +532,31 @@ def test_spaces_between_special_tokens_reach_the_tokenizer(spaces):
         SamplingParams(spaces_between_special_tokens=1)
 
 
+def test_characters_split_across_tokens_stream_whole(model):
+    """The test tokenizer is byte-level and never saw these characters, so each takes two to four byte
+    tokens: pushed one at a time, the text waits for a character's last byte (a decode ending in
+    U+FFFD is not emitted) and ends as the tokenizer's whole decode; a stop string right after one is
+    found and cut."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = "ok \U0001f99c and \U0001d518\U0001d52b\u00e9 done"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text)  # multi-byte characters took several tokens each
+    detok = Detokenizer(tok)
+    state = detok.new_state([], [], False, skip_special=True)
+    for t in ids:
+        before = state.text
+        detok.push(state, t, check_stop=False)
+        assert "\ufffd" not in state.text and state.text.startswith(before)
+    assert state.text == tok.decode(ids) == text
+    state = detok.new_state([], [" and"], False, skip_special=True)
+    stop = next(found for t in ids if (found := detok.push(state, t, check_stop=True)) is not None)
+    assert stop == " and" and state.text == "ok \U0001f99c"
+
+
 def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
     """A request's first_scheduled_time is taken before its first step is planned and launched (on a
     CPU the forward runs inside the launch): the time to first token holds the step, the queue time

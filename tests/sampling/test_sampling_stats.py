@@ -295,6 +295,13 @@ def test_top_k_keeps_ties_at_the_cut():
     assert torch.isfinite(out[0]).tolist() == [True, False, False, False, False, False]
 
 
+def test_top_p_drops_the_tail_whose_mass_is_exactly_one_minus_p():
+    """vLLM's rule: sorted ascending, a token goes when the mass at or below it is <= 1 - p, so with
+    probabilities [0.25, 0.25, 0.5] (exact in binary) and p = 0.5 the 0.5 token alone is kept."""
+    out = apply_top_k_top_p(torch.tensor([[0.25, 0.25, 0.5]]).log(), torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(out[0]).tolist() == [False, False, True]
+
+
 def test_top_p_uses_top_k_renormalised_mass():
     # Probabilities ~ [0.4, 0.3, 0.2, 0.1]: without top-k, p=0.6 keeps 2 tokens; with k=2 the
     # renormalised mass is [0.571, 0.429], and p=0.6 still needs both; p=0.55 needs only one.

@@ -537,6 +537,23 @@ def test_preemption_by_recompute_keeps_outputs():
     h.check_no_leaks()
 
 
+def test_a_preempted_request_goes_back_ahead_of_later_arrivals():
+    """A request preempted for blocks waits at the head of the queue (vLLM's prepend_request), so one
+    that arrived after it, waiting for a slot all along, does not overtake it."""
+    h = Harness(SchedCfg(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64),
+                CacheCfg(block_size=2, num_blocks=10, enable_prefix_caching=False))
+    a = h.add(prompt(4), max_tokens=12)
+    b = h.add(prompt(4, base=50), max_tokens=12)
+    c = h.add(prompt(2, base=90), max_tokens=2)  # waits for one of the two slots
+    admitted = []
+    for _ in bounded(lambda: h.s.has_unfinished):
+        plan, _, _ = h.step()
+        admitted += [n.req_id for n in plan.new_reqs]
+    assert b.num_preemptions == 1
+    assert admitted == [a.req_id, b.req_id, b.req_id, c.req_id]
+    h.check_no_leaks()
+
+
 def test_preemption_with_prefix_cache_reuses_computed_blocks():
     h = Harness(SchedCfg(max_num_batched_tokens=32, max_model_len=64), CacheCfg(block_size=2, num_blocks=12))
     a = h.add(prompt(6), max_tokens=14)

@@ -49,6 +49,19 @@ def test_estimator_forgets_at_the_window():
     assert est.survival()[0] < 0.06
 
 
+def test_estimator_forgets_per_observation_not_per_step():
+    """Fifty rounds a step (fifty requests) are fifty observations: the estimate decays once for each,
+    about as one round a step would, so ten steps of rejections outweigh ten steps of acceptances."""
+    many, one = AcceptanceEstimator(1, window=100), AcceptanceEstimator(1, window=100)
+    for outcome in (1, 0):
+        for _ in range(10):
+            many.observe([(1, outcome)] * 50)
+            for _ in range(50):
+                one.observe([(1, outcome)])
+    assert many.survival()[0] == pytest.approx(one.survival()[0], rel=1e-3)
+    assert many.survival()[0] < 0.01
+
+
 def costs(k=4, verify_per_token=0.02, draft=0.3, base=4.0, sizes=(1, 8, 64)):
     """A GPU-like table: a step reads the weights (base), then each token verified adds compute;
     each draft step costs `draft` plus its own compute."""

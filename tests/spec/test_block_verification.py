@@ -96,6 +96,19 @@ def test_block_output_is_distributed_as_p(one_hot):
     assert min(chisq_pvalue(bad[:, j], probs[j] + 1e-9) for j in range(k)) < 1e-4
 
 
+def test_drafts_the_target_forbids_end_the_block():
+    """Drafts p forbids (p(x) = 0), where q gives them nothing either (a grammar's forced token, the
+    draft another): none is accepted, and the block emits p's only token after them."""
+    vocab = 8
+    p = torch.full((3, vocab), float("-inf"))
+    p[:, 5] = 0.0
+    tokens, emitted = block_rejection_sample(
+        p, torch.tensor([3, 3, -1]), torch.tensor([False, False, True]), torch.tensor([False] * 3),
+        torch.tensor([0, 1, 2]), p.clone(), torch.tensor([7] * 3), torch.tensor([10, 11, 12]),
+        torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]), 1)
+    assert tokens[: int(emitted[0])].tolist() == [5]
+
+
 def test_block_accepts_at_least_as_many_drafts():
     """The same drafts, verified one at a time and as a block: with sampled drafts the block keeps
     more of them on average (Sun et al.: it is the optimal verifier among those that keep the

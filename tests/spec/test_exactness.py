@@ -297,6 +297,13 @@ def test_bad_words_with_speculation(models, baseline):
     for toks in want:
         for w in words:
             assert not any(toks[i : i + len(w)] == w for i in range(len(toks))), (w, toks)
+    # One two-token word, so the output follows the baseline up to it: its first token is a draft the
+    # same verification accepts, which the row after it must see (drafts 10 and 11 share a round at k = 3, 4).
+    p = p.clone(bad_words_token_ids=[base[10:12]])
+    want = _tokens(_llm(models).generate(PROMPTS, p, use_tqdm=False))
+    assert want[2][:11] == base[:11] and want[2][11] != base[11]
+    for llm in (_llm(models, "target", 3), _llm(models, "target", 4), _llm(models, "near", 4)):
+        assert _tokens(llm.generate(PROMPTS, p, use_tqdm=False)) == want
 
 
 def test_max_tokens_and_stops_inside_accepted_runs(models):

@@ -275,6 +275,23 @@ def test_masked_draft_never_accepted_probabilistic():
     assert pv > ALPHA
 
 
+def test_a_residual_without_mass_emits_the_targets_token():
+    """Where the residual has no mass (p allows only the token a rejection rules out, as top_k = 1 or a
+    grammar's forced token makes it), the row emits p's one token, never a token p forbids: in
+    synthetic mode (the draft rejected by its rate) and with a probabilistic draft that q gave no mass."""
+    vocab = 8
+    p = torch.full((2, vocab), NEG_INF)
+    p[:, 5] = 0.0  # the target allows token 5 alone
+    args = dict(row_is_bonus=torch.tensor([False, True]), row_greedy=torch.tensor([False, False]),
+                sampled_idx=torch.tensor([0, 1]), seeds=torch.tensor([7, 7]), positions=torch.tensor([10, 11]),
+                row_req=torch.tensor([0, 0]), row_index=torch.tensor([0, 1]), num_reqs=1)
+    tokens, emitted = rejection_sample(p, row_draft=torch.tensor([5, -1]), q_logits=None,
+                                       synthetic_rates=torch.tensor([0.0]), **args)
+    assert tokens[: int(emitted[0])].tolist() == [5]
+    tokens, emitted = rejection_sample(p, row_draft=torch.tensor([3, -1]), q_logits=p.clone(), **args)
+    assert tokens[: int(emitted[0])].tolist() == [5]
+
+
 # ----------------------------------------------------------------------------- synthetic mode
 def test_synthetic_conditional_rates():
     vocab, k, n = 10, 3, 20_000
