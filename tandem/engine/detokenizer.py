@@ -26,6 +26,16 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._skipped: dict[int, bool] = {}  # token id -> whether skip_special_tokens leaves no text of it
+
+    def _is_skipped(self, token: int) -> bool:
+        """A special token skip_special_tokens drops: it adds no text and, kept in the ids, would widen
+        every later decode (a run of EOS under ignore_eos made each push O(run))."""
+        skipped = self._skipped.get(token)
+        if skipped is None:
+            skipped = self._skipped[token] = (self.tokenizer.decode([token], skip_special_tokens=True) == ""
+                                              and self.tokenizer.decode([token], skip_special_tokens=False) != "")
+        return skipped
 
     def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool,
                   spaces_between_special: bool = True) -> DetokState:
@@ -41,8 +51,8 @@ class Detokenizer:
     def push(self, st: DetokState, token: int, check_stop: bool) -> str | None:
         """Append one token; return the stop string if the text now contains one (text is then
         truncated before it, or after it with include_stop_str_in_output)."""
-        if self.tokenizer is None:
-            return None
+        if self.tokenizer is None or (st.skip_special_tokens and self._is_skipped(token)):
+            return None  # no text: the decode would drop it anyway
         st.ids.append(token)
         prefix = self._decode(st, st.ids[st.prefix_offset : st.read_offset])
         full = self._decode(st, st.ids[st.prefix_offset :])

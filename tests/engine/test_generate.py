@@ -557,6 +557,28 @@ def test_characters_split_across_tokens_stream_whole(model):
     assert stop == " and" and state.text == "ok \U0001f99c"
 
 
+def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
+    """EOS after EOS (ignore_eos) adds no text under skip_special_tokens: those ids stay out of the decode
+    window, which used to grow with the run, making each push decode all of it again (quadratic in the
+    run); the text is the tokenizer's whole decode either way, and shows the EOS without skipping."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    eos, fox = tok.eos_token_id, tok("fox", add_special_tokens=False).input_ids
+    ids = fox + [eos] * 500 + fox
+    detok = Detokenizer(tok)
+    for skip in (True, False):
+        state = detok.new_state([], [], False, skip_special=skip)
+        widest = 0
+        for t in ids:
+            detok.push(state, t, check_stop=False)
+            widest = max(widest, len(state.ids) - state.prefix_offset)
+        assert state.text == tok.decode(ids, skip_special_tokens=skip)
+        assert widest <= 2 * len(fox) + 2 if skip else "</s>" in state.text
+
+
 def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
     """A request's first_scheduled_time is taken before its first step is planned and launched (on a
     CPU the forward runs inside the launch): the time to first token holds the step, the queue time
