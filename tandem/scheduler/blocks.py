@@ -100,12 +100,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        tokens = None
         end = min(req.num_computed_tokens, req.num_tokens, req.num_tokens if limit is None else limit)
         for i in range(len(req.block_hashes), end // bs):
-            tokens = tokens or req.all_token_ids
             parent = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt)
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            key = (parent, tuple(req.token_ids_in(i * bs, (i + 1) * bs)))
             block = req.block_ids[i]
             if key not in self.cached and self.block_keys[block] is None:
                 self.cached[key] = block

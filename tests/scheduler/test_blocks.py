@@ -47,6 +47,13 @@ def check_consistency(bm: BlockManager, live: list[Request]) -> None:
 # ---------------------------------------------------------------- accounting
 
 
+def test_token_ids_in_reads_across_prompt_and_output():
+    req = make_req(range(10, 17), outputs=range(50, 54))  # positions 0..6 prompt, 7..10 output
+    for start in range(12):
+        for end in range(start, 12):
+            assert req.token_ids_in(start, end) == req.all_token_ids[start:end], (start, end)
+
+
 def test_allocate_grows_block_table_and_free_returns_everything():
     bm = BlockManager(num_blocks=10, block_size=4)
     req = make_req(range(9))
