@@ -27,6 +27,9 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._skipped: dict[int, bool] = {}  # token id -> whether skip_special_tokens leaves no text of it
+        # Ids past the tokenizer's (a model's vocabulary is often padded: Qwen2.5's 151936 rows, 151665 tokens)
+        # decode to nothing, and kept in the window they too would widen every later decode.
+        self._num_known = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
 
     def _is_skipped(self, token: int) -> bool:
         """A special token skip_special_tokens drops: it adds no text and, kept in the ids, would widen
@@ -51,7 +54,8 @@ class Detokenizer:
     def push(self, st: DetokState, token: int, check_stop: bool) -> str | None:
         """Append one token; return the stop string if the text now contains one (text is then
         truncated before it, or after it with include_stop_str_in_output)."""
-        if self.tokenizer is None or (st.skip_special_tokens and self._is_skipped(token)):
+        if self.tokenizer is None or (self._num_known is not None and token >= self._num_known) \
+                or (st.skip_special_tokens and self._is_skipped(token)):
             return None  # no text: the decode would drop it anyway
         st.ids.append(token)
         prefix = self._decode(st, st.ids[st.prefix_offset : st.read_offset])

@@ -558,9 +558,10 @@ def test_characters_split_across_tokens_stream_whole(model):
 
 
 def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
-    """EOS after EOS (ignore_eos) adds no text under skip_special_tokens: those ids stay out of the decode
-    window, which used to grow with the run, making each push decode all of it again (quadratic in the
-    run); the text is the tokenizer's whole decode either way, and shows the EOS without skipping."""
+    """EOS after EOS (ignore_eos) adds no text under skip_special_tokens, nor do ids past the tokenizer's:
+    those ids stay out of the decode window, which used to grow with the run, making each push decode all
+    of it again (quadratic in the run); the text is the tokenizer's whole decode either way, and shows the
+    EOS without skipping."""
     from transformers import AutoTokenizer
 
     from tandem.engine.detokenizer import Detokenizer
@@ -577,6 +578,15 @@ def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
             widest = max(widest, len(state.ids) - state.prefix_offset)
         assert state.text == tok.decode(ids, skip_special_tokens=skip)
         assert widest <= 2 * len(fox) + 2 if skip else "</s>" in state.text
+    # ids past the tokenizer's (a padded model vocabulary) decode to nothing: kept out of the window too
+    unknown = fox + [len(tok) + 7] * 500 + fox
+    for skip in (True, False):
+        state = detok.new_state([], [], False, skip_special=skip)
+        widest = 0
+        for t in unknown:
+            detok.push(state, t, check_stop=False)
+            widest = max(widest, len(state.ids) - state.prefix_offset)
+        assert state.text == tok.decode(fox + fox) and widest <= 2 * len(fox) + 2
 
 
 def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
