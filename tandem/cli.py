@@ -3,200 +3,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 import sys
 import time
 
 from tandem.choices import KV_CACHE_DTYPES
+from tandem.flags import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP, REJECTION_HELP,
+                          SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in, non_empty, size_in,
+                          speculative_config, speculative_config_from_flags, structured_outputs, watermark_config)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # Best of k = 2, 3, 4 over three side-by-side runs of bench/real_pair.py on the 2-core dev machine
 # (tok/s over target-only, code prompts: k=2 1.31x, k=3 1.35x, k=4 1.22x; docs/benchmarks.md).
 DEFAULT_K = 3
-
-
-# argparse types that range-check a flag while parsing, so a bad value fails at once, before any
-# model loads, with argparse's "argument --flag: ..." error naming the flag.
-def int_in(lo: int, hi: int | None = None):
-    """An integer >= lo (and <= hi)."""
-    want = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use {want}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
-        return value
-
-    return parse
-
-
-_DECIMAL_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def size_in(lo: int):
-    """An integer >= lo, plain or with vLLM's unit suffixes: k m g t are powers of 1000 (25.6k is 25600),
-    K M G T powers of 1024 (whole numbers only: 1K is 1024)."""
-    want = f"an integer >= {lo}, or one with a unit (32k = 32000, 32K = 32768, 1G = 2**30)"
-
-    def parse(text: str) -> int:
-        found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
-        try:
-            if found is None:
-                value = int(text)
-            elif found[2] in _DECIMAL_UNITS:
-                value = int(float(found[1]) * _DECIMAL_UNITS[found[2]])
-            else:
-                value = int(found[1]) * _BINARY_UNITS[found[2]]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use {want}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
-        return value
-
-    return parse
-
-
-def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = False):
-    """A finite float in [lo, hi] ((lo, hi] with lo_open)."""
-    want = f"a number {'>' if lo_open else '>='} {lo}" + ("" if hi == math.inf else f" and <= {hi}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; use {want}") from None
-        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
-        return value
-
-    return parse
-
-
-def non_empty(fix: str):
-    """A string that is not empty: "" is a typo or an unset shell variable, never a choice to fall back on."""
-
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"must not be empty; {fix}")
-        return text
-
-    return parse
-
-
-def watermark_config(text: str) -> dict:
-    """--watermark-config: a JSON object such as '{"key": 42}', checked field by field while parsing."""
-    import json
-
-    from tandem.errors import ConfigError
-    from tandem.sampling.watermark import parse_watermark_config
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"key\": 42}}'") from None
-    try:
-        parse_watermark_config(value)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
-
-
-def structured_outputs_config(text: str) -> dict:
-    """--structured-outputs-config: vLLM's JSON object, e.g. '{"enable_in_reasoning": true}', checked while parsing."""
-    import json
-
-    from tandem.config import parse_structured_outputs_config
-    from tandem.errors import ConfigError
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
-                                         "'{\"enable_in_reasoning\": true}'") from None
-    try:
-        parse_structured_outputs_config(value, None)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
-
-
-def structured_outputs(text: str):
-    """--structured-outputs: StructuredOutputsParams' fields as a JSON object, such as
-    '{"regex": "[0-9]+"}', checked while parsing (the grammar compiles when the request is added)."""
-    import json
-
-    from tandem.errors import RequestError
-    from tandem.sampling_params import StructuredOutputsParams
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"regex\": \"[0-9]+\"}}'") \
-            from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("give a JSON object of StructuredOutputsParams' fields, such as "
-                                         "'{\"json\": {\"type\": \"object\"}}'")
-    try:
-        return StructuredOutputsParams.from_dict(value)
-    except RequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def speculative_config(text: str) -> dict:
-    """--speculative-config: vLLM's JSON object, e.g. '{"model": "PATH", "num_speculative_tokens": 4}'
-    (its keys are checked when the engine is built, against the target)."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
-                                         "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("give a JSON object of speculative_config's keys, such as "
-                                         "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'")
-    return value
-
-
-SPEC_CONFIG_HELP = ("the draft as vLLM's JSON speculative_config, e.g. '{\"model\": \"PATH\", "
-                    "\"num_speculative_tokens\": 4}' (every key of LLM's speculative_config; instead of --draft "
-                    "and its flags)")
-
-
-def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
-    """--speculative-config names the draft and its settings: --draft and the draft flags may not
-    give them a second time."""
-    from tandem.errors import ConfigError
-
-    if args.speculative_config is None:
-        return
-    for flag, value in [("--draft", args.draft)] + draft_only:
-        if value is not None:
-            raise ConfigError(f"{flag} conflicts with --speculative-config, which sets the draft and its settings; "
-                              f"put it in the JSON object or drop {flag.split()[0]}")
-
-
-KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, saturated, no scale: half the memory a "
-                        "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
-QUANTIZATION_HELP = ("fp8: the target's linear layers rounded to float8 e4m3 on load, one power-of-two scale per "
-                     "output row, its LM head kept (vLLM's online fp8, weight-only here): on a GPU half the weight "
-                     "memory and traffic; needs compute capability 8.9+")
-REJECTION_HELP = ("how sampled requests verify the drafts: one at a time (standard, default) or as a block "
-                  "(Sun et al. 2024: more drafts accepted with probabilistic drafts, the same output distribution; "
-                  "greedy drafts keep the standard, coupled test, which no block test beats)")
-DRAFT_VOCAB_HELP = ("the draft scores only this many of the most frequent token ids (its LM head pruned to them; "
-                    "by --draft-token-map's order, else by id); the output stays the target's")
-DRAFT_TOKEN_MAP_HELP = ("a .json or .pt file of token ids, most frequent first (`tandem token-map` writes one): "
-                        "the ids the draft scores (cut to --draft-vocab-size when given)")
-WATERMARK_HELP = ("draw sampled tokens with a secret key, as JSON: '{\"key\": 42, \"context_width\": 4}' "
-                  "(vLLM's --watermark-config; `tandem detect` tests text for it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -393,26 +214,6 @@ def _draft_model(args) -> str | None:
             raise ConfigError(f"{flag} needs a draft model, and --model without --draft runs the target alone; "
                               f"add --draft PATH or drop {flag.split()[0]}")
     return None
-
-
-def speculative_config_from_flags(args, draft: str | None, default_k: int) -> dict | None:
-    """`generate`'s and `serve`'s speculative_config: --speculative-config as given, else one for
-    draft (a model, or a lookup's name) from the draft flags; --load-format applies to a draft model
-    too, and to nothing a lookup holds."""
-    if args.speculative_config is None and draft is None:
-        return None  # before importing tandem.spec: the engine without it still runs
-    from tandem.spec.config import with_draft_load_format
-
-    if args.speculative_config is not None:
-        return with_draft_load_format(args.speculative_config, args.load_format)
-    k = default_k if args.num_speculative_tokens is None else args.num_speculative_tokens
-    spec = dict(model=draft, num_speculative_tokens=k, draft_sample_method=args.draft_sample_method or "greedy",
-                quantization=args.draft_quantization, draft_vocab_size=args.draft_vocab_size,
-                draft_token_map=args.draft_token_map,
-                rejection_sample_method=args.rejection_sample_method or "standard")
-    if args.adaptive:
-        spec["num_speculative_tokens_per_batch_size"] = "auto"
-    return with_draft_load_format(spec, args.load_format)
 
 
 def _generate(args) -> int:

@@ -12,10 +12,9 @@ import socket
 
 from tandem.chat import load_chat_template
 from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
-from tandem.cli import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
-                        QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP,
-                        draft_flag_conflicts, float_in, int_in, non_empty, size_in, speculative_config,
-                        structured_outputs_config, watermark_config)
+from tandem.flags import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP,
+                          REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in,
+                          non_empty, size_in, speculative_config, structured_outputs_config, watermark_config)
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4

@@ -1408,8 +1408,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     check_serve_args(args)  # before the model loads, so a flag mistake fails fast
     from tandem.engine.llm import LLM
-
-    from tandem.cli import speculative_config_from_flags
+    from tandem.flags import speculative_config_from_flags
 
     spec = speculative_config_from_flags(args, args.draft, DEFAULT_K)
     llm = LLM(
