@@ -514,6 +514,18 @@ def test_logprob_rank_counts_ties_before_the_token():
     assert rank.tolist() == [4, 1]
 
 
+def test_bad_word_windows_slide_over_emitted_tokens_only():
+    """A verification's rows past its first rejection hold -1 (nothing emitted): the bad-word window
+    keeps the tokens emitted before them, so a word whose first token ended the round still bites."""
+    state = SamplingState(2, 20, (1,), torch.device("cpu"))
+    params = SamplingParams(max_tokens=50, bad_words_token_ids=[[4, 7, 9]])
+    state.add(NewReq(req_id=0, slot=1, token_ids=[1, 2], num_prompt_tokens=2, params=params, seed=0))
+    state.record_outputs([1], torch.tensor([[3, 4, 7, -1, -1]]))
+    assert state.recent[1].tolist() == [4, 7]
+    state.record_outputs([1], torch.tensor([[5, -1]]))
+    assert state.recent[1].tolist() == [7, 5]
+
+
 def test_penalties_over_more_rows_than_a_chunk():
     """Penalties go CHUNK_ROWS rows at a time: a batch of 2.5 chunks (rows of 60 requests with
     different penalties, several rows per request as in a verification, some without
