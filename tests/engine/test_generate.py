@@ -93,7 +93,7 @@ def test_tied_tokens_rank_by_their_place_in_the_top_n(tmp_path):
     empty); one outside the top-n keeps the count of tokens at least as likely (vLLM's rules)."""
     from safetensors.torch import load_file, save_file
 
-    from tandem.server.api import chat_logprobs
+    from tandem.server.render import chat_logprobs
 
     path = make_hf_model(tmp_path / "twin", "qwen2", seed=3)
     weights = load_file(path / "model.safetensors")

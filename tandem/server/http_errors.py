@@ -1,0 +1,73 @@
+"""HTTP errors in the OpenAI error body: `APIError`, and the conversions of a pydantic validation error and of a
+tandem RequestError into one that names the request field at fault."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from tandem.errors import RequestError
+from tandem.server.protocol import ErrorInfo, ErrorResponse
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages.0.content' (pydantic's union tags dropped)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p not in _TYPE_TAGS and re.fullmatch(r"\w+", p))]
+    return ".".join(parts) or None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    param = _loc_to_param(first["loc"])
+    if param is None:
+        return APIError(400, f"the request body must be a JSON object: {first['msg']}")
+    same = [err for err in errors if _loc_to_param(err["loc"]) == param]
+    if first["type"] == "missing":
+        return APIError(400, f"'{param}' is required", param=param, code="missing_field")
+    if len(same) > 1:  # a union: say what each accepted form wanted
+        msgs = "; ".join(dict.fromkeys(err["msg"] for err in same))
+        return APIError(400, f"'{param}' is invalid ({msgs}); got {_short(first.get('input'))}", param=param)
+    return APIError(400, f"'{param}' is invalid: {first['msg']}; got {_short(first.get('input'))}", param=param)
+
+
+def request_error(e: RequestError, fields: dict[str, str], prompt_param: str) -> APIError:
+    """Map tandem's RequestError ("SamplingParams.top_p=2 is invalid: ...") onto the API's field names."""
+    msg = str(e)
+    m = re.match(r"SamplingParams\.(\w+)=", msg)
+    if m:
+        name = m.group(1)
+        param = fields.get(name, name)
+        return APIError(400, param + msg[len("SamplingParams.") + len(name):], param=param)
+    if msg.startswith("prompt"):
+        where = "" if prompt_param == "prompt" else f"the prompt built from '{prompt_param}': "
+        return APIError(400, where + msg, param=prompt_param)
+    if msg.startswith("cache_salt"):
+        return APIError(400, msg, param="cache_salt")
+    return APIError(400, msg)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
