@@ -568,25 +568,24 @@ def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
 
     tok = AutoTokenizer.from_pretrained(str(model))
     eos, fox = tok.eos_token_id, tok("fox", add_special_tokens=False).input_ids
-    ids = fox + [eos] * 500 + fox
     detok = Detokenizer(tok)
-    for skip in (True, False):
-        state = detok.new_state([], [], False, skip_special=skip)
-        widest = 0
+
+    def run(ids: list[int], skip: bool) -> tuple[str, int]:
+        """-> (the text, the widest decode window)."""
+        state, widest = detok.new_state([], [], False, skip_special=skip), 0
         for t in ids:
             detok.push(state, t, check_stop=False)
             widest = max(widest, len(state.ids) - state.prefix_offset)
-        assert state.text == tok.decode(ids, skip_special_tokens=skip)
-        assert widest <= 2 * len(fox) + 2 if skip else "</s>" in state.text
-    # ids past the tokenizer's (a padded model vocabulary) decode to nothing: kept out of the window too
-    unknown = fox + [len(tok) + 7] * 500 + fox
+        return state.text, widest
+
+    ids = fox + [eos] * 500 + fox
+    unknown = fox + [len(tok) + 7] * 500 + fox  # ids past the tokenizer's (a padded model vocabulary)
     for skip in (True, False):
-        state = detok.new_state([], [], False, skip_special=skip)
-        widest = 0
-        for t in unknown:
-            detok.push(state, t, check_stop=False)
-            widest = max(widest, len(state.ids) - state.prefix_offset)
-        assert state.text == tok.decode(fox + fox) and widest <= 2 * len(fox) + 2
+        text, widest = run(ids, skip)
+        assert text == tok.decode(ids, skip_special_tokens=skip)
+        assert widest <= 2 * len(fox) + 2 if skip else "</s>" in text
+        text, widest = run(unknown, skip)
+        assert text == tok.decode(fox + fox) and widest <= 2 * len(fox) + 2
 
 
 def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
