@@ -20,7 +20,7 @@ def _logits() -> torch.Tensor:
     return x
 
 
-def _rank(rank: int, port: int, queue) -> None:
+def _rank(rank: int, port: int, queue, received) -> None:
     group = TPGroup(rank, 2, port, torch.device("cpu"))
     full = _logits()
     rows = 501
@@ -30,26 +30,38 @@ def _rank(rank: int, port: int, queue) -> None:
     queue.put((rank, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),  # rank 0's order
                group.all_reduce_(torch.full((3,), float(rank + 1))), group.min_int(7 - rank),
                group.all_reduce_max_(torch.tensor([1.0, -2.0]) * (rank + 1))))
+    received.wait(60)
     group.close()
 
 
 def _start_rank_1(target):
-    """Rank 1 runs target(1, port, queue) in a spawned process; -> (rank 0's group, queue, that process)."""
+    """Rank 1 runs target(1, port, queue, received) in a spawned process; -> (rank 0's group, receive, that
+    process). receive() takes rank 1's results off the queue, then lets it exit (received): its tensors travel
+    as shared-memory file descriptors, which its process must still hold when this one opens them (a rank that
+    had exited reset the connection)."""
+    ctx = mp.get_context("spawn")
     store = host_store(2)
-    queue = mp.get_context("spawn").Queue()
-    other = mp.get_context("spawn").Process(target=target, args=(1, store.port, queue))
+    queue, received = ctx.Queue(), ctx.Event()
+    other = ctx.Process(target=target, args=(1, store.port, queue, received))
     other.start()
-    return TPGroup(0, 2, store.port, torch.device("cpu"), store), queue, other
+
+    def receive():
+        try:
+            return queue.get(timeout=60)
+        finally:
+            received.set()
+
+    return TPGroup(0, 2, store.port, torch.device("cpu"), store), receive, other
 
 
 def test_collectives_match_one_process():
-    group, queue, other = _start_rank_1(_rank)
+    group, receive, other = _start_rank_1(_rank)
     full = _logits()
     local = full[:, :501].clone()
     got = [(0, group.top_tokens(local, VOCAB), group.gather_vocab(local, VOCAB),
             group.all_reduce_(torch.full((3,), 1.0)), group.min_int(7),
             group.all_reduce_max_(torch.tensor([1.0, -2.0])))]
-    got.append(queue.get(timeout=60))
+    got.append(receive())
     other.join(timeout=60)
     for rank, top, gathered, summed, smallest, largest in got:
         assert largest.tolist() == [2.0, -2.0], rank
@@ -79,11 +91,12 @@ def _fp8_shard(rank: int) -> torch.nn.Module:
     return shard
 
 
-def _fp8_rank(rank: int, port: int, queue) -> None:
+def _fp8_rank(rank: int, port: int, queue, received) -> None:
     group = TPGroup(rank, 2, port, torch.device("cpu"))
     shard = _fp8_shard(rank)
     quantize_linears_(shard, "fp8", in_place=False, tp=group)
     queue.put((rank, shard.o_proj.weight.detach().clone(), shard.qkv_proj.weight.detach().clone()))
+    received.wait(60)
     group.close()
 
 
@@ -92,10 +105,10 @@ def test_fp8_rank_holds_the_one_rank_models_values():
     the whole row's magnitude (an all-reduce of the ranks' row maxima), so each rank holds its part
     of the one-rank model's fp8 weights (rounded even with in_place=False); a column-parallel layer's
     whole rows are rounded as usual (here with in_place=False: marked only)."""
-    group, queue, other = _start_rank_1(_fp8_rank)
+    group, receive, other = _start_rank_1(_fp8_rank)
     shard = _fp8_shard(0)
     quantize_linears_(shard, "fp8", in_place=False, tp=group)
-    got = [(0, shard.o_proj.weight, shard.qkv_proj.weight), queue.get(timeout=60)]
+    got = [(0, shard.o_proj.weight, shard.qkv_proj.weight), receive()]
     other.join(timeout=60)
     o, qkv = _fp8_weights()
     whole = o.clone()
