@@ -19,7 +19,6 @@ from tandem.errors import ConfigError
 
 logger = logging.getLogger("tandem")
 
-
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -121,7 +120,6 @@ class CacheConfig:
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the K/V tensors of a model of model_dtype are kept in."""
         return torch.float8_e4m3fn if self.cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
-
 
 
 @dataclass(frozen=True)
