@@ -19,7 +19,11 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     draft round graphs of a k = 4 round, kernel by kernel
     (offsets and durations of one replay), per environment variant;
 (7) `--sections eager [--eager-batch B]`: host time of eager steps (what a serving run's mixed
-    steps pay): step time, Triton launches a step, cProfile by own time.
+    steps pay): step time, Triton launches a step, cProfile by own time;
+(8) `--sections tables [--pair P] [--table-cases B:CTX,...]`: decode step time of B requests at
+    CTX tokens of context, target-only and speculative (k = 4, every draft accepted), with the
+    persistent block table against block tables sent whole from host lists every step (the
+    same engine, the two alternating in blocks of steps).
 """
 from __future__ import annotations
 
@@ -370,6 +374,70 @@ def verify_section(root: Path, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def tables_section(tmp: Path, args, results: dict) -> None:
+    """(8): the persistent block table against host-built tables, in one engine per mode."""
+    from tandem import LLM, SamplingParams
+
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.table_cases.split(",")]
+    (tname, tshape), (dname, dshape) = PAIRS[args.pair]
+    target, draft = write_config(tmp, tname, tshape), write_config(tmp, dname, dshape)
+    max_seqs = max(b for b, _ in cases)
+    max_len = max(c for _, c in cases) + 1024
+    rows, results["tables"] = [], []
+    for mode in ("target", "spec k=4"):
+        spec = None
+        if mode != "target":
+            spec = dict(model=draft, num_speculative_tokens=4, rejection_sample_method="synthetic",
+                        synthetic_acceptance_rates=[1.0] * 4, draft_load_format="dummy")
+        llm = LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_len, max_num_seqs=max_seqs,
+                  max_num_batched_tokens=16384, kv_cache_memory_bytes=args.table_kv_gib << 30,
+                  enable_prefix_caching=False, speculative_config=spec)
+        engine, backend = llm.engine, llm.engine.runner.attn_backend
+        table = backend.block_table
+        for batch, ctx in cases:
+            g = torch.Generator().manual_seed(batch)
+            params = SamplingParams(temperature=0, max_tokens=(args.steps * 2 + 64) * 5, ignore_eos=True)
+            ids = [f"t{time.monotonic_ns()}-{i}" for i in range(batch)]
+            for rid in ids:
+                engine.add_request(rid, torch.randint(10, 30000, (ctx,), generator=g).tolist(), params)
+            while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+                engine.step()  # the prefill
+            for _ in range(8):
+                engine.step()
+            times = {"persistent": [], "host lists": []}
+            for _ in range(max(1, args.steps // 10)):
+                for name, t in (("persistent", table), ("host lists", None)):
+                    backend.block_table = t
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        engine.step()
+                        times[name].append(time.perf_counter() - t0)
+            backend.block_table = table
+            if args.table_profile:  # where the host's time goes now
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(10):
+                    engine.step()
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.table_profile)
+                print(f"[tables] {mode} b={batch} ctx={ctx}: host, 10 steps\n" + out.getvalue(), flush=True)
+            for rid in ids:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            ms = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            r = dict(mode=mode, batch=batch, context=ctx, persistent_ms=ms["persistent"],
+                     host_lists_ms=ms["host lists"], ratio=ms["host lists"] / ms["persistent"])
+            results["tables"].append(r)
+            rows.append((mode, batch, ctx, f"{r['persistent_ms']:.2f}", f"{r['host_lists_ms']:.2f}", f"{r['ratio']:.2f}"))
+            print(f"[tables] {rows[-1]}", flush=True)
+        del llm, engine, backend, table
+        torch.cuda.empty_cache()
+    print(f"decode step time, {tname} / {dname} (median ms a step)")
+    print_table(["mode", "batch", "context", "persistent", "host lists", "ratio"], rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_profile.json")
@@ -389,6 +457,11 @@ def main(argv=None) -> int:
                    help="--sections verify: draft round kernels skipped before that list (past the catch-up)")
     p.add_argument("--env-ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="--sections verify: also under these environment settings")
+    p.add_argument("--table-cases", default="32:2048,256:2048,64:16384",
+                   help="--sections tables: batch:context pairs")
+    p.add_argument("--table-kv-gib", type=int, default=60, help="--sections tables: the KV pool")
+    p.add_argument("--table-profile", type=int, default=0, metavar="N",
+                   help="--sections tables: also cProfile 10 steps of each case, N functions by own time")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="--sections target, verify: the target's LLM(quantization=...) (the fp8 target)")
     args = p.parse_args(argv)
@@ -414,6 +487,8 @@ def main(argv=None) -> int:
             spec_round(Path(tmp), args, results)
         if "eager" in sections:
             eager_host(Path(tmp), args, results)
+        if "tables" in sections:
+            tables_section(Path(tmp), args, results)
         for name, shape in (("llama-8b", LLAMA_8B), ("llama-1b", LLAMA_1B)) if "target" in sections else ():
             path = write_config(Path(tmp), name, shape)
             llm = make_llm(path, None, 4, args.max_model_len, quantization=args.quantization)

@@ -2,7 +2,8 @@
 
 CPU runs the grouped PyTorch reference (host-built groups, no padding). CUDA runs block-table
 metadata (fixed shapes, device-resident), executed by the Triton kernels when Triton is
-importable and by the dense torch fallback otherwise.
+importable and by the dense torch fallback otherwise; its block tables are rows of a
+persistent per-slot table (layers/block_table.py) when the backend is given slots.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import Tensor
 
 from tandem.layers.attention import build_attn_metadata, build_decode_metadata
+from tandem.layers.block_table import BlockTable
 from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata
 from tandem.runner.upload import Uploader
 
@@ -27,21 +29,45 @@ def triton_available(device: torch.device) -> bool:
 
 class AttnBackend:
     def __init__(self, block_size: int, device: torch.device, use_table: bool | None = None,
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, max_num_seqs: int = 0, max_model_len: int = 0):
+        """max_num_seqs, max_model_len: the persistent block table's shape (0: none; every step's
+        tables then come from its host lists)."""
         self.block_size = block_size
         self.device = device
         self.use_table = device.type == "cuda" if use_table is None else use_table
         self.use_triton = triton_available(device) if use_triton is None else use_triton
         self.upload = Uploader(device)  # shared by the runner and the speculator
+        self.block_table = None  # shared too: the draft's KV uses the target's block ids
+        if self.use_table and max_num_seqs and max_model_len:
+            self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size), device)
 
-    def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], rowwise: bool = True):
+    def clear_slots(self, slots: list[int]) -> None:
+        """Slots freed or given new requests: their block table rows start again."""
+        if self.block_table is not None:
+            for slot in slots:
+                self.block_table.clear(slot)
+
+    def prefill(self, start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], rowwise: bool = True,
+                slots: list[int] | None = None):
         """Metadata for ragged queries (chunks, decodes, verifications) from host lists.
         rowwise=False lets the CPU reference batch short queries (see layers/attention.py):
-        for a draft model, whose numerics cannot change the output."""
+        for a draft model, whose numerics cannot change the output. slots: each query's slot,
+        whose row of the persistent block table is brought up to its list and used."""
         if self.use_table:
+            table = self.block_table if slots is not None else None
             return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.upload,
-                                        self.use_triton)
+                                        self.use_triton, table, slots)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, rowwise)
+
+    def rows(self, slots: Tensor, width: int, block_lists: list[list[int]]) -> Tensor:
+        """The block tables of requests in slots [n] (their lists block_lists, which this step's
+        prefill brought the persistent table up to) -> [n, <= width] int64 on the device; without a
+        persistent table, uploaded from the lists [n, width]."""
+        if self.block_table is not None:
+            return self.block_table.rows(slots, width)
+        flat = [b for ids in block_lists for b in (ids + [0] * width)[:width]]
+        (table,) = self.upload(flat)
+        return table.view(len(block_lists), width)
 
     def draft_step(self, pos: Tensor, slots: Tensor, drafts: Tensor, col: int, table: Tensor, valid: Tensor,
                    max_kv: int, max_model_len: int):

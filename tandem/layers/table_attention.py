@@ -15,26 +15,36 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tandem.layers.attention import as_bytes, to_cache
+from tandem.layers.block_table import BlockTable
 
 
 def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
-    upload, use_triton: bool, max_blocks: int | None = None,
+    upload, use_triton: bool, table: BlockTable | None = None, slots: list[int] | None = None,
 ) -> "TableAttnMetadata":
-    """Host lists -> device metadata for an eager step; upload: a runner.upload.Uploader."""
-    max_blocks = max_blocks or max(len(t) for t in block_tables)
-    tables = [v for t in block_tables for v in (t + [0] * max_blocks)[:max_blocks]]
-    slots = []
+    """Host lists -> device metadata for an eager step; upload: a runner.upload.Uploader.
+    table, slots: the persistent block table and each query's slot there (the rows are brought
+    up to block_tables, sending only new ids); None: the tables are sent whole."""
+    max_blocks = max(len(t) for t in block_tables)
+    slot_mapping = []
     for start, n, t in zip(start_pos, q_lens, block_tables):
-        slots += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        slot_mapping += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
     seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
-    slot_t, tables_t, seq_t, cu_t = upload(slots, tables, seq_lens, cu)
+    if table is None:
+        flat = [v for t in block_tables for v in (t + [0] * max_blocks)[:max_blocks]]
+        slot_t, seq_t, cu_t, tables_t = upload(slot_mapping, seq_lens, cu, flat)
+        tables_t = tables_t.view(len(block_tables), max_blocks)
+    else:
+        index, values = table.new_entries(slots, block_tables)
+        slot_t, seq_t, cu_t, slots_t, index_t, values_t = upload(slot_mapping, seq_lens, cu, slots, index, values)
+        table.write(index_t, values_t)
+        tables_t = table.rows(slots_t, max_blocks)
     return TableAttnMetadata(
         slot_mapping=slot_t,
-        block_tables=tables_t.view(len(block_tables), max_blocks),
+        block_tables=tables_t,
         seq_lens=seq_t,
         cu_q_lens=cu_t,
         max_q_len=max(q_lens),

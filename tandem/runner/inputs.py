@@ -81,6 +81,7 @@ def build_batch(plan: StepPlan, backend: AttnBackend) -> Batch:
         [r.start_pos for r in plan.reqs],
         [r.num_new_tokens for r in plan.reqs],
         [r.block_ids for r in plan.reqs],
+        slots=[r.slot for r in plan.reqs],
     )
     flat_src = [v for pair in draft_src for v in pair]
     (ids_t, pos_t, logits_t, slots_t, row_pos_t, draft_idx_t, dst_t, src_t, pend_dst_t, pend_slots_t, prompt_rows_t,

@@ -85,7 +85,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = cache.block_size
-        self.attn_backend = AttnBackend(cache.block_size, device)
+        self.attn_backend = AttnBackend(cache.block_size, device, max_num_seqs=sched.max_num_seqs,
+                                        max_model_len=sched.max_model_len)
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, cache.kv_dtype(model_cfg.dtype), device)
         self.vocab_size = model_cfg.arch.vocab_size
         self.logprobs_mode = model_cfg.logprobs_mode
@@ -135,6 +136,7 @@ class ModelRunner:
         nothing; forward() for the others."""
         for slot in plan.freed_slots:
             self.state.remove(slot)
+        self.attn_backend.clear_slots(plan.freed_slots)
         if self.speculator is not None and plan.finished_outputs:
             self.speculator.finished(plan.finished_outputs)
 
@@ -151,6 +153,7 @@ class ModelRunner:
         self.attn_backend.upload.new_step()  # the step before the previous one was collected
         self.release(plan)
         self.state.add_all(plan.new_reqs)
+        self.attn_backend.clear_slots([new.slot for new in plan.new_reqs])
         for new in plan.new_reqs:
             if self.speculator is not None:
                 self.speculator.add(new)

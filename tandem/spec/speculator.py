@@ -166,17 +166,17 @@ class DraftSpeculator(Speculator):
         positions_host = [p for st, n in zip(layout.starts, layout.lens) for p in range(st, st + n)]
         max_kv = max((r.start_pos + r.num_new_tokens + k for r in sampling), default=0)
         max_blocks = -(-max_kv // self.block_size)
-        table_host = [b for r in sampling for b in (r.block_ids + [0] * max_blocks)[:max_blocks]]
         row_base_host = [batch.cu_num_rows[n] for n in drafting]
         some = len(drafting) < len(batch.sampling)
-        src_t, positions, row_base, extra_t, slots, table, backfill, picked = self.attn_backend.upload(
-            layout.src, positions_host, row_base_host, layout.extra_rows, [r.slot for r in sampling], table_host,
+        src_t, positions, row_base, extra_t, slots, backfill, picked = self.attn_backend.upload(
+            layout.src, positions_host, row_base_host, layout.extra_rows, [r.slot for r in sampling],
             layout.backfill, drafting if some else [],
         )
         ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(1), backfill])[src_t]
         if self.clamp_ids:
             ids = ids.clamp_(max=self.draft_vocab - 1)
-        meta = self.attn_backend.prefill(layout.starts, layout.lens, layout.tables, rowwise=False)  # draft: batched is fine
+        # rowwise=False: for a draft, the CPU reference may batch short queries
+        meta = self.attn_backend.prefill(layout.starts, layout.lens, layout.tables, rowwise=False, slots=layout.slots)
         if not sampling:
             self._forward(ids, positions, meta)
             return None
@@ -187,7 +187,7 @@ class DraftSpeculator(Speculator):
             new_tokens = new_tokens.clamp(max=self.draft_vocab - 1)
         new_rows = extra_t + num_accepted
         ids[new_rows] = new_tokens
-        table = table.view(len(sampling), max_blocks)
+        table = self.attn_backend.rows(slots, max_blocks, [r.block_ids for r in sampling])  # [num_drafting, <= nb]
         if self._local_argmax(sampling, constrained):
             self._greedy_round(ids, positions, meta, new_rows, slots, table, max_kv, k)
             return None
@@ -273,10 +273,8 @@ class DraftSpeculator(Speculator):
         upload = self.attn_backend.upload
         max_kv = max(it.pos + it.num_drafts for it in items) + 1
         max_blocks = -(-max_kv // self.block_size)
-        table_host = [b for it in items for b in (it.block_ids + [0] * max_blocks)[:max_blocks]]
-        slots, pos, emitted, table = upload([it.slot for it in items], [it.pos for it in items],
-                                            [it.token for it in items], table_host)
-        table = table.view(len(items), max_blocks)
+        slots, pos, emitted = upload([it.slot for it in items], [it.pos for it in items], [it.token for it in items])
+        table = self.attn_backend.rows(slots, max_blocks, [it.block_ids for it in items])  # [m, <= max_blocks]
         for col in range(min(it.first for it in items), max(it.num_drafts for it in items)):
             act = [j for j, it in enumerate(items) if it.first <= col < it.num_drafts]
             if not act:
@@ -489,6 +487,7 @@ class CatchupLayout:
     starts: list[int]  # per entry: the position of its first token
     lens: list[int]  # per entry: its tokens
     tables: list[list[int]]  # per entry: the block table
+    slots: list[int]  # per entry: the request's slot
     src: list[int]  # per token: its row in [target ids, a zero placeholder, backfill ids]
     extra_rows: list[int]  # per drafting request: the row of its emitted token's slot, before acceptance
     backfill: list[int]  # the backfill token ids, in order
@@ -496,7 +495,7 @@ class CatchupLayout:
 
 def _catchup_layout(plan: StepPlan, num_target_tokens: int, extra: bool) -> CatchupLayout:
     """extra: add the emitted token's slot for each sampling request that drafts."""
-    out = CatchupLayout([], [], [], [], [], [])
+    out = CatchupLayout([], [], [], [], [], [], [])
     offset = target_offset = 0
     for r in plan.reqs:
         q = r.num_new_tokens
@@ -516,6 +515,7 @@ def _catchup_layout(plan: StepPlan, num_target_tokens: int, extra: bool) -> Catc
             out.starts.append(r.draft_backfill_start if bf else r.start_pos)
             out.lens.append(n)
             out.tables.append(r.block_ids)
+            out.slots.append(r.slot)
             offset += n
         target_offset += q
     return out
