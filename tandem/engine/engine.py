@@ -73,6 +73,28 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+def _count(m: RequestMetrics, seqs: list[SeqState], reqs: list[Request]) -> None:
+    """A request's counts so far into m, summed over its sequences (every output carries them)."""
+    if len(reqs) == 1:  # the common case, kept cheap: it runs for every running request every step
+        r = reqs[0]
+        m.num_generation_tokens = len(seqs[0].token_ids)
+        m.num_cached_tokens, m.num_preemptions = r.num_cached_tokens, r.num_preemptions
+        m.num_draft_rounds, m.num_draft_tokens = r.num_draft_rounds, r.num_draft_tokens
+        m.num_accepted_tokens = r.num_accepted_tokens
+        m.accepted_per_position = list(r.accepted_per_position)
+        return
+    m.num_generation_tokens = sum(len(s.token_ids) for s in seqs)
+    m.num_cached_tokens = max(r.num_cached_tokens for r in reqs)
+    m.num_preemptions = sum(r.num_preemptions for r in reqs)
+    m.num_draft_rounds = sum(r.num_draft_rounds for r in reqs)
+    m.num_draft_tokens = sum(r.num_draft_tokens for r in reqs)
+    m.num_accepted_tokens = sum(r.num_accepted_tokens for r in reqs)
+    width = max(len(r.accepted_per_position) for r in reqs)
+    m.accepted_per_position = [
+        sum(r.accepted_per_position[i] for r in reqs if i < len(r.accepted_per_position)) for i in range(width)
+    ]
+
+
 def _is_fatal(e: BaseException) -> bool:
     """A device error after which the CUDA context cannot run anything (an illegal memory access,
     a device-side assert): every later step would fail too. Out of memory is not one."""
@@ -701,16 +723,7 @@ class Engine:
         nothing is new and it has not finished)."""
         m = state.metrics
         reqs = [s.req for s in state.seqs]
-        m.num_generation_tokens = sum(len(s.token_ids) for s in state.seqs)
-        m.num_cached_tokens = max(r.num_cached_tokens for r in reqs)
-        m.num_preemptions = sum(r.num_preemptions for r in reqs)
-        m.num_draft_rounds = sum(r.num_draft_rounds for r in reqs)
-        m.num_draft_tokens = sum(r.num_draft_tokens for r in reqs)
-        m.num_accepted_tokens = sum(r.num_accepted_tokens for r in reqs)
-        width = max((len(r.accepted_per_position) for r in reqs), default=0)
-        m.accepted_per_position = [
-            sum(r.accepted_per_position[i] for r in reqs if i < len(r.accepted_per_position)) for i in range(width)
-        ]
+        _count(m, state.seqs, reqs)
         if state.finished:  # the histograms and each round's counts: on the final output alone
             self._final_acceptance(m, reqs)
         outputs = [c for c in (self._completion(s, state.params, delta) for s in state.seqs) if c is not None]
