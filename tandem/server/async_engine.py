@@ -3,9 +3,12 @@
 The Engine is not thread-safe, so only the loop thread touches it. Handlers put commands (add,
 abort, stop) on a thread-safe queue; the loop drains it before every step, steps while any request
 is unfinished, and hands each RequestOutput to its request's RequestStream on the handler's event
-loop. RequestOutputs are cumulative, so a stream keeps only the latest one: a slow client costs one
-output of memory, not one per step. Admission is bounded: a request that would leave more than
-max_queued_requests sequences waiting for a batch slot is refused with ServerOverloaded.
+loop. The engine makes DELTA outputs (what is new since the last), which the stream adds to the
+one cumulative output it keeps: a slow client costs one output of memory, not one per step, and
+no step copies a request's whole output (a cumulative output from the engine copied its tokens
+and logprobs every step: O(output) a request a step, on the engine's thread). Admission is
+bounded: a request that would leave more than max_queued_requests sequences waiting for a batch
+slot is refused with ServerOverloaded.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError, StepError
-from tandem.outputs import RequestOutput
+from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.server.metrics import ServerMetrics
 
@@ -43,9 +46,14 @@ _ACCEPTED = object()
 
 
 class RequestStream:
-    """The event-loop side of one request: its acceptance, latest output, or the error that ended it."""
+    """The event-loop side of one request: its acceptance, its output so far, or the error that ended it.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    The output is one cumulative RequestOutput that each delivered delta grows in place (on the
+    event loop, between a reader's awaits): next_output hands out that same object whenever it
+    changed, so what a reader sees is consistent until it awaits, and newer after."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1, logprobs: bool = False):
+        """n: the request's sequences; logprobs: whether it asked for sample logprobs."""
         self.request_id = request_id
         self.arrival_time = time.monotonic()
         self.finished = False
@@ -53,7 +61,9 @@ class RequestStream:
         self._loop = loop
         self._event = asyncio.Event()
         self._accepted = False
-        self._latest: RequestOutput | None = None
+        self._n, self._logprobs = n, logprobs
+        self._output: RequestOutput | None = None
+        self._fresh = False  # the output changed since next_output last returned it
         self._error: BaseException | None = None
 
     # ---------------------------------------------------------------- loop-thread side
@@ -71,8 +81,28 @@ class RequestStream:
         elif isinstance(item, BaseException):
             self._error = item
         else:
-            self._latest = item
+            self._add(item)
+            self._fresh = True
         self._event.set()
+
+    def _add(self, delta: RequestOutput) -> None:
+        """Grow the cumulative output by an engine DELTA output."""
+        out = self._output
+        if out is None:
+            lps = self._logprobs
+            seqs = [CompletionOutput(i, "", [], 0.0 if lps else None, [] if lps else None) for i in range(self._n)]
+            out = self._output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, seqs, False)
+        for part in delta.outputs:
+            seq = out.outputs[part.index]
+            seq.text += part.text
+            seq.token_ids += part.token_ids
+            if part.logprobs is not None:
+                seq.logprobs += part.logprobs
+            seq.cumulative_logprob = part.cumulative_logprob
+            seq.finish_reason, seq.stop_reason = part.finish_reason, part.stop_reason
+        if delta.prompt_logprobs is not None:  # on the first output alone
+            out.prompt_logprobs = delta.prompt_logprobs
+        out.finished, out.metrics = delta.finished, delta.metrics
 
     # ---------------------------------------------------------------- event-loop side
     async def accepted(self) -> None:
@@ -84,16 +114,17 @@ class RequestStream:
             await self._event.wait()
 
     async def next_output(self) -> RequestOutput:
-        """The newest output not yet returned (waiting for one); raises the request's error."""
-        while self._latest is None:
+        """The output so far, once it changed since the last call (waiting for that); raises the
+        request's error. The same object every time: read it before awaiting, or see it grown."""
+        while not self._fresh:
             if self._error is not None:
                 self.finished = True
                 raise self._error
             self._event.clear()
             await self._event.wait()
-        out, self._latest = self._latest, None
-        self.finished = out.finished
-        return out
+        self._fresh = False
+        self.finished = self._output.finished
+        return self._output
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
@@ -190,11 +221,11 @@ class AsyncEngine:
         if not self._accepting or not self.is_running:
             raise EngineStopped("the server is shutting down and takes no new requests")
         self.engine.validate_priority(priority)  # before the queue's counts compare it
-        if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the newest output only
+        if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the output so far
             raise RequestError(f"SamplingParams.output_kind={params.output_kind.name} is not served here: a request "
-                               "stream holds each request's newest output, which must be cumulative; leave "
+                               "stream holds each request's output so far, which is cumulative; leave "
                                "output_kind as CUMULATIVE (the default)")
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n, params.logprobs is not None)
         self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt))
         try:
             await stream.accepted()
@@ -273,8 +304,11 @@ class AsyncEngine:
                 "would be waiting for a batch slot; retry later"
             ))
             return
+        params = cmd.params  # the engine sends only what is new; the stream adds it up
+        if params.output_kind != RequestOutputKind.DELTA:
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
+            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, params, prompt=cmd.prompt,
                                     priority=cmd.priority, cache_salt=cmd.cache_salt)
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)
@@ -383,17 +417,16 @@ class AsyncEngine:
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         metrics = self.metrics
-        for seq in out.outputs:
-            seen = tracked.num_tokens[seq.index]
-            new = len(seq.token_ids) - seen
-            if new <= 0:
+        for seq in out.outputs:  # a DELTA output: the tokens are new
+            seen, new = tracked.num_tokens[seq.index], len(seq.token_ids)
+            if new == 0:
                 continue
             if seen == 0:
                 metrics.on_first_token(now - tracked.stream.arrival_time)
                 metrics.on_tokens(new, None)
             else:
                 metrics.on_tokens(new, now - tracked.last_time[seq.index])
-            tracked.num_tokens[seq.index] = len(seq.token_ids)
+            tracked.num_tokens[seq.index] = seen + new
             tracked.last_time[seq.index] = now
         if out.finished:
             metrics.on_finished([s.finish_reason or "abort" for s in out.outputs], now - tracked.stream.arrival_time)

@@ -180,8 +180,56 @@ def test_delta_outputs_of_a_speculative_engine(tmp_path_factory):
     assert max(len(s.token_ids) for s in seqs) > 1
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_async_engine_adds_the_engines_deltas_up_to_cumulative_outputs(llm, n):
+    """The server's request streams ask the engine for DELTA outputs (no step copies a request's
+    whole output) and hand out what CUMULATIVE outputs would hold: each time a consistent prefix
+    of the final output, which equals the offline engine's, stop string, logprobs and prompt
+    logprobs included."""
+    import asyncio
+
+    from tandem.server.async_engine import AsyncEngine
+
+    params = SamplingParams(n=n, temperature=0.8 if n > 1 else 0, seed=5, max_tokens=12, logprobs=2,
+                            prompt_logprobs=1, stop=["zq", "ab"], ignore_eos=True)
+    want = _stream(llm, params, "offline")[-1]
+    kinds = []
+    add = llm.engine.add_request
+
+    def spy(request_id, prompt_token_ids, p, **kw):
+        kinds.append(p.output_kind)
+        return add(request_id, prompt_token_ids, p, **kw)
+
+    llm.engine.add_request = spy
+    client = AsyncEngine(llm.engine)
+    client.start()
+
+    async def run():
+        stream = await client.add_request("served", PROMPT, params)
+        seen = []
+        async for out in stream:
+            seen.append([(c.text, list(c.token_ids), list(c.logprobs)) for c in out.outputs])
+        return out, seen
+
+    try:
+        got, seen = asyncio.run(run())
+    finally:
+        asyncio.run(client.shutdown())
+        llm.engine.add_request = add
+    assert kinds == [RequestOutputKind.DELTA]
+    assert got.finished and got.prompt_logprobs == want.prompt_logprobs
+    for g, w in zip(got.outputs, want.outputs, strict=True):
+        assert (g.index, g.text, g.token_ids, g.logprobs) == (w.index, w.text, w.token_ids, w.logprobs)
+        assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob)
+    for snapshot in seen:  # every output handed out: a prefix of the final one, its logprobs with its tokens
+        for (text, tokens, logprobs), w in zip(snapshot, want.outputs, strict=True):
+            assert w.text.startswith(text) and w.token_ids[: len(tokens)] == tokens
+            assert logprobs == w.logprobs[: len(tokens)]
+
+
 def test_the_async_engine_refuses_other_kinds(llm):
-    """Its request streams keep each request's newest output, so they must be cumulative."""
+    """Its request streams keep each request's output so far, so they must be cumulative."""
     import asyncio
 
     from tandem.server.async_engine import AsyncEngine
