@@ -2,6 +2,8 @@
 device tensors back to the host behind an event (to_host)."""
 from __future__ import annotations
 
+from array import array
+
 import torch
 from torch import Tensor
 
@@ -36,7 +38,12 @@ class Uploader:
         attention's seq_lens and cu_q_lens, the rotary kernel's positions) in the middle of serving."""
         sizes = [len(x) for x in lists]
         padded = [n + (n & 1) for n in sizes]  # even: 2 x 8 bytes
-        host = torch.tensor([v for x in lists for v in (x if len(x) % 2 == 0 else [*x, 0])], dtype=torch.int64)
+        flat = array("q")  # filled in C: half the time of a flattened list through torch.tensor
+        for x in lists:
+            flat.extend(x)
+            if len(x) & 1:
+                flat.append(0)
+        host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         return [t[:n] for t, n in zip(self._send(host).split(padded), sizes)]
 
     def words(self, host: Tensor) -> Tensor:
