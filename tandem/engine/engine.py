@@ -30,7 +30,7 @@ from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.reasoning import reasoning_format
 from tandem.oom import OutOfMemoryGuard, release_failed_step
 from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
-from tandem.runner.model_runner import Launched
+from tandem.runner.model_runner import Forwarded, Launched
 from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams
 from tandem.scheduler.request import Request, Status
 from tandem.scheduler.scheduler import Scheduler
@@ -444,91 +444,119 @@ class Engine:
         self._aborted = []
         running: list[StepPlan] = []  # the plans this call launched or collects
         try:
-            if self._inflight is None:
-                scheduled = time.monotonic()  # a step's start: before its planning and its launch
-                plan = self.scheduler.schedule()
-                if plan.is_empty:
-                    self.runner.release(plan)  # slots freed and responses ended since the last plan
-                    return self._outputs(touched)
-                running.append(plan)
-                if self.grammars.active:  # the masks are made while the device runs the forward
-                    fwd = self.runner.forward(plan)
-                    plan.grammar = self.grammars.bitmask(plan)
-                    launched = self.runner.launch_sampling(fwd, self._draft_masks(plan))
-                    self._inflight = (plan, launched, scheduled)
-                else:
-                    self._inflight = (plan, self.runner.launch(plan), scheduled)
+            if self._inflight is None and not self._launch(running):
+                return self._outputs(touched)  # nothing to run
             plan, launched, start = self._inflight
             self._inflight = None
-            running = [plan]
-            forwarded = None  # the step ahead, when its sampling waits for this one's result
-            if self.async_scheduling:
-                scheduled = time.monotonic()
-                ahead = self.scheduler.schedule_ahead(plan)
-                if ahead is not None:
-                    running.append(ahead)
-                    if self.grammars.active:  # its masks follow this step's tokens: sample it once they are in
-                        forwarded = self.runner.forward(ahead)
-                    else:
-                        self._inflight = (ahead, self.runner.launch(ahead), scheduled)
+            running[:] = [plan]
+            ahead = self._launch_ahead(plan, running) if self.async_scheduling else None
             result = self.runner.collect(launched)
-            events = self.scheduler.update(plan, result)
-            for req, emitted in events if self.grammars.active else ():  # the matchers follow the tokens
-                self.grammars.accept(req.req_id, emitted)
-            self._emit(plan, result, events, start, touched)
-            drafts = self.runner.collect_drafts(launched)
-            if drafts and launched.masked_drafts:
-                self.grammars.masked_rounds(drafts)
-            elif drafts and self.grammar_drafting in ("repair", "auto"):
-                misfits = self.grammars.misfits(drafts)
-                if misfits:
-                    drafts.update(self.runner.repair_drafts(launched, result, misfits, drafts, self.grammars))
-            for req_id, tokens in drafts.items():  # the next masks follow them
-                self.grammars.set_drafts(req_id, tokens)
-            if forwarded is not None:
-                ahead = forwarded.plan
-                ahead.grammar = self.grammars.bitmask(ahead)
-                self._inflight = (ahead, self.runner.launch_sampling(forwarded, self._draft_masks(ahead)), scheduled)
-            if self.spec_metrics is not None:
-                self.spec_metrics.observe(plan, result)
-                if self.adaptive is not None:
-                    self.adaptive.observe(plan, result)
-                if start - self._last_log >= self.log_interval_s:
-                    self._last_log = start
-                    logger.info(self.spec_metrics.log_line())
-                    if self.adaptive is not None:
-                        logger.info(self.adaptive.log_line())
+            self._apply(plan, launched, result, start, touched)
+            if ahead is not None:  # its sampling waited for this step's tokens (grammar masks)
+                forwarded, scheduled = ahead
+                forwarded.plan.grammar = self.grammars.bitmask(forwarded.plan)
+                masks = self._draft_masks(forwarded.plan)
+                self._inflight = (forwarded.plan, self.runner.launch_sampling(forwarded, masks), scheduled)
+            self._observe_speculation(plan, result, start)
             if self._inflight is not None and not self.scheduler.has_unfinished:
                 # Everything stopped at this step: the step launched ahead has no one left to serve.
                 self.runner.collect(self._inflight[1])
                 self._inflight = None
         except BaseException as e:
-            self._inflight = None  # a step launched ahead is dropped: its requests end below
-            fatal = _is_fatal(e)
-            if self.cfg.device.type == "cuda" and not fatal:
-                try:  # let what was queued finish before its requests' slots and buffers are reused
-                    torch.cuda.synchronize(self.cfg.device)
-                except Exception:
-                    fatal = True
-            self._aborted[:0] = touched.values()  # reported by the next step
-            ended = self._end_requests_of(running)
-            if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the caller's to handle
-                if self.tensor_parallel:  # the other ranks may wait in this step's collectives for good
-                    self.stop("the engine stopped: a step was interrupted under tensor parallelism, so its ranks "
-                              "no longer agree; restart the process")
+            error = self._fail(e, running, touched)
+            if error is None:  # KeyboardInterrupt and the like: the caller's to handle
                 raise
-            error = self._step_error(e, running, ended if running else None, fatal)
-            cause = "a device error" if fatal else "a failed step under tensor parallelism"
-            if self.tensor_parallel and not fatal:
-                # One rank's failure (its memory, say) need not be the others': they may have run the
-                # step and gone on, and the ranks' engines must agree for their collectives to meet.
-                fatal = True
-                error = StepError(f"{error}; under tensor parallelism a failed step stops the engine (its ranks may "
-                                  "no longer agree); restart the process", error.request_ids, fatal=True)
-            if fatal:
-                self.stop(f"the engine stopped after {cause} ({error}); restart the process")
             raise error from (None if isinstance(e, torch.OutOfMemoryError) else e)
         return self._outputs(touched)
+
+    def _launch(self, running: list[StepPlan]) -> bool:
+        """Plan a step and queue it (self._inflight); False when there is nothing to run."""
+        scheduled = time.monotonic()  # a step's start: before its planning and its launch
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self.runner.release(plan)  # slots freed and responses ended since the last plan
+            return False
+        running.append(plan)
+        if self.grammars.active:  # the masks are made while the device runs the forward
+            fwd = self.runner.forward(plan)
+            plan.grammar = self.grammars.bitmask(plan)
+            self._inflight = (plan, self.runner.launch_sampling(fwd, self._draft_masks(plan)), scheduled)
+        else:
+            self._inflight = (plan, self.runner.launch(plan), scheduled)
+        return True
+
+    def _launch_ahead(self, plan: StepPlan, running: list[StepPlan]) -> tuple[Forwarded, float] | None:
+        """Plan and queue the step after plan before plan's result is in (async scheduling), when
+        the scheduler can. -> None, or (its forward, when planned) where its sampling must wait for
+        plan's tokens (the grammar masks follow them)."""
+        scheduled = time.monotonic()
+        ahead = self.scheduler.schedule_ahead(plan)
+        if ahead is None:
+            return None
+        running.append(ahead)
+        if self.grammars.active:
+            return self.runner.forward(ahead), scheduled
+        self._inflight = (ahead, self.runner.launch(ahead), scheduled)
+        return None
+
+    def _apply(self, plan: StepPlan, launched: Launched, result: StepResult, start: float, touched: dict) -> None:
+        """A collected step's result into the requests: their tokens and outputs, and the grammars
+        and the drafts they follow."""
+        events = self.scheduler.update(plan, result)
+        for req, emitted in events if self.grammars.active else ():  # the matchers follow the tokens
+            self.grammars.accept(req.req_id, emitted)
+        self._emit(plan, result, events, start, touched)
+        drafts = self.runner.collect_drafts(launched)
+        if drafts and launched.masked_drafts:
+            self.grammars.masked_rounds(drafts)
+        elif drafts and self.grammar_drafting in ("repair", "auto"):
+            misfits = self.grammars.misfits(drafts)
+            if misfits:
+                drafts.update(self.runner.repair_drafts(launched, result, misfits, drafts, self.grammars))
+        for req_id, tokens in drafts.items():  # the next masks follow them
+            self.grammars.set_drafts(req_id, tokens)
+
+    def _observe_speculation(self, plan: StepPlan, result: StepResult, start: float) -> None:
+        """The speculation metrics and the acceptance estimator follow a collected step."""
+        if self.spec_metrics is not None:
+            self.spec_metrics.observe(plan, result)
+            if self.adaptive is not None:
+                self.adaptive.observe(plan, result)
+            if start - self._last_log >= self.log_interval_s:
+                self._last_log = start
+                logger.info(self.spec_metrics.log_line())
+                if self.adaptive is not None:
+                    logger.info(self.adaptive.log_line())
+
+    def _fail(self, e: BaseException, running: list[StepPlan], touched: dict) -> StepError | None:
+        """A step that raised e: end the requests of running (reported by the next step) and stop
+        the engine when it cannot go on. -> the error to raise; None for what is not an Exception
+        (KeyboardInterrupt and the like), which the caller raises as it is."""
+        self._inflight = None  # a step launched ahead is dropped: its requests end below
+        fatal = _is_fatal(e)
+        if self.cfg.device.type == "cuda" and not fatal:
+            try:  # let what was queued finish before its requests' slots and buffers are reused
+                torch.cuda.synchronize(self.cfg.device)
+            except Exception:
+                fatal = True
+        self._aborted[:0] = touched.values()  # reported by the next step
+        ended = self._end_requests_of(running)
+        if not isinstance(e, Exception):
+            if self.tensor_parallel:  # the other ranks may wait in this step's collectives for good
+                self.stop("the engine stopped: a step was interrupted under tensor parallelism, so its ranks "
+                          "no longer agree; restart the process")
+            return None
+        error = self._step_error(e, running, ended if running else None, fatal)
+        cause = "a device error" if fatal else "a failed step under tensor parallelism"
+        if self.tensor_parallel and not fatal:
+            # One rank's failure (its memory, say) need not be the others': they may have run the
+            # step and gone on, and the ranks' engines must agree for their collectives to meet.
+            fatal = True
+            error = StepError(f"{error}; under tensor parallelism a failed step stops the engine (its ranks may "
+                              "no longer agree); restart the process", error.request_ids, fatal=True)
+        if fatal:
+            self.stop(f"the engine stopped after {cause} ({error}); restart the process")
+        return error
 
     def stop(self, why: str) -> None:
         """Take no more work: every request ends (aborted, reported by the next step) and every
