@@ -100,83 +100,19 @@ class LLM:
         """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
         tensor-parallel engine (tandem/parallel/workers.py); not for callers."""
         launch = {name: value for name, value in locals().items() if name not in ("self", "_rank")}
-        _check_positive_int("max_num_seqs", max_num_seqs)
-        check_host_fits(max_num_seqs * SLOT_HOST_BYTES, f"max_num_seqs={max_num_seqs} (its per-request slots)",
-                        "lower max_num_seqs")
-        _check_positive_int("block_size", block_size)
-        if max_num_batched_tokens is not None:
-            _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if kv_cache_memory_bytes is not None:
-            _check_positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
-        if num_gpu_blocks_override is not None:
-            _check_positive_int("num_gpu_blocks_override", num_gpu_blocks_override)
-        if (
-            not isinstance(gpu_memory_utilization, (int, float))
-            or isinstance(gpu_memory_utilization, bool)
-            or not 0 < gpu_memory_utilization <= 1
-        ):
-            raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
-        if not isinstance(max_cudagraph_tokens, int) or isinstance(max_cudagraph_tokens, bool) \
-                or max_cudagraph_tokens < 0:
-            raise ConfigError(f"max_cudagraph_tokens={max_cudagraph_tokens!r} must be an integer >= 0 (0: run "
-                              "prefill-mixed and ragged steps eagerly)")
-        if cpu_matmul not in CPU_MATMULS:
-            raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
-        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
-            raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
-        if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
-            raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
-                              f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
-        if quantization not in (None,) + QUANTIZATIONS:
-            raise ConfigError(f"quantization={quantization!r} is not supported; use 'fp8' (the linear layers' weights "
-                              "rounded to float8 e4m3 on load, one scale per output row: half the weight memory and "
-                              "traffic) or leave it out; tandem loads unquantized checkpoints only")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {list(KV_CACHE_DTYPES)} "
-                              "('fp8': keys and values in float8 e4m3, half the memory a token takes)")
-        if scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; use one of "
-                              f"{list(SCHEDULING_POLICIES)}")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
+        _check_arguments(**launch)
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
         try:
             reasoning_format(reasoning_parser)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if load_format not in ("auto", "dummy"):
-            raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
         if seed is None:  # vLLM's "unseeded": a fresh seed per engine
             seed = random.randrange(MAX_SEED)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
             raise ConfigError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}], or None for a random one")
-        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
         tp_size = tensor_parallel_size
-        if pipeline_parallel_size != 1:
-            raise ConfigError(f"pipeline_parallel_size={pipeline_parallel_size!r} is not supported: tandem splits a "
-                              "model across devices by tensor_parallel_size alone; leave it out or set 1")
-        # vLLM's executors: "mp" (ranks as processes, tandem's way), "uni" (one process: one rank)
-        if distributed_executor_backend not in (None, "mp") and not (distributed_executor_backend == "uni"
-                                                                     and tp_size == 1):
-            raise ConfigError(f"distributed_executor_backend={distributed_executor_backend!r} is not supported: "
-                              "tandem runs its tensor-parallel ranks as processes; leave it out or set 'mp' (or "
-                              "'uni' with tensor_parallel_size=1)")
         rank, port = _rank if _rank is not None else (0, 0)
         launch["seed"] = seed  # every rank the same
-        # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,
-        # and tandem runs none: its architectures are its own).
-        if tokenizer_mode != "auto":
-            raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
-                              "model's Hugging Face tokenizer)")
-        for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
-                           ("enforce_eager", enforce_eager)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name}={flag!r} must be True or False")
-        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-            raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
-                              "model's own")
-        check_dtype_name(dtype)  # before a model is fetched or converted for it
-
         dev = resolve_device(device)
         eager_asked = enforce_eager
         if tp_size > 1:
@@ -199,49 +135,11 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
-        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, tp_size):
-            raise ConfigError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must "
-                              f"be 1 (the whole draft on every rank) or tensor_parallel_size={tp_size}")
-        if spec is not None and spec.enforce_eager is False and enforce_eager:
-            if not eager_asked:
-                raise ConfigError(f"speculative_config.enforce_eager=False is not supported with tensor_parallel_size="
-                                  f"{tp_size} on CUDA, which runs eagerly (no CUDA graphs around collectives yet); "
-                                  "leave speculative_config.enforce_eager out")
-            raise ConfigError("speculative_config.enforce_eager=False with enforce_eager=True is not supported: the "
-                              "draft's CUDA graphs are captured with the target's; leave speculative_config."
-                              "enforce_eager out or drop enforce_eager=True")
-        if spec is not None and spec.draft_confidence_threshold is not None and dev.type != "cpu":
-            raise ConfigError("speculative_config.draft_confidence_threshold is supported on the CPU only: it reads "
-                              "each draft step's confidence on the host, which would stall a GPU between draft steps "
-                              "(vLLM allows it on SM121 alone); leave it out, or run with device='cpu'")
-        if per_request_spec_decode_metrics != "none" and spec is None:
-            raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} needs a draft "
-                              "model (speculative_config); leave it out, or set 'none'")
-        if spec is not None and spec.adaptive and tp_size > 1:
-            raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size=\"auto\" is not supported "
-                              "with tensor_parallel_size > 1 (its choice rests on step times one rank measures); "
-                              "give explicit [start, end, K] ranges or leave it out")
         watermark = parse_watermark_config(watermark_config)
-        if watermark is not None and spec is not None and spec.synthetic:
-            raise ConfigError("watermark_config cannot be combined with speculative_config's rejection_sample_method="
-                              "'synthetic': synthetic acceptance does not keep the target's output, so the keyed draws "
-                              "would not survive it; use 'standard' or leave watermark_config out")
+        _check_speculation(spec, dev=dev, tp_size=tp_size, enforce_eager=enforce_eager, eager_asked=eager_asked,
+                           per_request_spec_decode_metrics=per_request_spec_decode_metrics, watermark=watermark)
         k = spec.num_speculative_tokens if spec is not None else 0
-        if async_scheduling not in (None, True, False):
-            raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
-        # Steps that draft nothing are planned ahead as without a draft; the others overlap the
-        # host's work with the device's drafting instead. A lookup's steps are planned ahead while
-        # it finds nothing (Scheduler.schedule_ahead).
-        undrafted = spec is None or spec.plans_ahead
-        if async_scheduling and not undrafted:
-            raise ConfigError(
-                "async_scheduling=True is not supported with speculative_config unless method='ngram' or 'suffix', or "
-                "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" with "
-                "greedy drafts (it plans only steps without drafts ahead): with a draft model the host already applies "
-                "each step while the device drafts; leave async_scheduling unset"
-            )
-        if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
-            async_scheduling = dev.type == "cuda" and undrafted
+        async_scheduling = _resolve_async_scheduling(async_scheduling, spec, dev)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs * (1 + k))
         if max_num_batched_tokens < 1 + k:
@@ -277,6 +175,17 @@ class LLM:
             enforce_eager=enforce_eager,
             max_cudagraph_tokens=max_cudagraph_tokens,
         )
+        self._start(cfg, spec, model_dir, tokenizer, launch, rank, port)
+        self.config = self.engine.cfg
+        self._model_name = str(model)  # as given: get_metrics' model_name label, as vLLM's
+        self._counter = 0
+
+    def _start(self, cfg: EngineConfig, spec, model_dir, tokenizer: str | None, launch: dict, rank: int,
+               port: int) -> None:
+        """Load the tokenizer and the models and build the engine (self.engine): on rank 0 of a
+        tensor-parallel engine, after starting the other ranks' processes, which build theirs from
+        launch (LLM's arguments, resolved)."""
+        dev, arch, tp_size, torch_dtype = cfg.device, cfg.model.arch, cfg.model.tp_size, cfg.model.dtype
         self.tokenizer = load_tokenizer(tokenizer, "tokenizer") if tokenizer is not None else load_tokenizer(model_dir)
         if self.tokenizer is not None and len(self.tokenizer) > arch.vocab_size:
             where = f"tokenizer={tokenizer!r}" if tokenizer is not None else f"the tokenizer in {model_dir}"
@@ -330,9 +239,6 @@ class LLM:
                 if cause is not None:
                     raise cause from e
             raise
-        self.config = self.engine.cfg
-        self._model_name = str(model)  # as given: get_metrics' model_name label, as vLLM's
-        self._counter = 0
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -515,6 +421,134 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory_bytes,
+                     num_gpu_blocks_override, gpu_memory_utilization, max_cudagraph_tokens, cpu_matmul, max_logprobs,
+                     per_request_spec_decode_metrics, quantization, kv_cache_dtype, scheduling_policy, logprobs_mode,
+                     load_format, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
+                     tokenizer_mode, trust_remote_code, enable_prefix_caching, enforce_eager, tokenizer, dtype,
+                     **_) -> None:
+    """LLM's arguments that can be checked before anything is resolved: a ConfigError naming the
+    first bad one and its fix."""
+    _check_positive_int("max_num_seqs", max_num_seqs)
+    check_host_fits(max_num_seqs * SLOT_HOST_BYTES, f"max_num_seqs={max_num_seqs} (its per-request slots)",
+                    "lower max_num_seqs")
+    _check_positive_int("block_size", block_size)
+    if max_num_batched_tokens is not None:
+        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    if kv_cache_memory_bytes is not None:
+        _check_positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+    if num_gpu_blocks_override is not None:
+        _check_positive_int("num_gpu_blocks_override", num_gpu_blocks_override)
+    if (
+        not isinstance(gpu_memory_utilization, (int, float))
+        or isinstance(gpu_memory_utilization, bool)
+        or not 0 < gpu_memory_utilization <= 1
+    ):
+        raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
+    if not isinstance(max_cudagraph_tokens, int) or isinstance(max_cudagraph_tokens, bool) \
+            or max_cudagraph_tokens < 0:
+        raise ConfigError(f"max_cudagraph_tokens={max_cudagraph_tokens!r} must be an integer >= 0 (0: run "
+                          "prefill-mixed and ragged steps eagerly)")
+    if cpu_matmul not in CPU_MATMULS:
+        raise ConfigError(f"cpu_matmul={cpu_matmul!r} is not supported; use one of {list(CPU_MATMULS)}")
+    if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+        raise ConfigError(f"max_logprobs={max_logprobs!r} must be an integer >= 0, or -1 for no cap")
+    if per_request_spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
+        raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} is not supported; "
+                          f"use one of {list(SPEC_DECODE_METRICS_LEVELS)}")
+    if quantization not in (None,) + QUANTIZATIONS:
+        raise ConfigError(f"quantization={quantization!r} is not supported; use 'fp8' (the linear layers' weights "
+                          "rounded to float8 e4m3 on load, one scale per output row: half the weight memory and "
+                          "traffic) or leave it out; tandem loads unquantized checkpoints only")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {list(KV_CACHE_DTYPES)} "
+                          "('fp8': keys and values in float8 e4m3, half the memory a token takes)")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; use one of "
+                          f"{list(SCHEDULING_POLICIES)}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not supported; use one of {list(LOGPROBS_MODES)}")
+    if load_format not in ("auto", "dummy"):
+        raise ConfigError(f"load_format={load_format!r} is not supported; use 'auto' or 'dummy'")
+    _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    if pipeline_parallel_size != 1:
+        raise ConfigError(f"pipeline_parallel_size={pipeline_parallel_size!r} is not supported: tandem splits a "
+                          "model across devices by tensor_parallel_size alone; leave it out or set 1")
+    # vLLM's executors: "mp" (ranks as processes, tandem's way), "uni" (one process: one rank)
+    if distributed_executor_backend not in (None, "mp") and not (distributed_executor_backend == "uni"
+                                                                 and tensor_parallel_size == 1):
+        raise ConfigError(f"distributed_executor_backend={distributed_executor_backend!r} is not supported: "
+                          "tandem runs its tensor-parallel ranks as processes; leave it out or set 'mp' (or "
+                          "'uni' with tensor_parallel_size=1)")
+    # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,
+    # and tandem runs none: its architectures are its own).
+    if tokenizer_mode != "auto":
+        raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
+                          "model's Hugging Face tokenizer)")
+    for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
+                       ("enforce_eager", enforce_eager)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name}={flag!r} must be True or False")
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
+                          "model's own")
+    check_dtype_name(dtype)  # before a model is fetched or converted for it
+
+
+def _check_speculation(spec, *, dev: torch.device, tp_size: int, enforce_eager: bool, eager_asked: bool,
+                       per_request_spec_decode_metrics: str, watermark) -> None:
+    """speculative_config against the rest of the engine: a ConfigError for each combination tandem
+    does not run (enforce_eager: as resolved, on for tensor parallelism on CUDA; eager_asked: as given)."""
+    if spec is None:
+        if per_request_spec_decode_metrics != "none":
+            raise ConfigError(f"per_request_spec_decode_metrics={per_request_spec_decode_metrics!r} needs a draft "
+                              "model (speculative_config); leave it out, or set 'none'")
+        return
+    if spec.draft_tensor_parallel_size not in (None, 1, tp_size):
+        raise ConfigError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must "
+                          f"be 1 (the whole draft on every rank) or tensor_parallel_size={tp_size}")
+    if spec.enforce_eager is False and enforce_eager:
+        if not eager_asked:
+            raise ConfigError(f"speculative_config.enforce_eager=False is not supported with tensor_parallel_size="
+                              f"{tp_size} on CUDA, which runs eagerly (no CUDA graphs around collectives yet); "
+                              "leave speculative_config.enforce_eager out")
+        raise ConfigError("speculative_config.enforce_eager=False with enforce_eager=True is not supported: the "
+                          "draft's CUDA graphs are captured with the target's; leave speculative_config."
+                          "enforce_eager out or drop enforce_eager=True")
+    if spec.draft_confidence_threshold is not None and dev.type != "cpu":
+        raise ConfigError("speculative_config.draft_confidence_threshold is supported on the CPU only: it reads "
+                          "each draft step's confidence on the host, which would stall a GPU between draft steps "
+                          "(vLLM allows it on SM121 alone); leave it out, or run with device='cpu'")
+    if spec.adaptive and tp_size > 1:
+        raise ConfigError("speculative_config.num_speculative_tokens_per_batch_size=\"auto\" is not supported "
+                          "with tensor_parallel_size > 1 (its choice rests on step times one rank measures); "
+                          "give explicit [start, end, K] ranges or leave it out")
+    if watermark is not None and spec.synthetic:
+        raise ConfigError("watermark_config cannot be combined with speculative_config's rejection_sample_method="
+                          "'synthetic': synthetic acceptance does not keep the target's output, so the keyed draws "
+                          "would not survive it; use 'standard' or leave watermark_config out")
+
+
+def _resolve_async_scheduling(async_scheduling, spec, dev: torch.device) -> bool:
+    """LLM's async_scheduling (True, False or None: auto) against the speculative config."""
+    if async_scheduling not in (None, True, False):
+        raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
+    # Steps that draft nothing are planned ahead as without a draft; the others overlap the
+    # host's work with the device's drafting instead. A lookup's steps are planned ahead while
+    # it finds nothing (Scheduler.schedule_ahead).
+    undrafted = spec is None or spec.plans_ahead
+    if async_scheduling and not undrafted:
+        raise ConfigError(
+            "async_scheduling=True is not supported with speculative_config unless method='ngram' or 'suffix', or "
+            "num_speculative_tokens_per_batch_size turns drafting off at some batch sizes or is \"auto\" with "
+            "greedy drafts (it plans only steps without drafts ahead): with a draft model the host already applies "
+            "each step while the device drafts; leave async_scheduling unset"
+        )
+    if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
+        async_scheduling = dev.type == "cuda" and undrafted
+    return async_scheduling
 
 
 def _as_int(t):
