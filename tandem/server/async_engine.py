@@ -428,5 +428,6 @@ class AsyncEngine:
                 metrics.on_tokens(new, now - tracked.last_time[seq.index])
             tracked.num_tokens[seq.index] = seen + new
             tracked.last_time[seq.index] = now
-        if out.finished:
-            metrics.on_finished([s.finish_reason or "abort" for s in out.outputs], now - tracked.stream.arrival_time)
+        if out.finished:  # every sequence's reason: a DELTA output holds only those with something new
+            metrics.on_finished([reason or "abort" for reason in tracked.finish_reasons],
+                                now - tracked.stream.arrival_time)

@@ -53,7 +53,9 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
     sizes = [n for n in profile_sizes(cfg) if n <= sched.max_num_batched_tokens]
     n_max = sizes[-1]
     context = max(1, min(MAX_CONTEXT if graphs else EAGER_CONTEXT, sched.max_model_len - 2 * k - 3))
-    span = context + 2 * k + 2  # the context, k drafts verified, one emitted token and k more drafts
+    # the context, k drafts verified, one emitted token and k more drafts; as a real request's, never past
+    # max_model_len (a block table holds no more)
+    span = min(context + 2 * k + 2, sched.max_model_len)
     blocks = list(range(min(-(-span // cfg.cache.block_size), cfg.cache.num_blocks)))
     params = SamplingParams()
     t0 = time.monotonic()

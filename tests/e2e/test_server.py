@@ -1674,6 +1674,30 @@ def test_an_aborted_request_counts_a_finished_sibling_by_its_own_reason():
                                                                   "error": 0.0}
 
 
+def test_siblings_that_finish_in_different_steps_are_each_counted():
+    """n = 2: the engine's DELTA outputs hold only the sequences with something new, so the last
+    one names only the sibling that finished last; the first's reason still counts."""
+    from tandem.outputs import CompletionOutput, RequestOutput
+    from tandem.server.async_engine import AsyncEngine, RequestStream, _Tracked
+    from tandem.server.metrics import ServerMetrics
+
+    async def run():
+        metrics = ServerMetrics("m")
+        client = AsyncEngine(object(), metrics=metrics)
+        tracked = _Tracked(RequestStream("r", asyncio.get_running_loop(), n=2), [0, 0], [0.0, 0.0], [None, None])
+        client._live["r"] = tracked
+        first = [CompletionOutput(0, "a", [5], None, None, finish_reason="stop", stop_reason=7),
+                 CompletionOutput(1, "b", [6], None, None)]
+        client._dispatch(tracked, RequestOutput("r", None, [1], first, finished=False))
+        last = [CompletionOutput(1, "c", [8], None, None, finish_reason="length")]
+        client._dispatch(tracked, RequestOutput("r", None, [1], last, finished=True))
+        return metrics
+
+    counts = _samples(asyncio.run(run()), "tandem_request_success_total")
+    assert {labels[0][1]: v for labels, v in counts.items()} == {"stop": 1.0, "length": 1.0, "abort": 0.0,
+                                                                  "error": 0.0}
+
+
 # ---------------------------------------------------------------- per-request metrics
 def test_per_request_metrics_in_vllms_shape(model_dirs, reference):
     """--enable-per-request-metrics with --per-request-spec-decode-metrics detailed: each response's

@@ -72,3 +72,19 @@ def test_block_table_sends_only_new_ids():
     assert table.rows(torch.tensor([0]), 9).shape == (1, 4)  # no wider than the table
     with pytest.raises(RuntimeError, match="slot 1 holds 5 blocks; its block table has room for 4"):
         table.new_entries([1], [[1, 2, 3, 4, 5]])
+
+
+def test_step_cost_profile_fits_a_short_max_model_len(tmp_path):
+    """Adaptive speculation's start-up profile gives its dummy requests blocks for context + 2k + 2
+    positions; under a max_model_len shorter than that they get no more than a real request
+    (the persistent table's rows hold ceil(max_model_len / block_size) ids)."""
+    from tandem.spec.step_costs import profile_step_costs
+
+    path = make_hf_model(tmp_path / "m", "qwen2", init_std=0.3)
+    draft = make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=4)
+    llm = LLM(str(path), dtype="float32", max_model_len=16, block_size=8, max_num_seqs=2,
+              speculative_config=dict(model=str(draft), num_speculative_tokens=7))
+    backend = AttnBackend(8, torch.device("cpu"), use_table=True, use_triton=False, max_num_seqs=2, max_model_len=16)
+    llm.engine.runner.attn_backend = llm.engine.runner.speculator.attn_backend = backend
+    costs = profile_step_costs(llm.engine.runner, llm.engine.cfg)
+    assert costs.table()
