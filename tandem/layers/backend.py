@@ -13,7 +13,7 @@ from torch import Tensor
 from tandem.layers.attention import build_attn_metadata, build_decode_metadata
 from tandem.layers.block_table import BlockTable
 from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata
-from tandem.runner.upload import Uploader
+from tandem.upload import Uploader
 
 
 def triton_available(device: torch.device) -> bool:

@@ -22,7 +22,7 @@ def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
     upload, use_triton: bool, table: BlockTable | None = None, slots: list[int] | None = None,
 ) -> "TableAttnMetadata":
-    """Host lists -> device metadata for an eager step; upload: a runner.upload.Uploader.
+    """Host lists -> device metadata for an eager step; upload: a tandem.upload.Uploader.
     table, slots: the persistent block table and each query's slot there (the rows are brought
     up to block_tables, sending only new ids); None: the tables are sent whole."""
     max_blocks = max(len(t) for t in block_tables)

@@ -24,7 +24,7 @@ from tandem.layers.backend import AttnBackend
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.runner.inputs import Batch, build_batch
-from tandem.runner.upload import to_host
+from tandem.upload import to_host
 from tandem.sampling.processors import CHUNK_ROWS, apply_token_bitmask
 from tandem.sampling.sampler import compute_logprobs, process_logits, sample
 from tandem.sampling.state import SamplingState

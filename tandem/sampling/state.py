@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tandem.plan import NewReq
-from tandem.runner.upload import Uploader
+from tandem.upload import Uploader
 from tandem.sampling.watermark import WatermarkConfig, WatermarkState
 from tandem.sampling_params import SamplingParams
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from tandem.errors import ConfigError
 from tandem.plan import NewReq
-from tandem.runner.upload import Uploader
+from tandem.upload import Uploader
 from tandem.sampling.gumbel import _M32, WATERMARK_SALT, _fmix32, _mul32, noise_key, uniform
 from tandem.sampling_params import MAX_SEED, SamplingParams
 

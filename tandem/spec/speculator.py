@@ -40,7 +40,7 @@ from tandem.models.decoder import CausalLM, KVCache
 from tandem.plan import StepPlan
 from tandem.runner.graphs import GraphRunner
 from tandem.runner.inputs import Batch
-from tandem.runner.upload import to_host
+from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
 from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p

@@ -1,9 +1,9 @@
-"""The runner's Uploader (tandem/runner/upload.py): host lists -> device int64 views of one copy."""
+"""The Uploader (tandem/upload.py): host lists -> device int64 views of one copy."""
 from __future__ import annotations
 
 import torch
 
-from tandem.runner.upload import Uploader
+from tandem.upload import Uploader
 
 
 def test_views_hold_the_lists_and_start_on_16_byte_boundaries():

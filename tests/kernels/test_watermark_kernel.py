@@ -49,7 +49,7 @@ def test_context_hashes_seen_equal_the_reference(history_len, count_scale):
     """The fused hash + history search against WatermarkState.keys' torch path, on histories that
     are empty, partly filled and wrapped, rows with 0..k drafts before them, and contexts planted
     in the history (within reach and pushed out of it) and among the earlier rows."""
-    from tandem.runner.upload import Uploader
+    from tandem.upload import Uploader
     from tandem.sampling.watermark import WatermarkConfig, WatermarkState
 
     g = torch.Generator().manual_seed(history_len + count_scale)
