@@ -557,6 +557,47 @@ def test_characters_split_across_tokens_stream_whole(model):
     assert stop == " and" and state.text == "ok \U0001f99c"
 
 
+class _FailingStream:
+    def step(self, tokenizer, token):
+        raise Exception("Invalid prefix encountered")
+
+
+def test_the_tokenizers_incremental_decoder_streams_the_windows_text(model):
+    """A fast tokenizer's text comes from its DecodeStream: on random ids of the byte-level test
+    tokenizer (characters split across byte tokens, special tokens shown and skipped) it streams
+    what decoding by windows does, which is the whole decode less the context's, and holds back
+    the same incomplete characters; a stream that fails goes on by windows."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    detok = Detokenizer(tok)
+    rng = random.Random(0)
+    for trial in range(60):
+        skip = trial % 2 == 0
+        context = tok("def f(x):", add_special_tokens=False).input_ids
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        fast = detok.new_state(context, [], False, skip_special=skip)
+        windows = detok.new_state(context, [], False, skip_special=skip)
+        assert fast.stream is not None
+        windows.stream = None
+        failing = detok.new_state(context, [], False, skip_special=skip)
+        for j, t in enumerate(ids):
+            if j == len(ids) // 2:
+                failing.stream = _FailingStream()  # the state goes on by windows
+            detok.push(fast, t, check_stop=False)
+            detok.push(windows, t, check_stop=False)
+            detok.push(failing, t, check_stop=False)
+            assert fast.text == windows.text
+        assert failing.stream is None or len(ids) == 1
+        whole = tok.decode(context + ids, skip_special_tokens=skip)
+        if not whole.endswith("\ufffd"):
+            assert fast.text == failing.text == whole[len(tok.decode(context, skip_special_tokens=skip)):]
+
+
 def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
     """EOS after EOS (ignore_eos) adds no text under skip_special_tokens, nor do ids past the tokenizer's:
     those ids stay out of the decode window, which used to grow with the run, making each push decode all
