@@ -12,7 +12,7 @@ from torch import Tensor
 
 from tandem.layers.attention import build_attn_metadata, build_decode_metadata
 from tandem.layers.block_table import BlockTable
-from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata
+from tandem.layers.table_attention import TableAttnMetadata, build_table_metadata, padded_tables
 from tandem.upload import Uploader
 
 
@@ -65,8 +65,7 @@ class AttnBackend:
         persistent table, uploaded from the lists [n, width]."""
         if self.block_table is not None:
             return self.block_table.rows(slots, width)
-        flat = [b for ids in block_lists for b in (ids + [0] * width)[:width]]
-        (table,) = self.upload(flat)
+        (table,) = self.upload(padded_tables(block_lists, width))
         return table.view(len(block_lists), width)
 
     def draft_step(self, pos: Tensor, slots: Tensor, drafts: Tensor, col: int, table: Tensor, valid: Tensor,

@@ -34,8 +34,7 @@ def build_table_metadata(
         cu.append(cu[-1] + n)
     seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
     if table is None:
-        flat = [v for t in block_tables for v in (t + [0] * max_blocks)[:max_blocks]]
-        slot_t, seq_t, cu_t, tables_t = upload(slot_mapping, seq_lens, cu, flat)
+        slot_t, seq_t, cu_t, tables_t = upload(slot_mapping, seq_lens, cu, padded_tables(block_tables, max_blocks))
         tables_t = tables_t.view(len(block_tables), max_blocks)
     else:
         index, values = table.new_entries(slots, block_tables)
@@ -51,6 +50,11 @@ def build_table_metadata(
         block_size=block_size,
         use_triton=use_triton,
     )
+
+
+def padded_tables(block_lists: list[list[int]], width: int) -> list[int]:
+    """Each list cut or zero-padded to width, flattened: a [len(block_lists), width] table's values."""
+    return [b for ids in block_lists for b in (ids + [0] * width)[:width]]
 
 
 @dataclass(slots=True)
