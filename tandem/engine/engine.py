@@ -24,6 +24,7 @@ from tandem.config import EngineConfig
 from tandem.engine.build import build_runner, capture_graphs, rehearse, scratch_cache
 from tandem.engine.detokenizer import Detokenizer, DetokState
 from tandem.engine.grammar import Grammars
+from tandem.engine.heap import freeze_startup_heap
 from tandem.errors import RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
@@ -198,6 +199,7 @@ class Engine:
         self._next_id = 0
         self._aborted: list[RequestState] = []
         self._dead: str | None = None  # why the engine takes no more work (a fatal step error; stop())
+        freeze_startup_heap(self)  # no full collection walks the models and libraries while it serves
 
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
