@@ -2,10 +2,13 @@
 of full garbage collections with the start-up heap frozen (the engine's way) or not.
 
     python bench/host_step.py                            # batches 64 and 256, this machine's device
-    python bench/host_step.py --batch-sizes 256 --steps 400 --device cpu
+    python bench/host_step.py --batch-sizes 256 --block-steps 100 --device cpu
+    python bench/host_step.py --tokenizer ~/.cache/tandem/converted/qwen2.5-coder-1.5b-instruct-*  # + detokenizing
 
 A tiny model (its device work small beside the host's) decodes `--batch-sizes` requests with
-async scheduling and DELTA outputs (what the server asks for). On a CPU the engine is switched
+async scheduling and DELTA outputs (what the server asks for); with `--tokenizer` its vocabulary
+is that tokenizer's and the engine detokenizes every token, as it would serve (the larger head
+then adds to `launch` on a CPU). On a CPU the engine is switched
 to the block-table attention metadata the GPU uses, so the host builds what it builds there.
 Each batch runs blocks of `--block-steps` steps, alternating the heap frozen (as the engine
 leaves it) and thawed (gc.unfreeze), `--blocks` of each, in the order ABBA... (the contexts
@@ -81,9 +84,9 @@ def run_batch(model: Path, n: int, args) -> list[dict]:
     from tandem.sampling_params import RequestOutputKind
 
     total_steps = args.warmup + 2 * args.blocks * args.block_steps
-    llm = LLM(str(model), dtype="float32", device=args.device, max_num_seqs=n,
+    llm = LLM(str(model), tokenizer=args.tokenizer, dtype="float32", device=args.device, max_num_seqs=n,
               max_model_len=args.prompt_len + total_steps + 8, max_num_batched_tokens=max(2048, n * args.prompt_len),
-              enable_prefix_caching=False, async_scheduling=True)
+              async_scheduling=True)
     engine = llm.engine
     if engine.cfg.device.type == "cpu":  # the GPU's metadata path: the host builds what it builds there
         backend = AttnBackend(engine.cfg.cache.block_size, engine.cfg.device, use_table=True, use_triton=False,
@@ -93,9 +96,9 @@ def run_batch(model: Path, n: int, args) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=total_steps + 4, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     g = torch.Generator().manual_seed(n)
+    vocab = len(llm.get_tokenizer()) if args.tokenizer else TINY_LLAMA["vocab_size"]
     for i in range(n):
-        engine.add_request(str(i), torch.randint(2, TINY_LLAMA["vocab_size"], (args.prompt_len,), generator=g).tolist(),
-                           params)
+        engine.add_request(str(i), torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist(), params)
     for _ in range(args.warmup):
         engine.step()
     modes = {"frozen": dict(steps=[], phases=defaultdict(float), pauses=[]),
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=3, help="blocks of each heap mode, alternated")
     ap.add_argument("--block-steps", type=int, default=50)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory: the engine detokenizes with it")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     ap.add_argument("--json", default=str(RESULTS_DIR / "host_step.json"))
     args = ap.parse_args(argv)
@@ -152,6 +156,10 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(TINY_LLAMA, num_hidden_layers=1, max_position_embeddings=8192)
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            shape["vocab_size"] = len(AutoTokenizer.from_pretrained(args.tokenizer))
         model = build_random_model(Path(tmp) / "tiny", shape, dtype="float32")
         for n in (int(b) for b in args.batch_sizes.split(",")):
             log(f"batch {n}")

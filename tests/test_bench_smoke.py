@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmarks' quick modes (cpu_throughput, priority, ngram): they run end to end and write sane JSON."""
+"""Smoke tests of the benchmarks' quick modes (cpu_throughput, priority, ngram, suffix_rules, host_step): they
+run end to end and write sane JSON."""
 import json
 import subprocess
 import sys
@@ -98,3 +99,20 @@ def test_suffix_rules_bench_on_given_outputs(tmp_path):
     assert set(rows) == {(rule, w) for rule in ("tandem", "arctic") for w in ("own", "pass 1", "pass 2")}
     for rule in ("tandem", "arctic"):
         assert rows[rule, "pass 2"]["steps"] < rows[rule, "pass 1"]["steps"] <= rows[rule, "own"]["tokens"]
+
+
+def test_host_step_bench_quick(tmp_path):
+    """bench/host_step.py on a small batch: both heap modes measured, every phase timed, and the
+    frozen heap's full collections short."""
+    out = tmp_path / "host_step.json"
+    proc = subprocess.run([sys.executable, "bench/host_step.py", "--device", "cpu", "--batch-sizes", "8",
+                           "--warmup", "2", "--blocks", "2", "--block-steps", "5", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "host time per engine step" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["batch"], r["heap"]) for r in rows] == [(8, "frozen"), (8, "thawed")]
+    for r in rows:
+        assert r["steps"] == 10 and 0 < r["step_p50_ms"] <= r["step_max_ms"]
+        for phase in ("schedule_ahead", "build_batch", "launch", "update", "_emit", "_outputs"):
+            assert r["us_per_request"][phase] > 0, (r["heap"], phase)

@@ -71,7 +71,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, kept cheap: asked of every running request every step
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
 
 def _count(m: RequestMetrics, seqs: list[SeqState], reqs: list[Request]) -> None:
@@ -622,20 +625,25 @@ class Engine:
 
     def _emit(self, plan: StepPlan, result: StepResult, events, start: float, touched: dict) -> None:
         now = time.monotonic()
-        index_of = {r.req_id: i for i, r in enumerate(plan.reqs)}
-        for i, item in enumerate(plan.reqs):
-            seq = self._seq_of.get(item.req_id)
+        for new in plan.new_reqs:  # admitted by this step (a request preempted before keeps its first time)
+            seq = self._seq_of.get(new.req_id)
             if seq is not None:
                 m = self._requests[seq.request_id].metrics
                 m.first_scheduled_time = m.first_scheduled_time or start
-                if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
-                    self._push_prompt_logprobs(seq, item.start_pos + 1, result.prompt_logprobs[i])
+        if result.prompt_logprobs is not None:
+            for item, lps in zip(plan.reqs, result.prompt_logprobs):
+                seq = self._seq_of.get(item.req_id)
+                if seq is not None and lps is not None:
+                    self._push_prompt_logprobs(seq, item.start_pos + 1, lps)
+        # where a request's logprobs are (None: no request asked for them)
+        index_of = {r.req_id: i for i, r in enumerate(plan.reqs)} \
+            if result.logprobs.count(None) < len(result.logprobs) else None
         for req, emitted in events:
             seq = self._seq_of.get(req.req_id)
             if seq is None:
                 continue
             state = self._requests[seq.request_id]
-            logprobs = result.logprobs[index_of[req.req_id]]
+            logprobs = result.logprobs[index_of[req.req_id]] if index_of is not None else None
             self._push_tokens(seq, emitted, logprobs)
             m = state.metrics
             m.first_token_time = m.first_token_time or now
@@ -751,17 +759,22 @@ class Engine:
         """The request's output: everything so far, or (delta) only what is new since the last one
         (its sequences with nothing new left out, the prompt logprobs in the first alone; None when
         nothing is new and it has not finished)."""
-        m = state.metrics
-        reqs = [s.req for s in state.seqs]
-        _count(m, state.seqs, reqs)
-        if state.finished:  # the histograms and each round's counts: on the final output alone
+        m, seqs, params = state.metrics, state.seqs, state.params
+        reqs = [s.req for s in seqs]
+        _count(m, seqs, reqs)
+        finished = state.finished
+        if finished:  # the histograms and each round's counts: on the final output alone
             self._final_acceptance(m, reqs)
-        outputs = [c for c in (self._completion(s, state.params, delta) for s in state.seqs) if c is not None]
-        if not outputs and not state.finished:
+        outputs = []
+        for seq in seqs:
+            completion = self._completion(seq, params, delta)
+            if completion is not None:
+                outputs.append(completion)
+        if not outputs and not finished:
             return None
-        prompt_lps = self._prompt_logprobs_of(state)
+        prompt_lps = self._prompt_logprobs_of(state) if seqs[0].prompt_logprobs is not None else None
         if prompt_lps is not None and delta and state.shown_prompt_logprobs:
             prompt_lps = None
         state.shown_prompt_logprobs = state.shown_prompt_logprobs or prompt_lps is not None
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, m,
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, m,
                              prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None)

@@ -56,7 +56,9 @@ class BlockManager:
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to cover num_tokens positions; False (and no change) if short."""
-        need = self.blocks_needed(req, num_tokens)
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)  # blocks_needed, inlined (every step)
+        if need <= 0:
+            return True
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
@@ -97,9 +99,9 @@ class BlockManager:
         """Register req's blocks that became full of computed tokens since the last call (a stop
         inside an accepted run leaves computed positions past the kept tokens: those are not),
         and, with a limit, only those below position `limit`."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or req.num_computed_tokens < (len(req.block_hashes) + 1) * bs:
+            return  # (no block filled since the last call: most decode steps)
         end = min(req.num_computed_tokens, req.num_tokens, req.num_tokens if limit is None else limit)
         for i in range(len(req.block_hashes), end // bs):
             parent = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt)

@@ -510,12 +510,12 @@ class Scheduler:
         its PR 27640): a stop token that is also the last one allowed finishes with "stop"; the
         primary EOS (eos_token_ids[0]) with no stop_reason even when stop_token_ids lists it, any
         other EOS id with its id (vLLM counts those as stop tokens)."""
-        num_out = len(req.output_token_ids)
-        if num_out >= req.params.min_tokens:
-            if not req.params.ignore_eos and token in req.eos_token_ids:
+        num_out, params = len(req.output_token_ids), req.params
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
                 return "stop", None if token == req.eos_token_ids[0] else token
-            if token in req.params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 return "stop", token
-        if num_out >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+        if num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.cfg.max_model_len:
             return "length", None
         return None
