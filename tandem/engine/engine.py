@@ -445,7 +445,9 @@ class Engine:
         device state it may have left half-written, and raises StepError naming them; the engine
         stays usable and the requests it did not run go on. Out of memory is reported with the
         settings that leave the step more room."""
-        touched = {s.request_id: s for s in self._aborted}
+        # the requests this step reports, by identity: an id aborted and added again before this step is
+        # two requests, the ended one reported first
+        touched = {id(s): s for s in self._aborted}
         self._aborted = []
         running: list[StepPlan] = []  # the plans this call launched or collects
         try:
@@ -574,7 +576,7 @@ class Engine:
     def stopped(self) -> bool:
         return self._dead is not None
 
-    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+    def _outputs(self, touched: dict[int, RequestState]) -> list[RequestOutput]:
         """The outputs of the requests that progressed, as each one's output_kind asks: every one
         (CUMULATIVE), those with something new (DELTA), the finished (FINAL_ONLY)."""
         outs = []
@@ -648,9 +650,9 @@ class Engine:
             m = state.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-            touched[state.request_id] = state
+            touched[id(state)] = state
         for state in touched.values():
-            if state.finished and state.request_id in self._requests:
+            if state.finished and self._requests.get(state.request_id) is state:  # (not an ended one's id reused)
                 state.metrics.finished_time = now
                 del self._requests[state.request_id]
                 for seq in state.seqs:

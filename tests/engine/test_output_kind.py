@@ -242,3 +242,17 @@ def test_the_async_engine_refuses_other_kinds(llm):
                 asyncio.run(client.add_request("x", PROMPT, SamplingParams(output_kind=kind)))
     finally:
         asyncio.run(client.shutdown())
+
+
+def test_an_id_aborted_and_added_again_before_a_step_reports_both(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    llm.engine.add_request("again", PROMPT, params)
+    llm.engine.step()
+    assert llm.engine.abort_request("again")
+    llm.engine.add_request("again", PROMPT, params)  # the id is free once its request ended
+    outs = [o for o in llm.engine.step() if o.request_id == "again"]
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"  # the ended one, first
+    tokens = [t for o in outs[1:] for t in o.outputs[0].token_ids]
+    while llm.engine.has_unfinished_requests():
+        tokens += [t for o in llm.engine.step() if o.request_id == "again" for t in o.outputs[0].token_ids]
+    assert len(tokens) == 4  # the new one, whole
