@@ -191,7 +191,7 @@ class Grammars:
         """Advance a sequence's matcher over the tokens it emitted, as far as it goes: once it
         stops (the output complete: only EOS may follow) what follows is not consumed, whether
         one step emitted it with the last token or a later step did (a row the constraint and
-        another mask left empty: min_tokens holding back that EOS), so a speculative step and
+        another mask left empty: allowed_token_ids without that EOS), so a speculative step and
         target-only steps leave the matcher alike. A token it refuses (drawn from such an empty
         row before the output was complete) or its own failure puts it in error, which llguidance
         counts as stopped: its rows allow only EOS from then on, so the output ends (vLLM's

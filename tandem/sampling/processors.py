@@ -60,10 +60,21 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
             logits[i].index_add_(0, bias[0], bias[1])
         stop_ids = state.min_tokens_ids.get(slot)
         if stop_ids is not None and rows.num_outputs[i] < state.params[slot].min_tokens:
-            logits[i].index_fill_(0, stop_ids, float("-inf"))  # `[i, ids] = -inf` copies the scalar: a sync
+            _hold_back(logits[i], stop_ids)
     pen = [i for i, slot in enumerate(rows.slots) if slot in state.output_counts]
     for i in range(0, len(pen), CHUNK_ROWS):
         _apply_penalties(logits, state, rows, pen[i : i + CHUNK_ROWS])
+
+
+def _hold_back(row: Tensor, stop_ids: Tensor) -> None:
+    """min_tokens: the stop ids [s] of row [V] to -inf, unless nothing else is left in it (a grammar
+    whose output is complete, or allowed_token_ids, allows only stop ids): then they stay, and the
+    row never empties (an empty row would draw a token its constraint forbids). No sync: the choice
+    is made on the device."""
+    kept = row.index_select(0, stop_ids)  # [s]
+    row.index_fill_(0, stop_ids, float("-inf"))  # (`row[ids] = -inf` copies the scalar: a sync)
+    empty = torch.isneginf(row).all()
+    row.index_copy_(0, stop_ids, torch.where(empty, kept, float("-inf")))
 
 
 def _ban_bad_words(row: Tensor, words: tuple[Tensor, Tensor], recent: Tensor | None,

@@ -335,6 +335,17 @@ def test_min_tokens_and_eos(llm):
     assert eos not in out.outputs[0].token_ids[:5] and out.outputs[0].token_ids[5:] == [eos] * 7
 
 
+def test_min_tokens_yields_where_only_stop_tokens_are_allowed(llm):
+    """allowed_token_ids of stop tokens alone: min_tokens would leave nothing to draw, so it keeps
+    them (a row never empties: the old way drew token 0, which the request does not allow); the
+    output goes on with them until min_tokens, where the stop counts. Greedy and sampled."""
+    eos = llm.engine.eos_token_ids[0]
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(temperature=temperature, seed=3, max_tokens=12, min_tokens=4, allowed_token_ids=[eos])
+        out = llm.generate({"prompt_token_ids": [8, 9]}, p, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [eos] * 4 and out.finish_reason == "stop", (temperature, out)
+
+
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
     """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
     out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""

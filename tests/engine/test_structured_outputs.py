@@ -229,12 +229,13 @@ def test_synthetic_acceptance_refuses_constraints(models):
 
 
 def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
-    """min_tokens past the end of the language leaves rows with no token to draw (the complete
-    output allows only EOS, which min_tokens holds back): the request runs to its min_tokens
-    without a failure, its neighbours untouched; so do allowed_token_ids without EOS, and a
-    grammar whose matcher fails (llguidance's item limit): it ends at EOS. A speculative step
-    that emits the completing token and a filler together leaves the matcher as target-only
-    steps do, so the outputs are the same token for token."""
+    """min_tokens past the end of the language: the complete output allows only EOS, which
+    min_tokens would hold back, leaving nothing to draw; min_tokens yields there (a row never
+    empties), so the output goes on with EOS alone up to its min_tokens and stops, its text the
+    constraint's, its neighbours untouched. allowed_token_ids without EOS still empty a row (no
+    min_tokens to yield): it runs to max_tokens; a grammar whose matcher fails (llguidance's item
+    limit) ends at EOS. A speculative step that emits the completing token and the EOS after it
+    together leaves the matcher as target-only steps do, so the outputs are the same token for token."""
     so = StructuredOutputsParams(choice=["fox", "Paris"])
     params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=16, structured_outputs=so),
               SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX)),
@@ -247,7 +248,9 @@ def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
     outs = {draft: _llm(models, draft, k=5).generate(prompts, params, use_tqdm=False) for draft in (None, "near")}
     assert _tokens(outs["near"]) == _tokens(outs[None])
     fox, regex, allowed, endless = (o.outputs[0] for o in outs[None])
-    assert fox.text == "fox" and len(fox.token_ids) >= 12 and fox.finish_reason == "stop"
+    assert fox.text == "fox" and len(fox.token_ids) == 12 and fox.finish_reason == "stop"
+    eos = 1  # tests.helpers' </s>
+    assert set(fox.token_ids[fox.token_ids.index(eos):]) == {eos}, fox.token_ids  # no token the grammar forbids
     assert re.fullmatch(REGEX, regex.text)
     assert allowed.text.startswith("fox") and allowed.finish_reason == "length"
     assert endless.text == "a" and endless.finish_reason == "stop"
