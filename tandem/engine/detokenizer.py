@@ -7,6 +7,7 @@ window of new tokens against the ones before it.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 
 try:
@@ -20,17 +21,45 @@ _CONTEXT_TOKENS = 6
 
 @dataclass
 class DetokState:
-    """Text of one output sequence, grown token by token."""
+    """Text of one output sequence, grown token by token.
+
+    The text lives in a StringIO, as appending to a str attribute copies the whole text every
+    token: with Qwen2.5's tokenizer on 70k tokens of code (dev CPU), a push averaged 5.2-6.3 us
+    that way, 2.4-2.6 us this way, the same at 8k tokens. An output reads only what is new
+    (text_between), and stop strings are looked for in the piece and the few characters before
+    it (recent)."""
 
     ids: list[int]  # context tokens then output tokens
     prefix_offset: int
     read_offset: int
     skip_special_tokens: bool
     spaces_between_special_tokens: bool = True
-    text: str = ""
     stops: list[str] = field(default_factory=list)
     include_stop: bool = False
     stream: object | None = None  # a DecodeStream primed with the context; None: decode by windows
+    length: int = 0  # characters of text
+    max_stop_len: int = 0  # of stops
+    recent: str = ""  # with stops: the text's last max_stop_len - 1 characters (where a stop may begin)
+    _buffer: io.StringIO = field(default_factory=lambda: io.StringIO(newline=""))  # (no newline translation)
+
+    @property
+    def text(self) -> str:
+        """The whole text (a copy: text_between for a part)."""
+        return self._buffer.getvalue()
+
+    def text_between(self, start: int, end: int) -> str:
+        """Characters start .. end - 1 of the text."""
+        self._buffer.seek(start)
+        return self._buffer.read(max(0, end - start))
+
+    def _append(self, piece: str) -> None:
+        self._buffer.seek(self.length)
+        self.length += self._buffer.write(piece)
+
+    def _cut(self, length: int) -> None:
+        """Keep the first length characters."""
+        self._buffer.truncate(length)
+        self.length = length
 
 
 class Detokenizer:
@@ -60,7 +89,8 @@ class Detokenizer:
     def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool,
                   spaces_between_special: bool = True) -> DetokState:
         ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
-        st = DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special, stops=stops, include_stop=include_stop)
+        st = DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special, stops=stops, include_stop=include_stop,
+                        max_stop_len=max(map(len, stops), default=0))
         if self._fast is not None and spaces_between_special:  # (DecodeStream has no such option)
             known = [t for t in ctx if self._num_known is None or t < self._num_known]
             if "\ufffd" not in self.tokenizer.decode(known, skip_special_tokens=skip_special):
@@ -91,7 +121,7 @@ class Detokenizer:
         if self.tokenizer is None or (self._num_known is not None and token >= self._num_known) \
                 or (st.skip_special_tokens and self._is_skipped(token)):
             return None  # no text: the decode would drop it anyway
-        before = len(st.text)
+        before = st.length
         piece = self._stream_step(st, token) if st.stream is not None else None
         st.ids.append(token)
         if st.stream is None:  # by windows: the new tokens' text against the ones before them
@@ -100,17 +130,17 @@ class Detokenizer:
             piece = full[len(prefix) :] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
         if not piece:
             return None  # an incomplete character: wait for more tokens
-        st.text += piece
+        st._append(piece)
         st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
-        if not (check_stop and st.stops):
+        if not st.stops:
             return None
-        found = []
-        for stop in st.stops:
-            at = st.text.find(stop, max(0, before - len(stop) + 1))
-            if at != -1:
-                found.append((at, stop))
+        tail = st.recent + piece  # a stop may start up to max_stop_len - 1 characters before the piece
+        first = before - len(st.recent)
+        found = [(first + at, stop) for stop in st.stops
+                 if (at := tail.find(stop, max(0, before - len(stop) + 1 - first))) != -1] if check_stop else None
         if not found:
+            st.recent = tail[max(0, len(tail) - st.max_stop_len + 1):] if st.max_stop_len > 1 else ""
             return None
         at, stop = min(found, key=lambda f: f[0])
-        st.text = st.text[: at + len(stop)] if st.include_stop else st.text[:at]
+        st._cut(at + len(stop) if st.include_stop else at)
         return stop

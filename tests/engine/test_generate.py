@@ -568,6 +568,37 @@ def test_characters_split_across_tokens_stream_whole(model):
     assert stop == " and" and state.text == "ok \U0001f99c"
 
 
+def test_stop_strings_across_tokens_in_the_text_buffer(model):
+    """The detokenizer's text grows in a buffer (not a str copied every token): a stop string is
+    found however the tokens split it, among stops of unequal lengths, with and without
+    include_stop, line breaks kept as they are; the text is the full decode's, cut there."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = "The quick brown fox\r\njumps over the lazy dog. def fib(n):\r\n return n\r"
+    ids = tok(text, add_special_tokens=False).input_ids
+    detok = Detokenizer(tok)
+    for stops in (["lazy"], ["quick brown fox\r\nj"], ["\r\njumps", "fox"], ["fib(n):\r\n", "ove"], ["g. def", "z"],
+                  ["xyz"], ["n\r"]):
+        for include in (False, True):
+            state = detok.new_state([], stops, include, skip_special=True)
+            found = next((f for t in ids if (f := detok.push(state, t, check_stop=True)) is not None), None)
+            hits = sorted((text.find(stop), stop) for stop in stops if stop in text)
+            if not hits:
+                assert found is None and state.text == text
+                continue
+            at, stop = hits[0]
+            assert found == stop and state.text == text[: at + len(stop) * include], (stops, include, state.text)
+            assert state.length == len(state.text)
+            assert state.text_between(2, 7) == state.text[2:7]
+    # A stop that starts in the text of tokens pushed without the check (min_tokens) still counts once it ends later.
+    state = detok.new_state([], ["quick brown fox"], False, skip_special=True)
+    found = next((f for i, t in enumerate(ids) if (f := detok.push(state, t, check_stop=i >= 2)) is not None), None)
+    assert found == "quick brown fox" and state.text == "The "
+
+
 class _FailingStream:
     def step(self, tokenizer, token):
         raise Exception("Invalid prefix encountered")
