@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"the model whose tokenizer encodes the text (default: {DEFAULT_TARGET})")
     det.add_argument("--p-value-threshold", type=float_in(0, 1, lo_open=True), default=0.01,
                      help="call the text watermarked below this p-value (default 0.01)")
+    det.add_argument("--prompt", default=None,
+                     help="the prompt the text was generated after, encoded as `generate` encodes it: its last "
+                          "tokens are the first tokens' contexts, so those are scored too (without it they are not)")
+    det.add_argument("--chat", action="store_true", help="the prompt went through the chat template (generate --chat)")
     tmap = sub.add_parser("token-map", help="rank token ids by their frequency in text files: a --draft-token-map")
     tmap.add_argument("files", nargs="+", help="text files ('-': stdin), e.g. a sample of the traffic to serve")
     tmap.add_argument("--model", default=DEFAULT_TARGET, type=non_empty("pass a model path or name"),
@@ -243,7 +247,7 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(model, speculative_config=spec, **common)
     load_s = time.perf_counter() - t0
-    prompt_ids = _prompt_ids(llm, args.prompt, args.chat)
+    prompt_ids = _prompt_ids(llm.get_tokenizer(), args.prompt, args.chat)
     out, elapsed = _stream(llm, prompt_ids, params, echo=True)
     n = len(out.outputs[0].token_ids)
     m = out.metrics
@@ -306,17 +310,20 @@ def _detect(args) -> int:
     if tok is None:
         raise ConfigError(f"--model {args.model} has no tokenizer to encode the text with; pass one that has")
     ids = tok(text, add_special_tokens=False).input_ids
-    found = detect_watermark(ids, args.watermark_config, p_value_threshold=args.p_value_threshold)
+    if args.chat and args.prompt is None:
+        raise ConfigError("--chat applies the chat template to --prompt; pass the prompt too")
+    prompt_ids = _prompt_ids(tok, args.prompt, args.chat) if args.prompt is not None else None
+    found = detect_watermark(ids, args.watermark_config, prompt_ids, p_value_threshold=args.p_value_threshold)
     verdict = "yes" if found.watermarked else "no"
     print(f"watermarked: {verdict} (p-value {found.p_value:.3g} over {found.num_tokens} scored tokens of "
           f"{len(ids)}; score {found.score:.1f}, expected {found.num_tokens} without the watermark)")
     return 0
 
 
-def _prompt_ids(llm, prompt: str, chat: bool) -> list[int]:
+def _prompt_ids(tok, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids as `generate` feeds them (tok: the model's tokenizer, or None)."""
     from tandem.errors import RequestError
 
-    tok = llm.get_tokenizer()
     if tok is None:
         raise RequestError("this model has no tokenizer, so a text prompt cannot be encoded")
     if chat:

@@ -100,6 +100,17 @@ def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
     verdict = "yes" if found.watermarked else "no"
     assert out.startswith(f"watermarked: {verdict} (p-value {found.p_value:.3g} over {found.num_tokens} scored "
                           f"tokens of {len(ids)}")
+    # With the prompt, the first tokens have their contexts too, and are scored.
+    tok = LLM(str(tmp_path / "t"), dtype="float32").get_tokenizer()
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(text))
+    assert main(["detect", "--model", str(tmp_path / "t"), "--watermark-config", key, "--prompt", "Once upon a time",
+                 "-"]) == 0
+    out = capsys.readouterr().out
+    prompted = detect_watermark(ids, json.loads(key), tok("Once upon a time").input_ids)
+    assert prompted.num_tokens > found.num_tokens
+    assert f"over {prompted.num_tokens} scored tokens of {len(ids)}" in out
+    assert main(["detect", "--model", str(tmp_path / "t"), "--watermark-config", key, "--chat", "x"]) == 2
+    assert "pass the prompt too" in capsys.readouterr().err
 
 
 def test_generate_with_structured_outputs(tmp_path, capsys):
