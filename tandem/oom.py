@@ -56,11 +56,31 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def host_available_bytes() -> int | None:
+    """The memory the OS can still give without swapping (Linux's MemAvailable: free memory and the
+    caches it can drop), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_host_fits(num_bytes: int, what: str, fix: str) -> None:
-    """Raise ConfigError when num_bytes exceed the machine's physical memory."""
+    """Raise ConfigError when num_bytes exceed the machine's physical memory, or what it has
+    available now (the weights already loaded count): Linux grants an allocation it cannot back and
+    kills the process once its pages are touched, which for a KV pool is when requests fill it."""
     total = host_memory_bytes()
     if total is not None and num_bytes > total:
         raise ConfigError(f"{what} needs {_gib(num_bytes)}, more than this machine's {_gib(total)} of memory; {fix}")
+    available = host_available_bytes()
+    if available is not None and num_bytes > available:
+        of = f" of {_gib(total)}" if total is not None else ""
+        raise ConfigError(f"{what} needs {_gib(num_bytes)}, more than the {_gib(available)}{of} this machine has "
+                          f"available now; {fix}")
 
 
 def _host_out_of_memory(exc: BaseException) -> bool:

@@ -10,7 +10,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.errors import ConfigError
 from tandem.models.decoder import KVCache
-from tandem.oom import OutOfMemoryGuard, check_host_fits
+from tandem.oom import OutOfMemoryGuard, check_host_fits, host_available_bytes
 from tandem.parallel.shard import shard_arch
 
 logger = logging.getLogger("tandem")
@@ -83,6 +83,10 @@ def num_kv_blocks(cfg: EngineConfig, model, draft_bytes_per_block: int = 0, draf
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, blocks_per_req * sched.max_num_seqs * per_block)
         source = "the CPU default (min of 4 GiB and max_num_seqs full-length requests)"
+        available = host_available_bytes()  # (the weights loaded already count)
+        if available is not None and budget > available // 2:
+            budget = available // 2
+            source = "the CPU default (half the memory this machine has available, less than 4 GiB)"
     if cfg.device.type == "cpu":
         check_host_fits(budget, f"the KV cache ({source})", f"lower {budget_setting(cfg)}")
     num_blocks = budget // per_block

@@ -74,6 +74,29 @@ def test_cpu_settings_beyond_the_machines_memory_are_refused(tmp_path):
             LLM(model, device="cpu", dtype="float32", **kwargs)
 
 
+def test_cpu_settings_beyond_the_available_memory_are_refused(tmp_path, monkeypatch):
+    """A KV budget within the machine's memory but beyond what it has available now (other processes,
+    the weights just loaded): refused by name, not granted and then killed for when requests fill it. The
+    default budget shrinks to half the available memory instead (as long as one request fits)."""
+    from tandem import LLM
+    from tandem import oom
+    from tandem.runner import memory
+    from tests.helpers import make_hf_model
+
+    model = str(make_hf_model(tmp_path / "m", seed=0))
+    monkeypatch.setattr(oom, "host_memory_bytes", lambda: 64 * GiB)
+    for module in (oom, memory):
+        monkeypatch.setattr(module, "host_available_bytes", lambda: 1 * GiB)
+    with pytest.raises(ConfigError, match=r"kv_cache_memory_bytes=\d+\) needs 2.0 GiB, more than the 1.0 GiB of 64.0 GiB "
+                                          r"this machine has available now; lower kv_cache_memory_bytes$"):
+        LLM(model, device="cpu", dtype="float32", kv_cache_memory_bytes=2 * GiB)
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=4096)  # 4096 full-length requests: 1 GiB
+    cfg = llm.engine.cfg
+    per_block, blocks_per_req = memory.bytes_per_block(cfg), -(-cfg.sched.max_model_len // cfg.cache.block_size)
+    assert 4096 * blocks_per_req * per_block > GiB // 2  # what the default would have taken
+    assert cfg.cache.num_blocks == GiB // 2 // per_block
+
+
 def test_per_request_state_beyond_the_machines_memory_names_max_num_seqs(tmp_path):
     """Probabilistic drafts keep k x vocab draft probabilities per slot: more than the up-front check
     counts. The allocator's refusal names max_num_seqs beside the KV budget."""
