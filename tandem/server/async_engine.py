@@ -13,6 +13,7 @@ slot is refused with ServerOverloaded.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import queue
 import threading
@@ -43,6 +44,33 @@ class EngineStepError(Exception):
 
 
 _ACCEPTED = object()
+
+
+class GrowingCompletion(CompletionOutput):
+    """One sequence's cumulative output, grown by the engine's deltas. Its text is kept in a buffer:
+    `+=` on a str copies the whole text every step (O(length) a request a step, on the event loop,
+    under the GIL the engine thread needs too). Reading `text` joins it (a copy); a streaming reader
+    takes `text_length` and `text_between` instead, which cost only what they return."""
+
+    # (CompletionOutput's __init__, whose `self.text = text` goes through the setter: dataclasses.replace works)
+
+    @property
+    def text(self) -> str:
+        return self._buffer.getvalue()
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._buffer = io.StringIO(newline="")  # (no newline translation)
+        self.text_length = self._buffer.write(value)
+
+    def add_text(self, piece: str) -> None:
+        self._buffer.seek(self.text_length)
+        self.text_length += self._buffer.write(piece)
+
+    def text_between(self, start: int, end: int) -> str:
+        """Characters start .. end - 1 of the text."""
+        self._buffer.seek(start)
+        return self._buffer.read(max(0, end - start))
 
 
 class RequestStream:
@@ -90,11 +118,11 @@ class RequestStream:
         out = self._output
         if out is None:
             lps = self._logprobs
-            seqs = [CompletionOutput(i, "", [], 0.0 if lps else None, [] if lps else None) for i in range(self._n)]
+            seqs = [GrowingCompletion(i, "", [], 0.0 if lps else None, [] if lps else None) for i in range(self._n)]
             out = self._output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, seqs, False)
         for part in delta.outputs:
             seq = out.outputs[part.index]
-            seq.text += part.text
+            seq.add_text(part.text)
             seq.token_ids += part.token_ids
             if part.logprobs is not None:
                 seq.logprobs += part.logprobs

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tandem.outputs import Logprob, RequestOutput
 from tandem.reasoning import ReasoningFormat, ReasoningSplit
 from tandem.sampling_params import SamplingParams
-from tandem.server.async_engine import RequestStream
+from tandem.server.async_engine import GrowingCompletion, RequestStream
 from tandem.server.http_errors import APIError
 from tandem.server.protocol import (
     ChatChoice,
@@ -177,8 +177,13 @@ class Renderer:
                 first = self.opening(idx, out)
                 if first is not None:
                     chunks.append(self.counted(first))
-            end = len(seq.text)  # the engine holds back what could be the start of a stop string
-            delta = seq.text[self.sent_chars[idx]:end]
+            # (the engine holds back what could be the start of a stop string)
+            if isinstance(seq, GrowingCompletion):  # a stream's output: only the new text is read
+                end = seq.text_length
+                delta = seq.text_between(self.sent_chars[idx], end)
+            else:
+                end = len(seq.text)
+                delta = seq.text[self.sent_chars[idx]:end]
             if not delta and seq.finish_reason is None:
                 continue
             start_tok = self.sent_tokens[idx]

@@ -1872,3 +1872,34 @@ def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
         assert not server.llm.engine.has_unfinished_requests()
     finally:
         server.stop()
+
+
+def test_a_streams_text_grows_in_a_buffer():
+    """A stream adds the engine's text deltas into a buffer, not a str copied whole every step: the
+    text reads back exactly (line breaks and non-ASCII as they came), a reader can take only the new
+    part, and the renderer streams the same deltas as it would from a plain cumulative output."""
+    import dataclasses
+
+    from tandem.outputs import CompletionOutput, RequestOutput
+    from tandem.server.async_engine import GrowingCompletion, RequestStream
+
+    pieces = [("a\r\n", "b"), ("é€", ""), ("", "\r"), ("😀x\r", "yz")]
+
+    async def run():
+        stream = RequestStream("r", asyncio.get_running_loop(), n=2)
+        seen = []
+        for j, (first, second) in enumerate(pieces):
+            seqs = [CompletionOutput(0, first, [j], None, None), CompletionOutput(1, second, [j], None, None)]
+            stream._deliver(RequestOutput("r", None, [1], seqs, finished=False))
+            out = await stream.next_output()
+            seen.append([(s.text_length, s.text_between(1, 3)) for s in out.outputs])
+        return out, seen
+
+    out, seen = asyncio.run(run())
+    texts = ["".join(p[i] for p in pieces) for i in (0, 1)]
+    for seq, text in zip(out.outputs, texts):
+        assert isinstance(seq, GrowingCompletion) and seq.text == text and seq.text_length == len(text)
+        assert seq.text_between(2, 6) == text[2:6] and seq.text_between(5, 3) == ""
+        assert dataclasses.replace(seq, text="new").text == "new"  # a copy as a plain output
+    ends = [[len("".join(p[i] for p in pieces[: j + 1])) for i in (0, 1)] for j in range(len(pieces))]
+    assert [[n for n, _ in step] for step in seen] == ends
