@@ -25,14 +25,19 @@ def build_table_metadata(
     """Host lists -> device metadata for an eager step; upload: a tandem.upload.Uploader.
     table, slots: the persistent block table and each query's slot there (the rows are brought
     up to block_tables, sending only new ids); None: the tables are sent whole."""
-    max_blocks = max(len(t) for t in block_tables)
-    slot_mapping = []
-    for start, n, t in zip(start_pos, q_lens, block_tables):
-        slot_mapping += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
+    max_blocks = max(map(len, block_tables))
+    if min(q_lens) == max(q_lens) == 1:  # decodes (the common step at a large batch): one token a query
+        slot_mapping = [t[p // block_size] * block_size + p % block_size for p, t in zip(start_pos, block_tables)]
+        cu = list(range(len(q_lens) + 1))
+        seq_lens = [s + 1 for s in start_pos]
+    else:
+        slot_mapping = []
+        for start, n, t in zip(start_pos, q_lens, block_tables):
+            slot_mapping += [t[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        seq_lens = [s + n for s, n in zip(start_pos, q_lens)]
     if table is None:
         slot_t, seq_t, cu_t, tables_t = upload(slot_mapping, seq_lens, cu, padded_tables(block_tables, max_blocks))
         tables_t = tables_t.view(len(block_tables), max_blocks)

@@ -59,21 +59,29 @@ def build_batch(plan: StepPlan, backend: AttnBackend) -> Batch:
         if r.input_token_ids[0] == PENDING_TOKEN:  # planned ahead: the token is on the device
             pending_dst.append(base)
             pending_slots.append(r.slot)
+        num_in, num_drafts, slot, start = len(r.input_token_ids), r.num_drafts, r.slot, r.start_pos
         ids.extend(r.input_token_ids)
-        ids.extend([0] * r.num_drafts)
-        positions.extend(range(r.start_pos, r.start_pos + r.num_new_tokens))
-        for j in range(r.num_drafts):
-            draft_dst.append(base + len(r.input_token_ids) + j)
-            draft_src.append((r.slot, j))
+        positions.extend(range(start, start + num_in + num_drafts))
+        if num_drafts:
+            ids.extend([0] * num_drafts)
+            draft_dst.extend(range(base + num_in, base + num_in + num_drafts))
+            draft_src.extend((slot, j) for j in range(num_drafts))
         if not r.sample:
             continue
-        last = base + len(r.input_token_ids) - 1
-        for j in range(r.num_drafts + 1):
-            logits_indices.append(last + j)
-            row_slots.append(r.slot)
-            row_positions.append(r.start_pos + len(r.input_token_ids) + j)  # position generated
-            row_num_outputs.append(r.num_output_tokens + j)
-            row_draft_index.append(j)
+        last = base + num_in - 1
+        if not num_drafts:  # (a decode: one row)
+            logits_indices.append(last)
+            row_slots.append(slot)
+            row_positions.append(start + num_in)  # position generated
+            row_num_outputs.append(r.num_output_tokens)
+            row_draft_index.append(0)
+        else:
+            for j in range(num_drafts + 1):
+                logits_indices.append(last + j)
+                row_slots.append(slot)
+                row_positions.append(start + num_in + j)
+                row_num_outputs.append(r.num_output_tokens + j)
+                row_draft_index.append(j)
         sampling.append(i)
         cu_num_rows.append(len(logits_indices))
 
