@@ -732,7 +732,7 @@ class Engine:
         stop and what follows it are then cut from the text, which must not take back what an
         output showed; as vLLM, nothing is held back when the stop string stays in the output).
         A stop string found ends at or after the end shown before, so the text never shrinks."""
-        length = seq.detok.length
+        length = seq.detok.buffer.length
         if seq.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
             return length
         hold = max(len(stop) for stop in params.stop) - 1
@@ -749,7 +749,7 @@ class Engine:
         seq.shown_finish = seq.finish_reason is not None
         return CompletionOutput(
             index=seq.index,
-            text=seq.detok.text_between(first_char, end),
+            text=seq.detok.buffer.between(first_char, end),
             token_ids=seq.token_ids[first_token:],
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=seq.logprobs[first_token:] if seq.logprobs is not None else None,

@@ -13,7 +13,6 @@ slot is refused with ServerOverloaded.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import queue
 import threading
@@ -26,6 +25,7 @@ from tandem.errors import ConfigError, RequestError, StepError
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.server.metrics import ServerMetrics
+from tandem.text_buffer import TextBuffer
 
 logger = logging.getLogger("tandem.server")
 
@@ -47,30 +47,19 @@ _ACCEPTED = object()
 
 
 class GrowingCompletion(CompletionOutput):
-    """One sequence's cumulative output, grown by the engine's deltas. Its text is kept in a buffer:
-    `+=` on a str copies the whole text every step (O(length) a request a step, on the event loop,
-    under the GIL the engine thread needs too). Reading `text` joins it (a copy); a streaming reader
-    takes `text_length` and `text_between` instead, which cost only what they return."""
-
-    # (CompletionOutput's __init__, whose `self.text = text` goes through the setter: dataclasses.replace works)
+    """One sequence's cumulative output, grown by the engine's deltas. Its text is a TextBuffer
+    (`+=` on a str copies the whole text every step: O(length) a request a step, on the event loop,
+    under the GIL the engine thread needs too). Reading `text` joins it (a copy); a streaming
+    reader takes `buffer.length` and `buffer.between` instead, which cost only what they return.
+    (CompletionOutput's __init__ sets `text` through the setter: dataclasses.replace works.)"""
 
     @property
     def text(self) -> str:
-        return self._buffer.getvalue()
+        return self.buffer.text
 
     @text.setter
     def text(self, value: str) -> None:
-        self._buffer = io.StringIO(newline="")  # (no newline translation)
-        self.text_length = self._buffer.write(value)
-
-    def add_text(self, piece: str) -> None:
-        self._buffer.seek(self.text_length)
-        self.text_length += self._buffer.write(piece)
-
-    def text_between(self, start: int, end: int) -> str:
-        """Characters start .. end - 1 of the text."""
-        self._buffer.seek(start)
-        return self._buffer.read(max(0, end - start))
+        self.buffer = TextBuffer(value)
 
 
 class RequestStream:
@@ -122,7 +111,7 @@ class RequestStream:
             out = self._output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, seqs, False)
         for part in delta.outputs:
             seq = out.outputs[part.index]
-            seq.add_text(part.text)
+            seq.buffer.append(part.text)
             seq.token_ids += part.token_ids
             if part.logprobs is not None:
                 seq.logprobs += part.logprobs

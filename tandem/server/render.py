@@ -179,8 +179,8 @@ class Renderer:
                     chunks.append(self.counted(first))
             # (the engine holds back what could be the start of a stop string)
             if isinstance(seq, GrowingCompletion):  # a stream's output: only the new text is read
-                end = seq.text_length
-                delta = seq.text_between(self.sent_chars[idx], end)
+                end = seq.buffer.length
+                delta = seq.buffer.between(self.sent_chars[idx], end)
             else:
                 end = len(seq.text)
                 delta = seq.text[self.sent_chars[idx]:end]

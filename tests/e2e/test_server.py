@@ -1892,14 +1892,14 @@ def test_a_streams_text_grows_in_a_buffer():
             seqs = [CompletionOutput(0, first, [j], None, None), CompletionOutput(1, second, [j], None, None)]
             stream._deliver(RequestOutput("r", None, [1], seqs, finished=False))
             out = await stream.next_output()
-            seen.append([(s.text_length, s.text_between(1, 3)) for s in out.outputs])
+            seen.append([(s.buffer.length, s.buffer.between(1, 3)) for s in out.outputs])
         return out, seen
 
     out, seen = asyncio.run(run())
     texts = ["".join(p[i] for p in pieces) for i in (0, 1)]
     for seq, text in zip(out.outputs, texts):
-        assert isinstance(seq, GrowingCompletion) and seq.text == text and seq.text_length == len(text)
-        assert seq.text_between(2, 6) == text[2:6] and seq.text_between(5, 3) == ""
+        assert isinstance(seq, GrowingCompletion) and seq.text == text and seq.buffer.length == len(text)
+        assert seq.buffer.between(2, 6) == text[2:6] and seq.buffer.between(5, 3) == ""
         assert dataclasses.replace(seq, text="new").text == "new"  # a copy as a plain output
     ends = [[len("".join(p[i] for p in pieces[: j + 1])) for i in (0, 1)] for j in range(len(pieces))]
     assert [[n for n, _ in step] for step in seen] == ends

@@ -591,8 +591,8 @@ def test_stop_strings_across_tokens_in_the_text_buffer(model):
                 continue
             at, stop = hits[0]
             assert found == stop and state.text == text[: at + len(stop) * include], (stops, include, state.text)
-            assert state.length == len(state.text)
-            assert state.text_between(2, 7) == state.text[2:7]
+            assert state.buffer.length == len(state.text)
+            assert state.buffer.between(2, 7) == state.text[2:7]
     # A stop that starts in the text of tokens pushed without the check (min_tokens) still counts once it ends later.
     state = detok.new_state([], ["quick brown fox"], False, skip_special=True)
     found = next((f for i, t in enumerate(ids) if (f := detok.push(state, t, check_stop=i >= 2)) is not None), None)
