@@ -1,9 +1,9 @@
 """The start-up heap kept out of the garbage collector's full collections.
 
 A full (generation 2) collection walks every object the process tracks: after loading torch,
-transformers and the models that is some 200,000 objects, and a collection takes about 100 ms
-on this CPU (measured at 256 running requests: two pauses of ~105 ms in 100 steps, against
-steps of ~9 ms). Nearly all of them live as long as the engine, so once it has started they are
+transformers and the models that is some 200,000 objects, and at 256 running requests on the dev
+CPU a collection paused a step 100-210 ms, every 50-200 steps (bench/host_step.py: ~1.5 ms
+frozen). Nearly all of them live as long as the engine, so once it has started they are
 collected once and frozen (gc.freeze: later collections skip them); what serving creates is
 still collected as usual. When the engine is released the frozen objects are handed back
 (gc.unfreeze), so that any cycles among them can be reclaimed once it is gone; another engine
