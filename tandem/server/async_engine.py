@@ -62,6 +62,28 @@ class GrowingCompletion(CompletionOutput):
         self.buffer = TextBuffer(value)
 
 
+def put_all(pairs: list[tuple[RequestStream, object]]) -> list[tuple[RequestStream, object]]:
+    """Hand each (stream, item) to its stream's event loop, in order, with one wake-up a loop rather
+    than one an item: call_soon_threadsafe writes to the loop's self-pipe every time, ~3-8 us of the
+    engine thread's step per call (dev CPU), 256 calls a step at 256 streams. -> the pairs whose
+    loop is gone."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+    for pair in pairs:
+        by_loop.setdefault(pair[0].loop, []).append(pair)
+    gone = []
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_all, batch)
+        except RuntimeError:  # the event loop is closed
+            gone += batch
+    return gone
+
+
+def _deliver_all(batch: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in batch:
+        stream._deliver(item)
+
+
 class RequestStream:
     """The event-loop side of one request: its acceptance, its output so far, or the error that ended it.
 
@@ -75,7 +97,7 @@ class RequestStream:
         self.arrival_time = time.monotonic()
         self.finished = False
         self.released = False
-        self._loop = loop
+        self.loop = loop
         self._event = asyncio.Event()
         self._accepted = False
         self._n, self._logprobs = n, logprobs
@@ -87,12 +109,20 @@ class RequestStream:
     def put(self, item: object) -> bool:
         """Hand an item to the event loop; False when that loop is gone."""
         try:
-            self._loop.call_soon_threadsafe(self._deliver, item)
+            self.loop.call_soon_threadsafe(self._deliver, item)
             return True
         except RuntimeError:  # the event loop is closed
             return False
 
     def _deliver(self, item: object) -> None:
+        try:
+            self._take(item)
+        except Exception as e:  # (an output this stream cannot add up): its reader gets the error, not a hang
+            logger.exception("request %s: its output could not be delivered", self.request_id)
+            self._error = e
+        self._event.set()
+
+    def _take(self, item: object) -> None:
         if item is _ACCEPTED:
             self._accepted = True
         elif isinstance(item, BaseException):
@@ -100,7 +130,6 @@ class RequestStream:
         else:
             self._add(item)
             self._fresh = True
-        self._event.set()
 
     def _add(self, delta: RequestOutput) -> None:
         """Grow the cumulative output by an engine DELTA output."""
@@ -411,17 +440,23 @@ class AsyncEngine:
             logger.exception("engine step failed; ending the %d requests in flight", len(self._live))
             self._abort_all(EngineStepError(f"the engine failed while running this request: {e!r}"))
             return
+        deliveries = []
         for out in outputs:
             tracked = self._live.get(out.request_id)
             if tracked is None:
                 continue  # aborted
             try:
-                self._dispatch(tracked, out)
+                self._record(tracked, out)
+                deliveries.append((tracked.stream, out))
             except Exception as e:
                 logger.exception("dispatching request %s failed", out.request_id)
                 self._abort(out.request_id, e)
+        for _, out in put_all(deliveries):  # (one wake-up of each handler loop a step)
+            if not out.finished:
+                self._abort(out.request_id, None)  # nobody is listening any more
 
-    def _dispatch(self, tracked: _Tracked, out: RequestOutput) -> None:
+    def _record(self, tracked: _Tracked, out: RequestOutput) -> None:
+        """An output into its request's tracking: finish reasons, metrics, the live table."""
         now = time.monotonic()
         for seq in out.outputs:
             tracked.finish_reasons[seq.index] = seq.finish_reason
@@ -429,8 +464,6 @@ class AsyncEngine:
             self._observe(tracked, out, now)
         if out.finished:
             del self._live[out.request_id]
-        if not tracked.stream.put(out) and not out.finished:
-            self._abort(out.request_id, None)  # nobody is listening any more
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         metrics = self.metrics

@@ -1665,7 +1665,7 @@ def test_an_aborted_request_counts_a_finished_sibling_by_its_own_reason():
         client._live["r"] = tracked
         seqs = [CompletionOutput(0, "a", [5, 6], None, None, finish_reason="stop", stop_reason="b"),
                 CompletionOutput(1, "aa", [5, 5], None, None)]
-        client._dispatch(tracked, RequestOutput("r", None, [1], seqs, finished=False))
+        client._record(tracked, RequestOutput("r", None, [1], seqs, finished=False))
         client._abort("r", None)
         return metrics
 
@@ -1688,9 +1688,9 @@ def test_siblings_that_finish_in_different_steps_are_each_counted():
         client._live["r"] = tracked
         first = [CompletionOutput(0, "a", [5], None, None, finish_reason="stop", stop_reason=7),
                  CompletionOutput(1, "b", [6], None, None)]
-        client._dispatch(tracked, RequestOutput("r", None, [1], first, finished=False))
+        client._record(tracked, RequestOutput("r", None, [1], first, finished=False))
         last = [CompletionOutput(1, "c", [8], None, None, finish_reason="length")]
-        client._dispatch(tracked, RequestOutput("r", None, [1], last, finished=True))
+        client._record(tracked, RequestOutput("r", None, [1], last, finished=True))
         return metrics
 
     counts = _samples(asyncio.run(run()), "tandem_request_success_total")
@@ -1903,3 +1903,36 @@ def test_a_streams_text_grows_in_a_buffer():
         assert dataclasses.replace(seq, text="new").text == "new"  # a copy as a plain output
     ends = [[len("".join(p[i] for p in pieces[: j + 1])) for i in (0, 1)] for j in range(len(pieces))]
     assert [[n for n, _ in step] for step in seen] == ends
+
+
+def test_a_steps_outputs_reach_their_loop_in_one_wake_up():
+    """The engine thread hands a step's outputs to each handler loop in one call_soon_threadsafe (one
+    self-pipe write), in order; a closed loop's streams come back (their requests are aborted); an
+    output a stream cannot add up ends that stream with the error, not a hang, and the others go on."""
+    from tandem.outputs import CompletionOutput, RequestOutput
+    from tandem.server.async_engine import RequestStream, put_all
+
+    def output(rid, index, text):
+        return RequestOutput(rid, None, [1], [CompletionOutput(index, text, [7], None, None)], finished=False)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        streams = [RequestStream(f"r{i}", loop) for i in range(3)]
+        closed = asyncio.new_event_loop()
+        closed.close()
+        lost = RequestStream("lost", closed)
+        pairs = [(streams[0], output("r0", 0, "a")), (streams[1], output("r1", 5, "x")),  # index 5: n is 1
+                 (lost, output("lost", 0, "z")), (streams[2], output("r2", 0, "c")), (streams[0], output("r0", 0, "b"))]
+        gone = put_all(pairs)
+        assert [s.request_id for s, _ in gone] == ["lost"]
+        assert len(calls) == 1  # one wake-up for the four items of this loop
+        first = await streams[0].next_output()
+        assert first.outputs[0].text == "ab"  # both, in order
+        assert (await streams[2].next_output()).outputs[0].text == "c"
+        with pytest.raises(IndexError):
+            await streams[1].next_output()
+
+    asyncio.run(run())
