@@ -749,7 +749,7 @@ class Engine:
         seq.shown_finish = seq.finish_reason is not None
         return CompletionOutput(
             index=seq.index,
-            text=seq.detok.buffer.between(first_char, end),
+            text=seq.detok.buffer.between(first_char, end) if end > first_char else "",
             token_ids=seq.token_ids[first_token:],
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=seq.logprobs[first_token:] if seq.logprobs is not None else None,
