@@ -774,7 +774,7 @@ class Engine:
                 outputs.append(completion)
         if not outputs and not finished:
             return None
-        prompt_lps = self._prompt_logprobs_of(state) if seqs[0].prompt_logprobs is not None else None
+        prompt_lps = self._prompt_logprobs_of(state)
         if prompt_lps is not None and delta and state.shown_prompt_logprobs:
             prompt_lps = None
         state.shown_prompt_logprobs = state.shown_prompt_logprobs or prompt_lps is not None

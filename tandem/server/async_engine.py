@@ -108,11 +108,7 @@ class RequestStream:
     # ---------------------------------------------------------------- loop-thread side
     def put(self, item: object) -> bool:
         """Hand an item to the event loop; False when that loop is gone."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, item)
-            return True
-        except RuntimeError:  # the event loop is closed
-            return False
+        return not put_all([(self, item)])
 
     def _deliver(self, item: object) -> None:
         try:
