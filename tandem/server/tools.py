@@ -57,6 +57,7 @@ _HEAD = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:%s)"\s*:\s*(?=\{)'
 _HERMES_HEAD = re.compile(r"<tool_call>\s*" + _HEAD % "arguments|parameters")
 # "required"'s array items (the array may follow blanks: a reasoning model's after </think>)
 _ITEM_HEAD = re.compile(r"\s*(?:\[|\}\s*,)\s*" + _HEAD % "parameters")
+_NONBLANK = re.compile(r"\S")
 _HEAD_MAX = 200  # characters from where a head should begin to where it must have been read
 
 
@@ -114,13 +115,15 @@ class _CallScan:
     pos: int = 0
     open: _Open | None = None
     stopped: bool = False  # a call not written head first: it and those after it are not followed
+    searched: int = 0  # the next marker does not begin before this
 
     def advance(self, text: str) -> list[tuple[int, str | None, str]]:
         events = []
         while not self.stopped and (self.limit is None or len(self.done) < self.limit):
             if self.open is None:
-                at = self.pos if self.marker is None else text.find(self.marker, self.pos)
+                at = self.pos if self.marker is None else text.find(self.marker, max(self.pos, self.searched))
                 if at < 0:
+                    self.searched = len(text) - len(self.marker) + 1
                     break
                 m = self.head.match(text, at)
                 if m is None:
@@ -270,13 +273,57 @@ def llama3_json_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str,
     return "\n".join(lines)
 
 
-def _llama3_plain_end(text: str) -> int:
-    """How much of a llama3_json reply is surely content: all of it once it opens with something
-    other than a call (a "{", or the <|python_tag|>), else nothing yet."""
-    head = text.lstrip()
-    if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
-        return 0
-    return len(text)
+class _Llama3Plain:
+    """How much of a growing llama3_json reply is surely content: all of it once it opens with
+    something other than a call (a "{", or the <|python_tag|>), else nothing. Decided once its
+    opening is read; until then each call reads on from where the last one stopped."""
+
+    def __init__(self):
+        self.content: bool | None = None  # None: undecided (blank so far, or a prefix of the tag)
+        self.read = 0  # the text before this is blank
+
+    def __call__(self, text: str) -> int:
+        if self.content is None:
+            m = _NONBLANK.search(text, self.read)
+            self.read = len(text) if m is None else m.start()
+            head = text[self.read:self.read + len(_PYTHON_TAG)]
+            if head == _PYTHON_TAG:
+                self.content = False
+            elif head and not _PYTHON_TAG.startswith(head):
+                self.content = not head.startswith("{")
+        return len(text) if self.content else 0
+
+
+class _BeforeMarker:
+    """How much of a growing text is surely content: up to the first call's marker, holding back a
+    tail that could still become one, and nothing while it is blank (content before calls is None
+    when blank). Each call reads on from where the last one stopped."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+        self.at: int | None = None  # where the marker is, once found
+        self.searched = 0  # the marker does not begin before this
+        self.visible: int | None = None  # the first non-blank character's index, once seen
+        self.blank = 0  # the text before this is blank
+
+    def __call__(self, text: str) -> int:
+        if self.at is None:
+            at = text.find(self.marker, self.searched)
+            if at >= 0:
+                self.at = at
+            else:
+                self.searched = max(self.searched, len(text) - len(self.marker) + 1)
+        end = self.at
+        if end is None:
+            end = len(text)
+            for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
+                if text.endswith(self.marker[:n]):
+                    end = len(text) - n
+                    break
+        if self.visible is None:
+            m = _NONBLANK.search(text, self.blank)
+            self.blank, self.visible = (len(text), None) if m is None else (m.start(), m.start())
+        return end if self.visible is not None and self.visible < end else 0
 
 
 class _Parser(NamedTuple):
@@ -288,15 +335,15 @@ class _Parser(NamedTuple):
     parse: Callable[[str], tuple[str | None, list[FunctionCall]]]
     head: re.Pattern
     marker: str | None
-    plain_end: Callable[[str], int]
+    plain: Callable[[], Callable[[str], int]]  # a new tracker of how much of a growing text is surely content
     grammar: Callable[[tuple[dict[str, Any], ...], dict[str, int], bool], str]
     tags: tuple[str, ...]
 
 
-_LLAMA3_JSON = _Parser(parse_llama3_json, _LLAMA_HEAD, None, _llama3_plain_end, llama3_json_grammar, (_PYTHON_TAG,))
+_LLAMA3_JSON = _Parser(parse_llama3_json, _LLAMA_HEAD, None, _Llama3Plain, llama3_json_grammar, (_PYTHON_TAG,))
 # "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS.
 PARSERS = {
-    "hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, lambda text: _plain_end(text, _HERMES_START),
+    "hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, lambda: _BeforeMarker(_HERMES_START),
                       hermes_grammar, (_HERMES_START, "</tool_call>")),
     "llama3_json": _LLAMA3_JSON,
     "llama4_json": _LLAMA3_JSON,  # Llama 4 writes the same calls (as vLLM's parser of both names)
@@ -476,17 +523,21 @@ class ToolStream:
     call_id: str | None = None  # the named call's
     calls: list[FunctionCall] = field(default_factory=list)  # once finished
     scan: _CallScan | None = None
+    plain: Callable[[str], int] | None = None  # "auto": how much of the text is surely content
+    lead: int | None = None  # "named": the blank characters before the arguments, once they begin
 
     def __post_init__(self):
         self.scan = self.choice.scan()
+        if self.choice.mode == "auto":
+            self.plain = PARSERS[self.choice.parser].plain()
 
     def feed(self, piece: str) -> DeltaMessage | None:
         self.text += piece
         if self.choice.mode == "named":
             return self._arguments()
         content = None
-        if self.choice.mode == "auto":
-            end = PARSERS[self.choice.parser].plain_end(self.text)
+        if self.plain is not None:
+            end = self.plain(self.text)
             if end > self.sent:
                 content, self.sent = self.text[self.sent:end], end
         calls = _call_deltas(self.scan.advance(self.text))
@@ -509,18 +560,22 @@ class ToolStream:
         return DeltaMessage(content=rest, tool_calls=calls) if rest or calls else None
 
     def _arguments(self) -> DeltaMessage | None:
-        text = self.text.lstrip()  # as parse reads it
-        if not text:  # the call begins with its first argument text (none: no call, as parse says)
-            return None
-        if self.call_id is None:  # the call's first piece: its id and name
-            self.call_id = random_id("chatcmpl-tool")
-            self.sent = len(text)
+        # The arguments are the text without its leading blanks (as parse reads it); sent counts
+        # their characters sent, so each step reads only its new piece.
+        if self.lead is None:
+            m = _NONBLANK.search(self.text)
+            if m is None:  # the call begins with its first argument text (none: no call, as parse says)
+                return None
+            self.lead = m.start()
+            self.call_id = random_id("chatcmpl-tool")  # the call's first piece: its id and name
+            self.sent = len(self.text) - self.lead
             return DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=self.call_id, type="function",
                                                           function=DeltaFunctionCall(name=self.choice.name,
-                                                                                     arguments=text))])
-        if len(text) == self.sent:
+                                                                                     arguments=self.text[self.lead:]))])
+        start = self.lead + self.sent
+        if start == len(self.text):
             return None
-        piece, self.sent = text[self.sent:], len(text)
+        piece, self.sent = self.text[start:], len(self.text) - self.lead
         return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece))])
 
 
@@ -534,16 +589,3 @@ def _call_deltas(events: list[tuple[int, str | None, str]]) -> list[DeltaToolCal
         delta = deltas.setdefault(index, DeltaToolCall(index=index, function=DeltaFunctionCall(arguments="")))
         delta.function.arguments += piece
     return list(deltas.values())
-
-
-def _plain_end(text: str, marker: str) -> int:
-    """How much of text is surely plain content: up to the first call's marker, holding back a tail
-    that could still become one, and blank text (content before calls is None when blank)."""
-    end = text.find(marker)
-    if end < 0:
-        end = len(text)
-        for n in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-n:]):
-                end = len(text) - n
-                break
-    return end if text[:end].strip() else 0

@@ -195,6 +195,40 @@ def test_streamed_calls_send_their_arguments_as_they_come(size):
     assert required.parse(text[:-3]) == (text[:-3], []) and required.finish_reason([], "length") == "length"
 
 
+def _whole_plain_end(parser: str, text: str) -> int:
+    """How much of text is surely content, read from the whole text (the rule the streams' trackers
+    follow a piece at a time)."""
+    if parser == "llama3_json":
+        head, tag = text.lstrip(), "<|python_tag|>"
+        return 0 if not head or head.startswith(("{", tag)) or tag.startswith(head) else len(text)
+    marker = "<tool_call>"
+    end = text.find(marker)
+    if end < 0:
+        end = len(text)
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-n:]):
+                end = len(text) - n
+                break
+    return end if text[:end].strip() else 0
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_streams_content_tracker_reads_only_new_text(parser):
+    """The content a growing text surely holds is found a piece at a time as from the whole text,
+    for texts of blanks, tags' prefixes, braces and calls cut anywhere (each step reads only the
+    new text: a long reply costs each step the same)."""
+    import random
+
+    rng = random.Random(0)
+    atoms = [" ", "\n", "\u3000", "<", "<tool", "_call>", "<tool_call>", "<|python", "_tag|>", "{", "}", "a", "é "]
+    for _ in range(400):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 12)))
+        track, grown = PARSERS[parser].plain(), ""
+        while len(grown) < len(text):
+            grown = text[:len(grown) + rng.randint(1, 4)]
+            assert track(grown) == _whole_plain_end(parser, grown), (parser, text, grown)
+
+
 STRICT_F = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
                                         "required": ["x"], "additionalProperties": False}, "strict": True}
 
