@@ -58,6 +58,9 @@ class SamplingState:
         self.recent: dict[int, Tensor] = {}  # slot -> [width] int64 its last output tokens (-1 = none yet)
         self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
         self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
+        # slot -> its stop ids (EOS and stop_token_ids) [s], for min_tokens and for rows that
+        # allowed_token_ids or bad words could empty (processors._end_if_empty)
+        self.stop_ids: dict[int, Tensor] = {}
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
@@ -101,6 +104,7 @@ class SamplingState:
         self.recent.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.min_tokens_ids.pop(slot, None)
+        self.stop_ids.pop(slot, None)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         if p.allowed_token_ids:
@@ -111,11 +115,12 @@ class SamplingState:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
             ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
-        if p.min_tokens > 0:
+        if p.min_tokens > 0 or p.allowed_token_ids or p.bad_words_token_ids:
             # EOS too under ignore_eos, as vLLM's all_stop_token_ids: min_tokens holds back every stop id
             stop_ids = set(p.stop_token_ids) | set(self.eos_token_ids)
-            stop_ids = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)
-            (self.min_tokens_ids[slot],) = self.upload(stop_ids)
+            (self.stop_ids[slot],) = self.upload(sorted(t for t in stop_ids if 0 <= t < self.vocab_size))
+            if p.min_tokens > 0:
+                self.min_tokens_ids[slot] = self.stop_ids[slot]
         if p.has_penalties:
             (ids,) = self.upload(req.token_ids)
             ids = ids.clamp(max=self.vocab_size - 1)
@@ -142,7 +147,7 @@ class SamplingState:
         if self.watermark is not None:
             self.watermark.remove(slot)
         for d in (self.allowed_ids, self.bad_words, self.recent, self.logit_bias, self.min_tokens_ids,
-                  self.output_counts, self.prompt_mask):
+                  self.stop_ids, self.output_counts, self.prompt_mask):
             d.pop(slot, None)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:

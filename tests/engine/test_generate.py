@@ -346,6 +346,20 @@ def test_min_tokens_yields_where_only_stop_tokens_are_allowed(llm):
         assert out.token_ids == [eos] * 4 and out.finish_reason == "stop", (temperature, out)
 
 
+def test_an_output_no_token_fits_ends_there(llm):
+    """allowed_token_ids whose tokens bad words ban leave nothing to draw: the output ends there
+    with EOS (finish "stop"), greedy or sampled, where it drew token 0, a token both forbid, until
+    max_tokens. A bad word of two tokens empties the row only after its first."""
+    eos = llm.engine.eos_token_ids[0]
+    for temperature in (0.0, 1.0):
+        run = lambda **kw: llm.generate({"prompt_token_ids": [8, 9]}, SamplingParams(
+            temperature=temperature, seed=3, max_tokens=6, **kw), use_tqdm=False)[0].outputs[0]
+        out = run(allowed_token_ids=[50, 51], bad_words_token_ids=[[50], [51]])
+        assert (out.token_ids, out.finish_reason) == ([eos], "stop"), (temperature, out)
+        out = run(allowed_token_ids=[50], bad_words_token_ids=[[50, 50]])
+        assert (out.token_ids, out.finish_reason) == ([50, eos], "stop"), (temperature, out)
+
+
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
     """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
     out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""

@@ -232,9 +232,10 @@ def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
     """min_tokens past the end of the language: the complete output allows only EOS, which
     min_tokens would hold back, leaving nothing to draw; min_tokens yields there (a row never
     empties), so the output goes on with EOS alone up to its min_tokens and stops, its text the
-    constraint's, its neighbours untouched. allowed_token_ids without EOS still empty a row (no
-    min_tokens to yield): it runs to max_tokens; a grammar whose matcher fails (llguidance's item
-    limit) ends at EOS. A speculative step that emits the completing token and the EOS after it
+    constraint's, its neighbours untouched. allowed_token_ids without EOS empty the complete
+    output's row too (no min_tokens to yield): it ends there with EOS, as where the grammar and
+    allowed_token_ids share no token from the start; a grammar whose matcher fails (llguidance's
+    item limit) ends at EOS. A speculative step that emits the completing token and the EOS after it
     together leaves the matcher as target-only steps do, so the outputs are the same token for token."""
     so = StructuredOutputsParams(choice=["fox", "Paris"])
     params = [SamplingParams(temperature=0, min_tokens=12, max_tokens=16, structured_outputs=so),
@@ -245,14 +246,18 @@ def test_a_constraint_at_odds_with_min_tokens_harms_no_one(models):
                              structured_outputs=StructuredOutputsParams(grammar='start: "a" start'))]
     prompts = [{"prompt_token_ids": [5, 40, 41, 7]}, {"prompt_token_ids": [7, 8]}, {"prompt_token_ids": [5, 40]},
                {"prompt_token_ids": [9, 9]}]
+    params.append(SamplingParams(temperature=0.8, seed=1, max_tokens=10, structured_outputs=so,
+                                 allowed_token_ids=[89, 66, 67, 0]))  # no token that starts "fox" or "Paris"
+    prompts.append({"prompt_token_ids": [5, 41]})
     outs = {draft: _llm(models, draft, k=5).generate(prompts, params, use_tqdm=False) for draft in (None, "near")}
     assert _tokens(outs["near"]) == _tokens(outs[None])
-    fox, regex, allowed, endless = (o.outputs[0] for o in outs[None])
+    fox, regex, allowed, endless, disjoint = (o.outputs[0] for o in outs[None])
     assert fox.text == "fox" and len(fox.token_ids) == 12 and fox.finish_reason == "stop"
     eos = 1  # tests.helpers' </s>
     assert set(fox.token_ids[fox.token_ids.index(eos):]) == {eos}, fox.token_ids  # no token the grammar forbids
     assert re.fullmatch(REGEX, regex.text)
-    assert allowed.text.startswith("fox") and allowed.finish_reason == "length"
+    assert (allowed.text, allowed.token_ids[-1], allowed.finish_reason) == ("fox", eos, "stop"), allowed
+    assert (disjoint.text, disjoint.token_ids, disjoint.finish_reason) == ("", [eos], "stop"), disjoint
     assert endless.text == "a" and endless.finish_reason == "stop"
 
 
