@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +114,7 @@ class Grammars:
         self._fitting_rows: dict[int, tuple[list[int], torch.Tensor]] = {}
         self._valid: dict[str, None] = {}  # grammars that compiled, oldest first
         self._ll_tokenizer = None  # built on first use (about a second for a 150k vocabulary)
+        self._building = threading.Lock()  # the server's loop may ask for it too (token_bytes)
         self._executor = None
 
     @property
@@ -121,20 +124,37 @@ class Grammars:
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
-            import llguidance
-            import llguidance.hf
-
-            if self.tokenizer is None:
-                raise RequestError("SamplingParams.structured_outputs needs the model's tokenizer, and this model "
-                                   "has none")
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=self.eos_token_ids or None)
-            except Exception as e:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
-                raise RequestError(f"SamplingParams.structured_outputs cannot run on this model's tokenizer "
-                                   f"({type(self.tokenizer).__name__}): {e}") from None
-            self._executor = llguidance.LLExecutor()
+            with self._building:
+                if self._ll_tokenizer is None:
+                    self._build_tokenizer()
         return self._ll_tokenizer
+
+    def _build_tokenizer(self) -> None:
+        import llguidance
+        import llguidance.hf
+
+        if self.tokenizer is None:
+            raise RequestError("SamplingParams.structured_outputs needs the model's tokenizer, and this model "
+                               "has none")
+        try:
+            ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                        eos_token=self.eos_token_ids or None)
+        except Exception as e:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
+            raise RequestError(f"SamplingParams.structured_outputs cannot run on this model's tokenizer "
+                               f"({type(self.tokenizer).__name__}): {e}") from None
+        self._executor = llguidance.LLExecutor()
+        self._ll_tokenizer = ll_tokenizer
+
+    def token_bytes(self) -> Callable[[int], bytes] | None:
+        """token id -> the bytes it stands for (a piece of a character is its own bytes, where its
+        decoded text has U+FFFD), from the tokenizer llguidance reads; None where it cannot read this
+        one. The first call builds it (about a second at a 150k vocabulary): make it off the event
+        loop. It is read-only once built, so any thread may use it."""
+        try:
+            ll_tokenizer = self._tokenizer()
+        except RequestError:
+            return None
+        return lambda token: ll_tokenizer.decode_bytes([token])
 
     def validate(self, params: StructuredOutputsParams, prompt_token_ids: list[int] | None = None) -> str:
         """-> the constraint's grammar; RequestError naming the field when it does not compile (an

@@ -117,6 +117,10 @@ class OpenAIServer:
         self.max_model_len = engine.cfg.sched.max_model_len
         self.vocab_size = engine.vocab_size
         self.root = engine.cfg.model.path
+        # llguidance's reading of the tokenizer, built now (about a second at a 150k vocabulary, holding
+        # the GIL: built while serving, it would stall every request): structured outputs' first
+        # request skips the build, and chat logprobs give a piece of a character its own bytes.
+        self.token_bytes = engine.grammars.token_bytes()
 
     async def _off_loop(self, fn, *args):
         """fn(*args) on the tokenizing thread."""
@@ -476,6 +480,7 @@ class OpenAIServer:
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
         renderer.tokens_as_ids = self.tokens_as_ids or bool(tokens_as_ids)
+        renderer.token_bytes = self.token_bytes
         renderer.return_token_ids = bool(token_ids)
         streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority,
                                      cache_salt)

@@ -116,15 +116,23 @@ def completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: 
     return out
 
 
-def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False) -> ChatLogprobs:
+def chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, as_ids: bool = False,
+                  token_bytes: Callable[[int], bytes] | None = None) -> ChatLogprobs:
+    """token_bytes: token id -> the bytes it stands for (Grammars.token_bytes), for the `bytes` of
+    a token whose text is a piece of a character (U+FFFD); None: its text's bytes."""
+    def bytes_of(token: int, shown: str) -> list[int]:
+        if token_bytes is not None and not as_ids and "\ufffd" in shown:
+            return list(token_bytes(token))  # OpenAI's: the piece's own bytes, so a client can join them
+        return list(shown.encode())
+
     content = []
     for token, lp in zip(token_ids, lps):
         chosen = lp.get(token)
         name = _shown(token, chosen, as_ids)
-        top = [TopLogprob(token=shown, logprob=_floor(v.logprob), bytes=list(shown.encode()))
+        top = [TopLogprob(token=shown, logprob=_floor(v.logprob), bytes=bytes_of(t, shown))
                for t, v in _top(lp, k) for shown in [_shown(t, v, as_ids)]]
         content.append(ChatLogprob(token=name, logprob=_floor(chosen.logprob) if chosen else LOGPROB_FLOOR,
-                                   bytes=list(name.encode()), top_logprobs=top))
+                                   bytes=bytes_of(token, name), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -133,6 +141,7 @@ class Renderer:
 
     prompt_tokens_details = False  # usage carries prompt_tokens_details.cached_tokens (the server sets it)
     tokens_as_ids = False  # logprobs name tokens "token_id:N" (the server sets it)
+    token_bytes: Callable[[int], bytes] | None = None  # chat logprobs' bytes of a piece of a character (the server's)
     return_token_ids = False  # vLLM's return_token_ids: the prompt's and each choice's token ids, as sent
 
     def __init__(self, response_id: str, model: str, prompts: list[Prompt], params: SamplingParams,
@@ -387,7 +396,8 @@ class ChatRenderer(Renderer):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
 
     def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
-        logprobs = chat_logprobs(token_ids, lps, self.params.logprobs, self.tokens_as_ids) if lps is not None else None
+        logprobs = chat_logprobs(token_ids, lps, self.params.logprobs, self.tokens_as_ids,
+                                 self.token_bytes) if lps is not None else None
         thinking = ""
         if self.splits is not None:
             split = self.splits[idx]
@@ -410,7 +420,8 @@ class ChatRenderer(Renderer):
         for seq in outputs[0].outputs:
             logprobs = None
             if seq.logprobs is not None:
-                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, self.tokens_as_ids)
+                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, self.params.logprobs, self.tokens_as_ids,
+                                         self.token_bytes)
             thinking, content, calls, finish = None, seq.text, [], seq.finish_reason
             if self.reasoning is not None:
                 thinking, content = self.reasoning.split(seq.text, self.opens)

@@ -931,6 +931,33 @@ def test_chat_content_parts_logprobs_and_n(live, reference):
         assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
 
 
+def test_chat_logprobs_give_a_piece_of_a_character_its_own_bytes(tmp_path):
+    """Chat logprobs' `bytes`, as OpenAI's: a token that is a piece of a character (its text
+    U+FFFD) carries the bytes it stands for, so a client joining a reply's bytes gets its text back;
+    another token its text's bytes; the server builds the table once, at start."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.grammar import Grammars
+    from tandem.outputs import Logprob
+    from tandem.server.render import chat_logprobs
+    from tests.helpers import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "café 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    token_bytes = Grammars(tok, len(tok), (tok.eos_token_id,)).token_bytes()
+    lps = [{t: Logprob(-0.5, 1, tok.decode([t])), 7: Logprob(-1.5, 2, tok.decode([7]))} for t in ids]
+    content = chat_logprobs(ids, lps, 2, token_bytes=token_bytes).content
+    assert sum("\ufffd" in c.token for c in content) >= 3  # the text has such pieces
+    assert b"".join(bytes(c.bytes) for c in content).decode() == text
+    assert all(c.bytes == list(c.token.encode()) for c in content if "\ufffd" not in c.token)
+    assert all(c.top_logprobs[0].bytes == c.bytes and c.top_logprobs[1].bytes == list(tok.decode([7]).encode())
+               for c in content)
+    assert b"".join(bytes(c.bytes) for c in chat_logprobs(ids, lps, 2).content) != text.encode()  # U+FFFD's bytes
+    assert Grammars(None, len(tok), (1,)).token_bytes() is None  # no tokenizer: the text's bytes
+
+
 # ---------------------------------------------------------------- concurrency and disconnects
 def test_50_concurrent_streams_match_offline_greedy(live, reference):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(50)]
