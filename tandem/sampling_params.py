@@ -265,8 +265,10 @@ class SamplingParams:
             not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids
         ):
             raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
-        if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
-            raise bad("logit_bias", "biases must be in [-100, 100]")
+        if self.logit_bias and any(not -FLOAT32_MAX <= b <= FLOAT32_MAX and b != float("-inf")
+                                   for b in self.logit_bias.values()):
+            raise bad("logit_bias", "biases must be finite float32 values, or -inf to ban a token (the server "
+                      "takes OpenAI's [-100, 100])")
         for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "ignore_eos",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

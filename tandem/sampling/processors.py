@@ -47,22 +47,23 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
 def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
     """Allowed token ids, bad words, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):
-        allowed = state.allowed_ids.get(slot)
-        words = state.bad_words.get(slot)
-        if allowed is not None or words is not None:
+        guard = slot in state.can_empty
+        if guard:
             stop_ids = state.stop_ids[slot]
             stop_logits = logits[i].index_select(0, stop_ids)  # [s] before the masks
+        allowed = state.allowed_ids.get(slot)
         if allowed is not None:
             kept = logits[i].index_select(0, allowed)  # [m]
             logits[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
+        words = state.bad_words.get(slot)
         if words is not None:
             _ban_bad_words(logits[i], words, state.recent.get(slot),
                            rows.prior_drafts[i] if rows.prior_drafts is not None else None)
-        if allowed is not None or words is not None:
-            _end_if_empty(logits[i], stop_ids, stop_logits)
         bias = state.logit_bias.get(slot)
         if bias is not None:
             logits[i].index_add_(0, bias[0], bias[1])
+        if guard:
+            _end_if_empty(logits[i], stop_ids, stop_logits)
         stop_ids = state.min_tokens_ids.get(slot)
         if stop_ids is not None and rows.num_outputs[i] < state.params[slot].min_tokens:
             _hold_back(logits[i], stop_ids)
@@ -72,8 +73,8 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
 
 
 def _end_if_empty(row: Tensor, stop_ids: Tensor, stop_logits: Tensor) -> None:
-    """A row [V] that allowed_token_ids or bad words left empty (no token fits both them and the
-    request's structured output) allows its stop ids [s] instead, at their logits [s] from before
+    """A row [V] that allowed_token_ids, bad words or a -inf logit bias left empty (no token fits
+    both them and the request's structured output) allows its stop ids [s] instead, at their logits [s] from before
     those masks (0 where the grammar had masked them too): the output ends there rather than
     drawing a token every constraint forbids until max_tokens. No sync."""
     empty = torch.isneginf(row).all()

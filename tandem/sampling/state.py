@@ -61,6 +61,7 @@ class SamplingState:
         # slot -> its stop ids (EOS and stop_token_ids) [s], for min_tokens and for rows that
         # allowed_token_ids or bad words could empty (processors._end_if_empty)
         self.stop_ids: dict[int, Tensor] = {}
+        self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf biases may empty a row
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
@@ -105,6 +106,7 @@ class SamplingState:
         self.logit_bias.pop(slot, None)
         self.min_tokens_ids.pop(slot, None)
         self.stop_ids.pop(slot, None)
+        self.can_empty.discard(slot)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         if p.allowed_token_ids:
@@ -115,7 +117,9 @@ class SamplingState:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
             ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
-        if p.min_tokens > 0 or p.allowed_token_ids or p.bad_words_token_ids:
+        if p.allowed_token_ids or p.bad_words_token_ids or (p.logit_bias and float("-inf") in p.logit_bias.values()):
+            self.can_empty.add(slot)
+        if p.min_tokens > 0 or slot in self.can_empty:
             # EOS too under ignore_eos, as vLLM's all_stop_token_ids: min_tokens holds back every stop id
             stop_ids = set(p.stop_token_ids) | set(self.eos_token_ids)
             (self.stop_ids[slot],) = self.upload(sorted(t for t in stop_ids if 0 <= t < self.vocab_size))
@@ -149,6 +153,7 @@ class SamplingState:
         for d in (self.allowed_ids, self.bad_words, self.recent, self.logit_bias, self.min_tokens_ids,
                   self.stop_ids, self.output_counts, self.prompt_mask):
             d.pop(slot, None)
+        self.can_empty.discard(slot)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:
         """Count emitted tokens for penalty slots, and slide bad-word slots' windows over them.

@@ -388,6 +388,8 @@ class OpenAIServer:
                 if not is_int_text(key) or not 0 <= int(key) < self.vocab_size:
                     raise APIError(400, f"'logit_bias' key {key!r} is not a token id in [0, {self.vocab_size})",
                                    param="logit_bias")
+            if any(not -100 <= bias <= 100 for bias in body.logit_bias.values()):
+                raise APIError(400, "'logit_bias' values must be in [-100, 100] (OpenAI's range)", param="logit_bias")
         bad = [t for t in body.allowed_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"'allowed_token_ids' holds {bad[0]}, not a token id in [0, {self.vocab_size})",

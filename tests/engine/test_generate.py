@@ -360,6 +360,20 @@ def test_an_output_no_token_fits_ends_there(llm):
         assert (out.token_ids, out.finish_reason) == ([50, eos], "stop"), (temperature, out)
 
 
+def test_offline_logit_bias_takes_any_float32_and_minus_inf(llm):
+    """Offline, as vLLM's SamplingParams: a bias beyond OpenAI's [-100, 100] (the server's range)
+    is taken: 1000 forces its token, -inf bans it; a row -inf biases empty ends the output."""
+    eos = llm.engine.eos_token_ids[0]
+    run = lambda **kw: llm.generate({"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=4, seed=1, **kw),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    assert run(temperature=1.0, logit_bias={50: 1000.0}) == [50] * 4
+    free = run(temperature=0, ignore_eos=True)
+    banned = run(temperature=0, ignore_eos=True, logit_bias={free[0]: float("-inf")})
+    assert banned[0] != free[0] and free[0] not in banned
+    everything = {t: float("-inf") for t in range(llm.engine.vocab_size)}
+    assert run(temperature=1.0, logit_bias=everything) == [eos]
+
+
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
     """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
     out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""
