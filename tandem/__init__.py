@@ -19,6 +19,7 @@ _EXPORTS = {
     "LLM": "tandem.engine.llm",
     "SamplingParams": "tandem.sampling_params",
     "StructuredOutputsParams": "tandem.sampling_params",
+    "BeamSearchParams": "tandem.sampling_params",
     "RequestOutputKind": "tandem.sampling_params",
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",

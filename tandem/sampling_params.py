@@ -303,6 +303,40 @@ class SamplingParams:
         return dataclasses.replace(self, **{**own, **changes})
 
 
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's settings (vLLM's): keep the beam_width likeliest sequences, each step
+    extending every beam by its 2 * beam_width likeliest next tokens; a sequence ends at EOS
+    (unless ignore_eos) or after max_tokens. Sequences rank by cum_logprob / length **
+    length_penalty (length counting the prompt, an ending EOS not); temperature > 0 adds each
+    beam's sampled token to its candidates."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the text keeps the ending EOS's (empty where it is special)
+
+    def __post_init__(self):
+        def bad(name: str, rule: str) -> RequestError:
+            return RequestError(f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        self.beam_width, self.max_tokens = _as_int(self.beam_width), _as_int(self.max_tokens)
+        self.temperature, self.length_penalty = _as_float(self.temperature), _as_float(self.length_penalty)
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise bad("beam_width", "it must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "it must be an integer >= 1")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", "it must be >= 0 (0: each beam's candidates are its likeliest tokens alone)")
+        if not _is_num(self.length_penalty) or abs(self.length_penalty) == float("inf"):
+            raise bad("length_penalty", "it must be a finite number (1: score by logprob per token, 0: total logprob)")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "it must be True or False")
+
+
 # The fields that hold an integer and a number: numpy's (and other numeric types) taken as int / float.
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")

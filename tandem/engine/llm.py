@@ -25,6 +25,7 @@ from tandem.config import (
     resolve_dtype,
     resolve_max_model_len,
 )
+from tandem.beam_search import BeamSearchOutput, run_beam_search
 from tandem.chat import content_format, template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
@@ -41,7 +42,7 @@ from tandem.parallel.shard import check_shardable
 from tandem.parallel.workers import ReplicatedEngine, Workers, is_transport_error, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
-from tandem.sampling_params import MAX_SEED, RequestOutputKind, SamplingParams, lone_surrogate
+from tandem.sampling_params import MAX_SEED, BeamSearchParams, RequestOutputKind, SamplingParams, lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +313,27 @@ class LLM:
         for (ids, _, _), p in zip(items, params):
             self.engine.validate_request(ids, p)  # every request checked before any work starts
         return self._run(items, params, use_tqdm, priority)
+
+    def beam_search(
+        self,
+        prompts: list[PromptType],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's, tandem/beam_search.py): one BeamSearchOutput per prompt, its best
+        beam_width sequences best first. concurrency_limit: prompts searched at once (None: all).
+        Each step asks for 2 * beam_width logprobs, so beam_width is at most max_logprobs / 2.
+        lora_request: only None (no adapters)."""
+        _no_lora(lora_request)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"beam_search(): prompts must be a list of prompts, got {type(prompts).__name__}")
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam_search(): params must be a BeamSearchParams, got {type(params).__name__}")
+        return run_beam_search(self, list(prompts), params, use_tqdm, concurrency_limit)
 
     def chat(
         self,

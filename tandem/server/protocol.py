@@ -23,7 +23,7 @@ MAX_N = 128  # choices per request: more would take the whole batch
 
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
-    "use_beam_search": "beam search is not supported",
+    "use_beam_search": "beam search is not supported on the server (offline, LLM.beam_search runs it)",
     "logits_processors": "custom logits processors are not supported",
     "structural_tag": "structural tags are not supported; hold the output with structured_outputs (json, regex, "
                       "choice or grammar) or response_format",
