@@ -94,6 +94,50 @@ def _closed_objects(schema: Any) -> Any:
     return schema
 
 
+def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
+    """llguidance's tokenizer of a fast Hugging Face tokenizer, mending two things in its own
+    reading (llguidance.hf.from_tokenizer) so that a constraint may spell any text:
+    - an added token that is not special (Qwen2.5's <tool_call>, Qwen3's <think>) is text, as
+      Hugging Face holds it (llguidance takes every added token as special);
+    - forced text (the rest of a JSON key, a regex's literal) is tokenized with special tokens
+      spelt out in ordinary ones, so text that names a special token (<|im_end|>) is written as text.
+    Without them such text could never be written: the mask allowed the token its tokenization
+    gave, the matcher then refused it, and the output ended cut ("stop") short of the constraint.
+    The tokens' bytes and the other special tokens are llguidance's reading's; ids past the
+    tokenizer's (an embedding's padding rows) are no text."""
+    import copy
+    import functools
+
+    import llguidance
+    import llguidance.hf
+
+    eos = list(eos_token_ids) or [tokenizer.eos_token_id]
+    base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+    as_text = {i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
+    n_text = len(tokenizer)
+    backend = copy.copy(tokenizer.backend_tokenizer)  # its own: the flag below must not reach other callers
+    backend.no_padding()
+    backend.no_truncation()
+    backend.encode_special_tokens = True
+
+    @functools.lru_cache(maxsize=4096)  # forced texts repeat (a schema's keys): llguidance asks each step
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+    class Source:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = eos[0]
+        bos_token_id = tokenizer.bos_token_id
+        tokens = [base.decode_bytes([i]) if i < n_text else b"" for i in range(n_vocab)]
+        special_token_ids = [i for i in range(n_vocab) if base.is_special_token(i) and i not in as_text]
+
+        def __call__(self, text: str) -> list[int]:
+            if not isinstance(text, str):  # (the wrapper then hands over str)
+                raise TypeError("text as str")
+            return list(encode(text))
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Source()), n_vocab=n_vocab, eos_token=eos)
+
+
 class Grammars:
     """The matchers of the engine's constrained sequences, keyed by Request.req_id, and the drafts
     pending for each (which the next step's rows follow)."""
@@ -131,19 +175,28 @@ class Grammars:
 
     def _build_tokenizer(self) -> None:
         import llguidance
-        import llguidance.hf
 
         if self.tokenizer is None:
             raise RequestError("SamplingParams.structured_outputs needs the model's tokenizer, and this model "
                                "has none")
         try:
-            ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                        eos_token=self.eos_token_ids or None)
+            ll_tokenizer = ll_tokenizer_of(self.tokenizer, self.vocab_size, self.eos_token_ids)
         except Exception as e:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
             raise RequestError(f"SamplingParams.structured_outputs cannot run on this model's tokenizer "
                                f"({type(self.tokenizer).__name__}): {e}") from None
         self._executor = llguidance.LLExecutor()
         self._ll_tokenizer = ll_tokenizer
+
+    def special_tags(self, tags: dict[str, int]) -> dict[str, int]:
+        """Of tags (tag text -> its token id), those llguidance holds as special tokens, which a
+        grammar must name by id (`<[id]>`: their text does not match them); it matches the others
+        as text, whichever tokens spell it (ll_tokenizer_of). All of them where llguidance cannot
+        read the tokenizer (no structured output runs then)."""
+        try:
+            ll_tokenizer = self._tokenizer()
+        except RequestError:
+            return dict(tags)
+        return {text: token for text, token in tags.items() if ll_tokenizer.is_special_token(token)}
 
     def token_bytes(self) -> Callable[[int], bytes] | None:
         """token id -> the bytes it stands for (a piece of a character is its own bytes, where its
@@ -181,7 +234,7 @@ class Grammars:
         from tandem.reasoning import reasoning_tag_tokens
 
         tail = self.tokenizer.decode(prompt_token_ids[-8:]) if self.tokenizer is not None else None
-        return self.reasoning.gate(text, self.reasoning.opens(tail), reasoning_tag_tokens(self.tokenizer))
+        return self.reasoning.gate(text, self.reasoning.opens(tail), self.special_tags(reasoning_tag_tokens(self.tokenizer)))
 
     def compile(self, params: StructuredOutputsParams, prompt_token_ids: list[int] | None = None):
         """-> a matcher at the start of the output (RequestError as validate)."""

@@ -109,7 +109,9 @@ class OpenAIServer:
         self.chat_template = chat_template  # the server's own (--chat-template), or None: the tokenizer's
         if chat_template is not None:
             _check_chat_template(self.tokenizer, chat_template)
-        self.tool_tags = tag_tokens(self.tokenizer, tool_call_parser) if tool_call_parser else {}
+        # the parser's tags a grammar names by id: those llguidance holds as special tokens
+        self.tool_tags = engine.grammars.special_tags(tag_tokens(self.tokenizer, tool_call_parser)) \
+            if tool_call_parser else {}
         self.fim_sentinels = fim_sentinels(self.tokenizer)  # the model's fill-in-the-middle tokens, if any
         self.reasoning_tags = reasoning_tag_tokens(self.tokenizer)  # the thinking's tags that are tokens
         self.model_names = model_names

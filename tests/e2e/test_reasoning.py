@@ -89,28 +89,33 @@ def test_thinking_tokens_count_up_to_the_end_tag():
     assert QWEN3.thinking_tokens("a b</think>c", [1, 2, 5, 6, 3], None, {}, decode) == 0  # never opened
 
 
-def _tokenizer(tmp_path, tags: bool):
+def _tokenizer(tmp_path, tags: bool | str):
+    """The test tokenizer; tags: <think> and </think> as added tokens ("special": special ones)."""
     from tests.helpers import save_tokenizer
 
     save_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    if tags:
+    if tags == "special":
+        tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    elif tags:
         tok.add_tokens(["<think>", "</think>"])
     return tok
 
 
-@pytest.mark.parametrize("tags", [True, False], ids=["tag-tokens", "tag-text"])
+@pytest.mark.parametrize("tags", [True, "special", False], ids=["tag-tokens", "special-tag-tokens", "tag-text"])
 def test_gate_holds_the_constraint_after_the_thinking(tmp_path, tags):
     """The gated grammar lets the thinking be any text and holds the answer to the constraint;
-    with tags as tokens they are named by id (their text would not match them)."""
+    with tags as special tokens they are named by id (their text would not match them); as tokens
+    that are not special (Qwen3's), they are text, which their tokens spell."""
     import llguidance
-    import llguidance.hf
 
-    from tandem.engine.grammar import grammar_text
+    from tandem.engine.grammar import Grammars, grammar_text, ll_tokenizer_of
 
     tok = _tokenizer(tmp_path, tags)
     assert reasoning_tag_tokens(tok) == ({"<think>": 300, "</think>": 301} if tags else {})
-    ll = llguidance.hf.from_tokenizer(tok, n_vocab=320)
+    named = Grammars(tok, 320, (tok.eos_token_id,)).special_tags(reasoning_tag_tokens(tok))
+    assert named == (reasoning_tag_tokens(tok) if tags == "special" else {})
+    ll = ll_tokenizer_of(tok, 320, (tok.eos_token_id,))
     regex = grammar_text(StructuredOutputsParams(regex="[ab]+"))
     schema = grammar_text(StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
                                                         "required": ["n"]}))
@@ -120,13 +125,13 @@ def test_gate_holds_the_constraint_after_the_thinking(tmp_path, tags):
         return llguidance.LLMatcher(ll, grammar, log_level=0).validate_tokens(ids) == len(ids)
 
     for opens in (True, None):
-        gated = QWEN3.gate(regex, opens, reasoning_tag_tokens(tok))
+        gated = QWEN3.gate(regex, opens, named)
         assert not llguidance.LLMatcher.validate_grammar_with_warnings(gated, ll)[0]
         assert fits(gated, "<think>any text at all, fox</think>\n\nabba")
         assert not fits(gated, "<think>any text</think>abc")  # the answer holds to the regex
         assert fits(gated, "abba")  # (a reply that does not think is the answer: Qwen3's None)
         assert fits(gated, "thinking without the tag") is bool(opens)
-        assert fits(QWEN3.gate(schema, opens, reasoning_tag_tokens(tok)), '<think>hm</think>\n{"n": 12}')
+        assert fits(QWEN3.gate(schema, opens, named), '<think>hm</think>\n{"n": 12}')
     assert QWEN3.gate(regex, False, {}) == regex  # the prompt closed the thinking: unchanged
 
 

@@ -234,12 +234,13 @@ STRICT_F = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"
 
 
 def _tags_and_fits(tmp_path, parser: str, added: list[str], special: bool = False):
-    """The test tokenizer with `added` as tokens of their own -> (the parser's tags it holds as
-    tokens, fits(choice, text): whether the text's tokens keep to the choice's grammar)."""
+    """The test tokenizer with `added` as tokens of their own -> (the parser's tags a grammar names
+    by id, as the server finds them: those llguidance holds as special tokens; fits(choice, text):
+    whether the text's tokens keep to the choice's grammar, read as the engine reads them)."""
     import llguidance
-    import llguidance.hf
     from transformers import AutoTokenizer
 
+    from tandem.engine.grammar import Grammars, ll_tokenizer_of
     from tandem.server.tools import tag_tokens
     from tests.helpers import save_tokenizer
 
@@ -249,22 +250,27 @@ def _tags_and_fits(tmp_path, parser: str, added: list[str], special: bool = Fals
         tok.add_special_tokens({"additional_special_tokens": added})
     elif added:
         tok.add_tokens(added)
-    ll_tok = llguidance.hf.from_tokenizer(tok)
+    for tag in added:  # the text of a tag is its token
+        assert tok.encode(tag, add_special_tokens=False) == [tok.convert_tokens_to_ids(tag)]
+    ll_tok = ll_tokenizer_of(tok, len(tok), (tok.eos_token_id,))
 
     def fits(choice: ToolChoice, text: str) -> bool:
         matcher = llguidance.LLMatcher(ll_tok, choice.constraint().grammar, log_level=0)
         ids = tok.encode(text, add_special_tokens=False)
         return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
 
-    return tag_tokens(tok, parser), fits
+    return Grammars(tok, len(tok), (tok.eos_token_id,)).special_tags(tag_tokens(tok, parser)), fits
 
 
-@pytest.mark.parametrize("as_tokens", [False, True])
-def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, as_tokens):
+@pytest.mark.parametrize("tags_as", ["text", "tokens", "special tokens"])
+def test_strict_tools_hold_auto_calls_to_their_schemas(tmp_path, tags_as):
     """A strict tool makes "auto" a grammar: text is free, and a <tool_call> block must call a tool
     with arguments that fit (a strict tool's schema; another's any object). Where the tokenizer
-    holds the tags as tokens (Qwen2.5's), the grammar names those tokens."""
-    tags, fits = _tags_and_fits(tmp_path, "hermes", ["<tool_call>", "</tool_call>"] if as_tokens else [])
+    holds the tags as special tokens, the grammar names those tokens; as tokens that are not
+    special (Qwen2.5's), they are text, which the tag tokens or other tokens may spell."""
+    tags, fits = _tags_and_fits(tmp_path, "hermes", ["<tool_call>", "</tool_call>"] if tags_as != "text" else [],
+                                special=tags_as == "special tokens")
+    as_tokens = tags_as == "special tokens"
     assert len(tags) == (2 if as_tokens else 0)
     strict = STRICT_F
     loose = {"name": "g", "parameters": {"type": "object", "properties": {"y": {"type": "string"}}}, "strict": False}

@@ -312,3 +312,53 @@ def test_ignore_eos_goes_on_with_eos_after_a_complete_output(models, caplog):
             assert len(seq.token_ids) == 48 and set(seq.token_ids[first:]) == {eos}, (draft, seq.token_ids)
             assert check(seq.text), (draft, seq.text)
     assert "matcher failed" not in caplog.text
+
+
+def test_a_constraint_may_spell_an_added_token_that_is_not_special(tmp_path):
+    """Text a constraint forces that a non-special added token holds (Qwen2.5's <tool_call>, Qwen3's
+    <think>) is written: llguidance, which takes every added token as special, allowed that token
+    there and then refused it, so the output ended cut ("stop") short of the constraint. Where the
+    text is not forced the token itself fits too; a special token's text still never matches it."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from tandem.engine.grammar import Grammars
+    from tests.helpers import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.add_tokens(["<tool_call>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|sp|>"]})
+    tag, sp = tok.convert_tokens_to_ids(["<tool_call>", "<|sp|>"])
+    eos = tok.eos_token_id
+    grammars = Grammars(tok, 320, (eos,))
+
+    def forced_walk(regex: str) -> list[int]:
+        """The tokens of the output when every step takes the lowest token its mask allows (not EOS)."""
+        matcher, out = grammars.compile(StructuredOutputsParams(regex=regex)), []
+        while not matcher.is_stopped() and len(out) < 40:
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+            allowed = [t for t in range(320) if (int(mask[t // 32]) >> (t % 32)) & 1 and t != eos]
+            if not allowed:
+                break
+            assert matcher.consume_tokens([allowed[0]]) and not matcher.is_error(), matcher.get_error()
+            out.append(allowed[0])
+        assert matcher.is_accepting()
+        return out
+
+    assert tok.decode(forced_walk("A<tool_call>\nB")) == "A<tool_call>\nB"
+    assert tok.decode(forced_walk('\\{"t": "<tool_call>"\\}')) == '{"t": "<tool_call>"}'
+    loose = grammars.compile(StructuredOutputsParams(regex="A(<tool_call>|<tool_x>)\nB"))
+    ids = tok.encode("A<tool_call>\nB", add_special_tokens=False)
+    assert tag in ids and loose.try_consume_tokens(ids) == len(ids) and not loose.is_error()
+    strict = grammars.compile(StructuredOutputsParams(regex="A(<\\|sp\\|>|x)"))
+    assert strict.try_consume_tokens(tok.encode("A<|sp|>", add_special_tokens=False)) == 1  # A, and not the token
+    assert tok.decode(forced_walk("A<\\|sp\\|>B"), skip_special_tokens=False) == "A<|sp|>B"  # spelt in text
+    assert grammars.special_tags({"<tool_call>": tag, "<|sp|>": sp}) == {"<|sp|>": sp}
+    import llguidance.hf
+
+    from tandem.engine.grammar import ll_tokenizer_of
+
+    ours, theirs = ll_tokenizer_of(tok, 320, (eos,)), llguidance.hf.from_tokenizer(tok, n_vocab=320, eos_token=eos)
+    assert [t for t in range(320) if ours.is_special_token(t) != theirs.is_special_token(t)] == [tag]  # else alike
+    assert all(ours.decode_bytes([t]) == theirs.decode_bytes([t]) for t in range(len(tok)))
