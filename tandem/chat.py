@@ -89,6 +89,17 @@ def content_format(template: Any) -> str:
     return _content_format(template) if isinstance(template, str) else "string"
 
 
+def developer_as_system(messages: list[dict], template: Any) -> list[dict]:
+    """OpenAI's developer messages (its newer name for system ones) as system messages for a
+    template that names no developer role (Qwen's, Llama's: it would drop them without a word);
+    one that does (gpt-oss's) gets them as they are."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str) or "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 @functools.lru_cache(maxsize=16)
 def _content_format(template: str) -> str:
     import jinja2

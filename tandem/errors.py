@@ -14,6 +14,11 @@ class RequestError(TandemError):
     """A request (prompt or sampling parameters) that cannot be served."""
 
 
+class ContextLengthError(RequestError):
+    """A prompt that leaves no room to generate within max_model_len (the server's
+    context_length_exceeded)."""
+
+
 class StepError(RuntimeError):
     """An engine step failed (out of GPU memory, or a bug) and ended the requests it ran.
 

@@ -25,7 +25,7 @@ from tandem.engine.build import build_runner, capture_graphs, rehearse, scratch_
 from tandem.engine.detokenizer import Detokenizer, DetokState
 from tandem.engine.grammar import Grammars
 from tandem.engine.heap import freeze_startup_heap
-from tandem.errors import RequestError, StepError
+from tandem.errors import ContextLengthError, RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
 from tandem.reasoning import reasoning_format
@@ -288,7 +288,7 @@ class Engine:
             self._check_structured(params, prompt_token_ids)
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len={max_len} leaves no room to "
                 f"generate; shorten the prompt or raise max_model_len"
             )

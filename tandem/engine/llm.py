@@ -26,7 +26,7 @@ from tandem.config import (
     resolve_max_model_len,
 )
 from tandem.beam_search import BeamSearchOutput, run_beam_search
-from tandem.chat import content_format, template_kwargs, text_message
+from tandem.chat import content_format, developer_as_system, template_kwargs, text_message
 from tandem.engine.engine import Engine
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
@@ -383,6 +383,8 @@ class LLM:
                 messages = [text_message(m, fmt) for m in conv]
             except RequestError as e:
                 raise RequestError(f"chat(): {e}") from None
+            messages = developer_as_system(messages, kwargs["chat_template"] or getattr(self.tokenizer, "chat_template",
+                                                                                         None))
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except Exception as e:  # jinja's errors, a template's raise_exception, bad tools: the template's input

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.chat import content_format, template_kwargs
+from tandem.chat import content_format, developer_as_system, template_kwargs
 from tandem.errors import ConfigError, RequestError
 from tandem.outputs import RequestOutput
 from tandem.reasoning import reasoning_format, reasoning_tag_tokens
@@ -456,13 +456,15 @@ class OpenAIServer:
         kwargs = template_kwargs(body.chat_template or self.chat_template, body.add_generation_prompt,
                                  body.continue_final_message, tools=tools_for_template(body),
                                  extra=chat_kwargs, documents=body.documents)  # tokenized below
-        fmt = content_format(kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None))
+        template = kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)
+        fmt = content_format(template)
         conversation = []
         for i, m in enumerate(body.messages):
             try:
                 conversation.append(m.template_dict(fmt))
             except RequestError as e:
                 raise APIError(400, f"'messages.{i}': {e}", param=f"messages.{i}") from None
+        conversation = developer_as_system(conversation, template)
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template

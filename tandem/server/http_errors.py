@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from tandem.errors import RequestError
+from tandem.errors import ContextLengthError, RequestError
 from tandem.server.protocol import ErrorInfo, ErrorResponse
 
 class APIError(Exception):
@@ -62,7 +62,8 @@ def request_error(e: RequestError, fields: dict[str, str], prompt_param: str) ->
         return APIError(400, param + msg[len("SamplingParams.") + len(name):], param=param)
     if msg.startswith("prompt"):
         where = "" if prompt_param == "prompt" else f"the prompt built from '{prompt_param}': "
-        return APIError(400, where + msg, param=prompt_param)
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None  # OpenAI's code
+        return APIError(400, where + msg, param=prompt_param, code=code)
     if msg.startswith("cache_salt"):
         return APIError(400, msg, param="cache_salt")
     return APIError(400, msg)

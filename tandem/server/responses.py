@@ -266,8 +266,8 @@ def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = No
 
 
 def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) -> list[dict[str, Any]]:
-    """`input` as chat messages: a string is one user message; items are messages (developer as
-    system; each its own), function calls (joined to the assistant message before them, if any)
+    """`input` as chat messages: a string is one user message; items are messages (a developer
+    message a system one unless the template names that role; each its own), function calls (joined to the assistant message before them, if any)
     and their outputs (tool messages); a reasoning item's text is the next assistant message's
     reasoning_content (templates that print it do). A stored response's function call that its
     max_output_tokens cut (status incomplete) is left out: it was never a call."""
@@ -298,7 +298,7 @@ def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) ->
             if role == "assistant":
                 assistant(new=True)["content"] = text
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                out.append({"role": role, "content": text})  # developer: as the chat route takes it
                 thinking = None  # a thinking belongs to the assistant turn right after it
         elif kind == "function_call" and i < num_previous and item.get("status") == "incomplete":
             continue

@@ -339,6 +339,25 @@ def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(model_d
         server.stop()
 
 
+def test_a_developer_message_is_a_system_one_where_the_template_has_no_such_role(live, reference):
+    """OpenAI's developer role (its newer name for system) reaches a template that names no such
+    role (most: they would drop it) as a system message, in chat and /tokenize as offline; a
+    template that names it gets it as it is."""
+    from tandem.chat import developer_as_system
+
+    as_dev = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    as_sys = [{**as_dev[0], "role": "system"}, as_dev[1]]
+    ids = [live.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (as_dev, as_sys)]
+    assert ids[0] == ids[1]
+    tok = reference.get_tokenizer()
+    assert ids[0] == tok(tok.apply_chat_template(as_sys, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False).input_ids
+    chats = [reference.chat(m, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0] for m in (as_dev, as_sys)]
+    assert chats[0].prompt_token_ids == chats[1].prompt_token_ids
+    harmony = "{% for m in messages %}{% if m.role == 'developer' %}# Instructions{% endif %}{% endfor %}"
+    assert developer_as_system(as_dev, harmony) == as_dev and developer_as_system(as_dev, "{{ x }}") == as_sys
+
+
 def test_tokenize_detokenize_and_version(live, reference):
     tok = reference.get_tokenizer()
     r = live.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
@@ -1297,6 +1316,8 @@ def test_bad_input_gets_openai_error(live, path, body, status, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert param.split(".")[0] in error["message"], error  # the message names the field too
+    too_long = ("prompt-too-long", "chat-too-long", "context-length", "chat-context-length")  # OpenAI's code, a prompt alone too
+    assert (error["code"] == "context_length_exceeded") == (body in [c[2] for c in BAD_INPUTS if c[0] in too_long])
 
 
 def test_structured_outputs_over_the_api(live, reference):
