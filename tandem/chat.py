@@ -5,6 +5,7 @@ import codecs
 import functools
 import json
 import os
+import re
 from typing import Any
 
 from tandem.errors import ConfigError, RequestError
@@ -93,11 +94,15 @@ def developer_as_system(messages: list[dict], template: Any) -> list[dict]:
     """OpenAI's developer messages (its newer name for system ones) as system messages for a
     template that names no developer role (Qwen's, Llama's: it would drop them without a word);
     one that does (gpt-oss's) gets them as they are."""
-    if isinstance(template, dict):
-        template = template.get("default")
-    if not isinstance(template, str) or "developer" in template:
+    templates = list(template.values()) if isinstance(template, dict) else [template]
+    if any(isinstance(t, str) and _DEVELOPER_ROLE.search(t) for t in templates) or not any(
+            isinstance(t, str) for t in templates):
         return messages
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
+# A template that compares a role with 'developer' (the word elsewhere, "for developers", is no sign).
+_DEVELOPER_ROLE = re.compile(r"""(['"])developer\1""")
 
 
 @functools.lru_cache(maxsize=16)

@@ -309,7 +309,8 @@ class BeamSearchParams:
     extending every beam by its 2 * beam_width likeliest next tokens; a sequence ends at EOS
     (unless ignore_eos) or after max_tokens. Sequences rank by cum_logprob / length **
     length_penalty (length counting the prompt, an ending EOS not); temperature > 0 adds each
-    beam's sampled token to its candidates."""
+    beam's sampled token to its candidates. Unlike vLLM's, a result's text is the output alone
+    (special tokens skipped), and any of the engine's EOS ids ends a beam (README)."""
 
     beam_width: int
     max_tokens: int

@@ -100,12 +100,12 @@ def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
     - an added token that is not special (Qwen2.5's <tool_call>, Qwen3's <think>) is text, as
       Hugging Face holds it (llguidance takes every added token as special);
     - forced text (the rest of a JSON key, a regex's literal) is tokenized with special tokens
-      spelt out in ordinary ones, so text that names a special token (<|im_end|>) is written as text.
+      spelt out in ordinary ones (_forced_text_tokenizer), so text that names a special token
+      (<|im_end|>) is written as text.
     Without them such text could never be written: the mask allowed the token its tokenization
     gave, the matcher then refused it, and the output ended cut ("stop") short of the constraint.
     The tokens' bytes and the other special tokens are llguidance's reading's; ids past the
     tokenizer's (an embedding's padding rows) are no text."""
-    import copy
     import functools
 
     import llguidance
@@ -115,10 +115,7 @@ def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
     base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
     as_text = {i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
     n_text = len(tokenizer)
-    backend = copy.copy(tokenizer.backend_tokenizer)  # its own: the flag below must not reach other callers
-    backend.no_padding()
-    backend.no_truncation()
-    backend.encode_special_tokens = True
+    backend = _forced_text_tokenizer(tokenizer)
 
     @functools.lru_cache(maxsize=4096)  # forced texts repeat (a schema's keys): llguidance asks each step
     def encode(text: str) -> tuple[int, ...]:
@@ -136,6 +133,45 @@ def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
             return list(encode(text))
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Source()), n_vocab=n_vocab, eos_token=eos)
+
+
+def _forced_text_tokenizer(tokenizer):
+    """A copy of the tokenizer's backend for the text a constraint forces, read as llguidance reads
+    text: a piece from the middle of an output, so no sentencepiece "▁" (nor a byte-level space) is
+    put before it, and special tokens' text is spelt out in ordinary tokens."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["truncation"] = spec["padding"] = None
+    spec["normalizer"] = _without_prepend(spec.get("normalizer"))
+    spec["pre_tokenizer"] = _without_prefix_space(spec.get("pre_tokenizer"))
+    backend = Tokenizer.from_str(json.dumps(spec))
+    backend.encode_special_tokens = True
+    return backend
+
+
+def _without_prepend(node: dict | None) -> dict | None:
+    """A normalizer without its Prepend steps (sentencepiece's "▁" before a text)."""
+    if node is None or node.get("type") == "Prepend":
+        return None
+    if node.get("type") == "Sequence":
+        kept = [n for n in map(_without_prepend, node.get("normalizers", [])) if n is not None]
+        return {**node, "normalizers": kept} if kept else None
+    return node
+
+
+def _without_prefix_space(node: dict | None) -> dict | None:
+    """A pre-tokenizer that puts nothing before a text (Metaspace's prepend_scheme "never",
+    ByteLevel's add_prefix_space false)."""
+    if node is None:
+        return None
+    if node.get("type") == "Sequence":
+        return {**node, "pretokenizers": [_without_prefix_space(n) for n in node.get("pretokenizers", [])]}
+    if node.get("type") == "Metaspace":
+        return {**node, "prepend_scheme": "never", **({"add_prefix_space": False} if "add_prefix_space" in node else {})}
+    if node.get("type") == "ByteLevel":
+        return {**node, "add_prefix_space": False}
+    return node
 
 
 class Grammars:
@@ -159,6 +195,7 @@ class Grammars:
         self._valid: dict[str, None] = {}  # grammars that compiled, oldest first
         self._ll_tokenizer = None  # built on first use (about a second for a 150k vocabulary)
         self._building = threading.Lock()  # the server's loop may ask for it too (token_bytes)
+        self._build_error: RequestError | None = None  # why it cannot be built, once found
         self._executor = None
 
     @property
@@ -169,8 +206,14 @@ class Grammars:
     def _tokenizer(self):
         if self._ll_tokenizer is None:
             with self._building:
+                if self._build_error is not None:  # (a second try would take as long to fail again)
+                    raise self._build_error
                 if self._ll_tokenizer is None:
-                    self._build_tokenizer()
+                    try:
+                        self._build_tokenizer()
+                    except RequestError as e:
+                        self._build_error = e
+                        raise
         return self._ll_tokenizer
 
     def _build_tokenizer(self) -> None:

@@ -356,6 +356,8 @@ def test_a_developer_message_is_a_system_one_where_the_template_has_no_such_role
     assert chats[0].prompt_token_ids == chats[1].prompt_token_ids
     harmony = "{% for m in messages %}{% if m.role == 'developer' %}# Instructions{% endif %}{% endfor %}"
     assert developer_as_system(as_dev, harmony) == as_dev and developer_as_system(as_dev, "{{ x }}") == as_sys
+    assert developer_as_system(as_dev, "You help developers. {{ x }}") == as_sys  # the word alone is no role
+    assert developer_as_system(as_dev, {"default": "{{ x }}", "tool_use": harmony}) == as_dev
 
 
 def test_tokenize_detokenize_and_version(live, reference):
@@ -975,6 +977,17 @@ def test_chat_logprobs_give_a_piece_of_a_character_its_own_bytes(tmp_path):
                for c in content)
     assert b"".join(bytes(c.bytes) for c in chat_logprobs(ids, lps, 2).content) != text.encode()  # U+FFFD's bytes
     assert Grammars(None, len(tok), (1,)).token_bytes() is None  # no tokenizer: the text's bytes
+
+
+def test_a_served_piece_of_a_character_carries_its_bytes(live, reference):
+    """Over the API: a reply that is the first byte of "é" (logit_bias makes it so) has that byte."""
+    tok = reference.get_tokenizer()
+    piece = tok.convert_tokens_to_ids("Ã")  # byte-level BPE's 0xC3, é's first byte
+    assert tok.decode([piece]) == "\ufffd"
+    r = live.post(CH, json={**OK_CH, "max_tokens": 1, "logprobs": True, "top_logprobs": 1,
+                            "logit_bias": {str(piece): 100}}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xC3], content
 
 
 # ---------------------------------------------------------------- concurrency and disconnects

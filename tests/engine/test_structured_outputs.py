@@ -362,3 +362,49 @@ def test_a_constraint_may_spell_an_added_token_that_is_not_special(tmp_path):
     ours, theirs = ll_tokenizer_of(tok, 320, (eos,)), llguidance.hf.from_tokenizer(tok, n_vocab=320, eos_token=eos)
     assert [t for t in range(320) if ours.is_special_token(t) != theirs.is_special_token(t)] == [tag]  # else alike
     assert all(ours.decode_bytes([t]) == theirs.decode_bytes([t]) for t in range(len(tok)))
+
+
+@pytest.mark.parametrize("prefix", ["normalizer", "metaspace"])
+def test_forced_text_is_tokenized_as_llguidance_reads_it_on_a_sentencepiece_tokenizer(prefix):
+    """A sentencepiece-style tokenizer (Llama 2's, Mistral's: a "▁" put before a text, by a Prepend
+    normalizer or Metaspace's prepend_scheme) tokenizes forced text as llguidance's own reading does,
+    without that "▁" (a first version put it there: the mask then allowed only "▁", which the matcher
+    refused); special tokens' text is spelt out in ordinary tokens."""
+    import numpy as np
+    import llguidance.hf
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tandem.engine.grammar import _forced_text_tokenizer, ll_tokenizer_of
+    from tests.helpers import TEXT
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    if prefix == "metaspace":
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    else:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    spec = json.loads(backend.to_str())  # the byte tokens as ordinary ones of the vocabulary, as Llama 2's
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>")
+    eos, n = tok.eos_token_id, len(tok)
+    theirs, forced = llguidance.hf.from_tokenizer(tok, n_vocab=n, eos_token=eos), _forced_text_tokenizer(tok)
+    for text in ("fox jumps", " The quick\nbrown", "{\"key\": 1.5}", "é  x"):
+        assert forced.encode(text, add_special_tokens=False).ids == theirs.tokenize_str(text)
+    ours = ll_tokenizer_of(tok, n, (eos,))
+    for regex, want in (("The quick brown fox", "The quick brown fox"), ('\\{"city": "(a|b)"\\}', '{"city": "a"}'),
+                        ("x</s>y", "x</s>y")):
+        matcher = llguidance.LLMatcher(ours, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+        out = []
+        while not matcher.is_stopped() and len(out) < 60:
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+            allowed = [t for t in range(n) if (int(mask[t // 32]) >> (t % 32)) & 1 and t != eos]
+            if not allowed:
+                break
+            assert matcher.consume_tokens([allowed[0]]) and not matcher.is_error(), (regex, matcher.get_error())
+            out.append(allowed[0])
+        assert matcher.is_accepting() and tok.decode(out, skip_special_tokens=False) == want, (regex, out)
