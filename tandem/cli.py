@@ -314,6 +314,10 @@ def _detect(args) -> int:
         raise ConfigError("--chat applies the chat template to --prompt; pass the prompt too")
     prompt_ids = _prompt_ids(tok, args.prompt, args.chat) if args.prompt is not None else None
     found = detect_watermark(ids, args.watermark_config, prompt_ids, p_value_threshold=args.p_value_threshold)
+    if found.num_tokens == 0:  # nothing to test: "no" would claim more than the text shows
+        print(f"watermarked: unknown (none of the text's {len(ids)} tokens could be scored: a token is scored after "
+              "the context its key reads; give a longer text, or --prompt so the first tokens are scored too)")
+        return 0
     verdict = "yes" if found.watermarked else "no"
     print(f"watermarked: {verdict} (p-value {found.p_value:.3g} over {found.num_tokens} scored tokens of "
           f"{len(ids)}; score {found.score:.1f}, expected {found.num_tokens} without the watermark)")

@@ -153,9 +153,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.output_kind = _output_kind(self.output_kind)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is True:  # vLLM's: True asks for the sampled token's alone
-                setattr(self, name, 1)
+        for name in ("logprobs", "prompt_logprobs"):  # bools as vLLM reads them: True is 1, False 0
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("allowed_token_ids", "stop_token_ids"):  # a numpy array (or a tensor) as its list
+            value = getattr(self, name)
+            if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+                setattr(self, name, value.tolist())
         for name in _INT_FIELDS:  # numpy's integers (and other integer types) as int, as vLLM takes them
             setattr(self, name, _as_int(getattr(self, name)))
         for name in _FLOAT_FIELDS:

@@ -324,6 +324,8 @@ class Engine:
         the request shares prefix-cache blocks only with requests of the same salt."""
         if self._dead is not None:
             raise StepError(self._dead, [], fatal=True)
+        if not isinstance(request_id, str):  # (vLLM's are str: outputs and aborts name them so)
+            raise RequestError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt_token_ids, (str, dict)):  # vLLM's LLMEngine takes a prompt; this engine takes ids

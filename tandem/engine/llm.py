@@ -396,8 +396,12 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None, bool]:
         """(token ids, text, whether the ids were tokenized here from the text)."""
+        if isinstance(prompt, dict):
+            _check_prompt_keys(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
+            if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array, a tensor
+                ids = ids.tolist()
             if not isinstance(ids, (list, tuple)):
                 raise RequestError("prompt_token_ids must be a list of integers")
             return [_as_int(t) for t in ids], prompt.get("prompt"), False
@@ -445,6 +449,24 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+# vLLM's prompt keys tandem has no use for -> why.
+_REFUSED_PROMPT_KEYS = {
+    "multi_modal_data": "this engine serves text-only models",
+    "mm_processor_kwargs": "this engine serves text-only models",
+    "prompt_embeds": "prompts are text or token ids here, not embeddings",
+}
+
+
+def _check_prompt_keys(prompt: dict) -> None:
+    """RequestError for a dict prompt's key tandem would otherwise drop without a word."""
+    for key in prompt:
+        if key in _REFUSED_PROMPT_KEYS:
+            raise RequestError(f"a prompt's {key!r} is not supported: {_REFUSED_PROMPT_KEYS[key]}; leave it out")
+        if key not in ("prompt", "prompt_token_ids", "cache_salt"):
+            raise RequestError(f"a prompt dict takes 'prompt', 'prompt_token_ids' and 'cache_salt'; {key!r} is "
+                               "not one of them")
 
 
 def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory_bytes,

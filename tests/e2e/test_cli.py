@@ -111,6 +111,9 @@ def test_watermarked_generation_and_detection(tmp_path, capsys, monkeypatch):
     assert f"over {prompted.num_tokens} scored tokens of {len(ids)}" in out
     assert main(["detect", "--model", str(tmp_path / "t"), "--watermark-config", key, "--chat", "x"]) == 2
     assert "pass the prompt too" in capsys.readouterr().err
+    # a text too short to score gets no verdict (it said "no" over 0 scored tokens)
+    assert main(["detect", "--model", str(tmp_path / "t"), "--watermark-config", key, ""]) == 0
+    assert capsys.readouterr().out.startswith("watermarked: unknown (none of the text's 0 tokens could be scored")
 
 
 def test_generate_with_structured_outputs(tmp_path, capsys):

@@ -543,9 +543,11 @@ def test_valid_edge_sampling_params_are_accepted():
         ({"prompt_token_ids": "5 6 7"}, "prompt_token_ids"),
         ([123], "prompt"),
         ({"text": "hi"}, "prompt_token_ids"),
+        ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "multi_modal_data.*text-only"),  # was dropped
+        ({"prompt": "hi", "promt": "x"}, "'promt' is not one of them"),
     ],
     ids=["len=max", "len>max", "empty-ids", "empty-str", "id=vocab", "id<0", "float-id", "str-id", "ids-str",
-         "int-prompt", "dict-without-ids"],
+         "int-prompt", "dict-without-ids", "multi-modal-data", "unknown-key"],
 )
 def test_bad_prompt(llm, prompt, match):
     with pytest.raises(RequestError, match=match):
@@ -596,6 +598,18 @@ def test_numpy_token_ids_are_integers(llm, reference):
     prompts, outs = reference
     out = llm.generate({"prompt_token_ids": list(np.array(prompts[0]))}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == outs[0]
+    out = llm.generate({"prompt_token_ids": np.array(prompts[0])}, GREEDY, use_tqdm=False)[0]  # an array, as vLLM
+    assert out.outputs[0].token_ids == outs[0]
+    allowed = np.array(sorted(set(outs[0])))
+    p = SamplingParams(temperature=0, max_tokens=len(outs[0]), allowed_token_ids=allowed, stop_token_ids=np.array([1]),
+                       logprobs=False)  # False is 0, as vLLM reads it: the sampled token's logprob alone
+    assert (p.allowed_token_ids, p.stop_token_ids, p.logprobs) == (allowed.tolist(), [1], 0)
+
+
+def test_a_request_id_is_a_string(llm):
+    with pytest.raises(RequestError, match="request_id must be a string"):  # an int came back as int
+        llm.engine.add_request(5, [5, 6], GREEDY)
+    assert_idle(llm)
 
 
 def test_chat_takes_message_dicts(llm):
