@@ -54,13 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "'{\"json\": SCHEMA}', '{\"regex\": ...}', '{\"choice\": [...]}' or '{\"grammar\": ...}'")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--dtype", default="auto",
+                     help="the weights' and activations' dtype: auto (the checkpoint's; float16 runs as bfloat16 on "
+                          "a CPU), bfloat16, float16 or float32")
     gen.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
-    gen.add_argument("--device", default="auto")
+    gen.add_argument("--device", default="auto", help="auto (CUDA where there is a GPU, else the CPU), cuda, cuda:N or cpu")
     gen.add_argument("--max-model-len", type=size_in(1), default=None,
                      help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")
     gen.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
-    gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                     help="dummy: seeded random weights of the model's shapes (for benchmarks), not its own")
     gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                      help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     # The sampling defaults are this command's own (greedy, 128 tokens), not vLLM's SamplingParams() (1.0, 16),
