@@ -468,7 +468,6 @@ BAD_PARAMS = [
     (dict(seed=True), "seed"),
     (dict(logprobs=-2), "logprobs"),
     (dict(prompt_logprobs=-2), "prompt_logprobs"),
-    (dict(logprobs=False), "logprobs"),  # (True is 1, as vLLM)
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=[3]), "stop"),
