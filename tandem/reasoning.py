@@ -18,8 +18,9 @@ reasoning parser does three things with that:
   reasoning parser; the gate is part of the grammar (llguidance's grammar references), so
   speculative drafts are proposed and verified under it like any other constraint.
 
-A tag the tokenizer holds as one token of its own (Qwen3's, the R1 distills') is named in the
-grammar by id: llguidance treats added tokens as special, and their text does not match them.
+A tag the tokenizer holds as a special token is named in the grammar by id (its text does not
+match it); one that is an ordinary added token (Qwen3's) is text, whichever tokens write it
+(grammar.ll_tokenizer_of, Grammars.special_tags).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class ReasoningFormat:
             lines.append(f"thinking[lazy]: THOUGHT {tag(END)}")
         opener = f"GAP? {tag(START)}"
         if opens is None:  # Qwen3: a reply that begins with <think> thinks first; any other is all answer
-            lines[1] = f"start: {opener} thinking GAP? @answer | @answer"
+            lines[1] = f"start: {opener} thinking GAP? @answer | GAP? @answer"  # (blanks may open the answer too)
         else:  # already thinking (a <think> the reply opens with is the same thinking)
             lines[1] = f"start: ({opener})? thinking GAP? @answer"
         top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}

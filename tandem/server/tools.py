@@ -197,8 +197,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
 def hermes_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int], parallel: bool) -> str:
     """llguidance's Lark for free text whose `<tool_call>` blocks are calls of the tools, written as
     Qwen2.5's template asks: a strict tool's arguments held to its schema, another's to any JSON
-    object, all in json.dumps's layout. tag_tokens: the tags the tokenizer holds as one token of
-    their own (by id): the grammar must name those tokens, as their text does not match them."""
+    object, all in json.dumps's layout. tag_tokens: the tags llguidance holds as special tokens (by
+    id; Grammars.special_tags): the grammar must name those, as their text does not match them."""
     def tag(text: str) -> str:
         return f"<[{tag_tokens[text]}]>" if text in tag_tokens else json.dumps(text)
 
