@@ -173,8 +173,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
     its end-of-turn token). Returns (the text before the first block, None if blank; the calls,
     their arguments in json.dumps's layout). A first block that is not such an object makes the
     whole text content and no call (vLLM's rule); a later one ends the calls, its text and what
-    follows dropped as after the last block, so the reply holds the calls a stream of it has sent
-    (vLLM's whole-reply parser drops them all, though its stream sent them)."""
+    follows dropped as after the last block, so the reply holds the complete calls a stream of it
+    has sent (vLLM's whole-reply parser drops them all, though its stream sent them); the broken
+    block itself, which a stream may have begun (cut by max_tokens), is in the stream alone."""
     start = text.find(_HERMES_START)
     if start < 0:
         return text, []
