@@ -86,7 +86,8 @@ def run_batch(model: Path, n: int, args) -> list[dict]:
     total_steps = args.warmup + 2 * args.blocks * args.block_steps
     llm = LLM(str(model), tokenizer=args.tokenizer, dtype="float32", device=args.device, max_num_seqs=n,
               max_model_len=args.prompt_len + total_steps + 8, max_num_batched_tokens=max(2048, n * args.prompt_len),
-              async_scheduling=True)
+              async_scheduling=True,
+              kv_cache_memory_bytes=1 << 30)  # plenty for the tiny model; on a GPU, no share of it (batches in turn)
     engine = llm.engine
     if engine.cfg.device.type == "cpu":  # the GPU's metadata path: the host builds what it builds there
         backend = AttnBackend(engine.cfg.cache.block_size, engine.cfg.device, use_table=True, use_triton=False,
