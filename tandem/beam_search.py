@@ -67,7 +67,7 @@ def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm:
                           output_kind=RequestOutputKind.FINAL_ONLY)
     items = []
     for prompt in prompts:
-        ids, text, from_text = llm._tokenize(prompt)
+        ids, _, _ = llm._tokenize(prompt)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         engine.validate_request(ids, step)  # every prompt checked before any work starts
         items.append((ids, salt))

@@ -244,8 +244,8 @@ class Grammars:
     def token_bytes(self) -> Callable[[int], bytes] | None:
         """token id -> the bytes it stands for (a piece of a character is its own bytes, where its
         decoded text has U+FFFD), from the tokenizer llguidance reads; None where it cannot read this
-        one. The first call builds it (about a second at a 150k vocabulary): make it off the event
-        loop. It is read-only once built, so any thread may use it."""
+        one. The first call builds it (a second or two at a 150k vocabulary, holding the GIL: the
+        server makes it at start-up). It is read-only once built, so any thread may use it."""
         try:
             ll_tokenizer = self._tokenizer()
         except RequestError:
@@ -277,7 +277,8 @@ class Grammars:
         from tandem.reasoning import reasoning_tag_tokens
 
         tail = self.tokenizer.decode(prompt_token_ids[-8:]) if self.tokenizer is not None else None
-        return self.reasoning.gate(text, self.reasoning.opens(tail), self.special_tags(reasoning_tag_tokens(self.tokenizer)))
+        tags = self.special_tags(reasoning_tag_tokens(self.tokenizer))  # those named by id; the others are text
+        return self.reasoning.gate(text, self.reasoning.opens(tail), tags)
 
     def compile(self, params: StructuredOutputsParams, prompt_token_ids: list[int] | None = None):
         """-> a matcher at the start of the output (RequestError as validate)."""

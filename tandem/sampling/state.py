@@ -59,7 +59,7 @@ class SamplingState:
         self.logit_bias: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (ids [m] int64, bias [m] fp32)
         self.min_tokens_ids: dict[int, Tensor] = {}  # slot -> ids masked until min_tokens
         # slot -> its stop ids (EOS and stop_token_ids) [s], for min_tokens and for rows that
-        # allowed_token_ids or bad words could empty (processors._end_if_empty)
+        # allowed_token_ids, bad words or a -inf bias could empty (processors._end_if_empty)
         self.stop_ids: dict[int, Tensor] = {}
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf biases may empty a row
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
