@@ -7,11 +7,17 @@ Ranking (vLLM's): cum_logprob / length ** length_penalty, length counting the pr
 not an ending EOS. An extension that ends at EOS (unless ignore_eos) is set aside as completed,
 whether or not it would have ranked among the beams kept; at the end the completed sequences and
 the beams still open compete, and the best beam_width are returned.
+
+BeamSearch holds the search and leaves running the steps to its driver: run_beam_search here
+(LLM.beam_search, through the engine), tandem/server/beam_search.py (the server's use_beam_search,
+through the async engine).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tandem.errors import RequestError
 from tandem.outputs import Logprob
@@ -44,27 +50,110 @@ class BeamSearchOutput:
 def beam_search_score(seq: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
     """cum_logprob / length ** length_penalty; length counts the prompt, not an ending EOS."""
     length = len(seq.tokens) - (seq.tokens[-1] in eos_token_ids)
-    return seq.cum_logprob / (length ** length_penalty)
+    try:
+        return seq.cum_logprob / (length ** length_penalty)
+    except (OverflowError, ZeroDivisionError):  # length ** length_penalty past the floats
+        return -0.0 if length_penalty > 0 else -math.inf
+
+
+def rank_key(seq: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
+    """A key that orders sequences as beam_search_score does, in logs, so that it holds at any
+    length_penalty (length ** length_penalty leaves the floats at a few hundred): -score =
+    exp(log(-cum_logprob) - length_penalty * log(length)), and a higher score is a lower exponent."""
+    if seq.cum_logprob >= 0:
+        return math.inf
+    length = len(seq.tokens) - (seq.tokens[-1] in eos_token_ids)
+    return length_penalty * math.log(length) - math.log(-seq.cum_logprob)
+
+
+class BeamSearch:
+    """The state of one beam search over some prompts, driven a step at a time by its caller (the
+    offline LLM runs the steps through its engine, the server through the async engine): `live()`
+    names the beams to extend, the caller runs each as a one-token request asking for its
+    `num_logprobs` likeliest next tokens, and `advance()` takes those entries."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids, max_model_len: int):
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.max_model_len = max_model_len
+        self.prompt_lens = [len(p) for p in prompts]
+        self.beams = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.num_steps = 0
+
+    def _key(self, seq: BeamSearchSequence) -> float:
+        return rank_key(seq, self.eos, self.params.length_penalty)
+
+    def live(self) -> list[tuple[int, BeamSearchSequence]]:
+        """(prompt index, beam) of every beam the next step extends; empty once the search is over
+        (max_tokens steps run, or every beam at max_model_len)."""
+        if self.num_steps >= self.params.max_tokens:
+            return []
+        return [(i, beam) for i, group in enumerate(self.beams) for beam in group
+                if len(beam.tokens) < self.max_model_len]
+
+    def advance(self, live: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]]) -> None:
+        """One step: entries[j], the logprobs entry of live[j]'s next token (its likeliest tokens and
+        the one drawn), extends that beam by each of its tokens; every prompt keeps its beam_width best."""
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.beams]
+        for (i, beam), step in zip(live, entries):
+            for token, entry in step.items():
+                seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step], beam.cum_logprob + entry.logprob)
+                if token in self.eos:
+                    seq.finish_reason = "stop"
+                    self.completed[i].append(seq)
+                else:
+                    candidates[i].append(seq)
+        for i, group in enumerate(self.beams):  # a beam at max_model_len keeps its place, ended by length
+            candidates[i] += [beam for beam in group if len(beam.tokens) >= self.max_model_len]
+            self.beams[i] = sorted(candidates[i], key=self._key, reverse=True)[:self.params.beam_width]
+        self.num_steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
+        """Each prompt's best beam_width of its completed sequences and open beams (ended by
+        length), best first, with their text: decode of the tokens after the prompt (less an ending
+        EOS unless include_stop_str_in_output; "" without decode)."""
+        out = []
+        for prompt_len, done, group in zip(self.prompt_lens, self.completed, self.beams):
+            for beam in group:
+                beam.finish_reason = "length"
+            best = sorted(done + group, key=self._key, reverse=True)[:self.params.beam_width]
+            for seq in best:
+                shown = seq.tokens[prompt_len:]
+                if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                    shown = shown[:-1]
+                seq.text = decode(shown) if decode is not None else ""
+            out.append(BeamSearchOutput(best))
+        return out
+
+
+def check_beam_width(width: int, max_logprobs: int, vocab_size: int, field: str = "BeamSearchParams.beam_width") -> None:
+    """RequestError unless each step's 2 * width likeliest tokens can be asked for."""
+    if max_logprobs != -1 and 2 * width > max_logprobs:
+        raise RequestError(f"{field}={width} needs the {2 * width} likeliest tokens of each step, and this engine "
+                           f"returns at most max_logprobs={max_logprobs}; start it with max_logprobs >= {2 * width} "
+                           "(or -1)")
+    if 2 * width > vocab_size:
+        raise RequestError(f"{field}={width} is invalid: each step takes 2 * beam_width tokens, and the vocabulary "
+                           f"has {vocab_size}")
+
+
+def step_params(params: BeamSearchParams, num_logprobs: int | None = None, **overrides) -> SamplingParams:
+    """The one-token request that extends a beam: its likeliest 2 * beam_width tokens (or
+    num_logprobs, if more), drawn at the search's temperature."""
+    return SamplingParams(max_tokens=1, logprobs=max(2 * params.beam_width, num_logprobs or 0),
+                          temperature=params.temperature, **overrides)
 
 
 def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm: bool,
                     concurrency_limit: int | None) -> list[BeamSearchOutput]:
     """LLM.beam_search's work: the prompts concurrency_limit at a time (None: all at once)."""
     engine = llm.engine
-    width = params.beam_width
-    cap = engine.cfg.model.max_logprobs
-    if cap != -1 and 2 * width > cap:
-        raise RequestError(f"BeamSearchParams.beam_width={width} needs the {2 * width} likeliest tokens of each step, "
-                           f"and this LLM returns at most max_logprobs={cap}; start it with max_logprobs >= "
-                           f"{2 * width} (or -1)")
-    if 2 * width > engine.vocab_size:
-        raise RequestError(f"BeamSearchParams.beam_width={width} is invalid: each step takes 2 * beam_width tokens, "
-                           f"and the vocabulary has {engine.vocab_size}")
+    check_beam_width(params.beam_width, engine.cfg.model.max_logprobs, engine.vocab_size)
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
         raise RequestError(f"concurrency_limit={concurrency_limit!r} must be an integer >= 1 (or None: every prompt "
                            "at once)")
-    step = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature, detokenize=False,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    step = step_params(params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     items = []
     for prompt in prompts:
         ids, _, _ = llm._tokenize(prompt)
@@ -72,61 +161,33 @@ def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm:
         engine.validate_request(ids, step)  # every prompt checked before any work starts
         items.append((ids, salt))
     limit = concurrency_limit or max(len(items), 1)
+    decode = None
+    if llm.tokenizer is not None:
+        decode = lambda tokens: llm.tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
     outputs = []
     for start in range(0, len(items), limit):
-        outputs += _search(llm, items[start:start + limit], params, step, use_tqdm)
+        outputs += _search(llm, items[start:start + limit], params, step, use_tqdm, decode)
     return outputs
 
 
 def _search(llm: LLM, items: list[tuple[list[int], str | None]], params: BeamSearchParams, step: SamplingParams,
-            use_tqdm: bool) -> list[BeamSearchOutput]:
-    engine = llm.engine
-    eos = frozenset(() if params.ignore_eos else engine.eos_token_ids)
-    max_len = engine.cfg.sched.max_model_len
-    key = lambda seq: beam_search_score(seq, eos, params.length_penalty)  # noqa: E731
-    beams = [[BeamSearchSequence(list(ids))] for ids, _ in items]
-    completed: list[list[BeamSearchSequence]] = [[] for _ in items]
+            use_tqdm: bool, decode) -> list[BeamSearchOutput]:
+    search = BeamSearch([ids for ids, _ in items], params, llm.engine.eos_token_ids,
+                        llm.engine.cfg.sched.max_model_len)
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
     try:
-        for _ in range(params.max_tokens):
-            live = [(i, beam) for i, group in enumerate(beams) for beam in group if len(beam.tokens) < max_len]
-            if not live:
-                break
+        while live := search.live():
             runs = [(beam.tokens, None, items[i][1]) for i, beam in live]
             results = llm._run(runs, [step] * len(runs), False, [0] * len(runs))
-            candidates: list[list[BeamSearchSequence]] = [[] for _ in items]
-            for (i, beam), result in zip(live, results):
-                entries = result.outputs[0].logprobs[-1]  # the top 2 * beam_width, and the drawn token
-                for token, entry in entries.items():
-                    seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entries],
-                                             beam.cum_logprob + entry.logprob)
-                    if token in eos:
-                        seq.finish_reason = "stop"
-                        completed[i].append(seq)
-                    else:
-                        candidates[i].append(seq)
-            # a beam at max_model_len keeps its place, ended by length
-            for i, group in enumerate(beams):
-                candidates[i] += [beam for beam in group if len(beam.tokens) >= max_len]
-                beams[i] = sorted(candidates[i], key=key, reverse=True)[:params.beam_width]
+            # each result's last logprobs entry: the top 2 * beam_width, and the drawn token
+            search.advance(live, [result.outputs[0].logprobs[-1] for result in results])
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    out = []
-    for (ids, _), done, group in zip(items, completed, beams):
-        for beam in group:
-            beam.finish_reason = "length"
-        best = sorted(done + group, key=key, reverse=True)[:params.beam_width]
-        for seq in best:
-            shown = seq.tokens[len(ids):]
-            if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-                shown = shown[:-1]
-            seq.text = llm.tokenizer.decode(shown, skip_special_tokens=True) if llm.tokenizer is not None else ""
-        out.append(BeamSearchOutput(best))
-    return out
+    return search.results(decode)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -27,12 +28,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from tandem.beam_search import check_beam_width, step_params
 from tandem.chat import content_format, developer_as_system, template_kwargs
 from tandem.errors import ConfigError, RequestError
 from tandem.outputs import RequestOutput
 from tandem.reasoning import reasoning_format, reasoning_tag_tokens
-from tandem.sampling_params import SamplingParams, is_int_text
+from tandem.sampling_params import BeamSearchParams, SamplingParams, is_int_text
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
+from tandem.server.beam_search import BeamSearchStream
 from tandem.server.fim import FimError, fim_prompt, fim_sentinels
 from tandem.server.http_errors import APIError, request_error, validation_error
 from tandem.server.metrics import ServerMetrics
@@ -192,6 +195,10 @@ class OpenAIServer:
         if prompt_only:
             body = body.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         params = self._params(body, {}, "prompt")
+        beam = self._beam_search(body, params)
+        if beam is not None and echo_logprobs:
+            raise APIError(400, "'echo' with 'logprobs' scores the prompt, which beam search does not; drop one of "
+                           "them, or 'use_beam_search'", param="echo")
         if echo_logprobs:  # the prompt's entries come from the prompt logprobs
             params = params.clone(prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
         prompts = await self._off_loop(self._completion_prompts, body.prompt, body.add_special_tokens)
@@ -203,7 +210,7 @@ class OpenAIServer:
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
                                     next(iter(body.constraint_fields()), None), priority=body.priority,
                                     cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids,
-                                    token_ids=body.return_token_ids)
+                                    token_ids=body.return_token_ids, beam=beam)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -329,12 +336,17 @@ class OpenAIServer:
                            "drop one of them", param="prompt_logprobs")
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
+        beam = self._beam_search(body, params)
         try:
             tools = tool_choice(body, self.tool_call_parser, constrained=params.structured_outputs is not None,
                                 tags=self.tool_tags)
         except ToolChoiceError as e:
             raise APIError(400, str(e), param=e.param) from None
         constraint = tools.constraint()
+        if constraint is not None and beam is not None:
+            raise APIError(400, f"'tool_choice' {body.tool_choice!r} holds the reply to a call, and beam search "
+                           "holds it to nothing; use 'tool_choice': 'auto', or drop 'use_beam_search'",
+                           param="tool_choice")
         if constraint is not None:
             params = params.clone(structured_outputs=constraint)
         if tools.mode == "auto" and tools.parser == "hermes" and params.skip_special_tokens:
@@ -354,7 +366,8 @@ class OpenAIServer:
                                     body.max_tokens_field,
                                     "tools" if constraint is not None else next(iter(body.constraint_fields()), None),
                                     priority=body.priority, background=background, cache_salt=body.cache_salt,
-                                    tokens_as_ids=body.return_tokens_as_token_ids, token_ids=body.return_token_ids)
+                                    tokens_as_ids=body.return_tokens_as_token_ids, token_ids=body.return_token_ids,
+                                    beam=beam)
 
     # ---------------------------------------------------------------- helpers
     def _include_usage(self, body) -> bool:
@@ -400,6 +413,30 @@ class OpenAIServer:
             return self.client.engine.resolve_logprobs(body.to_sampling_params(self.generation_defaults))
         except RequestError as e:
             raise request_error(e, fields, prompt_param) from None
+
+    def _beam_search(self, body, params: SamplingParams) -> BeamSearchParams | None:
+        """The request's beam search (use_beam_search: n beams; max_tokens set per prompt by
+        _beam_streams), or None. Unlike vLLM's, an unset temperature is 0 here (vLLM's 1 adds a
+        random candidate to each beam's), and a field beam search does not take is refused."""
+        if not body.use_beam_search:
+            return None
+        field = body.beam_search_conflict()
+        if field is not None:
+            raise APIError(400, f"'{field}' does not apply to beam search, which ranks sequences by their logprobs "
+                           "alone; leave it out, or drop 'use_beam_search'", param=field)
+        engine = self.client.engine
+        if engine.cfg.watermark is not None and params.watermarking is not False:
+            raise APIError(400, "this server watermarks its outputs, and beam search cannot (it picks sequences, it "
+                           "does not sample them); set 'watermarking': false for an unwatermarked search",
+                           param="use_beam_search")
+        try:
+            check_beam_width(params.n, engine.cfg.model.max_logprobs, engine.vocab_size, field="n")
+            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or 1, ignore_eos=params.ignore_eos,
+                                    temperature=body.temperature or 0.0, length_penalty=body.length_penalty,
+                                    include_stop_str_in_output=params.include_stop_str_in_output)
+        except RequestError as e:
+            name = "length_penalty" if "length_penalty" in str(e) else "n"
+            raise APIError(400, str(e).replace("BeamSearchParams.", ""), param=name) from None
 
     def _fill_in_the_middle(self, body: CompletionRequest) -> CompletionRequest:
         """The request with each text prompt wrapped in the model's FIM sentinels around `suffix`."""
@@ -476,24 +513,29 @@ class OpenAIServer:
                         renderer: Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
                         constraint_param: str | None = None, priority: int = 0,
                         background: BackgroundRun | None = None, cache_salt: str | None = None,
-                        tokens_as_ids: bool | None = None, token_ids: bool | None = None) -> Response:
+                        tokens_as_ids: bool | None = None, token_ids: bool | None = None,
+                        beam: BeamSearchParams | None = None) -> Response:
         """constraint_param: the field that set params' structured output ('tools' for a tool
         choice's), named by the error when it does not compile; background: generate apart from this
         request (a Responses renderer's run), which is answered at once: the response queued, or
         its events as they come (the client going away does not stop it); cache_salt,
-        tokens_as_ids, token_ids: the request's cache_salt, return_tokens_as_token_ids, return_token_ids."""
+        tokens_as_ids, token_ids: the request's cache_salt, return_tokens_as_token_ids, return_token_ids;
+        beam: run a beam search per prompt instead (params: the request's, for the renderer)."""
         await self._off_loop(self._truncate, prompts, params)
         self._check_context(prompts, params, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
         renderer.tokens_as_ids = self.tokens_as_ids or bool(tokens_as_ids)
         renderer.token_bytes = self.token_bytes
         renderer.return_token_ids = bool(token_ids)
-        streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority,
-                                     cache_salt)
+        if beam is None:
+            streams = await self._submit(renderer.id, prompts, params, prompt_param, constraint_param, priority,
+                                         cache_salt)
+        else:
+            streams = self._beam_streams(renderer.id, prompts, params, beam, prompt_param, priority, cache_salt)
 
         def release() -> None:
             for s in streams:
-                self.client.release(s)
+                s.release() if isinstance(s, BeamSearchStream) else self.client.release(s)
 
         if background is not None:
             async def work() -> None:
@@ -547,23 +589,53 @@ class OpenAIServer:
                 p.text = self._prompt(kept).text
             p.token_ids = kept
 
+    def _check_capacity(self, prompts: list[Prompt], n: int, prompt_param: str) -> None:
+        capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
+        if len(prompts) * n > capacity:  # a 503 would say "retry later", and no retry could fit
+            param = "n" if n > 1 else prompt_param
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={n} asks for {len(prompts) * n} "
+                           f"sequences at once, more than this server ever holds (max_num_seqs + max_queued_requests"
+                           f" = {capacity}); send fewer prompts or a smaller 'n'", param=param)
+
+    def _log_request(self, engine_id: str, p: Prompt, params) -> None:
+        if self.log_requests:
+            cut = self.log_cut
+            request_logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", engine_id,
+                                p.text[cut] if p.text is not None else None, params, p.token_ids[cut])
+
+    def _beam_streams(self, response_id: str, prompts: list[Prompt], params: SamplingParams, beam: BeamSearchParams,
+                      prompt_param: str, priority: int, cache_salt: str | None) -> list[BeamSearchStream]:
+        """One beam search a prompt, every prompt checked first; each step runs n one-token requests."""
+        self._check_capacity(prompts, params.n, prompt_param)
+        engine = self.client.engine
+        step = step_params(beam, params.logprobs, detokenize=params.logprobs is not None, seed=params.seed)
+        for p in prompts:
+            try:
+                engine.validate_request(p.token_ids, step)
+            except RequestError as e:
+                raise request_error(e, {}, prompt_param) from None
+        tokenizer, skip = self.tokenizer, params.skip_special_tokens
+        decode = (lambda tokens: tokenizer.decode(tokens, skip_special_tokens=skip)) if tokenizer is not None \
+            else (lambda tokens: "")
+        room = engine.cfg.sched.max_model_len
+        streams = []
+        for i, p in enumerate(prompts):
+            engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"
+            search = dataclasses.replace(beam, max_tokens=params.max_tokens or room - len(p.token_ids))
+            self._log_request(engine_id, p, search)
+            streams.append(BeamSearchStream(self.client, engine_id, p.token_ids, p.text, search, step, decode,
+                                            params.logprobs is not None, priority, cache_salt))
+        return streams
+
     async def _submit(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
                       prompt_param: str, constraint_param: str | None = None,
                       priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
-        capacity = self.client.engine.cfg.sched.max_num_seqs + self.client.max_queued_requests
-        if len(prompts) * params.n > capacity:  # a 503 would say "retry later", and no retry could fit
-            param = "n" if params.n > 1 else prompt_param
-            raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} asks for {len(prompts) * params.n} "
-                           f"sequences at once, more than this server ever holds (max_num_seqs + max_queued_requests"
-                           f" = {capacity}); send fewer prompts or a smaller 'n'", param=param)
+        self._check_capacity(prompts, params.n, prompt_param)
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats
-                if self.log_requests:
-                    cut = self.log_cut
-                    request_logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", engine_id,
-                                        p.text[cut] if p.text is not None else None, params, p.token_ids[cut])
+                self._log_request(engine_id, p, params)
                 streams.append(await self.client.add_request(engine_id, p.token_ids, params, p.text, priority,
                                                              cache_salt))
         except BaseException as e:

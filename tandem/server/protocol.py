@@ -23,7 +23,6 @@ MAX_N = 128  # choices per request: more would take the whole batch
 
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
-    "use_beam_search": "beam search is not supported on the server (offline, LLM.beam_search runs it)",
     "logits_processors": "custom logits processors are not supported",
     "structural_tag": "structural tags are not supported; hold the output with structured_outputs (json, regex, "
                       "choice or grammar) or response_format",
@@ -48,6 +47,17 @@ def _unset(value: Any) -> bool:
 def _allows_none(annotation) -> bool:
     return annotation is None or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
                                   and type(None) in typing.get_args(annotation))
+
+
+# Sampling fields beam search does not take (it ranks sequences by their logprobs alone) -> whether a
+# value leaves that field unset.
+_UNSET_UNDER_BEAM_SEARCH = {
+    "top_p": lambda v: v is None or v == 1, "top_k": lambda v: v in (None, 0, -1),
+    "min_p": lambda v: v is None or v == 0, "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0, "repetition_penalty": lambda v: v is None or v == 1,
+    "logit_bias": _unset, "allowed_token_ids": _unset, "bad_words": _unset, "stop": _unset,
+    "stop_token_ids": _unset, "min_tokens": lambda v: v == 0, "prompt_logprobs": lambda v: v is None,
+}
 
 
 class _Request(BaseModel):
@@ -136,8 +146,10 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's beam search: n beams, ranked by cum_logprob / length ** length_penalty (tandem/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM fields tandem does not implement: read only to refuse them, never ignored silently.
-    use_beam_search: Any = None
     logits_processors: Any = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
@@ -146,6 +158,12 @@ class _SamplingRequest(_Request):
         """The first vLLM field this request sets that tandem does not implement (None, false and
         empty count as unset; 0 does not)."""
         return next((name for name in UNSUPPORTED_FIELDS if not _unset(getattr(self, name))), None)
+
+    def beam_search_conflict(self) -> str | None:
+        """The first field this request sets that beam search does not take (sampling filters,
+        penalties, biases, stops, constraints): vLLM ignores them; here they are refused."""
+        return next((name for name, unset in _UNSET_UNDER_BEAM_SEARCH.items() if not unset(getattr(self, name))),
+                    next(iter(self.constraint_fields()), None))
 
     def _params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None) -> SamplingParams:
         """defaults: the server's sampling defaults (the model's generation config) for the fields a

@@ -1305,7 +1305,15 @@ BAD_INPUTS = [
     ("truncate-zero", C, {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("chat-template-untrusted", CH, {"chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
     ("continue-and-generation-prompt", CH, {"continue_final_message": True}, 400, "continue_final_message"),
-    ("beam-search", C, {"use_beam_search": True}, 400, "use_beam_search"),
+    # beam search refuses what it does not take (vLLM ignores them)
+    ("beam-search-top-p", C, {"use_beam_search": True, "top_p": 0.5}, 400, "top_p"),
+    ("beam-search-stop", CH, {"use_beam_search": True, "stop": ["x"]}, 400, "stop"),
+    ("beam-search-constraint", C, {"use_beam_search": True, "guided_regex": "a+"}, 400, "guided_regex"),
+    ("beam-search-tool-choice", CH, {"use_beam_search": True, "tools": [TOOL_F], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("beam-search-width", C, {"use_beam_search": True, "n": 11}, 400, "n"),  # 22 logprobs a step, max_logprobs 20
+    ("beam-search-echo-logprobs", C, {"use_beam_search": True, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("beam-search-length-penalty", C, {"use_beam_search": True, "length_penalty": "long"}, 400, "length_penalty"),
     ("structural-tag", CH, {"structural_tag": '{"type": "structural_tag"}'}, 400, "structural_tag"),
     ("whitespace-pattern", C, {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, 400,
      "guided_whitespace_pattern"),
@@ -1885,6 +1893,85 @@ def test_watermarked_serving_and_the_opt_out(model_dirs):
                          use_tqdm=False)[0]
     assert opted_out["choices"][0]["text"] == plain.outputs[0].text != want.outputs[0].text
     assert bad.status_code == 400 and "watermarking" in bad.text
+
+
+# ---------------------------------------------------------------- beam search
+def _offline_beams(reference: LLM, prompt_ids: list[int], **kw):
+    from tandem import BeamSearchParams
+
+    return reference.beam_search([{"prompt_token_ids": prompt_ids}], BeamSearchParams(**kw))[0].sequences
+
+
+def test_beam_search_over_the_api_matches_offline(live, reference):
+    """use_beam_search (vLLM's): n beams, the request's n choices, the same sequences in the same
+    order as LLM.beam_search's; each choice's logprobs are its tokens' and add up to its score's
+    cum_logprob; streamed, the same choices."""
+    tok = reference.tokenizer
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 6, "n": 3, "logprobs": 2, "use_beam_search": True,
+            "length_penalty": 0.5, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = live.post(C, json=body)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    choices = reply["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        ids = tok(prompt).input_ids
+        want = _offline_beams(reference, ids, beam_width=3, max_tokens=6, length_penalty=0.5)
+        got = choices[3 * i:3 * i + 3]
+        assert [c["text"] for c in got] == [s.text for s in want]
+        assert [c["token_ids"] for c in got] == [s.tokens[len(ids):] for s in want]
+        assert len({tuple(c["token_ids"]) for c in got}) == 3  # three different beams
+        assert [c["finish_reason"] for c in got] == [s.finish_reason for s in want]
+        for c, seq in zip(got, want):
+            assert sum(c["logprobs"]["token_logprobs"]) == pytest.approx(seq.cum_logprob, abs=1e-4)
+            tokens = c["logprobs"]["tokens"]
+            assert tokens == [f"token_id:{t}" for t in c["token_ids"]]
+            for token, top in zip(tokens, c["logprobs"]["top_logprobs"]):
+                assert token in top and 2 <= len(top) <= 3  # the top 2, and the token's
+    assert reply["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    streamed = {}
+    for chunk in live.client.completions.create(**{k: v for k, v in body.items() if k in ("model", "prompt", "n")},
+                                                max_tokens=6, stream=True,
+                                                extra_body={"use_beam_search": True, "length_penalty": 0.5}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == [c["text"] for c in choices]
+
+
+def test_chat_beam_search_matches_offline(live, reference):
+    """Chat completions take use_beam_search too: the n choices are the offline search's over the
+    prompt the chat template builds; the same request twice, the same reply."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = live.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    want = _offline_beams(reference, ids, beam_width=2, max_tokens=5)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "n": 2, "use_beam_search": True}
+    first, again = (live.post(CH, json=body).json() for _ in range(2))
+    assert [c["message"]["content"] for c in first["choices"]] == [s.text for s in want]
+    assert first["choices"] == again["choices"]
+    assert first["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_beam_search_the_client_gives_up_on_stops(live):
+    """The client leaving cancels the search: its beams' requests in flight are aborted, no further
+    step is submitted, and every block is free again."""
+    def finished() -> float:
+        return sum(v for (name, _), v in live.metrics().items() if name == "tandem_request_success_total")
+
+    before = finished()
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "n": 3, "ignore_eos": True,
+            "use_beam_search": True}
+    with pytest.raises(httpx.ReadTimeout):  # 100 steps of 3 beams take seconds here: give up well before
+        live.post(C, json=body, timeout=0.5)
+    counts = [finished()]
+    while True:  # until no request ends for a second
+        time.sleep(1.0)
+        counts.append(finished())
+        if counts[-1] == counts[-2]:
+            break
+        assert len(counts) < 30, "the search went on"
+    assert 0 < counts[-1] - before < 1 + 3 * 99  # one request a beam a step, cut short
+    blocks = live.llm.engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks and not live.llm.engine.has_unfinished_requests()
 
 
 # ---------------------------------------------------------------- overload and shutdown
