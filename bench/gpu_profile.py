@@ -16,7 +16,7 @@ Views of the 8B-shaped target (dummy weights, bf16) at batch 1, plus the 1B draf
     idle gaps, then the host's time in the same steps by function (cProfile); --timeline writes
     every activity (offset, duration, name) to PREFIX.<label>.txt;
 (6) `--sections verify [--batch B] [--env-ab VAR=VALUE]`: the verification, draft catch-up and
-    draft round graphs of a k = 4 round, kernel by kernel
+    draft round graphs of a k = 4 round (and the target's decode graph), kernel by kernel
     (offsets and durations of one replay), per environment variant;
 (7) `--sections eager [--eager-batch B]`: host time of eager steps (what a serving run's mixed
     steps pay): step time, Triton launches a step, cProfile by own time;
@@ -343,7 +343,8 @@ def graph_timeline(graph, label: str, first: int = 14, skip: int = 0) -> dict:
 
 def verify_section(root: Path, args, results: dict) -> None:
     """The verification and catch-up graphs of a k = 4 round at batch --batch, kernel by
-    kernel, under each `--env-ab` variant (graphs recaptured) and as built."""
+    kernel, under each `--env-ab` variant (graphs recaptured) and as built; and the target's
+    one-token decode graph beside them, where the engine captured one."""
     from bench.gpu_bench import env_variant
 
     k = 4
@@ -361,7 +362,10 @@ def verify_section(root: Path, args, results: dict) -> None:
         drive(llm, b, args.prompt_len, 10)
         runner, sp = llm.engine.runner, llm.engine.runner.speculator
         dg = sp.graphs[k]  # the draft graphs of k drafts
-        out = {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
+        out = {}
+        if 1 in runner.graphs:  # the one-token decode step, as the target runs it without drafts
+            out["decode"] = graph_timeline(runner.graphs[1].graphs[runner.graphs[1].bucket(b)], f"decode, {label}")
+        out |= {"verify": graph_timeline(runner.graphs[1 + k].graphs[runner.graphs[1 + k].bucket(b)],
                                         f"verify, {label}"),
                "catchup": graph_timeline(dg.catchup.graphs[dg.catchup.bucket(b)], f"catch-up, {label}"),
                "draft_round": graph_timeline(dg.rounds[dg.bucket(b)],

@@ -11,10 +11,15 @@ from torch import Tensor
 from tandem.plan import NewReq
 from tandem.upload import Uploader
 from tandem.sampling.watermark import WatermarkConfig, WatermarkState
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams
 
 
 # The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
+# A bias at or below this bans its token as -inf does (no temperature leaves it a chance), and divided by a
+# temperature (>= MIN_TEMPERATURE) it may reach -inf anyway: it is taken as -inf, so that a row such biases
+# empty ends the output (processors._end_if_empty) rather than drawing token 0.
+_BANNING_BIAS = -FLOAT32_MAX * MIN_TEMPERATURE / 2
+
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -61,7 +66,7 @@ class SamplingState:
         # slot -> its stop ids (EOS and stop_token_ids) [s], for min_tokens and for rows that
         # allowed_token_ids, bad words or a -inf bias could empty (processors._end_if_empty)
         self.stop_ids: dict[int, Tensor] = {}
-        self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf biases may empty a row
+        self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
@@ -115,9 +120,11 @@ class SamplingState:
             self._add_bad_words(req)
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < self.vocab_size]
-            ids_t, bias_t = self.upload(ids, _float_bits([p.logit_bias[t] for t in ids]))
+            biases = [p.logit_bias[t] if p.logit_bias[t] > _BANNING_BIAS else float("-inf") for t in ids]
+            ids_t, bias_t = self.upload(ids, _float_bits(biases))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
-        if p.allowed_token_ids or p.bad_words_token_ids or (p.logit_bias and float("-inf") in p.logit_bias.values()):
+        if p.allowed_token_ids or p.bad_words_token_ids or \
+                (p.logit_bias and min(p.logit_bias.values()) <= _BANNING_BIAS):
             self.can_empty.add(slot)
         if p.min_tokens > 0 or slot in self.can_empty:
             # EOS too under ignore_eos, as vLLM's all_stop_token_ids: min_tokens holds back every stop id

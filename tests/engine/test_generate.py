@@ -362,7 +362,8 @@ def test_an_output_no_token_fits_ends_there(llm):
 
 def test_offline_logit_bias_takes_any_float32_and_minus_inf(llm):
     """Offline, as vLLM's SamplingParams: a bias beyond OpenAI's [-100, 100] (the server's range)
-    is taken: 1000 forces its token, -inf bans it; a row -inf biases empty ends the output."""
+    is taken: 1000 forces its token, -inf bans it; a row -inf biases empty ends the output (a finite
+    bias that turns -inf under the temperature too)."""
     eos = llm.engine.eos_token_ids[0]
     run = lambda **kw: llm.generate({"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=4, seed=1, **kw),
                                     use_tqdm=False)[0].outputs[0].token_ids
@@ -372,6 +373,9 @@ def test_offline_logit_bias_takes_any_float32_and_minus_inf(llm):
     assert banned[0] != free[0] and free[0] not in banned
     everything = {t: float("-inf") for t in range(llm.engine.vocab_size)}
     assert run(temperature=1.0, logit_bias=everything) == [eos]
+    # a finite bias that a temperature below 1 takes past the floats (-inf) empties the row as surely
+    lowest = {t: -3.4e38 for t in range(llm.engine.vocab_size)}
+    assert run(temperature=0.5, logit_bias=lowest) == [eos]
 
 
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
