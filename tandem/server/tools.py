@@ -416,7 +416,8 @@ class ToolChoice:
 
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         """(content, calls) of a finished choice's text, each call's arguments as the model wrote
-        them. Text that does not hold calls stays content (a choice cut short by max_tokens, for one)."""
+        them. Text that does not hold calls stays content (a choice cut short by max_tokens before its
+        first call was whole, for one)."""
         if self.mode == "named":  # (a blank before the object: after a reasoning model's </think>)
             text = text.lstrip()  # none at all (cut in the thinking or just after it): no call, as in vLLM
             return None, [FunctionCall(name=self.name, arguments=text)] if text else []
@@ -426,7 +427,13 @@ class ToolChoice:
                 calls = [FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))
                          for item in items]
             except (ValueError, TypeError, KeyError):
-                return text, []
+                # cut short (max_tokens): the calls written whole before the cut, which a stream has sent
+                # (the one cut, begun in a stream, is in the stream alone, as parse_hermes drops it)
+                scan = self.scan()
+                scan.advance(text)
+                if not scan.done:
+                    return text, []
+                return None, [FunctionCall(name=name, arguments=arguments) for name, arguments in scan.done]
             return None, _as_written(calls, self.scan(), text)
         if self.mode == "auto":
             content, calls = PARSERS[self.parser].parse(text)
