@@ -14,6 +14,7 @@ through the async engine).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from dataclasses import dataclass, field
@@ -56,14 +57,20 @@ def beam_search_score(seq: BeamSearchSequence, eos_token_ids: frozenset[int], le
         return -0.0 if length_penalty > 0 else -math.inf
 
 
-def rank_key(seq: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
-    """A key that orders sequences as beam_search_score does, in logs, so that it holds at any
-    length_penalty (length ** length_penalty leaves the floats at a few hundred): -score =
-    exp(log(-cum_logprob) - length_penalty * log(length)), and a higher score is a lower exponent."""
-    if seq.cum_logprob >= 0:
-        return math.inf
-    length = len(seq.tokens) - (seq.tokens[-1] in eos_token_ids)
-    return length_penalty * math.log(length) - math.log(-seq.cum_logprob)
+def better(a: BeamSearchSequence, b: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> int:
+    """1 if a's beam_search_score is above b's, -1 if below, 0 if equal, compared exactly in logs,
+    so that it holds at any length_penalty (length ** length_penalty leaves the floats at a few
+    hundred, and in logs its product with the lengths' log ratio can still swamp the logprobs):
+    -cum_a / La ** p > -cum_b / Lb ** p  <=>  log(-cum_a) - log(-cum_b) > p * (log La - log Lb)."""
+    if a.cum_logprob >= 0 or b.cum_logprob >= 0:  # a score of 0 is the best there is
+        return (a.cum_logprob >= 0) - (b.cum_logprob >= 0)
+    len_a = len(a.tokens) - (a.tokens[-1] in eos_token_ids)
+    len_b = len(b.tokens) - (b.tokens[-1] in eos_token_ids)
+    lhs = math.log(-a.cum_logprob) - math.log(-b.cum_logprob) if a.cum_logprob != b.cum_logprob else 0.0
+    rhs = length_penalty * (math.log(len_a) - math.log(len_b)) if len_a != len_b else 0.0
+    if math.isnan(lhs):  # both -inf: equal
+        return 0
+    return (lhs < rhs) - (lhs > rhs)
 
 
 class BeamSearch:
@@ -81,8 +88,10 @@ class BeamSearch:
         self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.num_steps = 0
 
-    def _key(self, seq: BeamSearchSequence) -> float:
-        return rank_key(seq, self.eos, self.params.length_penalty)
+    def _ranked(self, seqs: list[BeamSearchSequence]) -> list[BeamSearchSequence]:
+        """seqs, best first (a stable sort: ties keep their order)."""
+        lp = self.params.length_penalty
+        return sorted(seqs, key=functools.cmp_to_key(lambda a, b: better(a, b, self.eos, lp)), reverse=True)
 
     def live(self) -> list[tuple[int, BeamSearchSequence]]:
         """(prompt index, beam) of every beam the next step extends; empty once the search is over
@@ -93,11 +102,16 @@ class BeamSearch:
                 if len(beam.tokens) < self.max_model_len]
 
     def advance(self, live: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]]) -> None:
-        """One step: entries[j], the logprobs entry of live[j]'s next token (its likeliest tokens and
-        the one drawn), extends that beam by each of its tokens; every prompt keeps its beam_width best."""
+        """One step: entries[j], the logprobs entry of live[j]'s next token (its likeliest tokens
+        and, first, the one drawn; it may hold more than the 2 * beam_width likeliest, as a server
+        request asking for more logprobs does), extends that beam by the drawn token and the 2 *
+        beam_width likeliest; every prompt keeps its beam_width best."""
+        num = 2 * self.params.beam_width
         candidates: list[list[BeamSearchSequence]] = [[] for _ in self.beams]
         for (i, beam), step in zip(live, entries):
-            for token, entry in step.items():
+            for n, (token, entry) in enumerate(step.items()):
+                if n > 0 and entry.rank > num:
+                    continue
                 seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step], beam.cum_logprob + entry.logprob)
                 if token in self.eos:
                     seq.finish_reason = "stop"
@@ -106,7 +120,7 @@ class BeamSearch:
                     candidates[i].append(seq)
         for i, group in enumerate(self.beams):  # a beam at max_model_len keeps its place, ended by length
             candidates[i] += [beam for beam in group if len(beam.tokens) >= self.max_model_len]
-            self.beams[i] = sorted(candidates[i], key=self._key, reverse=True)[:self.params.beam_width]
+            self.beams[i] = self._ranked(candidates[i])[:self.params.beam_width]
         self.num_steps += 1
 
     def results(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
@@ -117,7 +131,7 @@ class BeamSearch:
         for prompt_len, done, group in zip(self.prompt_lens, self.completed, self.beams):
             for beam in group:
                 beam.finish_reason = "length"
-            best = sorted(done + group, key=self._key, reverse=True)[:self.params.beam_width]
+            best = self._ranked(done + group)[:self.params.beam_width]
             for seq in best:
                 shown = seq.tokens[prompt_len:]
                 if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:

@@ -341,6 +341,10 @@ class OpenAIServer:
             tools = tool_choice(body, self.tool_call_parser, constrained=params.structured_outputs is not None,
                                 tags=self.tool_tags)
         except ToolChoiceError as e:
+            if beam is not None and e.param == "tool_choice":  # its fixes but one hold the reply to a call
+                raise APIError(400, f"{e} (under 'use_beam_search': 'tool_choice' \"none\", or \"auto\" with the "
+                               "server started so; beam search cannot hold the reply to a call)",
+                               param=e.param) from None
             raise APIError(400, str(e), param=e.param) from None
         constraint = tools.constraint()
         if constraint is not None and beam is not None:
@@ -405,6 +409,11 @@ class OpenAIServer:
                                    param="logit_bias")
             if any(not -100 <= bias <= 100 for bias in body.logit_bias.values()):
                 raise APIError(400, "'logit_bias' values must be in [-100, 100] (OpenAI's range)", param="logit_bias")
+        if body.use_beam_search:  # n beams, not n samples: the rule that greedy sampling takes n = 1 is not its
+            body = body.model_copy(update={"temperature": 1.0})  # (the search's own: BeamSearchParams')
+        elif body.length_penalty != 1:
+            raise APIError(400, "'length_penalty' ranks beam search's sequences; set 'use_beam_search': true, or "
+                           "leave it out", param="length_penalty")
         bad = [t for t in body.allowed_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"'allowed_token_ids' holds {bad[0]}, not a token id in [0, {self.vocab_size})",
@@ -614,9 +623,11 @@ class OpenAIServer:
                 engine.validate_request(p.token_ids, step)
             except RequestError as e:
                 raise request_error(e, {}, prompt_param) from None
-        tokenizer, skip = self.tokenizer, params.skip_special_tokens
-        decode = (lambda tokens: tokenizer.decode(tokens, skip_special_tokens=skip)) if tokenizer is not None \
-            else (lambda tokens: "")
+        tokenizer = self.tokenizer
+        kwargs = {"skip_special_tokens": params.skip_special_tokens}
+        if not params.spaces_between_special_tokens:  # (the tokenizers' default is on)
+            kwargs["spaces_between_special_tokens"] = False
+        decode = (lambda tokens: tokenizer.decode(tokens, **kwargs)) if tokenizer is not None else (lambda tokens: "")
         room = engine.cfg.sched.max_model_len
         streams = []
         for i, p in enumerate(prompts):

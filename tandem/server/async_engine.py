@@ -188,6 +188,8 @@ class _Add:
     prompt: str | None
     priority: int = 0
     cache_salt: str | None = None
+    internal: bool = False  # a piece of a request (a beam search's step): no server metrics, never shed
+    admitted: bool = False  # continues work already let in: past the queue limit, and through a drain
 
 
 @dataclass
@@ -208,6 +210,7 @@ class _Tracked:
     num_tokens: list[int]  # tokens seen so far, per sequence
     last_time: list[float] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)  # per sequence, once it finished
+    internal: bool = False  # _Add.internal
 
 
 class AsyncEngine:
@@ -254,13 +257,17 @@ class AsyncEngine:
     # ---------------------------------------------------------------- event-loop API
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        priority: int = 0, cache_salt: str | None = None,
+        priority: int = 0, cache_salt: str | None = None, internal: bool = False, admitted: bool = False,
     ) -> RequestStream:
-        """Submit a request; returns its stream once the engine accepted it.
+        """Submit a request; returns its stream once the engine accepted it. internal: a piece of a
+        request the server reports itself (a beam search's step): left out of the server's metrics
+        and never shed for a request of a higher priority; admitted: it continues work already let
+        in (a beam search's later steps): not held to max_queued_requests, and taken while the
+        server drains.
 
         Raises RequestError (invalid request), ServerOverloaded or EngineStopped.
         """
-        if not self._accepting or not self.is_running:
+        if not (self._accepting or admitted) or not self.is_running:
             raise EngineStopped("the server is shutting down and takes no new requests")
         self.engine.validate_priority(priority)  # before the queue's counts compare it
         if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the output so far
@@ -268,7 +275,7 @@ class AsyncEngine:
                                "stream holds each request's output so far, which is cumulative; leave "
                                "output_kind as CUMULATIVE (the default)")
         stream = RequestStream(request_id, asyncio.get_running_loop(), params.n, params.logprobs is not None)
-        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt))
+        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt, internal, admitted))
         try:
             await stream.accepted()
         except asyncio.CancelledError:
@@ -337,10 +344,10 @@ class AsyncEngine:
             self._abort(cmd.request_id, None)
             return
         stream = cmd.stream
-        if not self._accepting:
+        if not (self._accepting or cmd.admitted):
             stream.put(EngineStopped("the server is shutting down and takes no new requests"))
             return
-        if self._queued_after(cmd.params.n, cmd.priority) > self.max_queued_requests:
+        if not cmd.admitted and self._queued_after(cmd.params.n, cmd.priority) > self.max_queued_requests:
             stream.put(ServerOverloaded(
                 f"the server is overloaded: more than max_queued_requests={self.max_queued_requests} sequences "
                 "would be waiting for a batch slot; retry later"
@@ -356,8 +363,8 @@ class AsyncEngine:
             stream.put(e)
             return
         n = cmd.params.n
-        self._live[stream.request_id] = _Tracked(stream, [0] * n, [0.0] * n, [None] * n)
-        if self.metrics is not None:
+        self._live[stream.request_id] = _Tracked(stream, [0] * n, [0.0] * n, [None] * n, cmd.internal)
+        if self.metrics is not None and not cmd.internal:
             self.metrics.on_accepted(len(cmd.prompt_token_ids))
         stream.put(_ACCEPTED)
         if self.engine.scheduler.by_priority:
@@ -387,8 +394,8 @@ class AsyncEngine:
         for rank, _, request_id, num_seqs in sorted(self.engine.unstarted_requests(), reverse=True):
             if over <= 0 or rank <= priority:
                 return
-            if request_id not in self._live:  # not this server's to refuse
-                continue
+            if request_id not in self._live or self._live[request_id].internal:  # not this server's to refuse, or
+                continue  # a piece of a request already let in (a beam search's step)
             self._abort(request_id, ServerOverloaded(
                 f"the server is overloaded: requests of a higher priority took this one's place among the "
                 f"max_queued_requests={self.max_queued_requests} sequences waiting for a batch slot; retry later"))
@@ -404,7 +411,7 @@ class AsyncEngine:
             self._needs_step = True  # the next step() reports (and forgets) the aborted request
             if error is not None:
                 tracked.stream.put(error)
-            if self.metrics is not None:  # a sibling (n > 1) that finished before keeps its own reason
+            if self.metrics is not None and not tracked.internal:  # a sibling (n > 1) finished before keeps its reason
                 cut = "abort" if error is None else "error"
                 self.metrics.on_finished([reason or cut for reason in tracked.finish_reasons],
                                          time.monotonic() - tracked.stream.arrival_time)
@@ -456,7 +463,7 @@ class AsyncEngine:
         now = time.monotonic()
         for seq in out.outputs:
             tracked.finish_reasons[seq.index] = seq.finish_reason
-        if self.metrics is not None:
+        if self.metrics is not None and not tracked.internal:
             self._observe(tracked, out, now)
         if out.finished:
             del self._live[out.request_id]

@@ -5,10 +5,17 @@ one-token request (tandem/beam_search.py's BeamSearch says which and takes their
 beams share the batch, and the prefix cache, with every other request. A BeamSearchStream stands
 where a RequestStream does in the handlers: its one output is the search's final result, the
 request's n best sequences as its n choices.
+
+The search is let in once: its first step is held to max_queued_requests and refused while the
+server drains, the later ones are not (a search is not cut off half-way by other requests, or by a
+graceful shutdown, which waits for it as for any request in flight). Its steps' requests are left
+out of the server's metrics (and never shed for higher priorities); the search is counted as one
+request, its choices' tokens as its output.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Callable
 
 from tandem.beam_search import BeamSearch
@@ -33,32 +40,52 @@ class BeamSearchStream:
         self.released = False
         self._client, self._params, self._step = client, params, step
         self._priority, self._cache_salt = priority, cache_salt
+        client.num_in_flight += 1  # (a drain waits for the search, not only for its step's requests)
         self._task = asyncio.ensure_future(self._search(prompt_token_ids, prompt, decode, logprobs))
-        # a search cancelled or failed before anyone awaits it: retrieve its error, so it is not logged
-        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._client.num_in_flight -= 1
+        if not task.cancelled():
+            task.exception()  # retrieved: a search that failed before anyone awaited it is not logged
 
     async def _search(self, prompt_token_ids: list[int], prompt: str | None, decode, logprobs: bool) -> RequestOutput:
         client = self._client
+        start = time.monotonic()
         search = BeamSearch([prompt_token_ids], self._params, client.engine.eos_token_ids,
                             client.engine.cfg.sched.max_model_len)
         while live := search.live():
-            streams = []
-            try:
-                for j, (_, beam) in enumerate(live):
-                    streams.append(await client.add_request(f"{self.request_id}-{search.num_steps}-{j}", beam.tokens,
-                                                            self._step, None, self._priority, self._cache_salt))
-                finals = await asyncio.gather(*(s.final() for s in streams))
-            finally:
-                for s in streams:
-                    client.release(s)
+            finals = await self._step_all([beam.tokens for _, beam in live], search.num_steps)
+            if search.num_steps == 0 and client.metrics is not None:
+                client.metrics.on_accepted(len(prompt_token_ids))
             # each one's logprobs entry: its beam's likeliest next tokens, and the one drawn
             search.advance(live, [f.outputs[0].logprobs[-1] for f in finals])
         (result,) = search.results(decode)
+        if client.metrics is not None:
+            client.metrics.on_tokens(sum(len(seq.tokens) - len(prompt_token_ids) for seq in result.sequences), None)
+            client.metrics.on_finished([seq.finish_reason for seq in result.sequences], time.monotonic() - start)
         num = len(prompt_token_ids)
         choices = [CompletionOutput(i, seq.text, seq.tokens[num:], seq.cum_logprob, seq.logprobs if logprobs else None,
                                     seq.finish_reason, seq.stop_reason)
                    for i, seq in enumerate(result.sequences)]
         return RequestOutput(self.request_id, prompt, prompt_token_ids, choices, True)
+
+    async def _step_all(self, beams: list[list[int]], step: int) -> list[RequestOutput]:
+        """Run one step: every beam's one-token request, submitted together (so the engine takes
+        them in one step), then their final outputs. Those submitted are released however it ends."""
+        client = self._client
+        adds = [asyncio.ensure_future(client.add_request(
+            f"{self.request_id}-{step}-{j}", tokens, self._step, None, self._priority, self._cache_salt,
+            internal=True, admitted=step > 0)) for j, tokens in enumerate(beams)]
+        try:
+            streams = await asyncio.gather(*adds)
+            return await asyncio.gather(*(s.final() for s in streams))
+        finally:
+            for add in adds:
+                if not add.done():
+                    add.cancel()  # (its request is aborted by add_request itself)
+                elif not add.cancelled() and add.exception() is None:
+                    client.release(add.result())
 
     async def final(self) -> RequestOutput:
         try:

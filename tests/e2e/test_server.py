@@ -1314,6 +1314,7 @@ BAD_INPUTS = [
     ("beam-search-width", C, {"use_beam_search": True, "n": 11}, 400, "n"),  # 22 logprobs a step, max_logprobs 20
     ("beam-search-echo-logprobs", C, {"use_beam_search": True, "echo": True, "logprobs": 1}, 400, "echo"),
     ("beam-search-length-penalty", C, {"use_beam_search": True, "length_penalty": "long"}, 400, "length_penalty"),
+    ("length-penalty-without-beam-search", CH, {"length_penalty": 2.0}, 400, "length_penalty"),
     ("structural-tag", CH, {"structural_tag": '{"type": "structural_tag"}'}, 400, "structural_tag"),
     ("whitespace-pattern", C, {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, 400,
      "guided_whitespace_pattern"),
@@ -1944,32 +1945,47 @@ def test_chat_beam_search_matches_offline(live, reference):
     messages = [{"role": "user", "content": "Name a colour."}]
     ids = live.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
     want = _offline_beams(reference, ids, beam_width=2, max_tokens=5)
-    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "n": 2, "use_beam_search": True}
-    first, again = (live.post(CH, json=body).json() for _ in range(2))
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "n": 2, "use_beam_search": True, "temperature": 0}
+    first, again = (live.post(CH, json=body).json() for _ in range(2))  # (greedy sampling's n = 1 rule is not beams')
     assert [c["message"]["content"] for c in first["choices"]] == [s.text for s in want]
     assert first["choices"] == again["choices"]
     assert first["usage"]["prompt_tokens"] == len(ids)
 
 
-def test_a_beam_search_the_client_gives_up_on_stops(live):
+def test_more_logprobs_than_the_beams_take_change_no_beam(live, reference, monkeypatch):
+    """logprobs above 2 * n show more alternatives, and the candidates stay each beam's 2 * n
+    likeliest (and the drawn one): an EOS ranked below them completes no sequence."""
+    ids = reference.tokenizer(PROMPTS[0]).input_ids
+    first = reference.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, logprobs=5, temperature=0),
+                               use_tqdm=False)[0].outputs[0].logprobs[0]
+    eos = next(t for t, lp in first.items() if lp.rank == 4)  # past n = 1's two candidates
+    for engine in (live.llm.engine, reference.engine):
+        monkeypatch.setattr(engine, "eos_token_ids", (eos,))
+    want = _offline_beams(reference, ids, beam_width=1, max_tokens=6)
+    for logprobs in (None, 5):
+        got = live.post(C, json={"model": MODEL, "prompt": ids, "max_tokens": 6, "use_beam_search": True,
+                                 "logprobs": logprobs, "return_token_ids": True}).json()["choices"]
+        assert [c["token_ids"] for c in got] == [s.tokens[len(ids):] for s in want] and got[0]["token_ids"][0] != eos
+
+
+def test_a_beam_search_the_client_gives_up_on_stops(live, monkeypatch):
     """The client leaving cancels the search: its beams' requests in flight are aborted, no further
     step is submitted, and every block is free again."""
-    def finished() -> float:
-        return sum(v for (name, _), v in live.metrics().items() if name == "tandem_request_success_total")
-
-    before = finished()
+    engine, added = live.llm.engine, []
+    add_request = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **kw: (added.append(a[0]), add_request(*a, **kw))[1])
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "n": 3, "ignore_eos": True,
             "use_beam_search": True}
     with pytest.raises(httpx.ReadTimeout):  # 100 steps of 3 beams take seconds here: give up well before
         live.post(C, json=body, timeout=0.5)
-    counts = [finished()]
-    while True:  # until no request ends for a second
+    counts = [len(added)]
+    while True:  # until no request is added for a second
         time.sleep(1.0)
-        counts.append(finished())
+        counts.append(len(added))
         if counts[-1] == counts[-2]:
             break
         assert len(counts) < 30, "the search went on"
-    assert 0 < counts[-1] - before < 1 + 3 * 99  # one request a beam a step, cut short
+    assert 0 < counts[-1] < 1 + 3 * 99  # one request a beam a step, cut short
     blocks = live.llm.engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks and not live.llm.engine.has_unfinished_requests()
 
@@ -2018,6 +2034,60 @@ def test_queue_limit_answers_503_and_shutdown_is_clean(model_dirs):
         assert not server.thread.is_alive()
         assert not server.app.state.engine_client.is_running
         assert not server.llm.engine.has_unfinished_requests()
+    finally:
+        server.stop()
+
+
+def test_a_beam_search_is_let_in_once_counted_once_and_drained(model_dirs):
+    """A beam search is held to the queue limit when it starts, not at every step: requests arriving
+    while it runs may be refused, it is not. It counts as one request of n sequences in the metrics,
+    its choices' tokens as its output. A graceful shutdown waits for it (drain_timeout_s) as for any request."""
+    server = LiveServer(_llm(model_dirs, max_num_seqs=2), max_queued_requests=1, drain_timeout_s=60)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 30, "n": 2, "ignore_eos": True,
+            "use_beam_search": True}
+    done = {}
+
+    def search(key: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: done.setdefault(key, server.post(C, json=body)))
+        thread.start()
+        return thread
+
+    def finished() -> float:
+        return sum(v for (name, _), v in server.metrics().items() if name == "tandem_request_success_total")
+
+    try:
+        before = finished()
+        reply = server.post(C, json=body).json()
+        assert [len(c["text"]) > 0 for c in reply["choices"]] == [True, True]
+        assert finished() == before + 2  # as a request of n = 2 counts: one a sequence, not one a step's request
+        assert server.metrics()[("tandem_generation_tokens_total", ())] >= reply["usage"]["completion_tokens"]
+
+        engine, step = server.llm.engine, server.llm.engine.step
+        engine.step = lambda: (time.sleep(0.01), step())[1]  # the search outlives the traffic's first wave
+        thread = search("busy")
+        time.sleep(0.3)
+        others = []
+
+        def traffic():
+            while thread.is_alive():
+                others.append(server.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8}).status_code)
+
+        hammers = [threading.Thread(target=traffic) for _ in range(2)]
+        for h in hammers:
+            h.start()
+        for t in (thread, *hammers):
+            t.join(120)
+        assert done["busy"].status_code == 200, done["busy"].text
+        assert len(done["busy"].json()["choices"]) == 2 and 503 in others and 200 in others
+
+        thread = search("drained")
+        time.sleep(0.3)
+        server.server.should_exit = True  # a graceful shutdown while the search runs
+        thread.join(120)
+        assert done["drained"].status_code == 200, done["drained"].text
+        assert done["drained"].json()["choices"] == reply["choices"]
+        server.thread.join(60)
+        assert not server.thread.is_alive() and not server.llm.engine.has_unfinished_requests()
     finally:
         server.stop()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem import LLM, BeamSearchParams
-from tandem.beam_search import BeamSearchSequence, beam_search_score, rank_key
+from tandem.beam_search import BeamSearchSequence, beam_search_score, better
 from tandem.errors import RequestError
 from tests.helpers import hf_model, make_hf_model
 
@@ -128,28 +128,34 @@ def test_beam_search_refusals_name_the_fix(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("length_penalty", [1e308, -1e308, 400.0, -400.0])
-def test_a_length_penalty_past_the_floats_ranks_without_error(llm, length_penalty):
-    """length ** length_penalty overflowing (or reaching 0) raises nothing: the search ranks in logs
-    and returns beam_width sequences."""
-    params = BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=length_penalty)
-    (out,) = llm.beam_search([{"prompt_token_ids": [5, 17, 99]}], params)
-    assert len(out.sequences) == 2 and len({tuple(s.tokens) for s in out.sequences}) == 2
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308, 1e16, -1e17, 400.0, -400.0])
+def test_a_length_penalty_past_the_floats_ranks_as_exact_arithmetic_would(llm, length_penalty):
+    """length ** length_penalty overflowing (or reaching 0) raises nothing, and the ranking is the
+    exact one: with no EOS every beam of a step has the same length, so any finite penalty ranks
+    them as length_penalty 1 does."""
+    params = lambda lp: BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=lp, ignore_eos=True)  # noqa: E731
+    (out,) = llm.beam_search([{"prompt_token_ids": [5, 17, 99]}], params(length_penalty))
+    (want,) = llm.beam_search([{"prompt_token_ids": [5, 17, 99]}], params(1.0))
+    assert [s.tokens for s in out.sequences] == [s.tokens for s in want.sequences]
     assert beam_search_score(out.sequences[0], frozenset(), length_penalty) <= 0  # not NaN, no error
 
 
-def test_the_rank_key_orders_as_the_score_does_in_exact_arithmetic():
-    """Where the score's floats hold, rank_key orders as beam_search_score; where they overflow, as
+def test_better_compares_as_the_score_does_in_exact_arithmetic():
+    """Where the score's floats hold, `better` orders as beam_search_score; where they overflow, as
     the exact score would: with a large positive penalty the longer sequence scores higher (its
     length ** penalty is larger), with a large negative one lower."""
+    import functools
+
     eos = frozenset()
     gen = random.Random(0)
     seqs = [BeamSearchSequence([1] * gen.randint(1, 60), cum_logprob=-gen.uniform(0.01, 40)) for _ in range(200)]
     for lp in (0.0, 0.5, 1.0, 2.5, -1.0):
         by_score = sorted(seqs, key=lambda s: beam_search_score(s, eos, lp))
-        assert sorted(seqs, key=lambda s: rank_key(s, eos, lp)) == by_score
+        assert sorted(seqs, key=functools.cmp_to_key(lambda a, b: better(a, b, eos, lp))) == by_score
     short = BeamSearchSequence([1] * 5, cum_logprob=-3.0)
     long = BeamSearchSequence([1] * 50, cum_logprob=-6.0)
-    assert rank_key(long, eos, 300.0) > rank_key(short, eos, 300.0)  # 50 ** 300 overflows
-    assert rank_key(short, eos, -500.0) > rank_key(long, eos, -500.0)
-    assert rank_key(BeamSearchSequence([1, 2], cum_logprob=0.0), eos, 1.0) == math.inf  # the best there is
+    assert better(long, short, eos, 300.0) == 1 == better(short, long, eos, -500.0)  # 50 ** 300 overflows
+    assert better(long, short, eos, 1e308) == 1 and better(short, short, eos, 1e308) == 0
+    same_length = BeamSearchSequence([1] * 50, cum_logprob=-6.5)
+    assert better(long, same_length, eos, 1e300) == 1  # equal lengths: the logprobs decide at any penalty
+    assert better(BeamSearchSequence([1, 2], cum_logprob=0.0), short, eos, 1.0) == 1  # the best there is
