@@ -59,6 +59,18 @@ def _gemm_rows_cap() -> int:
     return FEW_ROWS if cap == 1 else cap
 
 
+def _rows_min_out(qkv: bool = False) -> int:
+    """TANDEM_ROWS_MIN_OUT: the fewest outputs of a model-dtype layer whose 2-32 rows go to gemm_rows
+    (unset: FEW_ROWS_MIN_OUT); TANDEM_ROWS_QKV_MIN_OUT (qkv): the same for the qkv projection with its
+    rotary in the epilogue (unset: TANDEM_ROWS_MIN_OUT's). A/B switches."""
+    raw = os.environ.get("TANDEM_ROWS_QKV_MIN_OUT", "") if qkv else ""
+    raw = raw or os.environ.get("TANDEM_ROWS_MIN_OUT", str(FEW_ROWS_MIN_OUT))
+    if not raw.isdigit():
+        raise ValueError(f"TANDEM_ROWS_MIN_OUT / TANDEM_ROWS_QKV_MIN_OUT={raw!r}: expected an output count such as "
+                         f"{FEW_ROWS_MIN_OUT} (the default)")
+    return int(raw)
+
+
 def _long_k_rows() -> int:
     """TANDEM_ROWS_LONG_K: the most rows a model-dtype layer of more than FEW_ROWS_LONG_K inputs
     sends to gemm_rows; unset: 1 (none: cuBLAS's split-K from 2 rows); 16: the earlier rule (an A/B switch)."""
@@ -141,7 +153,7 @@ class GemvLinear(nn.Module):
         """Whether x [n, in_features] takes the GEMV (and so the fused norm / add) path."""
         return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
-    def few_rows(self, x: Tensor) -> bool:
+    def few_rows(self, x: Tensor, qkv: bool = False) -> bool:
         """Whether x [n, in_features] takes the few-row tensor-core GEMM: bf16 / fp16, at least
         FEW_ROWS_MIN_OUT outputs, and 2 <= n <= 32 with model-dtype weights of at most FEW_ROWS_LONG_K
         inputs, or 2 <= n <= 16 with fp8 weights (any inputs).
@@ -153,11 +165,12 @@ class GemvLinear(nn.Module):
         A/Bs with TANDEM_ROWS_LONG_K=16, which restores gemm_rows up to 16 rows, and the 8B's batch-8
         decode step 4.65-4.70 against 4.69-4.74: H200, docs/benchmarks.md, forty-ninth run).
         TANDEM_GEMM_ROWS=N caps the rows it takes (0: cuBLAS for every multi-row input, 1: on; an
-        A/B switch)."""
+        A/B switch); TANDEM_ROWS_MIN_OUT (and for the qkv projection, qkv, TANDEM_ROWS_QKV_MIN_OUT) moves
+        the FEW_ROWS_MIN_OUT bound (A/B switches)."""
         n = x.shape[0] if x.dim() == 2 else 0
         if self.fp8_only:  # no cuBLAS weight to fall back on: every width, up to 32 rows
             return 2 <= n <= min(FEW_ROWS, _gemm_rows_cap()) and x.stride(-1) == 1
-        if not (self.use_gemv and self.out_features >= FEW_ROWS_MIN_OUT and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
+        if not (self.use_gemv and self.out_features >= _rows_min_out(qkv) and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
         if self.w8 is None and self.in_features > FEW_ROWS_LONG_K and n > _long_k_rows():
@@ -261,7 +274,7 @@ class GemvLinear(nn.Module):
         (head_dim % 32 == 0)."""
         if self.takes_row(x):
             return head_dim % 8 == 0
-        return self.few_rows(x) and head_dim % 32 == 0  # gemm_rows.rope_fusable
+        return self.few_rows(x, qkv=True) and head_dim % 32 == 0  # gemm_rows.rope_fusable
 
     def forward_qkv_rope(self, x: Tensor | NormedRow, num_heads: int, num_kv_heads: int, positions: Tensor,
                          rotary: nn.Module, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
