@@ -58,18 +58,19 @@ def beam_search_score(seq: BeamSearchSequence, eos_token_ids: frozenset[int], le
 
 
 def better(a: BeamSearchSequence, b: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> int:
-    """1 if a's beam_search_score is above b's, -1 if below, 0 if equal, compared exactly in logs,
-    so that it holds at any length_penalty (length ** length_penalty leaves the floats at a few
-    hundred, and in logs its product with the lengths' log ratio can still swamp the logprobs):
-    -cum_a / La ** p > -cum_b / Lb ** p  <=>  log(-cum_a) - log(-cum_b) > p * (log La - log Lb)."""
+    """1 if a's beam_search_score is above b's, -1 if below, 0 if equal, compared in logs, so that
+    it holds at any length_penalty (length ** length_penalty leaves the floats at a few hundred,
+    where the score's division can no longer order them):
+    -cum_a / La ** p > -cum_b / Lb ** p  <=>  log(-cum_a) - log(-cum_b) > p * (log La - log Lb)
+    (as the score, it may call two sequences within a rounding error of each other either way)."""
     if a.cum_logprob >= 0 or b.cum_logprob >= 0:  # a score of 0 is the best there is
         return (a.cum_logprob >= 0) - (b.cum_logprob >= 0)
+    if a.cum_logprob == b.cum_logprob == -math.inf:  # both scores -inf, whatever the lengths
+        return 0
     len_a = len(a.tokens) - (a.tokens[-1] in eos_token_ids)
     len_b = len(b.tokens) - (b.tokens[-1] in eos_token_ids)
     lhs = math.log(-a.cum_logprob) - math.log(-b.cum_logprob) if a.cum_logprob != b.cum_logprob else 0.0
     rhs = length_penalty * (math.log(len_a) - math.log(len_b)) if len_a != len_b else 0.0
-    if math.isnan(lhs):  # both -inf: equal
-        return 0
     return (lhs < rhs) - (lhs > rhs)
 
 

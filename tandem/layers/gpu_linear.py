@@ -46,6 +46,10 @@ from tandem.layers.norm import fused_kernels_available
 
 FEW_ROWS = 32  # tandem.kernels.gemm_rows.MAX_ROWS (not imported here: Triton may be absent)
 FEW_ROWS_MIN_OUT = 2049  # narrower layers keep cuBLAS for a few rows (see GemvLinear.few_rows)
+# the qkv projection with its rotary and KV store in the epilogue takes any width: Qwen2.5 1.5B's (2048 x 1536)
+# in gemm_rows_qkv_rope cut its k = 4 verification graph 1.74 -> 1.67 ms and a round at batch 1 4.79 -> 4.66 ms
+# (H200, docs/benchmarks.md, 2026-12-05); every other shape measured is wider than FEW_ROWS_MIN_OUT already
+FEW_ROWS_QKV_MIN_OUT = 1
 FEW_ROWS_LONG_K = 4096  # model-dtype layers with more inputs keep cuBLAS (its split-K wins there)
 
 
@@ -62,9 +66,11 @@ def _gemm_rows_cap() -> int:
 def _rows_min_out(qkv: bool = False) -> int:
     """TANDEM_ROWS_MIN_OUT: the fewest outputs of a model-dtype layer whose 2-32 rows go to gemm_rows
     (unset: FEW_ROWS_MIN_OUT); TANDEM_ROWS_QKV_MIN_OUT (qkv): the same for the qkv projection with its
-    rotary in the epilogue (unset: TANDEM_ROWS_MIN_OUT's). A/B switches."""
-    raw = os.environ.get("TANDEM_ROWS_QKV_MIN_OUT", "") if qkv else ""
-    raw = raw or os.environ.get("TANDEM_ROWS_MIN_OUT", str(FEW_ROWS_MIN_OUT))
+    rotary in the epilogue (unset: FEW_ROWS_QKV_MIN_OUT). A/B switches."""
+    if qkv:
+        raw = os.environ.get("TANDEM_ROWS_QKV_MIN_OUT", str(FEW_ROWS_QKV_MIN_OUT))
+    else:
+        raw = os.environ.get("TANDEM_ROWS_MIN_OUT", str(FEW_ROWS_MIN_OUT))
     if not raw.isdigit():
         raise ValueError(f"TANDEM_ROWS_MIN_OUT / TANDEM_ROWS_QKV_MIN_OUT={raw!r}: expected an output count such as "
                          f"{FEW_ROWS_MIN_OUT} (the default)")

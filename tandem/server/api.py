@@ -443,8 +443,8 @@ class OpenAIServer:
             return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or 1, ignore_eos=params.ignore_eos,
                                     temperature=body.temperature or 0.0, length_penalty=body.length_penalty,
                                     include_stop_str_in_output=params.include_stop_str_in_output)
-        except RequestError as e:
-            name = "length_penalty" if "length_penalty" in str(e) else "n"
+        except RequestError as e:  # "BeamSearchParams.<field>=...", or check_beam_width's "n=..."
+            name = next((f for f in ("temperature", "length_penalty") if f"BeamSearchParams.{f}=" in str(e)), "n")
             raise APIError(400, str(e).replace("BeamSearchParams.", ""), param=name) from None
 
     def _fill_in_the_middle(self, body: CompletionRequest) -> CompletionRequest:

@@ -190,6 +190,7 @@ class _Add:
     cache_salt: str | None = None
     internal: bool = False  # a piece of a request (a beam search's step): no server metrics, never shed
     admitted: bool = False  # continues work already let in: past the queue limit, and through a drain
+    num_seqs: int | None = None  # the sequences the queue limit counts it as (None: params.n)
 
 
 @dataclass
@@ -226,6 +227,8 @@ class AsyncEngine:
         self._live: dict[str, _Tracked] = {}  # loop thread only
         self._thread: threading.Thread | None = None
         self._accepting = True
+        self._stopped = False  # the loop thread has ended (set under _stop_lock)
+        self._stop_lock = threading.Lock()
         self._needs_step = False
         self.num_in_flight = 0  # event-loop side count of accepted, unfinished requests
 
@@ -258,16 +261,18 @@ class AsyncEngine:
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
         priority: int = 0, cache_salt: str | None = None, internal: bool = False, admitted: bool = False,
+        num_seqs: int | None = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it. internal: a piece of a
         request the server reports itself (a beam search's step): left out of the server's metrics
         and never shed for a request of a higher priority; admitted: it continues work already let
         in (a beam search's later steps): not held to max_queued_requests, and taken while the
-        server drains.
+        server drains; num_seqs: the sequences max_queued_requests counts it as (None: params.n; a
+        beam search's first step, one request, counts the beams it lets in).
 
         Raises RequestError (invalid request), ServerOverloaded or EngineStopped.
         """
-        if not (self._accepting or admitted) or not self.is_running:
+        if not (self._accepting or admitted) or not self.is_running or self._stopped:
             raise EngineStopped("the server is shutting down and takes no new requests")
         self.engine.validate_priority(priority)  # before the queue's counts compare it
         if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the output so far
@@ -275,7 +280,11 @@ class AsyncEngine:
                                "stream holds each request's output so far, which is cumulative; leave "
                                "output_kind as CUMULATIVE (the default)")
         stream = RequestStream(request_id, asyncio.get_running_loop(), params.n, params.logprobs is not None)
-        self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt, internal, admitted))
+        with self._stop_lock:  # (the loop thread's last drain answers every command put before it stopped)
+            if self._stopped:
+                raise EngineStopped("the engine stopped and takes no new requests")
+            self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt, internal,
+                                    admitted, num_seqs))
         try:
             await stream.accepted()
         except asyncio.CancelledError:
@@ -311,6 +320,8 @@ class AsyncEngine:
             except Exception:  # never let one bad request or step end the loop for everyone
                 logger.exception("engine loop iteration failed; continuing")
         self._abort_all(EngineStopped("the server shut down before this request finished"))
+        with self._stop_lock:  # no command is put after this: add_request refuses
+            self._stopped = True
         while True:  # requests queued behind the stop (a fatal step's, which the loop did not await) are refused
             try:
                 cmd = self._commands.get_nowait()
@@ -347,7 +358,8 @@ class AsyncEngine:
         if not (self._accepting or cmd.admitted):
             stream.put(EngineStopped("the server is shutting down and takes no new requests"))
             return
-        if not cmd.admitted and self._queued_after(cmd.params.n, cmd.priority) > self.max_queued_requests:
+        num_seqs = cmd.params.n if cmd.num_seqs is None else cmd.num_seqs
+        if not cmd.admitted and self._queued_after(num_seqs, cmd.priority) > self.max_queued_requests:
             stream.put(ServerOverloaded(
                 f"the server is overloaded: more than max_queued_requests={self.max_queued_requests} sequences "
                 "would be waiting for a batch slot; retry later"

@@ -40,14 +40,18 @@ class BeamSearchStream:
         self.released = False
         self._client, self._params, self._step = client, params, step
         self._priority, self._cache_salt = priority, cache_salt
+        self._accepted_at: float | None = None  # once its first step was let in (and counted in the metrics)
         client.num_in_flight += 1  # (a drain waits for the search, not only for its step's requests)
         self._task = asyncio.ensure_future(self._search(prompt_token_ids, prompt, decode, logprobs))
         self._task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
-        self._client.num_in_flight -= 1
-        if not task.cancelled():
-            task.exception()  # retrieved: a search that failed before anyone awaited it is not logged
+        client = self._client
+        client.num_in_flight -= 1
+        failed = task.cancelled() or task.exception() is not None  # (retrieved: not logged as never awaited)
+        if failed and self._accepted_at is not None and client.metrics is not None:  # counted as a request is
+            reason = "abort" if task.cancelled() else "error"
+            client.metrics.on_finished([reason] * self._params.beam_width, time.monotonic() - self._accepted_at)
 
     async def _search(self, prompt_token_ids: list[int], prompt: str | None, decode, logprobs: bool) -> RequestOutput:
         client = self._client
@@ -56,8 +60,10 @@ class BeamSearchStream:
                             client.engine.cfg.sched.max_model_len)
         while live := search.live():
             finals = await self._step_all([beam.tokens for _, beam in live], search.num_steps)
-            if search.num_steps == 0 and client.metrics is not None:
-                client.metrics.on_accepted(len(prompt_token_ids))
+            if search.num_steps == 0:
+                self._accepted_at = start
+                if client.metrics is not None:
+                    client.metrics.on_accepted(len(prompt_token_ids))
             # each one's logprobs entry: its beam's likeliest next tokens, and the one drawn
             search.advance(live, [f.outputs[0].logprobs[-1] for f in finals])
         (result,) = search.results(decode)
@@ -74,17 +80,22 @@ class BeamSearchStream:
         """Run one step: every beam's one-token request, submitted together (so the engine takes
         them in one step), then their final outputs. Those submitted are released however it ends."""
         client = self._client
+        # the first step is let in for every beam the search will hold; the later ones are past the limit
         adds = [asyncio.ensure_future(client.add_request(
             f"{self.request_id}-{step}-{j}", tokens, self._step, None, self._priority, self._cache_salt,
-            internal=True, admitted=step > 0)) for j, tokens in enumerate(beams)]
+            internal=True, admitted=step > 0, num_seqs=self._params.beam_width if step == 0 else None))
+            for j, tokens in enumerate(beams)]
+        finals: list[asyncio.Future] = []
         try:
             streams = await asyncio.gather(*adds)
-            return await asyncio.gather(*(s.final() for s in streams))
+            finals = [asyncio.ensure_future(s.final()) for s in streams]
+            return await asyncio.gather(*finals)
         finally:
+            for task in adds + finals:
+                if not task.done():
+                    task.cancel()  # (an add's request is aborted by add_request itself)
             for add in adds:
-                if not add.done():
-                    add.cancel()  # (its request is aborted by add_request itself)
-                elif not add.cancelled() and add.exception() is None:
+                if add.done() and not add.cancelled() and add.exception() is None:
                     client.release(add.result())
 
     async def final(self) -> RequestOutput:

@@ -138,3 +138,42 @@ def test_the_servers_queue_makes_way_for_a_higher_priority(llm):
         loop.close()
     _drain(engine)
     assert engine.scheduler.blocks.num_free_blocks == engine.cfg.cache.num_blocks
+
+
+def test_a_beam_searchs_steps_are_let_in_once_and_never_shed(llm):
+    """The async engine's rules for a beam search's steps: its first step counts the beams it lets
+    in (num_seqs), its later steps (admitted) pass the queue limit, and its steps (internal) are
+    not shed for a request of a higher priority."""
+    import asyncio
+
+    from tandem.server.async_engine import AsyncEngine, RequestStream, ServerOverloaded, _Add
+
+    engine, loop = llm.engine, asyncio.new_event_loop()
+    client = AsyncEngine(engine, max_queued_requests=2)  # two batch slots, two more waiting
+
+    def submit(name: str, priority: int, **kw) -> RequestStream:
+        stream = RequestStream(name, loop)
+        client._handle(_Add(stream, PROMPTS[0], PARAMS, None, priority, **kw))
+        loop.run_until_complete(asyncio.sleep(0))
+        return stream
+
+    try:
+        low = [submit(f"low{i}", 5) for i in range(3)]  # one waits
+        first = submit("search-0", 5, internal=True, num_seqs=3)  # its 3 beams would make 4 wait
+        assert isinstance(first._error, ServerOverloaded)
+        first = submit("search-0", 5, internal=True, num_seqs=2)  # 2 beams: 3 wait, over the limit too
+        assert isinstance(first._error, ServerOverloaded)
+        first = submit("search-0", 5, internal=True, num_seqs=1)
+        assert first._accepted  # 2 wait: within the limit
+        later = [submit(f"search-1-{j}", 5, internal=True, admitted=True) for j in range(2)]
+        assert all(s._accepted and s._error is None for s in later)  # 4 wait: past the limit, let in
+        assert isinstance(submit("late", 5)._error, ServerOverloaded)  # an ordinary one is not
+        urgent = submit("urgent", 0)
+        assert urgent._accepted  # it sheds the ordinary requests of lower priority, never the steps
+        assert all(s._error is None for s in [first, *later])
+        assert any(isinstance(s._error, ServerOverloaded) for s in low)
+    finally:
+        for name in list(engine._requests):
+            engine.abort_request(name)
+        loop.close()
+    _drain(engine)
