@@ -5,9 +5,10 @@ A batch-1 decode step (the target's, or each of the draft's k - 1 loop steps) mu
 row by every weight matrix: pure weight streaming. cuBLAS reaches 32-60% of the copy bandwidth
 on the small matrices of a 1B model and 59-95% on an 8B model's; tandem/kernels/gemv.py reaches
 48-104% on the same shapes (bench/gpu_kernels.py --gemv, H200). 2-16 rows (a batch-1 verification
-of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs go to
-tandem/kernels/gemm_rows.py (tensor cores, no split-K, the qkv projection rotating and storing
-K/V in its epilogue, the gate | up projection applying SiLU-and-mul in its epilogue:
+of 1 + k tokens, the draft's catch-up) of layers wider than 2048 outputs (and of any qkv
+projection that rotates in the epilogue) go to tandem/kernels/gemm_rows.py (tensor cores, no
+split-K, the qkv projection rotating and storing K/V in its epilogue, the gate | up projection
+applying SiLU-and-mul in its epilogue:
 `forward_then_silu_mul`), and so do 17-32 rows (decode steps of 17-32 requests) of those layers
 with at most 4096 inputs; more rows, the narrow layers and the long-K ones stay on cuBLAS.
 A layer in fp8 alone (the target's `quantization="fp8"`, which keeps no model-dtype weight) sends
