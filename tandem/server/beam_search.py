@@ -10,7 +10,7 @@ The search is let in once: its first step is held to max_queued_requests and ref
 server drains, the later ones are not (a search is not cut off half-way by other requests, or by a
 graceful shutdown, which waits for it as for any request in flight). Its steps' requests are left
 out of the server's metrics (and never shed for higher priorities); the search is counted as one
-request, its choices' tokens as its output.
+request of n sequences, its choices' tokens as its output.
 """
 from __future__ import annotations
 
