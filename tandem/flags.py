@@ -96,6 +96,25 @@ def watermark_config(text: str) -> dict:
     return value
 
 
+def override_generation_config(text: str) -> dict:
+    """--override-generation-config: vLLM's JSON object of sampling defaults, e.g. '{"temperature": 0.5}'."""
+    import json
+
+    from tandem.models.source import GENERATION_DEFAULT_KEYS
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"temperature\": 0.5}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}")
+    unknown = sorted(set(value) - set(GENERATION_DEFAULT_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown} are not sampling defaults; use some of "
+                                         f"{sorted(GENERATION_DEFAULT_KEYS)}")
+    return value
+
+
 def structured_outputs_config(text: str) -> dict:
     """--structured-outputs-config: vLLM's JSON object, e.g. '{"enable_in_reasoning": true}', checked while parsing."""
     import json

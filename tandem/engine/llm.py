@@ -86,6 +86,7 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",
         max_logprobs: int = 20,
         generation_config: str = "auto",
+        override_generation_config: dict | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
@@ -132,7 +133,8 @@ class LLM:
         check_device_support(arch, dev)
         if tp_size > 1:
             check_shardable(arch, tp_size)
-        self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir))
+        self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir,
+                                                                         override_generation_config))
         torch_dtype = resolve_dtype(dtype, arch, dev)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
@@ -641,10 +643,11 @@ def _checked_defaults(defaults: dict) -> dict:
         try:
             SamplingParams(**defaults)
         except RequestError as e:
-            raise ConfigError(f"the model's generation_config.json sets an invalid sampling default ({e}); fix the "
-                              "file, or pass generation_config='vllm' to ignore it") from None
-        logger.warning("sampling defaults from the model's generation_config.json (pass generation_config='vllm' "
-                       "to use the engine's own): %s", defaults)
+            raise ConfigError(f"the model's generation_config.json or override_generation_config sets an invalid "
+                              f"sampling default ({e}); fix it, or pass generation_config='vllm' to ignore the "
+                              "file") from None
+        logger.warning("sampling defaults from the model's generation_config.json and override_generation_config "
+                       "(pass generation_config='vllm' to use the engine's own): %s", defaults)
     return defaults
 
 

@@ -85,12 +85,26 @@ GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_
                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(generation_config: str, model_dir: Path) -> dict:
+def generation_defaults(generation_config: str, model_dir: Path, override: dict | None = None) -> dict:
     """The sampling defaults the model's creator recommends, as SamplingParams fields: what
     generation_config.json sets among GENERATION_DEFAULT_KEYS ("auto": the model directory's file;
-    a directory: its file; "vllm": none, the engine's own defaults)."""
+    a directory: its file; "vllm": none, the engine's own defaults), with override's keys (vLLM's
+    override_generation_config: the same keys, set over the file's, or alone under "vllm")."""
     if not isinstance(generation_config, str) or not generation_config:
         raise ConfigError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a directory")
+    if override is not None:
+        if not isinstance(override, dict):
+            raise ConfigError(f"override_generation_config={override!r} must be a dict such as {{'temperature': 0.5}}")
+        unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
+        if unknown:
+            raise ConfigError(f"override_generation_config sets {unknown}, which are not sampling defaults; use some "
+                              f"of {sorted(GENERATION_DEFAULT_KEYS)}")
+    set_here = {field: override[key] for key, field in GENERATION_DEFAULT_KEYS.items()
+                if key in (override or {}) and override[key] is not None}
+    return {**_file_defaults(generation_config, model_dir), **set_here}
+
+
+def _file_defaults(generation_config: str, model_dir: Path) -> dict:
     if generation_config == "vllm":
         return {}
     folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)

@@ -14,7 +14,8 @@ from tandem.chat import load_chat_template
 from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
 from tandem.flags import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP,
                           REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in,
-                          non_empty, size_in, speculative_config, structured_outputs_config, watermark_config)
+                          non_empty, override_generation_config, size_in, speculative_config,
+                          structured_outputs_config, watermark_config)
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
@@ -67,6 +68,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--generation-config", default="auto", type=non_empty("pass 'auto', 'vllm' or a directory"),
                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
                             "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")
+    model.add_argument("--override-generation-config", type=override_generation_config, default=None,
+                       help="sampling defaults set over --generation-config's, as a JSON object (vLLM's), e.g. "
+                            "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=size_in(1), default=None,
                         help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")

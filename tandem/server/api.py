@@ -932,6 +932,7 @@ def run_server(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format, seed=args.seed,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,
         reasoning_parser=args.reasoning_parser, tensor_parallel_size=args.tensor_parallel_size,
         structured_outputs_config=args.structured_outputs_config,

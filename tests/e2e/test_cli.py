@@ -255,6 +255,8 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--structured-outputs-config", '{"backend": "outlines"}'], "--structured-outputs-config"),
     (["--structured-outputs-config", "{"], "--structured-outputs-config"),
+    (["--override-generation-config", '{"do_sample": true}'], "--override-generation-config"),
+    (["--override-generation-config", "[1]"], "--override-generation-config"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
     (["--per-request-spec-decode-metrics", "full"], "--per-request-spec-decode-metrics"),
@@ -542,3 +544,15 @@ def test_async_engine_bad_queue_limit_is_a_config_error():
     for bad in (-1, True, 2.5):
         with pytest.raises(ConfigError, match="max_queued_requests"):
             AsyncEngine(None, max_queued_requests=bad)
+
+
+def test_serve_override_generation_config_reaches_the_llm():
+    """--override-generation-config (vLLM's) parses to the dict LLM(override_generation_config=...) takes."""
+    import argparse
+
+    from tandem.server import add_serve_args
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "m", "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'])
+    assert args.override_generation_config == {"temperature": 0.5, "max_new_tokens": 64}
+    assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "m"]).override_generation_config is None

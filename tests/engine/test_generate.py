@@ -542,6 +542,23 @@ def test_generation_config_sets_the_sampling_defaults(model, tmp_path):
         LLM(str(model), dtype="float32", max_model_len=128, block_size=8, generation_config=str(tmp_path / "none"))
 
 
+def test_override_generation_config_sets_defaults_over_the_files(model, tmp_path):
+    """vLLM's override_generation_config: its keys over generation_config.json's (the file's others
+    kept), or alone under generation_config="vllm"; a key that is no sampling default, or a bad
+    value, fails at load naming it."""
+    d = _with_generation_config(model, tmp_path / "m", temperature=0.7, top_k=1, max_new_tokens=5)
+    kw = dict(dtype="float32", max_model_len=128, block_size=8)
+    over = LLM(str(d), override_generation_config={"temperature": 0.3, "max_new_tokens": 9}, **kw)
+    params = over.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.3, 1, 9)
+    alone = LLM(str(d), generation_config="vllm", override_generation_config={"top_p": 0.5}, **kw)
+    assert alone.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    with pytest.raises(ConfigError, match=r"override_generation_config sets \['do_sample'\]"):
+        LLM(str(d), override_generation_config={"do_sample": True}, **kw)
+    with pytest.raises(ConfigError, match="override_generation_config sets an invalid"):
+        LLM(str(d), override_generation_config={"temperature": -2}, **kw)
+
+
 class _SpacingTokenizer:
     """A slow tokenizer's way with special tokens: id 0 is "<s>", spaced from its neighbours unless
     spaces_between_special_tokens=False; ids 1.. are letters."""
