@@ -173,6 +173,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="keep the last N /v1/responses responses (those not sent with store false), for "
                              "previous_response_id and GET / DELETE /v1/responses/{id}; default 0: none kept, and "
                              "previous_response_id is refused")
+    server.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                        help="how messages' content reaches the chat template: detected from the template "
+                             "(auto, the default, as vLLM), joined text (string) or a list of parts (openai)")
     server.add_argument("--response-role", default="assistant", type=non_empty("pass a role name"),
                         help="the role of chat replies when the request has add_generation_prompt (the default; "
                              "as vLLM's flag, default 'assistant')")

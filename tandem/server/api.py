@@ -87,8 +87,9 @@ class OpenAIServer:
                  tool_call_parser: str | None = None, report: ResponseMetrics = ResponseMetrics(),
                  force_include_usage: bool = False, responses_store_size: int = 0, chat_template: str | None = None,
                  prompt_tokens_details: bool = False, tokens_as_ids: bool = False, response_role: str = "assistant",
-                 log_requests: bool = False, max_log_len: int | None = None):
+                 log_requests: bool = False, max_log_len: int | None = None, chat_template_content_format: str = "auto"):
         engine = client.engine
+        self.chat_template_content_format = chat_template_content_format  # "auto": detected from the template
         self.log_requests = log_requests  # log each request received ...
         self.log_cut = slice(max_log_len)  # ... its prompt's characters and ids cut to max_log_len (None: all)
         self.response_role = response_role  # chat replies' role under add_generation_prompt
@@ -503,7 +504,8 @@ class OpenAIServer:
                                  body.continue_final_message, tools=tools_for_template(body),
                                  extra=chat_kwargs, documents=body.documents)  # tokenized below
         template = kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)
-        fmt = content_format(template)
+        fmt = content_format(template) if self.chat_template_content_format == "auto" \
+            else self.chat_template_content_format
         conversation = []
         for i, m in enumerate(body.messages):
             try:
@@ -812,6 +814,7 @@ def build_app(
     response_role: str = "assistant",
     log_requests: bool = False,
     max_log_len: int | None = None,
+    chat_template_content_format: str = "auto",
 ) -> FastAPI:
     """A FastAPI app serving an LLM (or an Engine). Its engine loop starts and stops with the app's lifespan.
     trust_request_chat_template: run chat templates that requests send (off: they are refused);
@@ -831,7 +834,9 @@ def build_app(
     "token_id:N" rather than by its text (vLLM's flag: a token that is part of a character has no text);
     response_role: the role of chat replies to requests with add_generation_prompt (vLLM's flag);
     log_requests: log each engine request received (its prompt, ids and sampling parameters; the prompt and
-    ids cut to max_log_len characters and ids), at INFO on the "tandem.server.requests" logger (vLLM's flag).
+    ids cut to max_log_len characters and ids), at INFO on the "tandem.server.requests" logger (vLLM's flag);
+    chat_template_content_format: how messages' content reaches the chat template: "auto" (detected from the
+    template, as vLLM), "string" (parts joined into text) or "openai" (a list of parts) (vLLM's flag).
 
     app.state.engine_client is the AsyncEngine, app.state.metrics the ServerMetrics.
     """
@@ -841,6 +846,9 @@ def build_app(
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names:
         raise ValueError("model_name must name at least one served model")
+    if chat_template_content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not 'auto', 'string' or "
+                         "'openai'")
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
         raise ValueError(f"tool_call_parser={tool_call_parser!r} is not one of {list(TOOL_CALL_PARSERS)}")
     k = engine.spec_metrics.k if engine.spec_metrics is not None else 0
@@ -852,7 +860,7 @@ def build_app(
     server = OpenAIServer(client, tokenizer, names, metrics, trust_request_chat_template, defaults, tool_call_parser,
                           report, enable_force_include_usage, responses_store_size, chat_template,
                           enable_prompt_tokens_details, return_tokens_as_token_ids, response_role, log_requests,
-                          max_log_len)
+                          max_log_len, chat_template_content_format)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -949,7 +957,8 @@ def run_server(args: argparse.Namespace) -> int:
                     chat_template=args.chat_template, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     cors=cors_settings(args), enable_docs=not args.disable_fastapi_docs, root_path=args.root_path,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role,
-                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                    chat_template_content_format=args.chat_template_content_format)
     if args.enable_log_requests:
         request_logger.setLevel(logging.INFO)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

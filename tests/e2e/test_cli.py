@@ -257,6 +257,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--structured-outputs-config", "{"], "--structured-outputs-config"),
     (["--override-generation-config", '{"do_sample": true}'], "--override-generation-config"),
     (["--override-generation-config", "[1]"], "--override-generation-config"),
+    (["--chat-template-content-format", "xml"], "--chat-template-content-format"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
     (["--per-request-spec-decode-metrics", "full"], "--per-request-spec-decode-metrics"),

@@ -450,11 +450,17 @@ def test_messages_reach_the_template_as_vllm_prepares_them(live, reference):
             "<doc>", got
         assert prompt([{"role": "user", "content": "ab"}, {"role": "user", "content": ["c", "d"]}], parts) == \
             "(ab)(c)(d)"
+        # --chat-template-content-format (vLLM's) overrides the detection: "string" joins the parts
+        server.chat_template_content_format = "string"
+        assert prompt([{"role": "user", "content": ["a", "b"]}], strings).startswith("[user:a\nb|")
+        server.chat_template_content_format = "openai"  # parts even to a template that does not loop over them
+        assert prompt([{"role": "user", "content": "a"}], "{{ messages[0]['content'][0]['text'] }}") == "a"
         bad = live.post("/tokenize", json={"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
         assert bad.status_code == 400 and "'image_url' part" in bad.json()["error"]["message"], bad.text
     finally:
         server.trust_request_chat_template = False
+        server.chat_template_content_format = "auto"
 
 
 def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
