@@ -2,7 +2,7 @@
 
 Routes: /v1/completions, /v1/chat/completions (the tokenizer's chat template, or the server's),
 /v1/responses (and GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel), /v1/models,
-/health, /metrics, and vLLM's /tokenize, /detokenize and /version; with api_keys the /v1 routes
+/health (and /ping), /metrics, and vLLM's /tokenize, /detokenize and /version; with api_keys the /v1 routes
 need a key. Bodies are parsed here (pydantic, strict
 types) so every error, malformed JSON included, gets the OpenAI error body naming the field. Generation goes through one AsyncEngine; streaming
 responses are server-sent events ending with `data: [DONE]`.
@@ -886,7 +886,7 @@ def build_app(
     app.state.server = server
 
     def route(path: str, handler, method: str = "POST") -> None:
-        counted = path != "/health"  # a probe's 503 (a stopped engine) is no request's error
+        counted = path not in ("/health", "/ping")  # a probe's 503 (a stopped engine) is no request's error
         async def endpoint(request: Request) -> Response:
             try:
                 return await handler(request)
@@ -908,6 +908,8 @@ def build_app(
     route("/v1/responses/{response_id}/cancel", server.cancel_response)
     route("/v1/models", server.models, "GET")
     route("/health", server.health, "GET")
+    route("/ping", server.health, "GET")  # vLLM's (SageMaker's health check): /health's answer
+    route("/ping", server.health, "POST")
     route("/metrics", server.prometheus, "GET")
     route("/tokenize", server.tokenize)
     route("/detokenize", server.detokenize)

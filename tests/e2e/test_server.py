@@ -129,6 +129,7 @@ def greedy(**kw) -> dict:
 # ---------------------------------------------------------------- basic routes
 def test_health_and_models(live):
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(live.url + "/ping").json() == httpx.post(live.url + "/ping").json() == {"status": "ok"}
     models = live.client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 128
@@ -1196,7 +1197,7 @@ def test_a_device_error_stops_the_loop_and_health_says_so(model_dirs, monkeypatc
         assert r.status_code == 500 and "restart the process" in r.json()["error"]["message"], r.text
         _wait_for(lambda: not server.app.state.engine_client.is_running)
         for _ in range(3):  # a supervisor's probes are no request's errors
-            assert httpx.get(server.url + "/health").status_code == 503
+            assert httpx.get(server.url + "/health").status_code == 503 == httpx.get(server.url + "/ping").status_code
         assert server.post(C, json=OK_C).status_code == 503
         errors = {k[1]: v for k, v in server.metrics().items() if k[0] == "tandem_request_errors_total"}
         assert errors == {(("status", "500"),): 1, (("status", "503"),): 1}, errors
