@@ -54,7 +54,7 @@ def beam_search_score(seq: BeamSearchSequence, eos_token_ids: frozenset[int], le
     try:
         return seq.cum_logprob / (length ** length_penalty)
     except (OverflowError, ZeroDivisionError):  # length ** length_penalty past the floats
-        return -0.0 if length_penalty > 0 else -math.inf
+        return 0.0 if seq.cum_logprob == 0 else -0.0 if length_penalty > 0 else -math.inf
 
 
 def better(a: BeamSearchSequence, b: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> int:
