@@ -100,19 +100,17 @@ def override_generation_config(text: str) -> dict:
     """--override-generation-config: vLLM's JSON object of sampling defaults, e.g. '{"temperature": 0.5}'."""
     import json
 
-    from tandem.models.source import GENERATION_DEFAULT_KEYS
+    from tandem.errors import ConfigError
+    from tandem.models.source import check_generation_override
 
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"temperature\": 0.5}}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}")
-    unknown = sorted(set(value) - set(GENERATION_DEFAULT_KEYS))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"{unknown} are not sampling defaults; use some of "
-                                         f"{sorted(GENERATION_DEFAULT_KEYS)}")
-    return value
+    try:
+        return check_generation_override(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def structured_outputs_config(text: str) -> dict:

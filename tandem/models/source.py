@@ -92,16 +92,23 @@ def generation_defaults(generation_config: str, model_dir: Path, override: dict 
     override_generation_config: the same keys, set over the file's, or alone under "vllm")."""
     if not isinstance(generation_config, str) or not generation_config:
         raise ConfigError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a directory")
-    if override is not None:
-        if not isinstance(override, dict):
-            raise ConfigError(f"override_generation_config={override!r} must be a dict such as {{'temperature': 0.5}}")
-        unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
-        if unknown:
-            raise ConfigError(f"override_generation_config sets {unknown}, which are not sampling defaults; use some "
-                              f"of {sorted(GENERATION_DEFAULT_KEYS)}")
-    set_here = {field: override[key] for key, field in GENERATION_DEFAULT_KEYS.items()
-                if key in (override or {}) and override[key] is not None}
+    override = check_generation_override(override) or {}
+    set_here = {field: override[key] for key, field in GENERATION_DEFAULT_KEYS.items() if override.get(key) is not None}
     return {**_file_defaults(generation_config, model_dir), **set_here}
+
+
+def check_generation_override(override: dict | None) -> dict | None:
+    """override_generation_config, unchanged; ConfigError unless it is None or a dict of
+    GENERATION_DEFAULT_KEYS."""
+    if override is None:
+        return None
+    if not isinstance(override, dict):
+        raise ConfigError(f"override_generation_config={override!r} must be a dict such as {{'temperature': 0.5}}")
+    unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
+    if unknown:
+        raise ConfigError(f"override_generation_config sets {unknown}, which are not sampling defaults; use some "
+                          f"of {sorted(GENERATION_DEFAULT_KEYS)}")
+    return override
 
 
 def _file_defaults(generation_config: str, model_dir: Path) -> dict:

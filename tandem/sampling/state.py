@@ -14,12 +14,12 @@ from tandem.sampling.watermark import WatermarkConfig, WatermarkState
 from tandem.sampling_params import FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams
 
 
-# The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
 # A bias at or below this bans its token as -inf does (no temperature leaves it a chance), and divided by a
 # temperature (>= MIN_TEMPERATURE) it may reach -inf anyway: it is taken as -inf, so that a row such biases
 # empty ends the output (processors._end_if_empty) rather than drawing token 0.
 _BANNING_BIAS = -FLOAT32_MAX * MIN_TEMPERATURE / 2
 
+# The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
