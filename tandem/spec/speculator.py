@@ -17,6 +17,10 @@ the step's emitted tokens and then for each step's drafts of those requests (eac
 before the next forward, so the host makes the masks while that forward runs). repair() takes a
 round that ran free and draws again, under the grammar, the drafts from the first that left it.
 
+Requests with logits processors (allowed_token_ids, bad words, logit_bias, min_tokens, penalties)
+draft under them too, as the target samples (the drafts before a column count as output), so a
+request that a bias or an allowed set steers keeps its acceptance; their rounds run step by step.
+
 Watermarked requests (tandem.sampling.watermark) draft with the target's keyed noise and are
 verified by exact match with the target's keyed draw, so their output is the target's alone.
 
@@ -43,7 +47,8 @@ from tandem.runner.inputs import Batch
 from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
-from tandem.sampling.processors import apply_token_bitmask, apply_top_k_top_p
+from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p,
+                                        uses_processors)
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
 from tandem.spec.base import Speculator
@@ -192,7 +197,11 @@ class DraftSpeculator(Speculator):
             self._greedy_round(ids, positions, meta, new_rows, slots, table, max_kv, k)
             return None
         catchup = self._catchup_graph(plan, batch)
-        graphs = self.graphs.get(k) if constrained is None else None  # constrained: step by step
+        # constrained or processed: step by step
+        graphs = self.graphs.get(k) if constrained is None and not self._processes(sampling) else None
+        # outputs before each first draft: at least the step's one emitted token (its accepted drafts
+        # are on the device only), for min_tokens
+        num_outputs = [r.num_output_tokens + 1 for r in sampling]
         if catchup is graphs and graphs is not None and self._greedy(sampling):  # the whole round in one replay
             graphs.run_round(len(plan.reqs), ids, positions, meta.slot_mapping, meta.block_tables,
                              meta.seq_lens, new_rows, slots, table)
@@ -210,7 +219,7 @@ class DraftSpeculator(Speculator):
         stop = None
         if self.confidence_threshold is not None and constrained is None:  # (CPU only: LLM refuses it on CUDA)
             stop = ConfidenceStop(self.confidence_threshold, [r.num_next_drafts for r in sampling])
-        self._draft_step(0, logits, slots, pos + 1, sampling, mask)
+        self._draft_step(0, logits, slots, pos + 1, sampling, num_outputs, mask)
         if stop is not None and stop.after(0, logits[:, : self.head_cols]):
             return stop
         if graphs is not None and graphs.loops and self._greedy(sampling) and graphs.bucket(len(sampling)) is not None:
@@ -225,7 +234,7 @@ class DraftSpeculator(Speculator):
             logits = self._step_logits(self.drafts[slots, step - 1], safe, meta)
             if constrained is not None:  # the masks are made while the forward runs
                 mask = constrained.next()
-            self._draft_step(step, logits, slots, pos + 1, sampling, mask)
+            self._draft_step(step, logits, slots, pos + 1, sampling, num_outputs, mask)
             if stop is not None and stop.after(step, logits[:, : self.head_cols]):
                 break
         return stop
@@ -235,7 +244,7 @@ class DraftSpeculator(Speculator):
         best token alone (CausalLM.top_tokens): greedy, free of grammars, over a draft vocabulary no
         larger than the target's (a pruned head is never sharded: SpeculatorFactory)."""
         return (self.local_argmax and self.confidence_threshold is None and self.model.tp is not None
-                and constrained is None and self._greedy(sampling)
+                and constrained is None and self._greedy(sampling) and not self._processes(sampling)
                 and self.model.arch.vocab_size == self.draft_vocab and self.hot_ids is None)
 
     def _greedy_round(self, ids: Tensor, positions: Tensor, meta, new_rows: Tensor, slots: Tensor, table: Tensor,
@@ -298,8 +307,10 @@ class DraftSpeculator(Speculator):
                 (rows_t,) = upload(group)
                 group_slots = slots_a[rows_t]
                 group_logits = self.draft_logits[group_slots, col] if from_cache else logits[rows_t]
-                self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, [items[act[r]] for r in group],
-                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]))
+                group_items = [items[act[r]] for r in group]
+                self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, group_items,
+                                 [it.num_outputs for it in group_items],
+                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]), cached=from_cache)
             tokens, ready = to_host(self.drafts[slots_a, col])
             if ready is not None:
                 ready.synchronize()  # SYNC: the next column's masks follow this one's drafts
@@ -312,6 +323,10 @@ class DraftSpeculator(Speculator):
         wm = self.state.watermark
         return (self.draft_logits is not None and self.state.params[slot].temperature > 0
                 and not (wm is not None and wm.on[slot]))
+
+    def _processes(self, sampling) -> bool:
+        """Whether any request of a round drafts under logits processors of its own (_processed)."""
+        return any(uses_processors(self.state.params[r.slot]) for r in sampling)
 
     def _greedy(self, sampling) -> bool:
         """Whether every draft of the round is an argmax (the captured draft loop's case): not
@@ -334,8 +349,8 @@ class DraftSpeculator(Speculator):
             return graphs
         return None
 
-    def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling,
-                    mask: tuple[Tensor, Tensor] | None = None) -> None:
+    def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling, num_outputs: list[int],
+                    mask: tuple[Tensor, Tensor] | None = None, cached: bool = False) -> None:
         """Sample drafts[:, step] from the draft's logits: a draft step's [n, head_cols], or cached
         ones [n, V] (repair); gen_pos [n] is the position of the token being drafted (the noise
         key, with the column step: draft_salt). Watermarked requests draw with the target's keyed noise on the draft's distribution,
@@ -347,20 +362,26 @@ class DraftSpeculator(Speculator):
         allows (their logits are kept that way for the ratio test). A structured-output request's
         drafts skip the draft-side top-k / top-p (the target still applies them): untruncated, a
         draw among the tokens that fit is the same whether the mask comes before the draw or after
-        a free draw that missed (DraftSpeculator.repair), and never from an empty set."""
+        a free draw that missed (DraftSpeculator.repair), and never from an empty set.
+
+        num_outputs [n]: each row's output tokens before its column-0 draft (a lower bound is
+        enough: it only decides min_tokens for the draft, see _processed). cached: the logits are
+        cached draft logits, which the processors have already shaped."""
         greedy = self._greedy(sampling)
-        if greedy and mask is None and (self.hot_ids is None or logits.shape[-1] == self.head_cols):  # the head's argmax
-            tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)
+        processes = not cached and self._processes(sampling)
+        if greedy and mask is None and not processes and (self.hot_ids is None or logits.shape[-1] == self.head_cols):
+            tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)  # the head's argmax
             self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
             return
         temp = self.state.temperature[slots]
+        logits = self._full_logits(logits, temp)
+        if processes:
+            logits = self._processed(logits, step, slots, gen_pos, sampling, [n + step for n in num_outputs], mask)
         if greedy:
-            logits = self._full_logits(logits, temp)
             if mask is not None:
                 apply_token_bitmask(logits, *mask)
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
-        logits = self._full_logits(logits, temp)
         params = [self.state.params[r.slot] for r in sampling]
         scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
@@ -389,6 +410,24 @@ class DraftSpeculator(Speculator):
         self.drafts[slots, step] = tokens
         if self.draft_logits is not None and unmarked:  # (keyed rows verify by exact match: no q)
             self.draft_logits[slots, step] = torch.where(scaled == float("-inf"), scaled, logits)
+
+    def _processed(self, logits: Tensor, step: int, slots: Tensor, gen_pos: Tensor, sampling, num_outputs: list[int],
+                   mask: tuple[Tensor, Tensor] | None) -> Tensor:
+        """fp32 logits [n, V] -> a new [n, V]: each row under its request's logits processors
+        (allowed_token_ids, bad words, logit_bias, min_tokens, penalties; tandem.sampling.processors),
+        the drafts before column `step` counted as output, as the target's verification counts
+        them. A draft is free to come from any distribution (the verification keeps the output the
+        target's), so these are for acceptance: num_outputs [n] may fall short of the truth (min_tokens
+        then holds a stop id back a draft or two longer than the target does). A row the processors
+        and its grammar (mask) leave empty keeps its logits unprocessed."""
+        rows = SampleRows(slots=[r.slot for r in sampling], slot_ids=slots, positions=gen_pos, num_outputs=num_outputs,
+                          prior_drafts=self.drafts[slots, :step] if step else None)
+        out = logits.clone()
+        apply_logits_processors(out, self.state, rows)
+        if mask is not None:
+            apply_token_bitmask(out, *mask)
+        empty = torch.isneginf(out).all(dim=-1, keepdim=True)  # [n, 1]
+        return torch.where(empty, logits, out)
 
     def _full_logits(self, logits: Tensor, temp: Tensor) -> Tensor:
         """A draft step's logits [n, head_cols] (or cached ones, [n, V]) -> fp32 [n, V] over the
@@ -424,6 +463,7 @@ class Redraft:
     block_ids: list[int]
     first: int  # the column of its first draft that left the grammar
     num_drafts: int  # its drafts this round
+    num_outputs: int  # its output tokens before its first draft (column 0)
 
 
 class _Constrained:

@@ -9,6 +9,7 @@ from tandem.kernels import cpu_build
 from tandem.layers.quant import quantize_fp8
 from tandem.spec import step_costs
 from tandem.spec.adaptive import StepCosts
+from tandem.spec.speculator import DraftSpeculator
 from tests.helpers import make_hf_model, make_spec_models
 
 MAX_LEN = 256
@@ -304,6 +305,33 @@ def test_bad_words_with_speculation(models, baseline):
     assert want[2][:11] == base[:11] and want[2][11] != base[11]
     for llm in (_llm(models, "target", 3), _llm(models, "target", 4), _llm(models, "near", 4)):
         assert _tokens(llm.generate(PROMPTS, p, use_tqdm=False)) == want
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_drafts_follow_the_requests_logits_processors(models, method, monkeypatch):
+    """A request's logit bias, allowed ids, bad words and penalties shape its drafts as they shape
+    its tokens: the output stays the target's, a bias that forces one token (greedy, or sampled at
+    temperature 1) has every draft accepted (none when the draft ignored it), the other processors
+    take more drafts than a draft that ignores them, and a plain request beside them is unchanged."""
+    bias = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={50: 100.0})
+    params = [bias, bias.clone(temperature=1.0, seed=3),
+              PARAMS.clone(allowed_token_ids=list(range(2, 320, 7))),
+              PARAMS.clone(bad_words_token_ids=[[t] for t in range(100, 200)]),
+              PARAMS.clone(repetition_penalty=2.0), PARAMS]
+    want = _tokens(_llm(models).generate(PROMPTS, params, use_tqdm=False))
+
+    def run():
+        outs = _llm(models, "near", 4, method).generate(PROMPTS, params, use_tqdm=False)
+        assert _tokens(outs) == want
+        return [(o.metrics.num_accepted_tokens, o.metrics.num_draft_tokens) for o in outs]
+
+    shaped = run()
+    monkeypatch.setattr(DraftSpeculator, "_processes", lambda self, sampling: False)
+    free = run()
+    assert [a / d for a, d in shaped[:2]] == [1.0, 1.0] and [a for a, _ in free[:2]] == [0, 0]
+    assert sum(a for a, _ in shaped[2:5]) / sum(d for _, d in shaped[2:5]) > \
+        sum(a for a, _ in free[2:5]) / sum(d for _, d in free[2:5]) + 0.05
+    assert shaped[5] == free[5]
 
 
 def test_max_tokens_and_stops_inside_accepted_runs(models):

@@ -57,8 +57,8 @@ def _watch_drafts(monkeypatch) -> list[int]:
     seen = []
     real = speculator_mod.DraftSpeculator._draft_step
 
-    def draft_step(self, step, logits, slots, gen_pos, sampling, mask=None):
-        real(self, step, logits, slots, gen_pos, sampling, mask)
+    def draft_step(self, step, logits, slots, gen_pos, sampling, *args, **kwargs):
+        real(self, step, logits, slots, gen_pos, sampling, *args, **kwargs)
         seen.extend(self.drafts[slots, step].tolist())
 
     monkeypatch.setattr(speculator_mod.DraftSpeculator, "_draft_step", draft_step)
