@@ -44,12 +44,6 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
     logits.index_copy_(0, rows, kept)
 
 
-def uses_processors(params) -> bool:
-    """Whether a request's SamplingParams ask for any stage of apply_logits_processors."""
-    return bool(params.allowed_token_ids or params.bad_words_token_ids or params.logit_bias or params.min_tokens
-                or params.has_penalties)
-
-
 def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
     """Allowed token ids, bad words, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):

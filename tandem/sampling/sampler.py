@@ -5,8 +5,7 @@ import torch
 from torch import Tensor
 
 from tandem.sampling.gumbel import TARGET_SALT, gumbel_argmax
-from tandem.sampling.processors import (CHUNK_ROWS, SampleRows, apply_logits_processors, apply_temperature_and_masks,
-                                        uses_processors)
+from tandem.sampling.processors import CHUNK_ROWS, SampleRows, apply_logits_processors, apply_temperature_and_masks
 from tandem.sampling.state import SamplingState
 from tandem.sampling.watermark import WATERMARK_SALT
 
@@ -20,7 +19,7 @@ def process_logits(logits: Tensor, state: SamplingState, rows: SampleRows) -> Te
     # (or a graph's static output), which nothing reads after sampling.
     logits = logits[:, : state.vocab_size].float()
     params = [state.params[s] for s in rows.slots]
-    if any(uses_processors(p) for p in params):
+    if state.processed and any(slot in state.processed for slot in rows.slots):
         apply_logits_processors(logits, state, rows)
     if all(p.temperature == 0 for p in params):
         return logits  # greedy rows: no temperature, no truncation

@@ -33,6 +33,12 @@ def _from_bits(t: Tensor) -> Tensor:
     return t.view(torch.float64).to(torch.float32)
 
 
+def uses_processors(params: SamplingParams) -> bool:
+    """Whether a request asks for any stage of processors.apply_logits_processors."""
+    return bool(params.allowed_token_ids or params.bad_words_token_ids or params.logit_bias or params.min_tokens
+                or params.has_penalties)
+
+
 class SamplingState:
     """Fixed [max_num_seqs] buffers indexed by slot; penalty counts only for slots that use them."""
 
@@ -66,6 +72,7 @@ class SamplingState:
         # slot -> its stop ids (EOS and stop_token_ids) [s], for min_tokens and for rows that
         # allowed_token_ids, bad words or a -inf bias could empty (processors._end_if_empty)
         self.stop_ids: dict[int, Tensor] = {}
+        self.processed: set[int] = set()  # slots with any logits processor (uses_processors)
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
@@ -114,6 +121,9 @@ class SamplingState:
         self.can_empty.discard(slot)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
+        self.processed.discard(slot)
+        if uses_processors(p):
+            self.processed.add(slot)
         if p.allowed_token_ids:
             (self.allowed_ids[slot],) = self.upload(sorted({t for t in p.allowed_token_ids if t < self.vocab_size}))
         if p.bad_words_token_ids:
@@ -161,6 +171,7 @@ class SamplingState:
                   self.stop_ids, self.output_counts, self.prompt_mask):
             d.pop(slot, None)
         self.can_empty.discard(slot)
+        self.processed.discard(slot)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:
         """Count emitted tokens for penalty slots, and slide bad-word slots' windows over them.

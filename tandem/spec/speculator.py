@@ -47,8 +47,7 @@ from tandem.runner.inputs import Batch
 from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
-from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p,
-                                        uses_processors)
+from tandem.sampling.processors import SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
 from tandem.spec.base import Speculator
@@ -326,7 +325,8 @@ class DraftSpeculator(Speculator):
 
     def _processes(self, sampling) -> bool:
         """Whether any request of a round drafts under logits processors of its own (_processed)."""
-        return any(uses_processors(self.state.params[r.slot]) for r in sampling)
+        processed = self.state.processed
+        return bool(processed) and any(r.slot in processed for r in sampling)
 
     def _greedy(self, sampling) -> bool:
         """Whether every draft of the round is an argmax (the captured draft loop's case): not
