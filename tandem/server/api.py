@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -217,6 +218,20 @@ class OpenAIServer:
         body = await _parse(request, ChatCompletionRequest)
         model = self._check_common(body)
         return await self._chat(request, body, model, response_id(request, body, "chatcmpl"), ChatRenderer)
+
+    async def invocations(self, request: Request) -> Response:
+        """POST /invocations (vLLM's, for SageMaker): a chat completion when the body has 'messages', a
+        completion when it has 'prompt', answered as those routes answer."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"the body is not JSON: {e}") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await self.chat_completions(request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await self.completions(request)
+        raise APIError(400, "POST /invocations takes a chat completion request (with 'messages') or a completion "
+                       "request (with 'prompt'); this body has neither")
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: the request as a chat completion, told back as the Responses API."""
@@ -727,10 +742,10 @@ class RootPath:
 
 
 class RequireApiKey:
-    """ASGI middleware: a request to a /v1 route must carry `Authorization: Bearer KEY` with one of
-    keys, or it is answered 401 (the OpenAI error body, code invalid_api_key) and goes no further.
-    The other routes (/health, /metrics, /tokenize, /version, ...) stay open, as vLLM's --api-key
-    leaves them."""
+    """ASGI middleware: a request to a /v1 route or /invocations must carry `Authorization: Bearer KEY`
+    with one of keys, or it is answered 401 (the OpenAI error body, code invalid_api_key) and goes no
+    further. The other routes (/health, /metrics, /tokenize, /version, ...) stay open, as vLLM's
+    --api-key leaves them (vLLM's leaves /invocations open too: here it generates, so it is guarded)."""
 
     def __init__(self, app, keys: list[str], on_refused: Callable[[], None] = lambda: None):
         self.app = app
@@ -743,7 +758,7 @@ class RequireApiKey:
         if root and path.startswith(root):  # the route's own path (served under --root-path too)
             path = path[len(root):]
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
-                (path == "/v1" or path.startswith("/v1/")) and not self._allowed(scope):
+                (path in ("/v1", "/invocations") or path.startswith("/v1/")) and not self._allowed(scope):
             self.on_refused()
             err = APIError(401, "this server needs an API key: send 'Authorization: Bearer KEY' with a key it was "
                            "started with (--api-key)", code="invalid_api_key")
@@ -903,6 +918,7 @@ def build_app(
     route("/v1/completions", server.completions)
     route("/v1/chat/completions", server.chat_completions)
     route("/v1/responses", server.responses)
+    route("/invocations", server.invocations)
     route("/v1/responses/{response_id}", server.get_response, "GET")
     route("/v1/responses/{response_id}", server.delete_response, "DELETE")
     route("/v1/responses/{response_id}/cancel", server.cancel_response)

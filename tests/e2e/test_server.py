@@ -135,6 +135,24 @@ def test_health_and_models(live):
     assert models[0].max_model_len == 128
 
 
+def test_invocations_routes_chat_and_completions(live):
+    """/invocations (vLLM's, for SageMaker): a body with messages is a chat completion, one with prompt a
+    completion, answered as those routes answer; a body with neither, or no JSON, is a 400 naming both."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, seed=1)
+    cmpl = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    for body, path in ((chat, "/v1/chat/completions"), (cmpl, "/v1/completions")):
+        got, want = live.post("/invocations", json=body).json(), live.post(path, json=body).json()
+        for r in (got, want):
+            r.pop("id"), r.pop("created")
+        assert got == want and got["choices"][0]["finish_reason"] == "length", got
+    r = live.post("/invocations", json={**chat, "messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.json()  # the chat route's own check
+    for raw, says in ((b'{"model": "m", "input": "hi"}', "with 'messages'"), (b"[1, 2]", "with 'prompt'"),
+                      (b"{not json", "not JSON")):
+        r = live.post("/invocations", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 # ---------------------------------------------------------------- completions
 def test_completion_matches_offline_greedy(live, reference):
     r = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
@@ -483,9 +501,10 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
         assert httpx.get(server.url + "/tandem/v1/models").status_code == 401  # under --root-path too
         assert httpx.get(server.url + "/tandem/v1/models", headers={"Authorization": "Bearer sk-one"}).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers={"Authorization": "sk-two"}).status_code == 401
+        assert server.post("/invocations", json={"prompt": "hi", "max_tokens": 1}).status_code == 401  # it generates
         for path in ("/health", "/version", "/metrics"):
             assert httpx.get(server.url + path).status_code == 200, path
-        assert server.metrics()[("tandem_request_errors_total", (("status", "401"),))] == 6
+        assert server.metrics()[("tandem_request_errors_total", (("status", "401"),))] == 7
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-two", max_retries=0)
         chat = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4, temperature=0)
         text = "<user>hi\n<assistant>"
