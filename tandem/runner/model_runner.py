@@ -379,7 +379,7 @@ class ModelRunner:
             emitted = result.sampled_token_ids[index[req_id]]
             items.append(Redraft(slot=r.slot, pos=r.start_pos + len(r.input_token_ids) - 1 + len(emitted),
                                  token=emitted[-1], block_ids=r.block_ids, first=misfits[req_id],
-                                 num_drafts=r.num_next_drafts, num_outputs=r.num_output_tokens + len(emitted)))
+                                 num_drafts=r.num_next_drafts, num_outputs=r.num_output_tokens + 1))
         masks = grammars.repair_masks(ids, [drafts[req_id][: misfits[req_id]] for req_id in ids])
         try:
             self.speculator.repair(items, masks)

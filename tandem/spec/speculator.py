@@ -294,7 +294,11 @@ class DraftSpeculator(Speculator):
                 ids = ids.clamp(max=self.draft_vocab - 1)
             at = pos[act_t] + col  # the position of the token before the draft
             safe = at.clamp(max=self.max_model_len - 1)
-            cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)]
+            # (a request with logits processors draws its misfit column fresh: its cached logits are
+            # processed without the grammar, and the two together may leave nothing, where _processed
+            # falls back to the unprocessed logits as the round does)
+            cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)
+                      and items[j].slot not in self.state.processed]
             fresh = [r for r in range(len(act)) if r not in cached]
             logits = None  # (rows that all draw from their cached logits need no forward)
             if fresh:
@@ -309,7 +313,7 @@ class DraftSpeculator(Speculator):
                 group_items = [items[act[r]] for r in group]
                 self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, group_items,
                                  [it.num_outputs for it in group_items],
-                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]), cached=from_cache)
+                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]))
             tokens, ready = to_host(self.drafts[slots_a, col])
             if ready is not None:
                 ready.synchronize()  # SYNC: the next column's masks follow this one's drafts
@@ -350,7 +354,7 @@ class DraftSpeculator(Speculator):
         return None
 
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling, num_outputs: list[int],
-                    mask: tuple[Tensor, Tensor] | None = None, cached: bool = False) -> None:
+                    mask: tuple[Tensor, Tensor] | None = None) -> None:
         """Sample drafts[:, step] from the draft's logits: a draft step's [n, head_cols], or cached
         ones [n, V] (repair); gen_pos [n] is the position of the token being drafted (the noise
         key, with the column step: draft_salt). Watermarked requests draw with the target's keyed noise on the draft's distribution,
@@ -365,10 +369,11 @@ class DraftSpeculator(Speculator):
         a free draw that missed (DraftSpeculator.repair), and never from an empty set.
 
         num_outputs [n]: each row's output tokens before its column-0 draft (a lower bound is
-        enough: it only decides min_tokens for the draft, see _processed). cached: the logits are
-        cached draft logits, which the processors have already shaped."""
+        enough: it only decides min_tokens for the draft, see _processed; repair counts as the round
+        does, so both ways draft the same). Cached draft logits never come with a processed request
+        (repair draws those fresh)."""
         greedy = self._greedy(sampling)
-        processes = not cached and self._processes(sampling)
+        processes = self._processes(sampling)
         if greedy and mask is None and not processes and (self.hot_ids is None or logits.shape[-1] == self.head_cols):
             tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)  # the head's argmax
             self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
@@ -463,7 +468,7 @@ class Redraft:
     block_ids: list[int]
     first: int  # the column of its first draft that left the grammar
     num_drafts: int  # its drafts this round
-    num_outputs: int  # its output tokens before its first draft (column 0)
+    num_outputs: int  # its output tokens before its first draft (column 0), counted as the round counts them
 
 
 class _Constrained:

@@ -103,9 +103,11 @@ def test_drafts_keep_to_the_constraint(models, greedy_ref, draft, method, way):
     assert rates[way] > max(0.2, 2 * rates[None]), rates
 
 
-def test_both_ways_draft_the_same(models, monkeypatch):
+@pytest.mark.parametrize("processors", [{}, {"min_tokens": 12, "repetition_penalty": 1.3}])
+def test_both_ways_draft_the_same(models, monkeypatch, processors):
     """"round" and "repair" propose the same drafts (greedy: the argmax among the tokens that fit;
-    sampled: the same keyed draw among them), so a seeded sampled run gives the same output. (The
+    sampled: the same keyed draw among them), so a seeded sampled run gives the same output; with
+    logits processors too, which shape the drafts both ways alike. (The
     drafts of a request its step finished are not compared: "round" drew them under its completed
     grammar, EOS alone, and "repair" leaves them, as nothing of them is verified.)"""
     outs = {}
@@ -117,8 +119,8 @@ def test_both_ways_draft_the_same(models, monkeypatch):
         real = grammars.set_drafts
         grammars.set_drafts = lambda req_id, drafts, _real=real, _g=grammars: (
             proposed.append(list(drafts)) if req_id in _g.matchers else None, _real(req_id, drafts))
-        outs[way] = ([o.outputs[0].token_ids for o in _generate(llm, temperature=0.8, top_p=0.9, top_k=40)],
-                     proposed)
+        outs[way] = ([o.outputs[0].token_ids for o in _generate(llm, temperature=0.8, top_p=0.9, top_k=40,
+                                                                **processors)], proposed)
     assert outs["round"] == outs["repair"]
     assert len(outs["round"][1]) > 10
 
@@ -237,6 +239,32 @@ def _exact_two_digits(models, prompt, allowed_ids, top_p):
         batch = torch.tensor([prompt + [t] for t in allowed_ids])
         second = _nucleus(hf(batch).logits[:, -1][:, ids].double(), top_p)
     return (first[:, None] * second).flatten().numpy()
+
+
+@pytest.mark.parametrize("way", ["round", "repair"])
+def test_processors_and_a_grammar_that_leave_only_a_stop(models, way):
+    """A sampled request whose processors and grammar together allow nothing but EOS after two
+    digits (allowed_token_ids without the grammar's "-": EOS ends it; min_tokens past a complete
+    grammar: EOS until min_tokens), as the target alone gives, and so does speculation with the
+    draft under the same processors (the draft row they empty falls back to its unprocessed
+    logits, in the round and when repaired: a draw from an empty row would give q no mass and emit
+    token 0)."""
+    tok = AutoTokenizer.from_pretrained(str(models["digits"]))
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    n = 24
+    cases = [(dict(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}-"), allowed_token_ids=digits + [1]), 3),
+             (dict(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"), min_tokens=10), 10)]
+    spec = dict(model=str(models["digits"]), num_speculative_tokens=3, draft_sample_method="probabilistic")
+    llm = LLM(str(models["digits"]), dtype="float32", block_size=8, max_model_len=128, speculative_config=spec)
+    llm.engine.grammar_drafting = way
+    for case, length in cases:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, **case) for s in range(n)]
+        outs = llm.generate([{"prompt_token_ids": [5, 40, 41, 7]}] * n, params, use_tqdm=False)
+        for o in outs:
+            t = o.outputs[0].token_ids
+            assert len(t) == length and t[0] in digits and t[1] in digits and set(t[2:]) == {1}, t
+            assert o.outputs[0].finish_reason == "stop"
+        assert sum(o.metrics.num_draft_tokens for o in outs) > n
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
