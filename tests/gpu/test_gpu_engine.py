@@ -54,6 +54,22 @@ def test_speculative_greedy_equals_target_on_gpu(models, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafts_follow_the_requests_processors_on_gpu(models, dtype):
+    """A request with a +100 logit bias and one with allowed ids and a penalty, beside plain ones:
+    the draft proposes under their processors (those rounds step by step, outside the round graph),
+    so every draft of the biased request is accepted, and every output is target-only's."""
+    target, draft = models
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy.clone(logit_bias={50: 100.0}), greedy.clone(allowed_token_ids=list(range(2, 250)),
+                                                                 repetition_penalty=1.2)] + [greedy] * 4
+    base, _ = _run(target, dtype, params=params)
+    out, llm = _run(target, dtype, dict(model=str(draft), num_speculative_tokens=4), params=params)
+    assert out == base and set(out[0]) == {50}
+    biased = llm.generate(_prompts()[:1], params[:1], use_tqdm=False)[0].metrics
+    assert biased.num_accepted_tokens == biased.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_kv_cache_on_gpu(models, dtype):
     """kv_cache_dtype='fp8': float8 caches for target and draft, 2x (bf16) / 4x (fp32) the blocks
     in the same memory; speculative greedy output equals target-only's with them, CUDA graphs equal
