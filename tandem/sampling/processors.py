@@ -44,8 +44,9 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
     logits.index_copy_(0, rows, kept)
 
 
-def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows) -> None:
-    """Allowed token ids, bad words, logit bias, min_tokens and penalties, in place on fp32 logits [n, V]."""
+def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRows, penalties: bool = True) -> None:
+    """Allowed token ids, bad words, logit bias, min_tokens and (unless penalties is False) penalties,
+    in place on fp32 logits [n, V]."""
     for i, slot in enumerate(rows.slots):
         guard = slot in state.can_empty
         if guard:
@@ -67,6 +68,8 @@ def apply_logits_processors(logits: Tensor, state: SamplingState, rows: SampleRo
         stop_ids = state.min_tokens_ids.get(slot)
         if stop_ids is not None and rows.num_outputs[i] < state.params[slot].min_tokens:
             _hold_back(logits[i], stop_ids)
+    if not penalties:
+        return
     pen = [i for i, slot in enumerate(rows.slots) if slot in state.output_counts]
     for i in range(0, len(pen), CHUNK_ROWS):
         _apply_penalties(logits, state, rows, pen[i : i + CHUNK_ROWS])

@@ -35,8 +35,13 @@ def _from_bits(t: Tensor) -> Tensor:
 
 def uses_processors(params: SamplingParams) -> bool:
     """Whether a request asks for any stage of processors.apply_logits_processors."""
-    return bool(params.allowed_token_ids or params.bad_words_token_ids or params.logit_bias or params.min_tokens
-                or params.has_penalties)
+    return steers(params) or params.has_penalties
+
+
+def steers(params: SamplingParams) -> bool:
+    """Whether a request asks for a processor that rules tokens in or out or moves them by a bias
+    (allowed ids, bad words, logit bias, min_tokens): the ones its drafts follow too."""
+    return bool(params.allowed_token_ids or params.bad_words_token_ids or params.logit_bias or params.min_tokens)
 
 
 class SamplingState:
@@ -73,6 +78,7 @@ class SamplingState:
         # allowed_token_ids, bad words or a -inf bias could empty (processors._end_if_empty)
         self.stop_ids: dict[int, Tensor] = {}
         self.processed: set[int] = set()  # slots with any logits processor (uses_processors)
+        self.steered: set[int] = set()  # of those, slots whose processors steer (steers): drafts follow them
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
@@ -122,8 +128,11 @@ class SamplingState:
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         self.processed.discard(slot)
+        self.steered.discard(slot)
         if uses_processors(p):
             self.processed.add(slot)
+        if steers(p):
+            self.steered.add(slot)
         if p.allowed_token_ids:
             (self.allowed_ids[slot],) = self.upload(sorted({t for t in p.allowed_token_ids if t < self.vocab_size}))
         if p.bad_words_token_ids:
@@ -172,6 +181,7 @@ class SamplingState:
             d.pop(slot, None)
         self.can_empty.discard(slot)
         self.processed.discard(slot)
+        self.steered.discard(slot)
 
     def record_outputs(self, slots: list[int], tokens: Tensor) -> None:
         """Count emitted tokens for penalty slots, and slide bad-word slots' windows over them.

@@ -17,9 +17,11 @@ the step's emitted tokens and then for each step's drafts of those requests (eac
 before the next forward, so the host makes the masks while that forward runs). repair() takes a
 round that ran free and draws again, under the grammar, the drafts from the first that left it.
 
-Requests with logits processors (allowed_token_ids, bad words, logit_bias, min_tokens, penalties)
-draft under them too, as the target samples (the drafts before a column count as output), so a
-request that a bias or an allowed set steers keeps its acceptance; their rounds run step by step.
+Requests whose logits processors steer (allowed_token_ids, bad words, logit_bias, min_tokens) draft
+under them too, as the target samples (the drafts before a column count as output), so a request
+that a bias or an allowed set steers keeps its acceptance; their rounds run step by step. Penalties
+stay the target's alone: soft, and common enough (Qwen's generation_config sets a repetition penalty
+for every request) that following them would take every round off the one-graph path.
 
 Watermarked requests (tandem.sampling.watermark) draft with the target's keyed noise and are
 verified by exact match with the target's keyed draw, so their output is the target's alone.
@@ -298,7 +300,7 @@ class DraftSpeculator(Speculator):
             # processed without the grammar, and the two together may leave nothing, where _processed
             # falls back to the unprocessed logits as the round does)
             cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)
-                      and items[j].slot not in self.state.processed]
+                      and items[j].slot not in self.state.steered]
             fresh = [r for r in range(len(act)) if r not in cached]
             logits = None  # (rows that all draw from their cached logits need no forward)
             if fresh:
@@ -329,8 +331,8 @@ class DraftSpeculator(Speculator):
 
     def _processes(self, sampling) -> bool:
         """Whether any request of a round drafts under logits processors of its own (_processed)."""
-        processed = self.state.processed
-        return bool(processed) and any(r.slot in processed for r in sampling)
+        steered = self.state.steered
+        return bool(steered) and any(r.slot in steered for r in sampling)
 
     def _greedy(self, sampling) -> bool:
         """Whether every draft of the round is an argmax (the captured draft loop's case): not
@@ -418,8 +420,8 @@ class DraftSpeculator(Speculator):
 
     def _processed(self, logits: Tensor, step: int, slots: Tensor, gen_pos: Tensor, sampling, num_outputs: list[int],
                    mask: tuple[Tensor, Tensor] | None) -> Tensor:
-        """fp32 logits [n, V] -> a new [n, V]: each row under its request's logits processors
-        (allowed_token_ids, bad words, logit_bias, min_tokens, penalties; tandem.sampling.processors),
+        """fp32 logits [n, V] -> a new [n, V]: each row under its request's steering logits processors
+        (allowed_token_ids, bad words, logit_bias, min_tokens; tandem.sampling.processors; not penalties),
         the drafts before column `step` counted as output, as the target's verification counts
         them. A draft is free to come from any distribution (the verification keeps the output the
         target's), so these are for acceptance: num_outputs [n] may fall short of the truth (min_tokens
@@ -428,7 +430,7 @@ class DraftSpeculator(Speculator):
         rows = SampleRows(slots=[r.slot for r in sampling], slot_ids=slots, positions=gen_pos, num_outputs=num_outputs,
                           prior_drafts=self.drafts[slots, :step] if step else None)
         out = logits.clone()
-        apply_logits_processors(out, self.state, rows)
+        apply_logits_processors(out, self.state, rows, penalties=False)
         if mask is not None:
             apply_token_bitmask(out, *mask)
         empty = torch.isneginf(out).all(dim=-1, keepdim=True)  # [n, 1]
