@@ -279,7 +279,10 @@ class DraftSpeculator(Speculator):
         misfit. The misfit's own column is drawn from the round's logits: a sampled request's
         cached draft logits (so its draft distribution stays exact: with the same noise, the draft
         is the draw among the tokens that fit, whichever way it got there), a greedy one's step
-        recomputed; the columns after it from fresh draft steps."""
+        recomputed; the columns after it from fresh draft steps. A steered request's cached logits
+        carry its processors but not the grammar, and the two may leave nothing: that row is drawn
+        from a fresh step instead (processed with the grammar, or unprocessed where that too is
+        empty, as the round draws it), which stays exact because its free draw then surely missed."""
         upload = self.attn_backend.upload
         max_kv = max(it.pos + it.num_drafts for it in items) + 1
         max_blocks = -(-max_kv // self.block_size)
@@ -296,14 +299,11 @@ class DraftSpeculator(Speculator):
                 ids = ids.clamp(max=self.draft_vocab - 1)
             at = pos[act_t] + col  # the position of the token before the draft
             safe = at.clamp(max=self.max_model_len - 1)
-            # (a request with logits processors draws its misfit column fresh: its cached logits are
-            # processed without the grammar, and the two together may leave nothing, where _processed
-            # falls back to the unprocessed logits as the round does)
-            cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)
-                      and items[j].slot not in self.state.steered]
+            cached = [r for r, j in enumerate(act) if items[j].first == col and self._caches_logits(items[j].slot)]
             fresh = [r for r in range(len(act)) if r not in cached]
+            steered = [n for n, r in enumerate(cached) if items[act[r]].slot in self.state.steered]
             logits = None  # (rows that all draw from their cached logits need no forward)
-            if fresh:
+            if fresh or steered:
                 logits = self._step_logits(ids, safe, self.attn_backend.decode(safe, table[act_t], max_kv))
             bitmask = upload.words(masks.rows(act))
             for group, from_cache in ((fresh, False), (cached, True)):
@@ -311,16 +311,39 @@ class DraftSpeculator(Speculator):
                     continue
                 (rows_t,) = upload(group)
                 group_slots = slots_a[rows_t]
-                group_logits = self.draft_logits[group_slots, col] if from_cache else logits[rows_t]
                 group_items = [items[act[r]] for r in group]
-                self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, group_items,
-                                 [it.num_outputs for it in group_items],
-                                 (torch.arange(len(group), device=self.device), bitmask[rows_t]))
+                num_outputs = [it.num_outputs for it in group_items]
+                mask = (torch.arange(len(group), device=self.device), bitmask[rows_t])
+                if not from_cache:
+                    self._draft_step(col, logits[rows_t], group_slots, at[rows_t] + 1, group_items, num_outputs, mask)
+                    continue
+                group_logits = self.draft_logits[group_slots, col]  # [g, V], a copy
+                if steered:
+                    self._refill_empty(group_logits, steered, logits[rows_t], col, group_slots, at[rows_t] + 1,
+                                       group_items, num_outputs, mask)
+                self._draft_step(col, group_logits, group_slots, at[rows_t] + 1, group_items, num_outputs, mask,
+                                 cached=True)
             tokens, ready = to_host(self.drafts[slots_a, col])
             if ready is not None:
                 ready.synchronize()  # SYNC: the next column's masks follow this one's drafts
             for j, token in zip(act, tokens.tolist()):
                 masks.advance(j, [token])
+
+    def _refill_empty(self, cached: Tensor, rows: list[int], logits: Tensor, col: int, slots: Tensor, gen_pos: Tensor,
+                      items: list[Redraft], num_outputs: list[int], mask: tuple[Tensor, Tensor]) -> None:
+        """repair: the cached draft logits [g, V] of a column's misfits, in place: those of rows (into
+        them: steered requests) that their grammar (mask) leaves empty become the fresh step's logits
+        [g, head_cols] processed under the grammar (_processed)."""
+        (rows_t,) = self.attn_backend.upload(rows)
+        own = (torch.arange(len(rows), device=self.device), mask[1][rows_t])  # the rows' grammar masks
+        mine = cached[rows_t]  # [r, V]
+        kept = mine.clone()
+        apply_token_bitmask(kept, *own)
+        empty = torch.isneginf(kept).all(dim=-1, keepdim=True)  # [r, 1]
+        fresh = self._processed(self._full_logits(logits[rows_t], self.state.temperature[slots[rows_t]]), col,
+                                slots[rows_t], gen_pos[rows_t], [items[n] for n in rows], [num_outputs[n] for n in rows],
+                                own)
+        cached[rows_t] = torch.where(empty, fresh, mine)
 
     def _caches_logits(self, slot: int) -> bool:
         """Whether a request's drafts are sampled and their logits cached (probabilistic drafting at
@@ -356,7 +379,7 @@ class DraftSpeculator(Speculator):
         return None
 
     def _draft_step(self, step: int, logits: Tensor, slots: Tensor, gen_pos: Tensor, sampling, num_outputs: list[int],
-                    mask: tuple[Tensor, Tensor] | None = None) -> None:
+                    mask: tuple[Tensor, Tensor] | None = None, cached: bool = False) -> None:
         """Sample drafts[:, step] from the draft's logits: a draft step's [n, head_cols], or cached
         ones [n, V] (repair); gen_pos [n] is the position of the token being drafted (the noise
         key, with the column step: draft_salt). Watermarked requests draw with the target's keyed noise on the draft's distribution,
@@ -372,10 +395,10 @@ class DraftSpeculator(Speculator):
 
         num_outputs [n]: each row's output tokens before its column-0 draft (a lower bound is
         enough: it only decides min_tokens for the draft, see _processed; repair counts as the round
-        does, so both ways draft the same). Cached draft logits never come with a processed request
-        (repair draws those fresh)."""
+        does, so both ways draft the same). cached: the logits are cached draft logits, which the
+        processors already shaped (repair)."""
         greedy = self._greedy(sampling)
-        processes = self._processes(sampling)
+        processes = not cached and self._processes(sampling)
         if greedy and mask is None and not processes and (self.hot_ids is None or logits.shape[-1] == self.head_cols):
             tokens = greedy_tokens(logits[:, : self.head_cols], self.attn_backend.use_triton)  # the head's argmax
             self.drafts[slots, step] = tokens if self.hot_ids is None else self.hot_ids[tokens]
