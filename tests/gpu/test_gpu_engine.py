@@ -56,8 +56,9 @@ def test_speculative_greedy_equals_target_on_gpu(models, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_drafts_follow_the_requests_processors_on_gpu(models, dtype):
     """A request with a +100 logit bias and one with allowed ids and a penalty, beside plain ones:
-    the draft proposes under their processors (those rounds step by step, outside the round graph),
-    so every draft of the biased request is accepted, and every output is target-only's."""
+    the draft proposes under their steering processors (the bias, the allowed ids; the penalty stays
+    the target's), so every draft of the biased request is accepted, and every output is
+    target-only's."""
     target, draft = models
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = [greedy.clone(logit_bias={50: 100.0}), greedy.clone(allowed_token_ids=list(range(2, 250)),
