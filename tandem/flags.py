@@ -78,92 +78,69 @@ def non_empty(fix: str):
     return parse
 
 
-def watermark_config(text: str) -> dict:
-    """--watermark-config: a JSON object such as '{"key": 42}', checked field by field while parsing."""
+def _json(text: str, example: str):
+    """A JSON flag's value, or ArgumentTypeError naming an example of what to give."""
     import json
 
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{example}'") from None
+
+
+def _checked(check, value, errors):
+    """check(value), its errors (the exception types `errors`) turned into ArgumentTypeError."""
+    try:
+        return check(value)
+    except errors as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def watermark_config(text: str) -> dict:
+    """--watermark-config: a JSON object such as '{"key": 42}', checked field by field while parsing."""
     from tandem.errors import ConfigError
     from tandem.sampling.watermark import parse_watermark_config
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"key\": 42}}'") from None
-    try:
-        parse_watermark_config(value)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    value = _json(text, '{"key": 42}')
+    _checked(parse_watermark_config, value, ConfigError)
     return value
 
 
 def override_generation_config(text: str) -> dict:
     """--override-generation-config: vLLM's JSON object of sampling defaults, e.g. '{"temperature": 0.5}'."""
-    import json
-
     from tandem.errors import ConfigError
     from tandem.models.source import check_generation_override
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"temperature\": 0.5}}'") from None
-    try:
-        return check_generation_override(value)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return _checked(check_generation_override, _json(text, '{"temperature": 0.5}'), ConfigError)
 
 
 def structured_outputs_config(text: str) -> dict:
     """--structured-outputs-config: vLLM's JSON object, e.g. '{"enable_in_reasoning": true}', checked while parsing."""
-    import json
-
     from tandem.config import parse_structured_outputs_config
     from tandem.errors import ConfigError
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
-                                         "'{\"enable_in_reasoning\": true}'") from None
-    try:
-        parse_structured_outputs_config(value, None)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    value = _json(text, '{"enable_in_reasoning": true}')
+    _checked(lambda v: parse_structured_outputs_config(v, None), value, ConfigError)
     return value
 
 
 def structured_outputs(text: str):
     """--structured-outputs: StructuredOutputsParams' fields as a JSON object, such as
     '{"regex": "[0-9]+"}', checked while parsing (the grammar compiles when the request is added)."""
-    import json
-
     from tandem.errors import RequestError
     from tandem.sampling_params import StructuredOutputsParams
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{{\"regex\": \"[0-9]+\"}}'") \
-            from None
+    value = _json(text, '{"regex": "[0-9]+"}')
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("give a JSON object of StructuredOutputsParams' fields, such as "
                                          "'{\"json\": {\"type\": \"object\"}}'")
-    try:
-        return StructuredOutputsParams.from_dict(value)
-    except RequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return _checked(StructuredOutputsParams.from_dict, value, RequestError)
 
 
 def speculative_config(text: str) -> dict:
     """--speculative-config: vLLM's JSON object, e.g. '{"model": "PATH", "num_speculative_tokens": 4}'
     (its keys are checked when the engine is built, against the target)."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as "
-                                         "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'") from None
+    value = _json(text, '{"model": "PATH", "num_speculative_tokens": 4}')
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("give a JSON object of speculative_config's keys, such as "
                                          "'{\"model\": \"PATH\", \"num_speculative_tokens\": 4}'")
