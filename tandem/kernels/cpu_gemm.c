@@ -182,11 +182,17 @@ static inline __attribute__((always_inline)) void tile(
      * 70 KB for the 1.5B's layers) would evict x and the rows being read from L1's 32 KB. Into L1
      * (_MM_HINT_T0), 4 rows streamed at ~20 GB/s on the 2-core AMD EPYC dev machine, the memory
      * stalls adding to the FMAs instead of overlapping them; into L2, 30-43 GB/s, and 1 row
-     * 5-20% faster too (bench/cpu_gemm.py; docs/benchmarks.md). */
+     * 5-20% faster too (bench/cpu_gemm.py; docs/benchmarks.md). fp8 weights (half the bytes, more
+     * widening work) read one row of the 1.5B's gate_up / qkv ~15% faster with L1 (down: ~10%
+     * slower), and several rows alike either way: they keep it. */
     const char *ahead = (const char *)w + (n0 + tn) * K * wsize;
     for (int64_t k = 0; k < kc; k += CHUNK) {
-        for (int c = 0; c < (CHUNK * tn * wsize + 63) / 64; c++)  /* at least one line a step */
-            _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T1);
+        for (int c = 0; c < (CHUNK * tn * wsize + 63) / 64; c++) {  /* at least one line a step */
+            if (wkind == W_E4M3)
+                _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T0);
+            else
+                _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T1);
+        }
         if (rows_outer) {  /* x of the mb rows in registers, one weight row at a time */
             vec xe[MAX_TILE_M], xo[MAX_TILE_M];
             for (int j = 0; j < mb; j++) {
