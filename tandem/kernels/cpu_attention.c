@@ -80,14 +80,74 @@ static inline float dot_half(const float *restrict q, const uint16_t *restrict k
     return lanes_sum(part);
 }
 
-/* acc[0:D] += p * v[0:D] (v 16-bit). */
-static inline void axpy_half(float *restrict acc, float p, const uint16_t *restrict v, int64_t D, const int kind) {
+/* The weighted sum of the values, PV_HEADS query heads x PV_VECS * 16 columns at a time with the
+ * sums in registers (AVX2 has half the registers of AVX-512, and each `lanes` takes two):
+ * acc[h, d] = sum over the keys j, in order, of p[h, j] * v_j[d] (each product rounded, then
+ * added). Each V row is widened once for the heads of a tile. */
+#ifdef TANDEM_AVX512
+#define PV_HEADS 2
+#define PV_VECS 8
+#else
+#define PV_HEADS 1
+#define PV_VECS 4
+#endif
+
+/* acc[(i0 + h) * D + d0 + c * 16 + l] for h < nh, c < nv (nh, nv constants after inlining). */
+static inline __attribute__((always_inline)) void pv_tile(
+    float *acc, const float *p, const uint16_t *v_cache, const int64_t *slots, int64_t L, int64_t Hkv, int64_t hk,
+    int64_t D, int64_t d0, int64_t i0, const int nh, const int nv, const int kind)
+{
+    lanes sum[PV_HEADS][PV_VECS];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++)
+            sum[h][c] = lanes_zero();
+    for (int64_t j = 0; j < L; j++) {
+        const uint16_t *v = v_cache + (slots[j] * Hkv + hk) * D + d0;
+        lanes w[PV_HEADS];
+        for (int h = 0; h < nh; h++)
+            w[h] = lanes_set1(p[(i0 + h) * L + j]);
+        for (int c = 0; c < nv; c++) {
+            const lanes x = lanes_half(v + c * LANES, kind);
+            for (int h = 0; h < nh; h++)
+                sum[h][c] = lanes_muladd(sum[h][c], w[h], x);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nv; c++)
+            lanes_store(acc + (i0 + h) * D + d0 + c * LANES, sum[h][c]);
+}
+
+#define PV_CASE(NH, NV)                                                                                \
+    case (NH) * 16 + (NV):                                                                             \
+        if ((NH) <= PV_HEADS && (NV) <= PV_VECS)                                                       \
+            pv_tile(acc, p, v_cache, slots, L, Hkv, hk, D, d0, i0, NH, NV, kind);                      \
+        break;
+#define PV_CASES(NH) PV_CASE(NH, 1) PV_CASE(NH, 2) PV_CASE(NH, 3) PV_CASE(NH, 4) PV_CASE(NH, 5) PV_CASE(NH, 6) \
+    PV_CASE(NH, 7) PV_CASE(NH, 8)
+
+/* acc [rep, D] = p [rep, L] times the L value rows at slots (heads of KV head hk). */
+static inline __attribute__((always_inline)) void weigh_values(
+    float *acc, const float *p, const uint16_t *v_cache, const int64_t *slots, int64_t L, int64_t rep, int64_t Hkv,
+    int64_t hk, int64_t D, const int kind)
+{
     const int64_t body = D - D % LANES;
-    const lanes pv = lanes_set1(p);
-    for (int64_t d = 0; d < body; d += LANES)
-        lanes_store(acc + d, lanes_muladd(lanes_load(acc + d), pv, lanes_half(v + d, kind)));
-    for (int64_t d = body; d < D; d++)
-        acc[d] += p * from_half(v[d], kind);
+    for (int64_t d0 = 0; d0 < body; d0 += PV_VECS * LANES) {
+        const int nv = (int)(body - d0 < PV_VECS * LANES ? (body - d0) / LANES : PV_VECS);
+        for (int64_t i0 = 0; i0 < rep; i0 += PV_HEADS) {
+            const int nh = (int)(rep - i0 < PV_HEADS ? rep - i0 : PV_HEADS);
+            switch (nh * 16 + nv) {
+                PV_CASES(1) PV_CASES(2)
+                default: break;
+            }
+        }
+    }
+    for (int64_t i = 0; i < rep; i++)  /* columns past the last 16, one at a time */
+        for (int64_t d = body; d < D; d++) {
+            float a = 0.0f;
+            for (int64_t j = 0; j < L; j++)
+                a += p[i * L + j] * from_half(v_cache[(slots[j] * Hkv + hk) * D + d], kind);
+            acc[i * D + d] = a;
+        }
 }
 
 /* One row and one KV head: the rep query heads q [rep, D] (16-bit, heads D apart) against the L
@@ -97,15 +157,14 @@ static inline __attribute__((always_inline)) void attend_head(
     int64_t L, int64_t rep, int64_t Hkv, int64_t hk, int64_t D, float scale, float *work, const int kind)
 {
     float *scores = work, *qf = work + rep * L, *acc = qf + rep * D;
-    for (int64_t i = 0; i < rep * D; i++) {
+    for (int64_t i = 0; i < rep * D; i++)
         qf[i] = from_half(q[i], kind);
-        acc[i] = 0.0f;
-    }
     for (int64_t j = 0; j < L; j++) {
         const uint16_t *k = k_cache + (slots[j] * Hkv + hk) * D;
         for (int64_t i = 0; i < rep; i++)
             scores[i * L + j] = dot_half(qf + i * D, k, D, kind) * scale;
     }
+    float sums[rep];
     for (int64_t i = 0; i < rep; i++) {
         float *s = scores + i * L;
         float m = -INFINITY;
@@ -116,11 +175,12 @@ static inline __attribute__((always_inline)) void attend_head(
             s[j] = exp_poly(s[j] - m);
             sum += s[j];
         }
-        for (int64_t j = 0; j < L; j++)
-            axpy_half(acc + i * D, s[j], v_cache + (slots[j] * Hkv + hk) * D, D, kind);
-        for (int64_t d = 0; d < D; d++)
-            out[i * D + d] = to_half(acc[i * D + d] / sum, kind);
+        sums[i] = sum;
     }
+    weigh_values(acc, scores, v_cache, slots, L, rep, Hkv, hk, D, kind);
+    for (int64_t i = 0; i < rep; i++)
+        for (int64_t d = 0; d < D; d++)
+            out[i * D + d] = to_half(acc[i * D + d] / sums[i], kind);
 }
 
 static inline __attribute__((always_inline)) int attend_rows(
