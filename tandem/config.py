@@ -87,7 +87,7 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
-    cpu_matmul: str = "auto"  # "auto" | "avx512" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
+    cpu_matmul: str = "auto"  # "auto" | "avx512bf16" | "avx512" | "avx2" | "fbgemm" | "torch": how bf16/fp16 linears run on CPU
     # "fp8": weight-only e4m3 linears (tandem/layers/quant.py). The target's (LLM(quantization="fp8"),
     # as vLLM's): its layers' linears, the LM head kept in the model dtype, and on a GPU the fp8 weights
     # alone. The draft's (speculative_config quantization): fp8_draft_layout, below.

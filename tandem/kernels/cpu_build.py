@@ -3,12 +3,13 @@
 The library is cpu_gemm.c (small-batch GEMM with 16-bit weights, tandem.kernels.cpu_gemm),
 cpu_rows.c (RMSNorm, rotary, SiLU-and-mul rows, tandem.kernels.cpu_rows) and cpu_attention.c
 (paged attention, tandem.kernels.cpu_attention), compiled together with cpu_common.h. It has
-two builds (ISAS): "avx2" (AVX2 + FMA + F16C) and "avx512" (AVX-512F, twice the lanes in the
-GEMM). Each is compiled once per source version and compiler into
+three builds (ISAS): "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512F, twice the lanes in the
+GEMM) and "avx512bf16" (the same, its GEMM multiplying bf16 rows by bf16 weights with
+VDPBF16PS: twice the multiply-adds an instruction, which prefill is bound by). Each is compiled once per source version and compiler into
 ``$TANDEM_CACHE/kernels/cpu_kernels-<isa>-<hash>.so`` (written under a temporary name, then
 renamed, so an interrupted build is never loaded) and called through ctypes, which releases the
 GIL. It needs a C compiler (``$CC``, else ``cc``) with OpenMP; `load_error(isa)` says what is
-missing where a build is not available, and `best_isa()` names the widest that is.
+missing where a build is not available, and `best_isa()` names the best that is.
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ _HEADERS = [_DIR / "cpu_common.h"]
 # -fno-trapping-math lets GCC vectorize the row ops' selects (it changes no result).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared",
           "-fPIC"]
-# The builds and their extra flags, widest first: the 16-lane AVX-512 form, the 8-lane AVX2 form.
-ISAS = {"avx512": ["-mavx512f", "-mprefer-vector-width=512", "-DTANDEM_AVX512"], "avx2": []}
+# The builds and their extra flags, best first: AVX-512 whose GEMM multiplies bf16 rows by bf16
+# weights with VDPBF16PS, the 16-lane AVX-512 form, the 8-lane AVX2 form.
+_AVX512 = ["-mavx512f", "-mprefer-vector-width=512", "-DTANDEM_AVX512"]
+ISAS = {"avx512bf16": _AVX512 + ["-mavx512bf16", "-DTANDEM_AVX512BF16"], "avx512": _AVX512, "avx2": []}
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # Entry points: (argument types, result type), as declared in the C sources.
@@ -51,9 +54,22 @@ _ENTRY_POINTS = {
 HALF_KIND = {torch.bfloat16: 0, torch.float16: 1}
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
 def _cpu_runs(isa: str) -> bool:
-    """Whether this CPU runs the build (as PyTorch's own kernel dispatch sees it)."""
+    """Whether this CPU runs the build (as PyTorch's own kernel dispatch sees it; the BF16
+    extension, which PyTorch does not report, from the kernel's flags)."""
     capability = torch.backends.cpu.get_cpu_capability()
+    if isa == "avx512bf16":
+        return capability == "AVX512" and "avx512_bf16" in _cpu_flags()
     return capability == "AVX512" if isa == "avx512" else capability in ("AVX2", "AVX512")
 
 
@@ -84,8 +100,8 @@ def _compile(cc: str, isa: str) -> pathlib.Path:
 def _load(isa: str) -> tuple[ctypes.CDLL | None, str | None]:
     """(that build's library, None), or (None, why it is unavailable). Built at most once per process."""
     if not _cpu_runs(isa):
-        return None, (f"this CPU lacks {'AVX-512' if isa == 'avx512' else 'AVX2/FMA'} (PyTorch reports "
-                      f"{torch.backends.cpu.get_cpu_capability()})")
+        lacks = {"avx512bf16": "AVX-512 with BF16 (avx512_bf16)", "avx512": "AVX-512"}.get(isa, "AVX2/FMA")
+        return None, f"this CPU lacks {lacks} (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None, f"no C compiler: {cc!r} is not on PATH (install gcc or set $CC)"
@@ -113,5 +129,5 @@ def load_error(isa: str) -> str | None:
 
 
 def best_isa() -> str | None:
-    """The widest build that runs here ("avx512", then "avx2"), or None."""
+    """The best build that runs here ("avx512bf16", "avx512", then "avx2"), or None."""
     return next((isa for isa in ISAS if load_error(isa) is None), None)

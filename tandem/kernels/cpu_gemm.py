@@ -1,7 +1,7 @@
 """Small-batch GEMM with bf16/fp16 (or fp8 e4m3) weights on x86-64 CPUs: cpu_gemm.c through ctypes.
 
 The C library is built and loaded by tandem.kernels.cpu_build (one build per instruction set:
-"avx512", "avx2").
+"avx512bf16", "avx512", "avx2").
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dt
     """y = x weight^T (+ bias) on the CPU, by the `isa` build of the kernel.
 
     x: [M, K] any float dtype (fp32, bf16 and fp16 rows go in as they are, at any row stride, and
-    are widened to fp32 inside); weight: [N, K] bf16 or fp16, contiguous;
+    are widened to fp32 inside, except bf16 rows against bf16 weights in the "avx512bf16" build,
+    which VDPBF16PS multiplies as they are); weight: [N, K] bf16 or fp16, contiguous;
     bias: [N] fp32 or None. Returns [M, N] in out_dtype (fp32, bf16 or fp16), fp32 accumulation,
     each row bit-identical to computing it alone (with the same build)."""
     fn = cpu_build.library(isa).tandem_gemm_w16

@@ -1,23 +1,25 @@
-"""CPU matmuls for bf16/fp16 models: our kernel (AVX-512 or AVX2 build), or FBGEMM's fp16-weight GEMM.
+"""CPU matmuls for bf16/fp16 models: our kernel (AVX-512 BF16, AVX-512 or AVX2 build), or FBGEMM's fp16-weight GEMM.
 
 On CPUs without native bf16 matrix instructions (AVX2 / AVX-512F x86), PyTorch's bf16 linear
 costs the same per input row: verifying 1 + k tokens costs 1 + k decode steps, which leaves
 speculative decoding nothing to gain. Two kernels stream the weights once for a small batch of
 rows and compute in fp32:
 
-- "avx512" / "avx2" (tandem/kernels/cpu_gemm.c, two builds of one source): reads the bf16/fp16
+- "avx512bf16" / "avx512" / "avx2" (tandem/kernels/cpu_gemm.c, three builds of one source): reads the bf16/fp16
   weights exactly as loaded, so it costs nothing at load time and loses no precision, and each
   row's result is bit-identical whatever the batch (a verified token sees the same logits as a
   decoded one). On the 2-core dev machine (AVX-512F), a 17920 x 1536 bf16 layer takes about
   3.6 / 4.1 ms for 1 / 4 rows with the AVX-512 build and 3.8 / 6.5 with the AVX2 one (one row
-  is bound by memory, several by the FMAs, which AVX-512 halves). Needs a C compiler at first
-  use (the build is cached).
+  is bound by memory, several by the FMAs, which AVX-512 halves). The avx512bf16 build (CPUs
+  with AVX512_BF16) multiplies a bf16 model's bf16 rows by its bf16 weights with VDPBF16PS,
+  twice the multiply-adds an instruction: prefill ~1.5x faster, decode alike. Needs a C compiler
+  at first use (the build is cached).
 - "fbgemm": the kernel behind PyTorch's dynamic fp16 linear, about as fast, but its weights
   must be repacked to fp16 at load (6-9 ns per weight on 2 cores: 14-19 s for the
   Qwen2.5-Coder pair), tiny weights (< 6.1e-5) are rounded to fp16's subnormal grid, and a
   weight above 65504 cannot be stored and is refused.
 
-"auto" takes the widest build of our kernel that runs here (avx512, then avx2), else fbgemm,
+"auto" takes the best build of our kernel that runs here (avx512bf16, avx512, then avx2), else fbgemm,
 else torch's own linear. With our kernel, a linear whose weight was rounded to fp8
 (`quantization="fp8"`, tandem/layers/quant.py) keeps only the e4m3 bytes and row scales and runs
 the AVX2 build's fp8 GEMM (W8Linear), whichever build the others run.
@@ -32,7 +34,7 @@ from torch import Tensor, nn
 from tandem.errors import ConfigError
 from tandem.kernels import cpu_build, cpu_gemm
 
-CPU_MATMULS = ("auto", "avx512", "avx2", "fbgemm", "torch")
+CPU_MATMULS = ("auto", "avx512bf16", "avx512", "avx2", "fbgemm", "torch")
 
 
 def fbgemm_available() -> bool:
@@ -106,7 +108,7 @@ class W8Linear(nn.Module):
 
 
 def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel a model on `device` in `dtype` runs its linears through: "avx512" or "avx2"
+    """Which kernel a model on `device` in `dtype` runs its linears through: "avx512bf16", "avx512" or "avx2"
     (a build of our kernel), "fbgemm" or "torch" (the nn.Linear as built). An explicit choice
     that cannot run here is an error."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or cpu_matmul == "torch":

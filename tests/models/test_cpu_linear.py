@@ -126,11 +126,13 @@ def test_special_values_and_empty_input(isa):
 @pytest.mark.parametrize("rows", [1, 5, 60])
 def test_x_of_any_dtype_and_row_stride_is_widened_first(isa, wdtype, x_dtype, rows):
     """16-bit and strided x go in as they are (no torch conversion op) and give the bits of the
-    same values passed as contiguous fp32."""
+    same values passed as contiguous fp32; in the avx512bf16 build, bf16 rows against bf16
+    weights (VDPBF16PS) give the bits of the same rows contiguous."""
     w = _weights(40, 100, wdtype, seed=5)
     wide = torch.randn(rows, 131, generator=torch.Generator().manual_seed(rows)).to(x_dtype)
     x = wide[:, 10:110]  # [rows, 100], row stride 131
-    ref = cpu_gemm.gemm_w16(x.float().contiguous(), w, None, torch.float32, isa)
+    dp = isa == "avx512bf16" and wdtype == x_dtype == torch.bfloat16
+    ref = cpu_gemm.gemm_w16(x.contiguous() if dp else x.float().contiguous(), w, None, torch.float32, isa)
     assert torch.equal(cpu_gemm.gemm_w16(x, w, None, torch.float32, isa), ref)
 
 
@@ -201,7 +203,9 @@ def test_selection():
     assert cpu_linear_kind("auto", torch.device("cuda"), bf16) == "torch"
     fallback = "fbgemm" if fbgemm_available() else "torch"
     assert cpu_linear_kind("auto", cpu, bf16) == (cpu_build.best_isa() or fallback)
-    if cpu_build.load_error("avx512") is None:  # the widest build runs by default
+    if cpu_build.load_error("avx512bf16") is None:  # the best build runs by default
+        assert cpu_build.best_isa() == "avx512bf16"
+    elif cpu_build.load_error("avx512") is None:
         assert cpu_build.best_isa() == "avx512"
     for isa in cpu_build.ISAS:
         if cpu_build.load_error(isa) is None:

@@ -79,7 +79,8 @@ def test_get_metrics_reads_as_vllms(models):
     assert got["tandem_prefix_cache_queries"].value == sum(len(o.prompt_token_ids) for o in outs)
 
 
-@pytest.mark.parametrize("k,isa", [(2, "avx512"), (4, "avx512"), (7, "avx512"), (4, "avx2")])
+@pytest.mark.parametrize("k,isa", [(2, "avx512"), (4, "avx512"), (7, "avx512"), (4, "avx2"), (4, "avx512bf16"),
+                                   (7, "avx512bf16")])
 def test_bf16_matches_target_only_bit_for_bit(models, k, isa):
     """In bf16 too: the CPU linears (each build of our kernel) give a row the same bits in any
     batch and attention runs each decode / verification token alone against exactly its keys, so
