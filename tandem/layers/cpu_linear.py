@@ -8,12 +8,12 @@ rows and compute in fp32:
 - "avx512bf16" / "avx512" / "avx2" (tandem/kernels/cpu_gemm.c, three builds of one source): reads the bf16/fp16
   weights exactly as loaded, so it costs nothing at load time and loses no precision, and each
   row's result is bit-identical whatever the batch (a verified token sees the same logits as a
-  decoded one). On the 2-core dev machine (AVX-512F), a 17920 x 1536 bf16 layer takes about
-  3.6 / 4.1 ms for 1 / 4 rows with the AVX-512 build and 3.8 / 6.5 with the AVX2 one (one row
-  is bound by memory, several by the FMAs, which AVX-512 halves). The avx512bf16 build (CPUs
-  with AVX512_BF16) multiplies a bf16 model's bf16 rows by its bf16 weights with VDPBF16PS,
-  twice the multiply-adds an instruction: prefill ~1.5x faster, decode alike. Needs a C compiler
-  at first use (the build is cached).
+  decoded one). Up to 6 rows are bound by reading the weights: on the 2-core AMD EPYC dev
+  machine a 17920 x 1536 bf16 layer takes about 1.8 ms for 1 or 4 rows with either AVX-512 build
+  and 1.85 with the AVX2 one (an older AVX-512F Xeon: 3.6 / 4.1 and 3.8 / 6.5). The avx512bf16
+  build (CPUs with AVX512_BF16) multiplies a bf16 model's bf16 rows by its bf16 weights with
+  VDPBF16PS, twice the multiply-adds an instruction: prefill (64 rows) ~1.5x faster, decode
+  alike. Needs a C compiler at first use (the build is cached).
 - "fbgemm": the kernel behind PyTorch's dynamic fp16 linear, about as fast, but its weights
   must be repacked to fp16 at load (6-9 ns per weight on 2 cores: 14-19 s for the
   Qwen2.5-Coder pair), tiny weights (< 6.1e-5) are rounded to fp16's subnormal grid, and a
