@@ -26,7 +26,7 @@
  * differ from the other builds' in the last bits. Prefill (many rows: bound by the multiply-adds)
  * runs ~1.5x faster; decode and verification (bound by the weights' bytes) alike.
  *
- * fp8 weights (tandem_gemm_w8, the AVX2 build only): W is float8 e4m3 [N, K] with an fp32 scale
+ * fp8 weights (tandem_gemm_w8, every build): W is float8 e4m3 [N, K] with an fp32 scale
  * per row (tandem/layers/quant.py, the fp8 target and draft). Each byte becomes an fp16 by shifts
  * (sign to bit 15, exponent and mantissa to bits 13..7: the e4m3 value over 2^8, exactly,
  * subnormals included) and F16C widens it; a row's sum is multiplied by its scale times 2^8 (a
@@ -119,8 +119,13 @@ static inline float from_e4m3(uint8_t b) {  /* the scalar form: the value over 2
 
 /* CHUNK weights at p (e4m3 bytes) as two fp32 vectors, in order: lo = p[0:VL], hi = p[VL:2 VL]. */
 static inline void load_w8(const uint8_t *p, vec *lo, vec *hi) {
-#ifdef TANDEM_AVX512
-    (void)p; *lo = *hi = vzero();  /* not built: tandem_gemm_w8 refuses W_E4M3 in this build */
+#ifdef TANDEM_AVX512  /* each 16 bytes zero-extended to 16-bit lanes and moved to their high halves */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i mask = _mm256_set1_epi16((short)0xbfff);
+    const __m256i a = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), 8);
+    const __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), 8);
+    *lo = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(a, 1), mask));
+    *hi = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(b, 1), mask));
 #else
     const __m128i v = _mm_loadu_si128((const __m128i *)p), zero = _mm_setzero_si128();
     *lo = _mm256_cvtph_ps(e4m3_to_f16x8(_mm_unpacklo_epi8(zero, v)));
@@ -393,17 +398,11 @@ int tandem_gemm_w16(const void *x, int64_t x_stride, int xkind, const uint16_t *
 }
 
 /* fp8 weights: w [N, K] float8 e4m3, w_scale [N] fp32 (each row's scale times 2^8: see the header);
- * otherwise as tandem_gemm_w16 (scratch: M * K floats). Returns -1 in the AVX-512 build (fp8
- * weights run the AVX2 build's code everywhere) or for a dtype code it does not know. */
+ * otherwise as tandem_gemm_w16 (scratch: M * K floats). Returns -1 for a dtype code it does not know. */
 int tandem_gemm_w8(const void *x, int64_t x_stride, int xkind, const uint8_t *w, const float *w_scale,
                    const float *bias, void *y, float *scratch, int64_t M, int64_t K, int64_t N, int ykind,
                    int num_threads)
 {
-#ifdef TANDEM_AVX512
-    (void)x; (void)x_stride; (void)xkind; (void)w; (void)w_scale; (void)bias; (void)y; (void)scratch;
-    (void)M; (void)K; (void)N; (void)ykind; (void)num_threads;
-    return -1;
-#else
     if (ykind < Y_F32 || ykind > Y_F16 || xkind < X_F32 || xkind > X_F16)
         return -1;
     const float *xf = (const float *)x;
@@ -413,5 +412,4 @@ int tandem_gemm_w8(const void *x, int64_t x_stride, int xkind, const uint8_t *w,
     }
     gemm(xf, xf, w, w_scale, bias, y, M, K, N, num_threads, W_E4M3, ykind);
     return 0;
-#endif
 }

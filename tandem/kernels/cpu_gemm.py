@@ -52,11 +52,12 @@ def gemm_w16(x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dt
     return y
 
 
-def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """y = x (weight * w_scale[:, None])^T (+ bias) on the CPU by the AVX2 build, for fp8 weights:
+def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+            isa: str) -> Tensor:
+    """y = x (weight * w_scale[:, None])^T (+ bias) on the CPU by the `isa` build, for fp8 weights:
     weight [N, K] float8_e4m3fn contiguous, w_scale [N] fp32 (tandem/layers/quant.py), bias [N]
     fp32 or None; x and the result as gemm_w16 (each row bit-identical to computing it alone)."""
-    fn = cpu_build.library("avx2").tandem_gemm_w8
+    fn = cpu_build.library(isa).tandem_gemm_w8
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K or not weight.is_contiguous() or weight.dtype != torch.float8_e4m3fn:

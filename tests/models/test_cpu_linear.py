@@ -63,11 +63,11 @@ def test_each_row_is_bit_identical_to_computing_it_alone(rows, isa):
     assert torch.equal(batched, alone)
 
 
-@needs_avx2
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 50])
 @pytest.mark.parametrize("n,k", [(200, 96), (7, 90), (33, 16), (5, 3), (9, 70)])
-def test_gemm_w8_matches_reference(out_dtype, rows, n, k):
+def test_gemm_w8_matches_reference(out_dtype, rows, n, k, isa):
     """fp8 weights (the fp8 target's and draft's on a CPU): the exact product of x and the rounded
     weights (e4m3 times the row scale, subnormals and zero rows included), summed in fp32; each row
     bit-identical to computing it alone; the tails in N, rows and K as the 16-bit tests."""
@@ -80,14 +80,14 @@ def test_gemm_w8_matches_reference(out_dtype, rows, n, k):
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     for b in (None, bias):
-        out = cpu_gemm.gemm_w8(x, q, s, b, out_dtype)
+        out = cpu_gemm.gemm_w8(x, q, s, b, out_dtype, isa)
         ref = x.double() @ (q.double() * s.double()[:, None]).T + (b.double() if b is not None else 0)
         if out_dtype == torch.float32:
             scale = x.double().abs() @ (q.double().abs() * s.double()[:, None]).T + 1e-30
             assert ((out.double() - ref).abs() <= 1e-6 * scale + 1e-6 * (b.abs().double() if b is not None else 0)).all()
         else:
             torch.testing.assert_close(out, ref.to(out_dtype), rtol=torch.finfo(out_dtype).eps, atol=1e-5)
-        alone = torch.cat([cpu_gemm.gemm_w8(x[i:i + 1], q, s, b, out_dtype) for i in range(rows)])
+        alone = torch.cat([cpu_gemm.gemm_w8(x[i:i + 1], q, s, b, out_dtype, isa) for i in range(rows)])
         assert torch.equal(out, alone)
 
 
