@@ -7,16 +7,16 @@
  * panel of up to PANEL_M rows and widened to fp32 in registers (bf16: a 16-bit shift; fp16: F16C),
  * so 1 + k rows cost about what one row costs.
  *
- * Two builds of this file: AVX2 + FMA + F16C (8-lane vectors), and with TANDEM_AVX512 defined,
- * AVX-512 (16 lanes: half the FMA instructions, which is what several rows are bound by on a
- * CPU of few cores). The Python side loads the widest one the CPU runs.
+ * Builds of this file: AVX2 + FMA + F16C (8-lane vectors); with TANDEM_AVX512 defined, AVX-512
+ * (16 lanes: half the FMA instructions, which prefill is bound by); and the BF16 one below. The
+ * Python side loads the best one the CPU runs.
  *
  * Every output element is computed the same way whatever M is and wherever its row falls in a
  * tile: one VL-lane fp32 accumulator over the CHUNK-column chunks in order (two FMAs per chunk),
  * a fixed horizontal sum, the scalar tail k >= K - K % CHUNK in order, then the bias, then one
  * rounding. A row's result is therefore bit-identical whether it is multiplied alone (a decode
- * step) or among others (verification, prefill). (The two builds sum in different orders, so
- * their results differ in the last bits; one process uses one build.)
+ * step) or among others (verification, prefill). (The builds sum in different orders, so their
+ * results differ in the last bits; a model runs one build.)
  *
  * A third build, TANDEM_AVX512BF16 (AVX-512 with the BF16 extension): bf16 weights against rows that
  * arrive in bf16 (a bf16 model's activations) take VDPBF16PS instead: 32 exact products of bf16
@@ -196,8 +196,8 @@ static inline __attribute__((always_inline)) void tile(
      * (_MM_HINT_T0), 4 rows streamed at ~20 GB/s on the 2-core AMD EPYC dev machine, the memory
      * stalls adding to the FMAs instead of overlapping them; into L2, 30-43 GB/s, and 1 row
      * 5-20% faster too (bench/cpu_gemm.py; docs/benchmarks.md). fp8 weights (half the bytes, more
-     * widening work) read one row of the 1.5B's gate_up / qkv ~15% faster with L1 (down: ~10%
-     * slower), and several rows alike either way: they keep it. */
+     * widening work) read one row of the 1.5B's gate_up / qkv ~15% faster with L1 (down: 10-20%
+     * slower; both builds), and several rows alike either way: they keep it. */
     const char *ahead = (const char *)w + (n0 + tn) * K * wsize;
     for (int64_t k = 0; k < kc; k += CHUNK) {
         for (int c = 0; c < (CHUNK * tn * wsize + 63) / 64; c++) {  /* at least one line a step */
