@@ -373,6 +373,24 @@ int tandem_gemm_w16(const void *x, int64_t x_stride, int xkind, const uint16_t *
 {
     if ((wkind != W_BF16 && wkind != W_F16) || ykind < Y_F32 || ykind > Y_F16 || xkind < X_F32 || xkind > X_F16)
         return -1;
+#ifdef TANDEM_AVX512BF16
+    if (wkind == W_BF16 && xkind == X_BF16) {  /* the bf16 rows as they are (made contiguous) */
+        const uint16_t *rows = (const uint16_t *)x;
+        if (x_stride != K) {
+            uint16_t *packed = (uint16_t *)scratch;
+            for (int64_t m = 0; m < M; m++)
+                memcpy(packed + m * K, rows + m * x_stride, (size_t)K * sizeof(uint16_t));
+            rows = packed;
+        }
+        float *tail_x = NULL;  /* x widened, read only by the columns past the last full chunk */
+        if (K % CHUNK) {
+            tail_x = scratch + M * K;
+            widen_x(x, x_stride, xkind, tail_x, M, K);
+        }
+        gemm((const float *)rows, tail_x, w, NULL, bias, y, M, K, N, num_threads, W_BF16_DP, ykind);
+        return 0;
+    }
+#endif
     const float *xf = (const float *)x;
     if (xkind != X_F32 || x_stride != K) {
         float *plain = scratch + M * K;
@@ -380,15 +398,6 @@ int tandem_gemm_w16(const void *x, int64_t x_stride, int xkind, const uint16_t *
         xf = plain;
     }
     const float *xs = xf;
-#ifdef TANDEM_AVX512BF16
-    if (wkind == W_BF16 && xkind == X_BF16) {  /* the bf16 rows as they are (contiguous) */
-        uint16_t *rows = (uint16_t *)scratch;
-        for (int64_t m = 0; m < M; m++)
-            memcpy(rows + m * K, (const uint16_t *)x + m * x_stride, (size_t)K * sizeof(uint16_t));
-        gemm((const float *)rows, xf, w, NULL, bias, y, M, K, N, num_threads, W_BF16_DP, ykind);
-        return 0;
-    }
-#endif
     if (wkind == W_BF16) {
         split_x(xf, scratch, M, K);
         xs = scratch;
