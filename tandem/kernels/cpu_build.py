@@ -1,8 +1,9 @@
 """Build and load tandem's C kernels for x86-64 CPUs: one shared library per instruction set.
 
 The library is cpu_gemm.c (small-batch GEMM with 16-bit weights, tandem.kernels.cpu_gemm),
-cpu_rows.c (RMSNorm, rotary, SiLU-and-mul rows, tandem.kernels.cpu_rows) and cpu_attention.c
-(paged attention, tandem.kernels.cpu_attention), compiled together with cpu_common.h. It has
+cpu_rows.c (RMSNorm, rotary, SiLU-and-mul rows, tandem.kernels.cpu_rows), cpu_attention.c
+(paged attention, tandem.kernels.cpu_attention) and cpu_gumbel.c (the sampler's uniforms,
+tandem.kernels.cpu_gumbel), compiled together with cpu_common.h. It has
 three builds (ISAS): "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512F, twice the lanes in the
 GEMM) and "avx512bf16" (the same, its GEMM multiplying bf16 rows by bf16 weights with
 VDPBF16PS: twice the multiply-adds an instruction, which prefill is bound by). Each is compiled once per source version and compiler into
@@ -27,7 +28,7 @@ import torch
 from tandem.models.hub import cache_root
 
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = [_DIR / "cpu_gemm.c", _DIR / "cpu_rows.c", _DIR / "cpu_attention.c"]
+_SOURCES = [_DIR / "cpu_gemm.c", _DIR / "cpu_rows.c", _DIR / "cpu_attention.c", _DIR / "cpu_gumbel.c"]
 _HEADERS = [_DIR / "cpu_common.h"]
 # -ffp-contract=off: every multiply and add rounds where the source says (no FMA contraction);
 # -fno-trapping-math lets GCC vectorize the row ops' selects (it changes no result).
@@ -48,6 +49,7 @@ _ENTRY_POINTS = {
     "tandem_silu_mul": ([_P, _I64, _P, _I64, _I64, _INT, _INT], None),
     "tandem_paged_attention": ([_P, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
                                 _I64, _F32, _INT, _INT], _INT),
+    "tandem_uniform_rows": ([_P, _I64, _I64, _P, _INT], None),
 }
 
 # The 16-bit element kinds the C side takes (cpu_common.h).

@@ -81,8 +81,26 @@ def gumbel_noise(seeds: Tensor, positions: Tensor, salt: int, vocab_size: int) -
 
 def gumbel_from_keys(keys: Tensor, vocab_size: int) -> Tensor:
     """keys [n] from noise_key -> g [n, vocab_size] fp32."""
+    return -torch.log(-torch.log(uniform_rows(keys, vocab_size)))
+
+
+def uniform_rows(keys: Tensor, vocab_size: int) -> Tensor:
+    """keys [n] from noise_key -> u [n, vocab_size] = uniform(keys[:, None], arange(vocab_size)).
+
+    On a CPU where tandem's C kernels build, one call of tandem.kernels.cpu_gumbel (the same bits:
+    integer arithmetic and an exact conversion; 3.6 ms -> ~0.05 ms a row of a 151936-token
+    vocabulary on the 2-core dev machine); elsewhere (and on CUDA outside the Triton kernels) the
+    int64 emulation above."""
+    if keys.device.type == "cpu":
+        from tandem.kernels import cpu_build
+
+        isa = cpu_build.best_isa()
+        if isa is not None:
+            from tandem.kernels.cpu_gumbel import uniform_rows as c_uniform_rows
+
+            return c_uniform_rows(keys, vocab_size, isa)
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]
-    return -torch.log(-torch.log(uniform(keys[:, None], tokens)))
+    return uniform(keys[:, None], tokens)
 
 
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
