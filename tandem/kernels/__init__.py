@@ -27,6 +27,8 @@ AVX-512 CPUs: cpu_build), which need no triton:
   tandem/layers and decoder.MLP; tests/models/test_cpu_rows.py).
 - cpu_attention.paged_attention: the step's KV store and every query token's paged attention
   (reference: tandem/layers/attention.py; tests/models/test_cpu_attention.py).
+- cpu_gumbel.uniform_rows: the seeded Gumbel sampler's uniforms over whole vocabulary rows
+  (reference: tandem.sampling.gumbel.uniform; tests/sampling/test_cpu_gumbel.py).
 
 The Triton submodules import triton; this package file does not, so `import tandem.kernels` is free on
 machines without it. Every wrapper takes its sizes from tensor shapes and host-known bounds
