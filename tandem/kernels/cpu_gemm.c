@@ -78,6 +78,8 @@ typedef __m256 vec;
 #define WIDE_TILE_N 4
 #define WIDE_TILE_M 2
 #define PANEL_M 48
+/* fp8 tiles whose rows span at most this many bytes prefetch into L1 (tile()) */
+#define FP8_L1_TILE_BYTES 8192
 #define MAX_TILE_N 8
 #define MAX_TILE_M 6
 
@@ -196,12 +198,14 @@ static inline __attribute__((always_inline)) void tile(
      * (_MM_HINT_T0), 4 rows streamed at ~20 GB/s on the 2-core AMD EPYC dev machine, the memory
      * stalls adding to the FMAs instead of overlapping them; into L2, 30-43 GB/s, and 1 row
      * 5-20% faster too (bench/cpu_gemm.py; docs/benchmarks.md). fp8 weights (half the bytes, more
-     * widening work) read one row of the 1.5B's gate_up / qkv ~15% faster with L1 (down: 10-20%
-     * slower; both builds), and several rows alike either way: they keep it. */
+     * widening work) read one row of short rows ~15-30% faster into L1 (the 0.5B's and 1.5B's qkv,
+     * o, gate_up and the 0.5B's head: a tile of K x tn <= 8 KB), of long rows (down: 4864 and
+     * 8960 columns) 10-20% faster into L2; several rows alike either way. */
     const char *ahead = (const char *)w + (n0 + tn) * K * wsize;
+    const int into_l1 = wkind == W_E4M3 && K * tn <= FP8_L1_TILE_BYTES;
     for (int64_t k = 0; k < kc; k += CHUNK) {
         for (int c = 0; c < (CHUNK * tn * wsize + 63) / 64; c++) {  /* at least one line a step */
-            if (wkind == W_E4M3)
+            if (into_l1)
                 _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T0);
             else
                 _mm_prefetch(ahead + k * wsize * tn + 64 * c, _MM_HINT_T1);
