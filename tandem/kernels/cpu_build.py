@@ -37,7 +37,7 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trappin
 # The builds and their extra flags, best first: AVX-512 whose GEMM multiplies bf16 rows by bf16
 # weights with VDPBF16PS, the 16-lane AVX-512 form, the 8-lane AVX2 form.
 _AVX512 = ["-mavx512f", "-mprefer-vector-width=512", "-DTANDEM_AVX512"]
-ISAS = {"avx512bf16": _AVX512 + ["-mavx512bf16", "-DTANDEM_AVX512BF16"], "avx512": _AVX512, "avx2": []}
+ISAS = {"avx512bf16": _AVX512 + ["-mavx512bw", "-mavx512bf16", "-DTANDEM_AVX512BF16"], "avx512": _AVX512, "avx2": []}
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # Entry points: (argument types, result type), as declared in the C sources.

@@ -69,7 +69,7 @@ def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None, out
     if M == 0:
         return y
     scale = (w_scale * 256.0).contiguous()  # the kernel widens e4m3 to its value over 2^8 (exact)
-    scratch = torch.empty(M * K, dtype=torch.float32)  # x widened, when it does not arrive as fp32 rows
+    scratch = torch.empty(2 * M * K, dtype=torch.float32)  # x widened (or bf16 rows packed, see tandem_gemm_w8)
     rc = fn(x.data_ptr(), x.stride(0), _OUT_KIND[x.dtype], weight.data_ptr(), scale.data_ptr(),
             bias.data_ptr() if bias is not None else None, y.data_ptr(), scratch.data_ptr(), M, K, N,
             _OUT_KIND[out_dtype], torch.get_num_threads())

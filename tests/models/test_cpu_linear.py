@@ -92,6 +92,23 @@ def test_gemm_w8_matches_reference(out_dtype, rows, n, k, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("col", [0, 13, 31, 45, 66])
+def test_every_e4m3_byte_enters_as_its_value(isa, x_dtype, col):
+    """Each finite e4m3 byte (zero, subnormals, both signs) multiplies x as its exact value, whether
+    the build widens it to fp32 or (avx512bf16, bf16 rows) converts it to bf16 for VDPBF16PS; in a
+    full 32-column chunk and in the tail (K = 70)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7f / 0xff: NaN
+    w = torch.zeros(codes.numel(), 70, dtype=torch.uint8)
+    w[:, col] = codes
+    w8 = w.view(torch.float8_e4m3fn)
+    x = torch.zeros(1, 70, dtype=x_dtype)
+    x[0, col] = 1.0
+    y = cpu_gemm.gemm_w8(x, w8, torch.ones(codes.numel()), None, torch.float32, isa)
+    assert torch.equal(y[0], w8[:, col].float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_thread_count_does_not_change_results(isa):
     w = _weights(301, 640, torch.bfloat16, seed=3)
     x = torch.randn(5, 640).to(torch.bfloat16)
