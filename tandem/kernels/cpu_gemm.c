@@ -143,18 +143,21 @@ static inline void load_w8(const uint8_t *p, vec *lo, vec *hi) {
 #ifdef TANDEM_AVX512BF16
 /* 32 e4m3 bytes at p -> their values over 2^8 (as from_e4m3) as 32 bf16, in order, exactly: bf16
  * keeps every one of them normal, so a normal byte's exponent and mantissa move into place with the
- * exponent rebiased (e - 7 - 8 + 127 = e + 112), and a subnormal one (exponent 0: m * 2^-17 after
- * the scaling) is looked up. VDPBF16PS would read a subnormal bf16 as zero; none arises here. */
+ * exponent rebiased (e - 7 - 8 + 127 = e + 112, an OR: 112's low 4 bits are clear), and a subnormal
+ * one (exponent 0: m * 2^-17 after the scaling) is looked up by its low 5 bits (m; the exponent's
+ * low bits are 0). VDPBF16PS would read a subnormal bf16 as zero; none arises here. 7 instructions. */
 static inline __m512i load_w8_bf16(const uint8_t *p) {
     const __m512i subnormal = _mm512_set_epi16(
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
         0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);  /* m * 2^-17, m = 7 .. 0 */
     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
-    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(112 << 7));
-    const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
-    const __m512i bits = _mm512_mask_mov_epi16(normal, is_sub, _mm512_permutexvar_epi16(mag, subnormal));
-    return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+    /* (v << 4 & 0x07f0) | 0x3800: exponent and mantissa at bits 13..4, the exponent rebiased */
+    const __m512i normal = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x07f0),
+                                                     _mm512_set1_epi16(112 << 7), 0xea);
+    const __m512i bits = _mm512_mask_permutexvar_epi16(normal, _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78)),
+                                                       v, subnormal);
+    /* bits | (v << 8 & 0x8000): the sign */
+    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(v, 8), _mm512_set1_epi16((short)0x8000), 0xf8);
 }
 #endif
 
