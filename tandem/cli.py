@@ -242,8 +242,9 @@ def _generate(args) -> int:
         )
     except RequestError as e:  # "SamplingParams.max_tokens=0 ..." -> "--max-tokens=0 ...": the flag that set it
         raise RequestError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
+    # One request: a batch-1 engine (on a GPU one CUDA graph size; --adaptive times batch 1 alone).
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, max_num_seqs=8, watermark_config=args.watermark_config,
+                  load_format=args.load_format, max_num_seqs=1, watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
                   quantization=args.quantization)
     spec = speculative_config_from_flags(args, draft, DEFAULT_K)
