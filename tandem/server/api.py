@@ -210,7 +210,8 @@ class OpenAIServer:
                                       echo=body.echo, shown_prompt_logprobs=self._shown_prompt_logprobs(body),
                                       decode=decode, prompt_only=prompt_only)
         return await self._generate(request, prompts, params, renderer, body.stream, "prompt", "max_tokens",
-                                    next(iter(body.constraint_fields()), None), priority=body.priority,
+                                    body.max_tokens_asked, next(iter(body.constraint_fields()), None),
+                                    priority=body.priority,
                                     cache_salt=body.cache_salt, tokens_as_ids=body.return_tokens_as_token_ids,
                                     token_ids=body.return_token_ids, beam=beam)
 
@@ -383,7 +384,7 @@ class OpenAIServer:
                                   reasoning=self.reasoning, include_reasoning=body.include_reasoning,
                                   **renderer_kwargs)
         return await self._generate(request, prompts, params, renderer, body.stream, "messages",
-                                    body.max_tokens_field,
+                                    body.max_tokens_field, body.max_tokens_asked,
                                     "tools" if constraint is not None else next(iter(body.constraint_fields()), None),
                                     priority=body.priority, background=background, cache_salt=body.cache_salt,
                                     tokens_as_ids=body.return_tokens_as_token_ids, token_ids=body.return_token_ids,
@@ -537,18 +538,19 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, prompts: list[Prompt], params: SamplingParams,
                         renderer: Renderer, stream: bool, prompt_param: str, max_tokens_param: str,
-                        constraint_param: str | None = None, priority: int = 0,
+                        max_tokens_asked: int | None, constraint_param: str | None = None, priority: int = 0,
                         background: BackgroundRun | None = None, cache_salt: str | None = None,
                         tokens_as_ids: bool | None = None, token_ids: bool | None = None,
                         beam: BeamSearchParams | None = None) -> Response:
-        """constraint_param: the field that set params' structured output ('tools' for a tool
+        """max_tokens_asked: the limit the client sent (the context check's; params' may be the
+        server default's); constraint_param: the field that set params' structured output ('tools' for a tool
         choice's), named by the error when it does not compile; background: generate apart from this
         request (a Responses renderer's run), which is answered at once: the response queued, or
         its events as they come (the client going away does not stop it); cache_salt,
         tokens_as_ids, token_ids: the request's cache_salt, return_tokens_as_token_ids, return_token_ids;
         beam: run a beam search per prompt instead (params: the request's, for the renderer)."""
         await self._off_loop(self._truncate, prompts, params)
-        self._check_context(prompts, params, prompt_param, max_tokens_param)
+        self._check_context(prompts, max_tokens_asked, prompt_param, max_tokens_param)
         renderer.prompt_tokens_details = self.prompt_tokens_details
         renderer.tokens_as_ids = self.tokens_as_ids or bool(tokens_as_ids)
         renderer.token_bytes = self.token_bytes
@@ -583,19 +585,20 @@ class OpenAIServer:
             return Response(status_code=499)  # the client is gone; its requests were aborted
         return JSONResponse(renderer.body(outputs))
 
-    def _check_context(self, prompts: list[Prompt], params: SamplingParams, prompt_param: str,
+    def _check_context(self, prompts: list[Prompt], max_tokens: int | None, prompt_param: str,
                        max_tokens_param: str) -> None:
-        """A prompt plus an explicit max_tokens past max_model_len is refused (as OpenAI and vLLM
-        do) rather than cut short; a null max_tokens means whatever room the prompt leaves. A prompt
+        """A prompt plus the max_tokens the client sent past max_model_len is refused (as OpenAI and
+        vLLM do) rather than cut short; a null max_tokens means whatever room the prompt leaves, at
+        most the server's default (the generation config's, which never refuses a request). A prompt
         that leaves no room at all is the engine's error (it names the prompt)."""
-        if params.max_tokens is None:
+        if max_tokens is None:
             return
         for p in prompts:
             num = len(p.token_ids)
-            if num < self.max_model_len and num + params.max_tokens > self.max_model_len:
+            if num < self.max_model_len and num + max_tokens > self.max_model_len:
                 raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
-                               f"{num + params.max_tokens} were requested ({num} in '{prompt_param}', "
-                               f"{params.max_tokens} in '{max_tokens_param}'); shorten the prompt or lower "
+                               f"{num + max_tokens} were requested ({num} in '{prompt_param}', "
+                               f"{max_tokens} in '{max_tokens_param}'); shorten the prompt or lower "
                                f"'{max_tokens_param}'", param=max_tokens_param, code="context_length_exceeded")
 
     def _shown_prompt_logprobs(self, body: CompletionRequest) -> int | None:
@@ -649,7 +652,9 @@ class OpenAIServer:
         streams = []
         for i, p in enumerate(prompts):
             engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"
-            search = dataclasses.replace(beam, max_tokens=params.max_tokens or room - len(p.token_ids))
+            left = room - len(p.token_ids)
+            search = dataclasses.replace(beam, max_tokens=left if params.max_tokens is None
+                                         else min(params.max_tokens, left))
             self._log_request(engine_id, p, search)
             streams.append(BeamSearchStream(self.client, engine_id, p.token_ids, p.text, search, step, decode,
                                             params.logprobs is not None, priority, cache_salt))

@@ -167,7 +167,9 @@ class _SamplingRequest(_Request):
 
     def _params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None) -> SamplingParams:
         """defaults: the server's sampling defaults (the model's generation config) for the fields a
-        request leaves unset; its max_tokens caps the request's, as in vLLM."""
+        request leaves unset; its max_tokens caps the request's, as in vLLM (and, like a null
+        max_tokens, is cut by the engine to the room a prompt leaves: only max_tokens_asked can
+        overflow the context)."""
         defaults = defaults or {}
 
         def pick(name: str, engine_default):
@@ -270,6 +272,11 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def max_tokens_asked(self) -> int | None:
+        """The limit the client sent (None: the room the prompt leaves, or the server's default)."""
+        return self.max_tokens
+
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs, defaults)
 
@@ -345,9 +352,13 @@ class ChatCompletionRequest(_SamplingRequest):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    @property
+    def max_tokens_asked(self) -> int | None:
+        """The limit the client sent (None: the room the prompt leaves, or the server's default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        return self._params(self.max_tokens_asked, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 # ---------------------------------------------------------------- responses

@@ -358,6 +358,34 @@ def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(model_d
         server.stop()
 
 
+def test_a_default_max_tokens_past_the_context_is_cut_to_the_room_not_refused(model_dirs):
+    """A server default for max_tokens (max_new_tokens) is what a request gets when it sends none,
+    cut to the room its prompt leaves, as vLLM's get_max_tokens does: only a max_tokens the client
+    sent can be refused as past the context (it named a field the client never set)."""
+    server = LiveServer(LLM(model_dirs[0], **LLM_KWARGS, override_generation_config={"max_new_tokens": 120}))
+    try:
+        prompt = {"prompt": PROMPTS[0], "ignore_eos": True}
+        num = server.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["count"]
+        room = LLM_KWARGS["max_model_len"] - num
+        assert 0 < room < 120
+        r = server.post(C, json={"model": MODEL, **prompt, "max_tokens": None})  # (left out: OpenAI's 16)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == room
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = server.post(C, json={"model": MODEL, **prompt, "max_tokens": room + 1})  # the client's own: refused
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert server.post(C, json={"model": MODEL, **prompt, "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "ignore_eos": True}
+        r = server.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        r = server.post("/v1/responses", json={"model": MODEL, "input": PROMPTS[0]})
+        assert r.status_code == 200, r.text
+        r = server.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "use_beam_search": True, "n": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2 * room, r.text
+    finally:
+        server.stop()
+
+
 def test_a_developer_message_is_a_system_one_where_the_template_has_no_such_role(live, reference):
     """OpenAI's developer role (its newer name for system) reaches a template that names no such
     role (most: they would drop it) as a system message, in chat and /tokenize as offline; a
