@@ -83,6 +83,39 @@ class BlockManager:
             found.append((block, parent))
         return found
 
+    def keys_filled(self, req: Request, start: int, end: int) -> list[tuple]:
+        """The keys (parent's chained hash, token ids) of req's blocks that computing positions
+        start..end - 1 fills, not cached yet: what the step's update registers (cache_full_blocks).
+        None are named where a full block before start went unregistered (a draft skip's)."""
+        bs = self.block_size
+        first = len(req.block_hashes)
+        if not self.enable_prefix_caching or first < start // bs or end // bs <= first:
+            return []
+        parent, keys = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt), []
+        for i in range(first, end // bs):
+            key = (parent, tuple(req.token_ids_in(i * bs, (i + 1) * bs)))
+            if key not in self.cached:
+                keys.append(key)
+            parent = chain_hash(*key)
+        return keys
+
+    def pending_hit(self, req: Request, filling: set[tuple]) -> int:
+        """The tokens of req's prompt past its prefix hit (prefix_blocks) that blocks of `filling`
+        (keys_filled of this step's other requests) would add to the hit once computed."""
+        if not self.enable_prefix_caching or req.block_ids or not filling:
+            return 0
+        bs = self.block_size
+        found = self.prefix_blocks(req)
+        tokens = req.all_token_ids
+        parent, n = found[-1][1] if found else chain_root(req.cache_salt), 0
+        for i in range(len(found), (len(tokens) - 1) // bs):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if key not in filling:
+                break
+            parent = chain_hash(*key)
+            n += 1
+        return n * bs
+
     def match_prefix(self, req: Request) -> int:
         """Attach the cached blocks holding a prefix of req's tokens (prefix_blocks); return the
         tokens they cover."""

@@ -27,6 +27,12 @@ also weighs the measured acceptance and step costs). Decode steps that draft not
 the draft model altogether; when drafting resumes, the tokens it skipped are fed to it first
 (`draft_backfill`, out of the same token budget), and until then the prefix cache registers no
 block past them (a cached block holds valid KV of both models).
+Prefix caching within a step: a waiting request whose prompt shares at least
+SHARED_PREFIX_WAIT_TOKENS uncached tokens (whole blocks) with the blocks a request scheduled in the
+same step computes is not admitted in that step (nor anything after it, as for a request that does
+not fit); the next step finds those blocks cached. A burst of prompts sharing a new prefix thus
+computes it once, not once per prompt admitted together (vLLM registers blocks at allocation to the
+same end; SGLang defers such requests, as here).
 Plain Python: no torch, no device.
 """
 from __future__ import annotations
@@ -44,6 +50,12 @@ if TYPE_CHECKING:
     from tandem.config import CacheConfig, SchedulerConfig
 
 
+# A waiting request whose prompt would hit at least this many more tokens in blocks that another
+# request computes in the same step waits one step for them instead of computing them again
+# (in-batch prefix sharing; a hit on blocks still being computed would read KV not yet written).
+SHARED_PREFIX_WAIT_TOKENS = 32
+
+
 @dataclass
 class _StepBuild:
     """A plan while schedule() builds it."""
@@ -55,6 +67,7 @@ class _StepBuild:
     admitting: bool = True  # False once a running request was preempted for blocks, or a waiting one did not fit
     ceiling: float = float("inf")  # admit only priorities below this (a victim's, once one was preempted)
     cap: float = float("inf")  # the most tokens the waiting head may take (what fits once its victims are out)
+    filling: set[tuple] = field(default_factory=set)  # keys of the blocks the step fills (BlockManager.keys_filled)
 
 
 class Scheduler:
@@ -165,6 +178,7 @@ class Scheduler:
             if item is not None:
                 step.scheduled[req.req_id] = item
                 step.budget -= item.num_budget_tokens
+                self._note_filled(req, item, step)
         self._admit_waiting(step)
         reqs = [step.scheduled[r.req_id] for r in self.running if r.req_id in step.scheduled]
         return self._plan(step.new_reqs, reqs)
@@ -179,6 +193,10 @@ class Scheduler:
             req = self.waiting[0]
             if (outranking is not None and req.priority >= outranking) or req.priority >= step.ceiling:
                 return
+            if (step.filling and req.params.prompt_logprobs is None
+                    and self.blocks.pending_hit(req, step.filling) >= SHARED_PREFIX_WAIT_TOKENS):
+                step.admitting = False  # its shared prefix is being computed: a hit in the next step
+                return
             item = self._admit(req, min(step.budget, step.cap), step.k_next) if self.free_slots else None
             if item is None:
                 if not self._preempt_for(req, step):
@@ -189,6 +207,13 @@ class Scheduler:
             step.new_reqs.append(item[0])
             step.scheduled[req.req_id] = item[1]
             step.budget -= item[1].num_new_tokens
+            self._note_filled(req, item[1], step)
+
+    def _note_filled(self, req: Request, item: ScheduledReq, step: _StepBuild) -> None:
+        """Add the blocks item's tokens fill to step.filling, while requests wait (whom they may serve)."""
+        if self.waiting and len(item.input_token_ids) >= self.blocks.block_size:
+            step.filling.update(self.blocks.keys_filled(req, item.start_pos,
+                                                        item.start_pos + len(item.input_token_ids)))
 
     def _num_next_drafts(self) -> int:
         """The drafts this step proposes: by the batch size, the requests running or waiting (at

@@ -72,6 +72,21 @@ def test_prefix_cache_hits_do_not_change_outputs(model, alone):
     assert outs[3].metrics.num_cached_tokens >= 64
 
 
+def test_prompts_sharing_a_prefix_in_one_batch_compute_it_once(model):
+    """A batch whose prompts share a prefix nobody computed yet (a few-shot preamble; n > 1's
+    copies): the first computes it, the others hit it a step later (the scheduler's in-batch
+    prefix sharing); each output is what it is alone without a prefix cache."""
+    shared = _prompts([64], seed=3)[0]["prompt_token_ids"]
+    prompts = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in _prompts([3, 11, 6], seed=4)]
+    params = [GREEDY, SAMPLED[1], SAMPLED[2].clone(n=3)]
+    plain = _llm(model, enable_prefix_caching=False)
+    expect = [[c.token_ids for c in plain.generate([p], s, use_tqdm=False)[0].outputs] for p, s in zip(prompts, params)]
+    outs = _llm(model).generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expect
+    assert len(set(map(tuple, expect[2]))) == 3  # n = 3 drew three outputs
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 64, 64]
+
+
 def test_chunked_prefill_does_not_change_outputs(model, alone):
     llm = _llm(model, max_num_batched_tokens=16)
     assert _tokens(llm.generate(PROMPTS, SAMPLED, use_tqdm=False)) == alone[1]

@@ -810,6 +810,61 @@ def test_prefix_cache_hit_through_the_scheduler():
     assert len(h.s.blocks.evictable) > 0  # the content stays cached after everything finished
 
 
+def test_prompts_sharing_a_new_prefix_in_one_step_compute_it_once():
+    """Requests waiting together whose prompts share a prefix nobody has computed: the first is
+    admitted, the others (from the first that shares SHARED_PREFIX_WAIT_TOKENS or more of the
+    blocks it fills) wait one step and then hit those blocks; a shorter overlap, a request with
+    prompt logprobs (it skips the cache) or a cache without prefix caching admits them together."""
+    from tandem.scheduler.scheduler import SHARED_PREFIX_WAIT_TOKENS
+
+    shared = prompt(40)
+    assert SHARED_PREFIX_WAIT_TOKENS <= 36  # (the 9 full blocks of 4 the hit can take: one token left out)
+    h = Harness(SchedCfg(max_num_batched_tokens=256), CacheCfg(block_size=4, num_blocks=80))
+    other = h.add(prompt(20, base=300), max_tokens=4)  # nothing shared: admitted beside the first
+    a = h.add(shared + [200, 201], max_tokens=4)
+    b = h.add(shared + [202], max_tokens=4)
+    c = h.add(list(shared), max_tokens=4)
+    short = h.add(shared[:12] + prompt(20, base=400), max_tokens=4)
+    plan, _, _ = h.step()
+    assert [r.req_id for r in plan.new_reqs] == [other.req_id, a.req_id]  # b waits, and those after it
+    plan, _, _ = h.step()
+    assert [r.req_id for r in plan.new_reqs] == [b.req_id, c.req_id, short.req_id]
+    assert (b.num_cached_tokens, c.num_cached_tokens, short.num_cached_tokens) == (40, 36, 12)
+    h.run()
+    for r in (other, a, b, c, short):
+        assert r.output_token_ids == expected_output(r, 4)
+    h.check_no_leaks()
+    assert h.s.num_prefix_hits == 40 + 36 + 12
+
+    for kw, cache in (({"prompt_logprobs": 1}, CacheCfg(block_size=4, num_blocks=80)),
+                      ({}, CacheCfg(block_size=4, num_blocks=80, enable_prefix_caching=False))):
+        h = Harness(SchedCfg(max_num_batched_tokens=256), cache)
+        a, b = h.add(list(shared), max_tokens=4), h.add(list(shared), max_tokens=4, **kw)
+        plan, _, _ = h.step()
+        assert [r.req_id for r in plan.new_reqs] == [a.req_id, b.req_id]
+        h.run()
+        h.check_no_leaks()
+
+
+def test_a_request_waits_for_a_shared_prefix_a_chunked_prefill_fills():
+    """The prefix is filled a chunk a step by a running request: a request sharing it waits while
+    the chunk in flight fills its next shared blocks (budget left for it or not), then hits them."""
+    shared = prompt(120)
+    h = Harness(SchedCfg(max_num_batched_tokens=64), CacheCfg(block_size=4, num_blocks=80))
+    a = h.add(shared + [200], max_tokens=3)
+    h.step()  # a: tokens 0..63
+    b = h.add(shared + [201, 202], max_tokens=3)
+    plan, _, _ = h.step()  # a: 64..120 (57 of the budget's 64), filling b's blocks 16..29: b waits
+    assert [r.req_id for r in plan.new_reqs] == [] and plan.reqs[0].num_new_tokens == 57
+    plan, _, _ = h.step()
+    assert [r.req_id for r in plan.new_reqs] == [b.req_id] and b.num_cached_tokens == 120
+    assert next(r for r in plan.reqs if r.req_id == b.req_id).input_token_ids == [201, 202]
+    h.run()
+    for r in (a, b):
+        assert r.output_token_ids == expected_output(r, 3)
+    h.check_no_leaks()
+
+
 # ---------------------------------------------------------------- speculative bookkeeping
 
 
