@@ -45,6 +45,7 @@ def write_tiny_gguf(
     context_length: int = 256,
     chat_template: str | None = TINY_CHAT_TEMPLATE,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    num_pad_tokens: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Write a tiny random model as GGUF the way llama.cpp's converter would (q/k rows permuted for llama,
     optionally quantized) with a small byte-level BPE tokenizer; return the float32 HF state dict it encodes.
@@ -52,6 +53,8 @@ def write_tiny_gguf(
     Meant for fast tests of anything that loads models.  ``qtype`` (e.g. "Q8_0", "Q4_0") quantizes the 2-D
     weights (their inner dimension must be a multiple of the block size); the returned tensors are then the
     dequantized values.  ``arch`` may be any string, to exercise the unsupported-architecture path.
+    ``num_pad_tokens``: placeholder tokens "[PAD<id>]" (type UNUSED) after the real ones, as llama.cpp's
+    converter pads a vocabulary up to the embedding table's rows (Qwen2.5's 151665 tokens -> 151936).
     """
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -65,8 +68,11 @@ def write_tiny_gguf(
     alphabet = _byte_level_alphabet()
     merges = ["Ġ t", "h e", "i n", "Ġt he", "a n", "Ġ a", "e r", "o n", "r e", "Ġ s"]
     tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    num_real = len(tokens)
+    types = [1] * (num_real - 3) + [3, 3, 3]
+    tokens += [f"[PAD{i}]" for i in range(num_real, num_real + num_pad_tokens)]
+    types += [5] * num_pad_tokens  # gguf.TokenType.UNUSED
     vocab = len(tokens)
-    types = [1] * (vocab - 3) + [3, 3, 3]
 
     def w(*shape, scale=0.05):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -109,9 +115,9 @@ def write_tiny_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(vocab - 3)
-    writer.add_eos_token_id(vocab - 1)
-    writer.add_pad_token_id(vocab - 3)
+    writer.add_bos_token_id(num_real - 3)
+    writer.add_eos_token_id(num_real - 1)
+    writer.add_pad_token_id(num_real - 3)
     writer.add_add_bos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -91,7 +92,8 @@ class SpeculatorFactory:
         """The draft must share the target's token-to-id map; its embedding table may differ in size
         by padding rows past the tokenizer's tokens (Qwen2.5's 0.5B / 1.5B pad to 151936 rows, its 7B
         and larger to 152064): the target keeps its whole vocabulary, the draft gives the rows it
-        lacks probability zero (DraftSpeculator)."""
+        lacks probability zero (DraftSpeculator). A GGUF's padding placeholders beside a Hugging Face
+        tokenizer of the same family are no difference (_real_differences)."""
         t_size, d_size = target.arch.vocab_size, arch.vocab_size
         shared = min(t_size, d_size)
         # Byte-identical tokenizer files mean the same token-to-id map: skip loading it again.
@@ -99,8 +101,8 @@ class SpeculatorFactory:
         names = f"target {target.path!r} and draft {self.spec.model!r}"
         if target_tok is not None and draft_tok is not None:
             t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-            if t_vocab != d_vocab:
-                diff = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+            diff = _real_differences(t_vocab, d_vocab)[:3] if t_vocab != d_vocab else []
+            if diff:
                 raise ConfigError(
                     f"the tokenizers of {names} differ ({len(t_vocab)} vs {len(d_vocab)} tokens; e.g. "
                     f"{diff}); the draft must share the target's token-to-id map"
@@ -126,6 +128,19 @@ class SpeculatorFactory:
             self.spec, self.draft_cfg, self.model, cache, sched, runner.state, self.device, runner.attn_backend,
             self.hot_ids,
         )
+
+
+_PLACEHOLDER = re.compile(r"\[PAD\d+\]")
+
+
+def _real_differences(a: dict[str, int], b: dict[str, int]) -> list[tuple[str, int]]:
+    """The (token, id) pairs one token-to-id map has and the other lacks, less llama.cpp's padding
+    placeholders ("[PAD<id>]" at an id the other map does not use: its converter fills a GGUF's
+    vocabulary up to the embedding rows so, where the Hugging Face tokenizer of the same model
+    stops at its last real token)."""
+    a_ids, b_ids = set(a.values()), set(b.values())
+    return sorted((tok, i) for tok, i in set(a.items()) ^ set(b.items())
+                  if not (_PLACEHOLDER.fullmatch(tok) and (i in a_ids) != (i in b_ids)))
 
 
 def _same_tokenizer_files(a, b) -> bool:

@@ -166,6 +166,39 @@ def test_tokenizer_mismatch_is_refused(pair, tmp_path):
         LLM(str(target), speculative_config={"model": str(other), "num_speculative_tokens": 2})
 
 
+def test_a_gguf_vocabulary_padded_with_placeholders_pairs_with_the_unpadded_one(tmp_path, monkeypatch):
+    """llama.cpp's converter pads a GGUF's vocabulary with "[PAD<id>]" tokens up to the embedding
+    rows; the same family's Hugging Face tokenizer stops at its last real token (its table keeps
+    the rows, as Qwen2.5's 151665 tokens in 151936). The two pair, either way round: every id both
+    define names the same token. Greedy output is the target's alone."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tandem.models.hub import resolve_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "plain.gguf", arch="qwen2", seed=1)
+    write_tiny_gguf(tmp_path / "padded.gguf", arch="qwen2", seed=2, n_layers=1, num_pad_tokens=13)
+    hf = tmp_path / "hf"  # the Hugging Face form: the plain tokenizer, the padded table's 282 rows
+    shutil.copytree(resolve_model(tmp_path / "plain.gguf", torch.float32, progress=False), hf)
+    weights = load_file(hf / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = torch.cat([weights[name], 0.5 * torch.randn(13, weights[name].shape[1])])
+    save_file(weights, hf / "model.safetensors")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 13}))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=128, block_size=8, seed=0)
+    for target, draft in ((str(hf), str(tmp_path / "padded.gguf")), (str(tmp_path / "padded.gguf"), str(hf))):
+        alone = LLM(target, **kw).generate(["the then"], params, use_tqdm=False)[0].outputs[0].token_ids
+        spec = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2}, **kw)
+        assert spec.generate(["the then"], params, use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
 def test_draft_shorter_than_target_context(pair, tmp_path):
     target, _, _ = pair
     short = make_hf_model(tmp_path / "s", "llama", max_position_embeddings=64)
