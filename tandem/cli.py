@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     det.add_argument("--watermark-config", type=watermark_config, required=True, help="the generating engine's")
     det.add_argument("--model", default=DEFAULT_TARGET, type=non_empty("pass a model path or name"),
                      help=f"the model whose tokenizer encodes the text (default: {DEFAULT_TARGET})")
-    det.add_argument("--p-value-threshold", type=float_in(0, 1, lo_open=True), default=0.01,
+    det.add_argument("--p-value-threshold", type=float_in(0, 1, lo_open=True, hi_open=True), default=0.01,
                      help="call the text watermarked below this p-value (default 0.01)")
     det.add_argument("--prompt", default=None,
                      help="the prompt the text was generated after, encoded as `generate` encodes it: its last "
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from tandem.errors import TandemError
+    from tandem.models.hub import CacheError
 
     try:
         if args.command == "serve":
@@ -123,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     except TandemError as e:
         print(f"error: {in_flag_terms(str(e), args)}", file=sys.stderr)
+        return 2
+    except CacheError as e:  # the model cache could not be written (an OSError: its message says what to do)
+        print(f"error: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, without a traceback
         return 130

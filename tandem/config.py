@@ -351,7 +351,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError):
         raise ConfigError(f"device={device!r} is not a device; use 'auto', 'cpu' or 'cuda'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but CUDA is not available here; use device='cpu' or 'auto'")
+        raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device={device!r} but {n} CUDA device(s) are visible here (cuda:0 .. cuda:{n - 1}); "
+                          "pick one of those (CUDA_VISIBLE_DEVICES decides which GPUs they are)")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
     return dev

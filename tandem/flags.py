@@ -51,16 +51,18 @@ def size_in(lo: int):
     return parse
 
 
-def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = False):
-    """A finite float in [lo, hi] ((lo, hi] with lo_open)."""
-    want = f"a number {'>' if lo_open else '>='} {lo}" + ("" if hi == math.inf else f" and <= {hi}")
+def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False):
+    """A finite float in [lo, hi] (the end left out where lo_open / hi_open)."""
+    want = f"a number {'>' if lo_open else '>='} {lo}" + (
+        "" if hi == math.inf else f" and {'<' if hi_open else '<='} {hi}")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number; use {want}") from None
-        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+        if (not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi
+                or (hi_open and value == hi)):
             raise argparse.ArgumentTypeError(f"{value} is out of range; use {want}")
         return value
 

@@ -150,6 +150,10 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
     files = _weight_files(cfg, field)
     if not files:
         pickled = glob.glob(os.path.join(cfg.path, "*.bin")) + glob.glob(os.path.join(cfg.path, "*.pt"))
+        ggufs = sorted(glob.glob(os.path.join(cfg.path, "*.gguf")))
+        if ggufs:  # a GGUF repository's folder (many ship a config.json beside the files)
+            raise ConfigError(f"{field}: {cfg.path} holds GGUF weights, no *.safetensors; pass the .gguf file "
+                              f"itself (e.g. {ggufs[0]})")
         fix = ("convert them to safetensors (transformers: save_pretrained(..., safe_serialization=True))"
                if pickled else "load_format='dummy' gives random weights of the same shapes")
         raise ConfigError(f"{field}: no *.safetensors files in {cfg.path}"

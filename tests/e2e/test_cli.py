@@ -137,6 +137,44 @@ def test_generate_bad_model_is_one_clear_error(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+def test_an_unwritable_model_cache_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    """A GGUF converted into a cache that cannot be written ($TANDEM_CACHE a file here; a read-only
+    HOME or a full disk alike): the cache's own error and its fix, no traceback."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", arch="llama")
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "not-a-dir"))
+    assert main(["generate", "--model", str(tmp_path / "m.gguf"), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: cannot write to the model cache" in "\n" + err.split("\r")[-1].lstrip()  # (after a progress bar)
+    assert "TANDEM_CACHE" in err and "Traceback" not in err
+
+
+def test_a_folder_of_gguf_files_asks_for_the_file(tmp_path, capsys):
+    """Many GGUF repositories ship a config.json beside the .gguf files: such a folder as --model
+    is answered with the file to pass, not with random weights."""
+    make_hf_model(tmp_path / "hf", "llama")
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    (folder / "model-Q8_0.gguf").write_bytes(b"")
+    assert main(["generate", "--model", str(folder), "--no-draft", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "pass the .gguf file itself" in err and "model-Q8_0.gguf" in err
+
+
+def test_a_cuda_device_past_the_visible_ones_is_refused(monkeypatch):
+    from tandem.config import resolve_device
+    from tandem.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match=r"device='cuda:2' but 2 CUDA device\(s\) are visible"):
+        resolve_device("cuda:2")
+
+
 # ---------------------------------------------------------------- bad flags: one clear error, no model loaded
 # A missing --model path makes a check that came too late show up as "does not exist" instead.
 def _argparse_error(capsys, argv) -> str:
@@ -171,6 +209,12 @@ def _assert_names_flag(tmp_path, capsys, command: str, argv: list[str], flag: st
 ])
 def test_generate_bad_flag_value_names_the_flag(tmp_path, capsys, argv, flag):
     _assert_names_flag(tmp_path, capsys, "generate", argv, flag, ["hello"])
+
+
+@pytest.mark.parametrize("value", ["0", "1", "1.5"])
+def test_detect_p_value_threshold_out_of_range_names_the_flag(tmp_path, capsys, value):
+    _assert_names_flag(tmp_path, capsys, "detect", ["--watermark-config", '{"key": 1}', "--p-value-threshold", value],
+                       "--p-value-threshold", ["text"])
 
 
 @pytest.mark.parametrize("extra, flag", [
