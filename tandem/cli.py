@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     gen.add_argument("--dtype", default="auto",
-                     help="the weights' and activations' dtype: auto (the checkpoint's; float16 runs as bfloat16 on "
-                          "a CPU), bfloat16, float16 or float32")
+                     help="the weights' and activations' dtype: auto (the checkpoint's half dtype, float32 "
+                          "checkpoints in bfloat16 as vLLM's auto; float16 runs as bfloat16 on a CPU), bfloat16, "
+                          "float16 or float32")
     gen.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
     gen.add_argument("--device", default="auto", help="auto (CUDA where there is a GPU, else the CPU), cuda, cuda:N or cpu")
     gen.add_argument("--max-model-len", type=size_in(1), default=None,

@@ -274,6 +274,23 @@ def test_a_dtype_alias_converts_to_that_dtype(monkeypatch, tmp_path):
                      torch.float16]
 
 
+@pytest.mark.parametrize("checkpoint, asked, runs", [
+    ("float32", "auto", torch.bfloat16),  # vLLM's "auto": a float32 checkpoint runs in half precision
+    (None, "auto", torch.bfloat16),  # no dtype named: float32, as transformers reads it
+    ("float16", "auto", torch.bfloat16),  # (float16 is slow on a CPU)
+    ("bfloat16", "auto", torch.bfloat16),
+    ("float32", "float32", torch.float32),
+    ("bfloat16", "float32", torch.float32),
+])
+def test_auto_dtype_runs_a_float32_checkpoint_in_half_precision(model_dir, checkpoint, asked, runs):
+    import dataclasses
+
+    from tandem.config import resolve_dtype
+
+    arch = dataclasses.replace(read_arch_config(model_dir), torch_dtype=checkpoint)
+    assert resolve_dtype(asked, arch, torch.device("cpu")) == runs
+
+
 def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(model_dir, d)
