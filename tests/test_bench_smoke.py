@@ -1,5 +1,5 @@
-"""Smoke tests of the benchmarks' quick modes (cpu_throughput, priority, ngram, suffix_rules, host_step): they
-run end to end and write sane JSON."""
+"""Smoke tests of the benchmarks' quick modes (cpu_throughput, priority, ngram, suffix_rules, host_step,
+prefix_sharing): they run end to end and write sane JSON."""
 import json
 import subprocess
 import sys
@@ -116,3 +116,24 @@ def test_host_step_bench_quick(tmp_path):
         assert r["steps"] == 10 and 0 < r["step_p50_ms"] <= r["step_max_ms"]
         for phase in ("schedule_ahead", "build_batch", "launch", "update", "_emit", "_outputs"):
             assert r["us_per_request"][phase] > 0, (r["heap"], phase)
+
+
+def test_prefix_sharing_bench_on_a_tiny_pair(tmp_path):
+    """bench/prefix_sharing.py on a tiny pair: with sharing the later prompts hit the preamble,
+    without it none does, and the tokens are the same."""
+    from tests.helpers import make_spec_models
+
+    models = make_spec_models(tmp_path)
+    out = tmp_path / "prefix_sharing.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/prefix_sharing.py", "--model", str(models["target"]), "--draft", str(models["near"]),
+         "--dtype", "float32", "--prompts", "3", "--shared-examples", "4", "--tokens", "4", "--repeats", "1",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "same tokens: True" in proc.stdout
+    report = json.loads(out.read_text())
+    shared, alone = report["results"]
+    assert shared["cached_tokens"][0] == 0 and min(shared["cached_tokens"][1:]) >= 32
+    assert alone["cached_tokens"] == [0, 0, 0]
