@@ -163,6 +163,14 @@ class EngineConfig:
         return self.device.type == "cuda" and not self.enforce_eager
 
 
+# What transformers' config classes take for a key config.json leaves out, where it is not the
+# Llama default (num_key_value_heads = num_attention_heads, head_dim = hidden_size / heads, 2048
+# positions): Mistral's, Qwen2's and Qwen3's own defaults.
+ARCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
+}
 MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json leaves it out
 # Supported rope_scaling types -> the keys each needs (numbers, read by tandem/layers/rotary.py).
 ROPE_TYPES = {"default": (), "linear": ("factor",),
@@ -222,14 +230,18 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
 
     num_heads = count("num_attention_heads")
     hidden = count("hidden_size")
-    head_dim = count("head_dim", hidden // num_heads) if raw.get("head_dim") else hidden // num_heads
+    defaults = ARCH_DEFAULTS.get(arch, {})
+    if "head_dim" not in raw and "head_dim" in defaults:
+        head_dim = defaults["head_dim"]
+    else:
+        head_dim = count("head_dim", hidden // num_heads) if raw.get("head_dim") else hidden // num_heads
     if head_dim < 1:
         raise ConfigError(f"{field}: hidden_size={hidden} over num_attention_heads={num_heads} in {path} leaves no "
                           "head_dim")
     if head_dim % 2:
         raise ConfigError(f"{field}: head_dim={head_dim} in {path} (given, or hidden_size={hidden} over "
                           f"num_attention_heads={num_heads}) is odd; rotary embeddings rotate pairs of dimensions")
-    num_kv_heads = count("num_key_value_heads", num_heads)
+    num_kv_heads = count("num_key_value_heads", defaults.get("num_key_value_heads", num_heads))
     if num_heads % num_kv_heads:
         raise ConfigError(f"{field}: num_attention_heads={num_heads} in {path} is not a multiple of "
                           f"num_key_value_heads={num_kv_heads}")
@@ -292,7 +304,7 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         rms_norm_eps=float(rms_norm_eps),
         rope_theta=float(rope_theta),
         rope_scaling=scaling,
-        max_position_embeddings=count("max_position_embeddings", 2048),
+        max_position_embeddings=count("max_position_embeddings", defaults.get("max_position_embeddings", 2048)),
         tie_word_embeddings=tie,
         qkv_bias=qkv_bias,
         qk_norm=arch == "Qwen3ForCausalLM",

@@ -274,6 +274,23 @@ def test_a_dtype_alias_converts_to_that_dtype(monkeypatch, tmp_path):
                      torch.float16]
 
 
+@pytest.mark.parametrize("arch, model_type", [("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
+                                              ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")])
+def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path, arch, model_type):
+    """num_key_value_heads, head_dim and max_position_embeddings left out of config.json: each
+    architecture's own default, as its transformers config class reads it (Qwen3's head_dim 128,
+    Mistral's 8 KV heads and 131072 positions, Qwen2/3's 32768)."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": model_type, "hidden_size": 2048, "num_attention_heads": 32,
+        "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 256}))
+    ours, ref = read_arch_config(tmp_path), AutoConfig.from_pretrained(tmp_path)
+    assert ours.num_kv_heads == ref.num_key_value_heads
+    assert ours.head_dim == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
+    assert ours.max_position_embeddings == ref.max_position_embeddings
+
+
 @pytest.mark.parametrize("checkpoint, asked, runs", [
     ("float32", "auto", torch.bfloat16),  # vLLM's "auto": a float32 checkpoint runs in half precision
     (None, "auto", torch.bfloat16),  # no dtype named: float32, as transformers reads it
