@@ -334,6 +334,17 @@ def check_supported(info: GGUFInfo) -> None:
     for needed in ("token_embd.weight", "output_norm.weight"):
         if needed not in names:
             raise ModelFormatError(f"{info.path.name}: required tensor {needed!r} is missing; the file is incomplete.")
+    layers = {int(m.group(1)) for n in names if (m := _BLOCK_RE.match(n))}
+    n_layers = _int(info.arch_get("block_count"))
+    n_layers = n_layers if n_layers is not None else 1 + max(layers, default=-1)
+    per_layer = [f"{base}.weight" for base in _BLOCK_MAP]
+    if info.arch == "qwen2":  # its q, k and v projections always carry biases
+        per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    missing = [f"blk.{i}.{t}" for i in range(n_layers) for t in per_layer if f"blk.{i}.{t}" not in names]
+    if missing:  # refused before anything is converted (the converted copy would be cached, and fail to load)
+        shown = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelFormatError(f"{info.path.name}: required tensor(s) {shown} of its {n_layers} layers are missing; the "
+                               "file is incomplete (re-download or re-convert it).")
 
 
 # --------------------------------------------------------------------------- config

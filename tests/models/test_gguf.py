@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -200,6 +201,22 @@ def test_unsupported_extra_tensor(tmp_path):
     write_tiny_gguf(src, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
     with pytest.raises(ModelFormatError, match="rope_freqs"):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+
+
+@pytest.mark.parametrize("arch, dropped", [("llama", "blk.1.attn_v.weight"), ("llama", "blk.0.ffn_gate.weight"),
+                                            ("qwen2", "blk.1.attn_k.bias")])
+def test_a_missing_layer_tensor_is_named_before_anything_is_converted(tmp_path, monkeypatch, arch, dropped):
+    import gguf
+
+    add = gguf.GGUFWriter.add_tensor
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor",
+                        lambda self, name, *a, **kw: None if name == dropped else add(self, name, *a, **kw))
+    src = tmp_path / "incomplete.gguf"
+    write_tiny_gguf(src, arch=arch)
+    monkeypatch.undo()
+    with pytest.raises(ModelFormatError, match=f"required tensor\\(s\\) '{re.escape(dropped)}' of its 2 layers"):
+        resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
 @pytest.mark.parametrize("cut", ["data", "header", "garbage"])
