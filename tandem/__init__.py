@@ -24,6 +24,8 @@ _EXPORTS = {
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
     "Logprob": "tandem.outputs",
+    "TextPrompt": "tandem.prompts",
+    "TokensPrompt": "tandem.prompts",
     "RequestMetrics": "tandem.outputs",
     "TandemError": "tandem.errors",
     "ConfigError": "tandem.errors",

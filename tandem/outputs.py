@@ -10,7 +10,7 @@ class Logprob:
     one by default), its rank and text."""
 
     logprob: float
-    rank: int
+    rank: int | None = None  # (None: not computed, as vLLM's default)
     decoded_token: str | None = None
 
 
@@ -70,6 +70,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    lora_request: None = None  # vLLM's field: no LoRA adapters here, always None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -87,6 +88,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n (None for the first)
     prompt_logprobs: SampleLogprobs | None = None
+    lora_request: None = None  # vLLM's field: no LoRA adapters here, always None
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -47,3 +47,14 @@ def _cpu_engines_outside_gpu_tests(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(llm_module, "resolve_device", lambda device: real("cpu" if device == "auto" else device))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _tandem_log_level_restored():
+    """`tandem serve` (run_server) raises the "tandem" logger to INFO, as a server logs: not past its test."""
+    import logging
+
+    logger = logging.getLogger("tandem")
+    level = logger.level
+    yield
+    logger.setLevel(level)

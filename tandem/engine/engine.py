@@ -152,7 +152,7 @@ class Engine:
             from tandem.spec.metrics import SpecMetrics
 
             self.spec_metrics = SpecMetrics(k)
-        self.log_interval_s = 10.0
+        self.log_interval_s = 10.0  # the speculative decoding log line's (math.inf: none; serve's --disable-log-stats)
         self._last_log = time.monotonic()
         self.graph_memory_bytes = 0  # device memory capturing the CUDA graphs took
         if use_graphs:
@@ -532,10 +532,12 @@ class Engine:
             if self.adaptive is not None:
                 self.adaptive.observe(plan, result)
             if start - self._last_log >= self.log_interval_s:
+                line = self.spec_metrics.interval_line(start - self._last_log)
                 self._last_log = start
-                logger.info(self.spec_metrics.log_line())
-                if self.adaptive is not None:
-                    logger.info(self.adaptive.log_line())
+                if line is not None:  # (an idle interval logs nothing)
+                    logger.info(line)
+                    if self.adaptive is not None:
+                        logger.info(self.adaptive.log_line())
 
     def _fail(self, e: BaseException, running: list[StepPlan], touched: dict) -> StepError | None:
         """A step that raised e: end the requests of running (reported by the next step) and stop

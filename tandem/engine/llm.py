@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import os
 import random
@@ -97,11 +98,27 @@ class LLM:
         structured_outputs_config: dict | None = None,
         per_request_spec_decode_metrics: str = "none",
         scheduling_policy: str = "fcfs",
+        disable_log_stats: bool = True,
+        enable_chunked_prefill: bool | None = None,
+        swap_space: float | None = None,
+        disable_custom_all_reduce: bool = False,
         _rank: tuple[int, int] | None = None,
+        **unsupported: Any,
     ):
         """_rank: (rank, port of rank 0's group store) in the processes of ranks 1.. of a
-        tensor-parallel engine (tandem/parallel/workers.py); not for callers."""
-        launch = {name: value for name, value in locals().items() if name not in ("self", "_rank")}
+        tensor-parallel engine (tandem/parallel/workers.py); not for callers.
+
+        disable_log_stats: as vLLM's LLM, True by default: no periodic speculative decoding line in
+        the log (False: one every 10 s that verified drafts, on the "tandem" logger at INFO).
+        enable_chunked_prefill (True or None), swap_space and disable_custom_all_reduce are vLLM's
+        arguments that ask for nothing here: prompts are always chunked to max_num_batched_tokens,
+        a preemption recomputes (no swap), and tensor parallelism reduces through NCCL. Any other
+        argument of vLLM's that tandem does not take is a ConfigError naming it."""
+        if unsupported:
+            names = ", ".join(sorted(unsupported))
+            raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "
+                              "takes); leave it out")
+        launch = {name: value for name, value in locals().items() if name not in ("self", "_rank", "unsupported")}
         _check_arguments(**launch)
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
         try:
@@ -228,6 +245,8 @@ class LLM:
 
                 factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos)
             self.engine = Engine(cfg, target, self.tokenizer, eos, factory)
+            if launch["disable_log_stats"]:
+                self.engine.log_interval_s = math.inf
             if workers is not None:
                 workers.wait_ready()
                 self.engine = ReplicatedEngine(self.engine, workers, self.tp, threads)
@@ -476,7 +495,7 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                      per_request_spec_decode_metrics, quantization, kv_cache_dtype, scheduling_policy, logprobs_mode,
                      load_format, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
                      tokenizer_mode, trust_remote_code, enable_prefix_caching, enforce_eager, tokenizer, dtype,
-                     **_) -> None:
+                     disable_log_stats, enable_chunked_prefill, swap_space, disable_custom_all_reduce, **_) -> None:
     """LLM's arguments that can be checked before anything is resolved: a ConfigError naming the
     first bad one and its fix."""
     _check_positive_int("max_num_seqs", max_num_seqs)
@@ -536,9 +555,17 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
         raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
                           "model's Hugging Face tokenizer)")
     for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
-                       ("enforce_eager", enforce_eager)):
+                       ("enforce_eager", enforce_eager), ("disable_log_stats", disable_log_stats),
+                       ("disable_custom_all_reduce", disable_custom_all_reduce)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r} must be True or False")
+    if enable_chunked_prefill not in (None, True):
+        raise ConfigError(f"enable_chunked_prefill={enable_chunked_prefill!r} is not supported: tandem's scheduler "
+                          "always splits a prompt into chunks of max_num_batched_tokens; leave it out (or True), and "
+                          "set max_num_batched_tokens to max_model_len to prefill every prompt whole")
+    if swap_space is not None and (not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool)
+                                   or swap_space < 0):
+        raise ConfigError(f"swap_space={swap_space!r} must be a number of GiB >= 0 (unused: a preemption recomputes)")
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
                           "model's own")

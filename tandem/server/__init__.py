@@ -187,6 +187,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--max-log-len", type=int_in(0), default=None,
                         help="with --enable-log-requests: the characters of a prompt and the token ids logged "
                              "(default all)")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic speculative decoding line in the log (vLLM's flag; by default every 10 s "
+                             "that verified drafts: acceptance, accepted and drafted tokens a second)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

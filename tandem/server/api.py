@@ -954,6 +954,7 @@ def run_server(args: argparse.Namespace) -> int:
     from tandem.flags import speculative_config_from_flags
 
     spec = speculative_config_from_flags(args, args.draft, DEFAULT_K)
+    logging.getLogger("tandem").setLevel(logging.INFO)  # a server logs what it loads and, each 10 s, its acceptance
     llm = LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -969,6 +970,7 @@ def run_server(args: argparse.Namespace) -> int:
         structured_outputs_config=args.structured_outputs_config,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
+        disable_log_stats=args.disable_log_stats,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

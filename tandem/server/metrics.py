@@ -91,9 +91,11 @@ class ServerMetrics:
         self.ttft.labels(self.model_name).observe(ttft_s)
 
     def on_finished(self, reasons: list[str], e2e_s: float) -> None:
+        """A request ended: one finished sequence a reason (n > 1 counts n, as vLLM's child requests
+        do, in the success counter, the end-to-end latency and the TTFT alike)."""
         for reason in reasons:
             self.requests_finished.labels(self.model_name, reason).inc()
-        self.e2e.labels(self.model_name).observe(e2e_s)
+            self.e2e.labels(self.model_name).observe(e2e_s)
 
     def observe_engine(self, engine: Engine) -> None:
         """Copy scheduler, KV and speculative figures from the engine (only from its owning thread)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import pytest
 import torch
@@ -448,8 +449,10 @@ def test_serve_builds_the_engine_and_app_its_flags_ask_for(tmp_path, monkeypatch
                  "--allowed-origins", "https://a.example", "--allowed-origins", '["https://b.example"]',
                  "--allowed-methods", "post", "--disable-fastapi-docs",
                  "--enable-prompt-tokens-details", "--root-path", "/tandem", "--return-tokens-as-token-ids",
-                 "--chat-template", str(tmp_path / "t.jinja")]) == 0
+                 "--chat-template", str(tmp_path / "t.jinja"), "--disable-log-stats"]) == 0
     (app,) = apps
+    assert app.state.engine_client.engine.log_interval_s == float("inf")  # --disable-log-stats
+    assert logging.getLogger("tandem").getEffectiveLevel() == logging.INFO  # a server logs at INFO, as vLLM's
     assert app.state.server.chat_template == (tmp_path / "t.jinja").read_text()
     (auth,) = [m for m in app.user_middleware if m.cls is RequireApiKey]
     assert auth.kwargs["keys"] == ["sk-1", "sk-2"]

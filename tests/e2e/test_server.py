@@ -1818,9 +1818,12 @@ def test_siblings_that_finish_in_different_steps_are_each_counted():
         client._record(tracked, RequestOutput("r", None, [1], last, finished=True))
         return metrics
 
-    counts = _samples(asyncio.run(run()), "tandem_request_success_total")
+    metrics = asyncio.run(run())
+    counts = _samples(metrics, "tandem_request_success_total")
     assert {labels[0][1]: v for labels, v in counts.items()} == {"stop": 1.0, "length": 1.0, "abort": 0.0,
                                                                   "error": 0.0}
+    # One end-to-end latency a sequence, as vLLM's child requests: the same count as the successes and TTFTs.
+    assert sum(_samples(metrics, "tandem_e2e_request_latency_seconds_count").values()) == 2
 
 
 # ---------------------------------------------------------------- per-request metrics

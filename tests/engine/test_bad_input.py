@@ -407,6 +407,11 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(gpu_memory_utilization=-0.2), "gpu_memory_utilization"),
         (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
         (dict(load_format="pt"), "load_format"),
+        (dict(enable_chunked_prefill=False), "enable_chunked_prefill"),
+        (dict(swap_space=-1), "swap_space"),
+        (dict(disable_log_stats="no"), "disable_log_stats"),
+        (dict(enable_lora=True), "enable_lora"),  # a vLLM argument tandem does not take: named, not a TypeError
+        (dict(download_dir="/tmp", hf_overrides={}), "download_dir, hf_overrides"),
         (dict(load_format="safetensors"), "load_format"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
@@ -426,6 +431,12 @@ def test_bad_engine_argument(model_dir, kwargs, field, no_loading):
     args = dict(dtype="float32", max_model_len=MAX_LEN) | kwargs
     with pytest.raises(ConfigError, match=field):
         LLM(str(model_dir), **args)
+
+
+def test_vllm_arguments_that_ask_for_nothing_more_are_taken(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, enable_chunked_prefill=True, swap_space=4,
+              disable_custom_all_reduce=True, disable_log_stats=False)
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

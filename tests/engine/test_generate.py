@@ -784,3 +784,18 @@ def test_vllms_offline_api_forms(llm):
         assert got.prompt == says
     with pytest.raises(RequestError, match="chat_template_content_format"):
         llm.chat(msgs, p, use_tqdm=False, chat_template_content_format="parts")
+
+
+def test_vllm_prompt_types_and_output_fields_port_as_they_are(tmp_path):
+    """Code written against vLLM's API: TextPrompt / TokensPrompt (plain dicts), the outputs'
+    lora_request (always None here), a Logprob built without a rank."""
+    from tandem import Logprob, TextPrompt, TokensPrompt
+
+    llm = LLM(str(make_hf_model(tmp_path / "m", "llama")), dtype="float32", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    text, ids = llm.generate([TextPrompt(prompt="a b"), TokensPrompt(prompt_token_ids=[5, 6, 7])], params,
+                             use_tqdm=False)
+    assert text.outputs[0].token_ids == llm.generate(["a b"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ids.prompt_token_ids == [5, 6, 7]
+    assert text.lora_request is None and text.outputs[0].lora_request is None
+    assert Logprob(-0.5).rank is None

@@ -252,6 +252,37 @@ def test_metrics_arithmetic():
     assert sum(m.per_position_rates()) == pytest.approx(m.mean_acceptance_length - 1)
 
 
+def test_the_periodic_log_line_covers_its_interval():
+    """As vLLM's periodic line: the rounds since the last line (rates, tokens a second), the totals
+    after them; an interval without a round logs nothing."""
+    m = SpecMetrics(k=3)
+    m.observe(StepPlan([], [_item(0, 3), _item(1, 3)]), StepResult([[5, 6, 7, 8], [5, 6, 7, 8]], [None] * 2, [3, 3]))
+    line = m.interval_line(10.0)
+    assert "last 10.0 s: mean acceptance length 4.00, acceptance rate 1.000, accepted 0.6 tokens/s" in line
+    assert "drafted 0.6 tokens/s (6 of 6 drafts, 2 rounds), per-position [1.00, 1.00, 1.00]" in line
+    assert m.interval_line(10.0) is None
+    m.observe(StepPlan([], [_item(0, 3), _item(1, 3)]), StepResult([[5], [5, 6]], [None] * 2, [3, 3]))
+    line = m.interval_line(5.0)
+    assert "last 5.0 s: mean acceptance length 1.50, acceptance rate 0.167, accepted 0.2 tokens/s" in line
+    assert "(1 of 6 drafts, 2 rounds), per-position [0.50, 0.00, 0.00]" in line
+    assert line.endswith("since the start: acceptance rate 0.583, mean acceptance length 2.75")
+
+
+def test_the_engine_logs_its_acceptance_every_interval(pair, caplog):
+    target, draft, _ = pair
+    quiet = LLM(str(target), speculative_config={"model": str(draft), "num_speculative_tokens": 2}, dtype="float32",
+                max_model_len=64)
+    assert quiet.engine.log_interval_s == float("inf")  # vLLM's LLM: disable_log_stats=True unless asked
+    llm = LLM(str(target), speculative_config={"model": str(draft), "num_speculative_tokens": 2}, dtype="float32",
+              max_model_len=64, disable_log_stats=False)
+    assert llm.engine.log_interval_s == 10.0
+    llm.engine.log_interval_s = 0.0
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding, last" in r.getMessage()]
+    assert lines and all("since the start" in line for line in lines)
+
+
 def test_metrics_leave_out_drafts_past_max_tokens():
     """A request with room for 1 more draft verifies 3: one round of 1 draft, accepted or not."""
     m = SpecMetrics(k=3)
