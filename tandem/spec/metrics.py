@@ -22,7 +22,7 @@ class SpecMetrics:
     drafted_per_position: list[int] = field(default_factory=list)
     length_histogram: list[int] = field(default_factory=list)
     # The counts at the last interval_line: (rounds, drafts, accepted, accepted per position).
-    _mark: tuple[int, int, int, list[int]] = field(default=(0, 0, 0, []), init=False, repr=False)
+    _mark: tuple[int, int, int, list[int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.k
