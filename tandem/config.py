@@ -171,7 +171,8 @@ ARCH_DEFAULTS: dict[str, dict[str, int]] = {
     "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
     "Qwen3ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
 }
-MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json leaves it out
+DEFAULT_WINDOW = 4096  # transformers' Mistral / Qwen2 / Qwen3 sliding_window when config.json leaves it out
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2 / Qwen3 max_window_layers: the first layer that slides
 # Supported rope_scaling types -> the keys each needs (numbers, read by tandem/layers/rotary.py).
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -241,7 +242,10 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     if head_dim % 2:
         raise ConfigError(f"{field}: head_dim={head_dim} in {path} (given, or hidden_size={hidden} over "
                           f"num_attention_heads={num_heads}) is odd; rotary embeddings rotate pairs of dimensions")
-    num_kv_heads = count("num_key_value_heads", defaults.get("num_key_value_heads", num_heads))
+    # An explicit null means one KV head a query head (transformers' rule); the architecture's
+    # default is for a config.json that leaves the key out.
+    num_kv_heads = count("num_key_value_heads", num_heads if "num_key_value_heads" in raw
+                         else defaults.get("num_key_value_heads", num_heads))
     if num_heads % num_kv_heads:
         raise ConfigError(f"{field}: num_attention_heads={num_heads} in {path} is not a multiple of "
                           f"num_key_value_heads={num_kv_heads}")
@@ -287,11 +291,20 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
     qkv_bias = arch == "Qwen2ForCausalLM" or (attention_bias and arch != "MistralForCausalLM")
     o_bias = attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     # Mistral applies sliding_window when set (absent: transformers' default, 4096; null: none);
-    # Qwen2/3 configs carry one that applies only with use_sliding_window.
+    # Qwen2/3 configs carry one (absent: 4096) that applies only with use_sliding_window, and then
+    # only to the layers from max_window_layers (absent: 28) on, or those layer_types names.
     if arch == "MistralForCausalLM":
-        window = raw.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        window = raw.get("sliding_window", DEFAULT_WINDOW)
+    elif raw.get("use_sliding_window"):
+        layer_types = raw.get("layer_types")
+        if isinstance(layer_types, list):
+            slides = "sliding_attention" in layer_types
+        else:
+            first = raw.get("max_window_layers")
+            slides = count("num_hidden_layers") > (first if isinstance(first, int) else QWEN_MAX_WINDOW_LAYERS)
+        window = raw.get("sliding_window", DEFAULT_WINDOW) if slides else None
     else:
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+        window = None
     return ArchConfig(
         architecture=arch,
         vocab_size=count("vocab_size"),

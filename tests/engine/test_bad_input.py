@@ -347,12 +347,7 @@ def test_sliding_window_caps_the_context(tmp_path):
     assert read_arch_config(absent).sliding_window == 4096
     null = _copy_with_config(mistral, tmp_path / "null", lambda c: c | {"sliding_window": None})
     assert read_arch_config(null).sliding_window is None
-    # Qwen2 configs carry a window that applies only with use_sliding_window.
     qwen = make_hf_model(tmp_path / "qwen", "qwen2")
-    off = _copy_with_config(qwen, tmp_path / "off", lambda c: c | {"sliding_window": 64, "use_sliding_window": False})
-    assert read_arch_config(off).sliding_window is None
-    on = _copy_with_config(qwen, tmp_path / "on", lambda c: c | {"sliding_window": 64, "use_sliding_window": True})
-    assert read_arch_config(on).sliding_window == 64
     # A draft with both limits: one error naming both and the lower, which then suffices (it used to
     # advise 256, whose error then advised 64).
     draft = _copy_with_config(mistral, tmp_path / "draft",
@@ -361,6 +356,45 @@ def test_sliding_window_caps_the_context(tmp_path):
     with pytest.raises(ConfigError, match=r"supports 256 positions and sliding_window=64 .* lower max_model_len to 64"):
         LLM(str(qwen), dtype="float32", speculative_config=spec)
     assert LLM(str(qwen), dtype="float32", max_model_len=64, speculative_config=spec).config.spec.k == 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("keys", [
+    {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+    {"use_sliding_window": True, "max_window_layers": 1},  # no sliding_window: transformers' 4096
+    {"use_sliding_window": True, "sliding_window": 64},  # no max_window_layers: 28, past both layers
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
+     "layer_types": ["full_attention", "full_attention"]},
+])
+def test_qwen_window_is_the_one_transformers_applies(tmp_path, model_type, keys):
+    """Qwen2/3 slide only with use_sliding_window, and then only the layers from max_window_layers
+    on (or those layer_types names), over sliding_window (4096 when left out): tandem's window (the
+    context it caps, sliding-window attention not being implemented) is the one some layer of the
+    transformers model applies, or none."""
+    from transformers import AutoConfig
+
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": model_type, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 256, **keys}))
+    ref = AutoConfig.from_pretrained(tmp_path)
+    applied = ref.sliding_window if "sliding_attention" in ref.layer_types else None
+    assert read_arch_config(tmp_path).sliding_window == applied
+
+
+def test_null_kv_heads_means_one_a_query_head(tmp_path):
+    """"num_key_value_heads": null is multi-head attention (transformers' rule); the architecture's
+    own default (Qwen2's 32) is for a config.json that leaves the key out."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": None, "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 256}))
+    assert read_arch_config(tmp_path).num_kv_heads == AutoConfig.from_pretrained(tmp_path).num_key_value_heads == 4
 
 
 def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
