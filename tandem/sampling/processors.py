@@ -142,13 +142,29 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
     Greedy rows (temperature 0) pass through unchanged.
     """
     temp = state.temperature[rows.slot_ids]
-    out = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+    out = divide_by_temperature(logits, temp, rows.slots, state)
     params = [state.params[s] for s in rows.slots]
     if any(p.min_p > 0 for p in params if p.temperature > 0):
         apply_min_p(out, state.min_p[rows.slot_ids])
     if any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0):
         apply_top_k_top_p(out, state.top_k[rows.slot_ids], state.top_p[rows.slot_ids])
     return torch.where((temp == 0)[:, None], logits, out, out=out)
+
+
+def divide_by_temperature(logits: Tensor, temp: Tensor, slots: list[int], state: SamplingState) -> Tensor:
+    """logits [n, V] / temp [n] (0 read as 1) -> new [n, V] fp32, a row a slot's.
+
+    The rows of slots a huge positive bias lifts (state.shifted) lose their maximum first, where it is
+    positive: the same distribution, but their biased logits divided by a temperature would otherwise
+    overflow to inf (a NaN softmax: min-p / top-p then mask every token) or reach magnitudes whose
+    spacing swamps the Gumbel noise (two equally forced tokens not drawn evenly). Other rows are
+    divided as they are, bit for bit."""
+    divisor = torch.where(temp > 0, temp, 1.0)[:, None]
+    if not (state.shifted and any(s in state.shifted for s in slots)):
+        return logits / divisor
+    (mark,) = state.upload([int(s in state.shifted) for s in slots])
+    shift = logits.amax(dim=-1, keepdim=True).clamp_min(0.0).where(mark.bool()[:, None], 0.0)  # [n, 1]
+    return (logits - shift) / divisor
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:

@@ -19,6 +19,11 @@ from tandem.sampling_params import FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams
 # empty ends the output (processors._end_if_empty) rather than drawing token 0.
 _BANNING_BIAS = -FLOAT32_MAX * MIN_TEMPERATURE / 2
 
+# A bias above this lifts its token where a temperature (>= MIN_TEMPERATURE) takes it past 1e8, whose fp32
+# spacing (8) swamps the Gumbel noise (two such tokens would not be drawn evenly), or to inf (a NaN softmax):
+# rows of such a slot are shifted by their maximum before the division (processors.divide_by_temperature).
+_SHIFTING_BIAS = 1e6
+
 # The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -80,6 +85,7 @@ class SamplingState:
         self.processed: set[int] = set()  # slots with any logits processor (uses_processors)
         self.steered: set[int] = set()  # of those, slots whose processors steer (steers): drafts follow them
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
+        self.shifted: set[int] = set()  # slots with a bias above _SHIFTING_BIAS: divide_by_temperature shifts them
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
@@ -125,6 +131,7 @@ class SamplingState:
         self.min_tokens_ids.pop(slot, None)
         self.stop_ids.pop(slot, None)
         self.can_empty.discard(slot)
+        self.shifted.discard(slot)
         self.output_counts.pop(slot, None)
         self.prompt_mask.pop(slot, None)
         self.processed.discard(slot)
@@ -142,6 +149,8 @@ class SamplingState:
             biases = [p.logit_bias[t] if p.logit_bias[t] > _BANNING_BIAS else float("-inf") for t in ids]
             ids_t, bias_t = self.upload(ids, _float_bits(biases))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
+            if max(biases, default=0.0) > _SHIFTING_BIAS:
+                self.shifted.add(slot)
         if p.allowed_token_ids or p.bad_words_token_ids or \
                 (p.logit_bias and min(p.logit_bias.values()) <= _BANNING_BIAS):
             self.can_empty.add(slot)
@@ -180,6 +189,7 @@ class SamplingState:
                   self.stop_ids, self.output_counts, self.prompt_mask):
             d.pop(slot, None)
         self.can_empty.discard(slot)
+        self.shifted.discard(slot)
         self.processed.discard(slot)
         self.steered.discard(slot)
 

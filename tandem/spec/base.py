@@ -19,7 +19,7 @@ from tandem.config import SchedulerConfig
 from tandem.layers.backend import AttnBackend
 from tandem.plan import NewReq, StepPlan
 from tandem.runner.inputs import Batch, row_prior_drafts
-from tandem.sampling.processors import apply_token_bitmask
+from tandem.sampling.processors import apply_token_bitmask, divide_by_temperature
 from tandem.sampling.sampler import keyed_draw, process_logits
 from tandem.sampling.state import SamplingState
 from tandem.spec.config import SpeculativeConfig
@@ -105,7 +105,7 @@ class Speculator:
         temperature = state.temperature[rows.slot_ids]
         q_logits = None
         if self.probabilistic:
-            q_logits = self.draft_logits[rows.slot_ids, col] / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            q_logits = divide_by_temperature(self.draft_logits[rows.slot_ids, col], temperature, rows.slots, state)
             if grammar is not None:  # the drafts that fit without a repair kept the draft's own logits
                 apply_token_bitmask(q_logits, *grammar)
         row_tokens, num_emitted = self.rejection_sample(

@@ -49,7 +49,8 @@ from tandem.runner.inputs import Batch
 from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
-from tandem.sampling.processors import SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p
+from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p,
+                                       divide_by_temperature)
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
 from tandem.spec.base import Speculator
@@ -413,7 +414,7 @@ class DraftSpeculator(Speculator):
             self.drafts[slots, step] = greedy_tokens(logits, self.attn_backend.use_triton)
             return
         params = [self.state.params[r.slot] for r in sampling]
-        scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+        scaled = divide_by_temperature(logits, temp, [r.slot for r in sampling], self.state)
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
         if any(truncated):
             top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]

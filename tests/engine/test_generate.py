@@ -378,6 +378,31 @@ def test_offline_logit_bias_takes_any_float32_and_minus_inf(llm):
     assert run(temperature=0.5, logit_bias=lowest) == [eos]
 
 
+@pytest.mark.parametrize("draft", ["none", "probabilistic"])
+def test_a_huge_positive_bias_forces_its_tokens_evenly(model, draft):
+    """A bias that a temperature below 1 takes past the floats (3e38 / 0.5) forces its token under
+    min-p and top-p too (it overflowed to inf: a NaN softmax, min-p masked every token and token 0
+    was drawn), with finite processed logprobs; two such tokens are drawn about evenly (the Gumbel
+    noise was swamped: always the lower id); a request beside them draws what it draws alone. With
+    probabilistic drafts too (the model its own draft: the drafts' distribution is shifted alike)."""
+    spec = None if draft == "none" else dict(model=str(model), num_speculative_tokens=2, draft_sample_method=draft)
+    llm = LLM(str(model), dtype="float32", max_model_len=128, block_size=8, logprobs_mode="processed_logprobs",
+              speculative_config=spec)
+    prompt = {"prompt_token_ids": [8, 9]}
+    forced = SamplingParams(temperature=0.5, min_p=0.1, top_p=0.9, logit_bias={50: 3e38}, max_tokens=3, seed=1,
+                            logprobs=1)
+    out = llm.generate(prompt, forced, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [50] * 3
+    assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values()), out.logprobs
+    two = SamplingParams(n=200, temperature=0.5, logit_bias={50: 3e38, 51: 3e38}, max_tokens=1, seed=2)
+    drawn = [o.token_ids[0] for o in llm.generate(prompt, two, use_tqdm=False)[0].outputs]
+    assert set(drawn) == {50, 51} and 60 < drawn.count(50) < 140, drawn  # Binomial(200, 1/2): 5e-9 outside
+    other = SamplingParams(temperature=0.8, max_tokens=6, seed=3, ignore_eos=True)
+    alone = llm.generate(prompt, other, use_tqdm=False)[0].outputs[0].token_ids
+    together = llm.generate([prompt, prompt], [forced, other], use_tqdm=False)
+    assert together[1].outputs[0].token_ids == alone and together[0].outputs[0].token_ids == [50] * 3
+
+
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
     """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
     out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""
