@@ -68,10 +68,36 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
-            return llguidance.grammar_from("choice", params.choice)
+            # One regex lexeme, not a Lark rule of alternatives: llguidance's parser refuses a row of
+            # more than 2000 items (max_items_in_row) once the output starts, which ended a request
+            # of many choices after one token.
+            return llguidance.LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in params.choice))
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise RequestError(f"StructuredOutputsParams.{kind} is invalid: {e}") from None
+
+
+# llguidance refuses an Earley row of more items than this once the output starts (its default, 2000,
+# ended a JSON object of 3000 properties or an anyOf of 3000 branches after "{"); a step's items stay
+# capped by step_max_items (50_000), so this lets such a row be as large as a step may be.
+MAX_ITEMS_IN_ROW = 50_000
+
+
+def _parser_limits():
+    """llguidance's limits for validation and matching; verbose_errors off: a failure mid-output
+    (logged in Grammars.accept) names its cause without the whole grammar (hundreds of KB for a
+    large schema)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """text as a regex (Rust's syntax, llguidance's) that matches it alone."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 _SCHEMA_VALUES = ("const", "enum", "default", "examples")  # a JSON schema's keys that hold data, not schemas
@@ -265,7 +291,8 @@ class Grammars:
             text = self._after_thinking(text, prompt_token_ids or [])
         if text in self._valid:
             return text
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer())
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer(),
+                                                                                 limits=_parser_limits())
         if is_error:
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {messages[0].strip()}")
         self._valid[text] = None
@@ -285,7 +312,7 @@ class Grammars:
         import llguidance
 
         text = self.validate(params, prompt_token_ids)
-        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=_parser_limits())
         if matcher.is_error():
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {matcher.get_error()}")
         return matcher

@@ -219,6 +219,36 @@ def test_disable_additional_properties_closes_objects():
     assert StructuredOutputsParams(regex=" ").regex == " "  # a regex of one space is one
 
 
+def test_a_choice_among_thousands_and_of_regex_characters(models):
+    """A choice among thousands keeps to it (llguidance's Lark form of alternatives refused a row of
+    more than 2000 items once the output started: one token, then EOS), with a draft too; choices
+    that hold regex syntax are matched as written, nothing else; a JSON schema of thousands of
+    branches keeps to it (grammar.MAX_ITEMS_IN_ROW)."""
+    from tandem.engine.grammar import _regex_literal
+
+    odd = ["a.b", "(x|y)*", "[1-2]{3}", "c\\d", "#&-~ ^$", "", "é+?"]
+    for text in odd:
+        assert re.fullmatch(_regex_literal(text), text)
+    assert not re.fullmatch(_regex_literal("a.b"), "axb") and not re.fullmatch(_regex_literal("[1-2]{3}"), "111")
+    many = [f"option {i}" for i in range(2500)]
+    prompt = {"prompt_token_ids": [5, 40]}
+    for draft in (None, "near"):
+        llm = _llm(models, draft)
+        for choices in (many, odd):
+            so = StructuredOutputsParams(choice=choices)
+            params = SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=40, structured_outputs=so)
+            outs = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+            assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+            assert any(o.text for o in outs)
+    # a schema of 3000 branches: a row of 3001 items (past llguidance's default 2000: EOS after "{")
+    schema = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"],
+                         "additionalProperties": False} for i in range(3000)]}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    outs = llm.generate(prompt, SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=20, structured_outputs=so),
+                        use_tqdm=False)[0].outputs
+    assert all(o.finish_reason == "stop" and 0 <= json.loads(o.text)["k"] < 3000 for o in outs), [o.text for o in outs]
+
+
 def test_synthetic_acceptance_refuses_constraints(models):
     llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN,
               speculative_config=dict(model=str(models["near"]), num_speculative_tokens=2,
