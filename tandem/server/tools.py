@@ -232,7 +232,9 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
     """Llama 3's JSON calls: a reply that starts (after blanks and an optional <|python_tag|>) with
     `{"name": ..., "parameters": {...}}` objects separated by ";" is those calls ("arguments" for
     "parameters" too; what follows the last call is dropped, as after hermes's last block); any
-    other reply, or one whose calls do not parse, is content. Unlike vLLM's whole-reply parser,
+    other reply, or one whose first call does not parse, is content; a later call that does not
+    (cut short by max_tokens) is dropped, the calls before it kept, as the stream sent them and as
+    hermes keeps its complete blocks (vLLM's parser returns the whole text as content). Unlike vLLM's whole-reply parser,
     which takes the first JSON object anywhere in the text and drops the text around it, a call
     must open the reply, the rule vLLM's streaming applies: a streamed reply and a whole one agree."""
     body = text.lstrip()
@@ -245,10 +247,10 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
         try:
             obj, pos = decoder.raw_decode(body, pos)
         except ValueError:
-            return text, []
+            return (None, calls) if calls else (text, [])
         arguments = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
         if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(arguments, dict):
-            return text, []
+            return (None, calls) if calls else (text, [])
         calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
         rest = body[pos:].lstrip()
         if not rest.startswith(";") or not rest[1:].strip():  # the last call (a ";" with nothing after it too)

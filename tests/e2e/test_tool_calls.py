@@ -40,7 +40,8 @@ LLAMA_CALL = '{"name": "f", "parameters": {"x": 1, "s": "é"}}'
 
 def test_parse_llama3_json():
     """Llama 3's calls: the reply opens with them (after blanks or <|python_tag|>), "; " between them,
-    "arguments" for "parameters" too; anything else, or calls that do not parse, is content."""
+    "arguments" for "parameters" too; anything else, or a first call that does not parse, is content; a
+    later call cut short is dropped and the complete ones kept (as hermes keeps its complete blocks)."""
     two = LLAMA_CALL + "; " + LLAMA_CALL.replace('"f"', '"g"').replace("parameters", "arguments")
     for text in (two, "\n " + two, "<|python_tag|>" + two, two + ";", two + "\n\nDone."):
         content, calls = parse_llama3_json(text)
@@ -49,8 +50,11 @@ def test_parse_llama3_json():
     assert _calls(parse_llama3_json('{"name": "f", "parameters": {"deep": {"a": [{"b": {}}]}}}')[1]) == \
         [("f", {"deep": {"a": [{"b": {}}]}})]  # (vLLM's regex takes one level of nesting)
     for text in ("plain text", "Sure: " + LLAMA_CALL, '{"answer": 42}', '{"name": "f", "parameters": [1]}',
-                 '{"name": 3, "parameters": {}}', LLAMA_CALL[:-4], LLAMA_CALL + '; {"name": "g", "para'):
+                 '{"name": 3, "parameters": {}}', LLAMA_CALL[:-4]):
         assert parse_llama3_json(text) == (text, []), text
+    for cut in ('; {"name": "g", "para', '; {"name": "g", "parameters": {"x": ', '; {"name": 3}'):
+        content, calls = parse_llama3_json(LLAMA_CALL + cut)
+        assert content is None and _calls(calls) == [("f", {"x": 1, "s": "é"})], cut
 
 
 def test_every_parser_the_flag_offers_exists():
@@ -156,7 +160,7 @@ def test_streamed_llama3_json_choice_equals_the_whole_reply(size):
     reordered = '{"parameters": {"x": 1}, "name": "f"}'  # parsed, sent whole at the end
     for text in (LLAMA_CALL + "; " + nested, "\n" + LLAMA_CALL, "<|python_tag|>" + LLAMA_CALL, reordered,
                  LLAMA_CALL + "; " + reordered, "plain text, no call", "<|python", '{"answer": 42}',
-                 "Sure: " + LLAMA_CALL, LLAMA_CALL + "\n\nDone."):
+                 "Sure: " + LLAMA_CALL, LLAMA_CALL + "\n\nDone.", LLAMA_CALL + '; {"name": "g", "para'):
         want_content, want_calls = auto.parse(text)
         content, calls, deltas = _stream(auto, text, size)
         assert content == (want_content or ""), (text, size)
