@@ -213,7 +213,7 @@ class _SamplingRequest(_Request):
         unset); an empty structured_outputs or a "text" response_format constrains nothing."""
         return [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
                 if (getattr(self, name) is not None if name in GUIDED_FIELDS else not _unset(getattr(self, name)))
-                and not (name == "response_format" and self.response_format.get("type", "text") == "text")]
+                and not (name == "response_format" and self.response_format.get("type") == "text")]
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's output constraint; RequestError naming the field for a malformed one, or
@@ -258,6 +258,8 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise RequestError('give {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
         return StructuredOutputsParams(json=spec.get("schema", {}))  # no schema: any JSON
+    if kind is None:  # OpenAI's (and vLLM's) required field
+        raise RequestError("it names no type; give one of 'text', 'json_object', 'json_schema'")
     raise RequestError(f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
 
 

@@ -1317,6 +1317,8 @@ BAD_INPUTS = [
     ("chat-unknown-model", CH, {"model": "nope"}, 404, "model"),
     ("context-length", C, {"prompt": [5] * 100, "max_tokens": 100}, 400, "max_tokens"),
     ("chat-response-format-type", CH, {"response_format": {"type": "xml"}}, 400, "response_format"),
+    ("chat-response-format-no-type", CH, {"response_format": {"json_schema": {"schema": {}}}}, 400,
+     "response_format"),
     ("chat-json-schema-shape", CH, {"response_format": {"type": "json_schema", "json_schema": []}}, 400,
      "response_format"),
     ("chat-auto-tools-not-enabled", CH, {"tools": [TOOL_F]}, 400, "tool_choice"),
