@@ -197,9 +197,10 @@ class Renderer:
                 continue
             start_tok = self.sent_tokens[idx]
             lps = seq.logprobs[start_tok:] if seq.logprobs is not None else None
-            chunks.append(self.delta(idx, delta, seq.token_ids[start_tok:], lps, seq.finish_reason, seq.stop_reason))
+            chunk = self.delta(idx, delta, seq.token_ids[start_tok:], lps, seq.finish_reason, seq.stop_reason)
             self.sent_chars[idx], self.sent_tokens[idx] = end, len(seq.token_ids)
-            self.counted(chunks[-1])
+            if chunk is not None:  # (None: text a tool or reasoning parser holds back, nothing else to send)
+                chunks.append(self.counted(chunk))
             self.done[idx] = seq.finish_reason is not None
         if out.finished:
             self.finals[i] = out
@@ -250,7 +251,8 @@ class Renderer:
         """The whole (non-streamed) answer's JSON."""
         return self.response(outputs).model_dump(mode="json")
 
-    def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel:
+    def delta(self, idx: int, text: str, token_ids: list[int], lps, finish: str | None, stop) -> BaseModel | None:
+        """The chunk of choice idx's new text and tokens (None: nothing to send yet)."""
         raise NotImplementedError
 
     def chunk(self, choices: list, **extra) -> BaseModel:
@@ -395,7 +397,7 @@ class ChatRenderer(Renderer):
     def chunk(self, choices: list, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
 
-    def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk:
+    def delta(self, idx, text, token_ids, lps, finish, stop) -> ChatCompletionChunk | None:
         logprobs = chat_logprobs(token_ids, lps, self.params.logprobs, self.tokens_as_ids,
                                  self.token_bytes) if lps is not None else None
         thinking = ""
@@ -412,6 +414,9 @@ class ChatRenderer(Renderer):
             finish = self.tools.finish_reason(stream.calls, finish)
         if thinking and self.include_reasoning:
             message.reasoning = message.reasoning_content = thinking
+        elif (finish is None and logprobs is None and not self.return_token_ids and message.content is None
+              and not message.tool_calls):
+            return None  # all of it held back by the tool or reasoning parser: no empty delta (vLLM skips it too)
         return self.chunk([ChatStreamChoice(index=idx, delta=message, logprobs=logprobs,
                                             finish_reason=finish, stop_reason=stop, **self.ids(token_ids))])
 

@@ -963,6 +963,12 @@ def test_sse_wire_format_ends_with_done(live):
     assert set(calls[0]) == {"index", "id", "type", "function"} and set(calls[0]["function"]) == {"name", "arguments"}
     assert all(c == {"index": 0, "function": {"arguments": c["function"]["arguments"]}} for c in calls[1:])
     assert all(set(d) <= {"tool_calls"} for d in deltas[1:])
+    # "required": the text its parser holds back (the array around the calls) sends no empty delta (vLLM skips it)
+    with httpx.stream("POST", live.url + CH, timeout=60, json={**body, "tool_choice": "required", "max_tokens": 80}) as r:
+        choices = [json.loads(line[len("data: "):])["choices"][0] for line in r.iter_lines()
+                   if line.startswith("data: {") and '"choices":[{' in line]
+    assert all(c["delta"] or c["finish_reason"] for c in choices), choices
+    assert any(c["delta"].get("tool_calls") for c in choices)
 
 
 # ---------------------------------------------------------------- chat
