@@ -48,6 +48,13 @@ class DetokState:
         return self.buffer.text
 
 
+def num_token_ids(tokenizer) -> int:
+    """One past the tokenizer's highest token id: its length, unless its vocabulary skips ids (len()
+    counts entries, so a token past such a gap would count as no token: vLLM's max_token_id rule)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+
+
 class Detokenizer:
     """Turns sampled token ids into text deltas and finds stop strings in them."""
 
@@ -56,7 +63,7 @@ class Detokenizer:
         self._skipped: dict[int, bool] = {}  # token id -> whether skip_special_tokens leaves no text of it
         # Ids past the tokenizer's (a model's vocabulary is often padded: Qwen2.5's 151936 rows, 151665 tokens)
         # decode to nothing, and kept in the window they too would widen every later decode.
-        self._num_known = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+        self._num_known = num_token_ids(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
         # The Rust tokenizer, where its decoder alone makes the text decode() makes: transformers'
         # clean_up_tokenization_spaces edits it afterwards.
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.detokenizer import num_token_ids
 from tandem.errors import RequestError
 from tandem.plan import GrammarMask, StepPlan
 from tandem.sampling_params import StructuredOutputsParams
@@ -140,7 +141,7 @@ def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
     eos = list(eos_token_ids) or [tokenizer.eos_token_id]
     base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
     as_text = {i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
-    n_text = len(tokenizer)
+    n_text = num_token_ids(tokenizer)
     backend = _forced_text_tokenizer(tokenizer)
 
     @functools.lru_cache(maxsize=4096)  # forced texts repeat (a schema's keys): llguidance asks each step

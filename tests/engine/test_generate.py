@@ -745,6 +745,34 @@ def test_a_run_of_skipped_special_tokens_keeps_the_decode_window_short(model):
         assert text == tok.decode(fox + fox) and widest <= 2 * len(fox) + 2
 
 
+def test_a_token_past_a_gap_in_the_vocabulary_has_its_text(tmp_path):
+    """A vocabulary that skips an id (len() counts entries, one less than the highest id + 1): its
+    last token still has its text, as tokenizer.decode gives it (it counted as a padding id: no text)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer, num_token_ids
+    from tests.helpers import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    merged = {part for m in spec["model"]["merges"] for part in (m.split(" ") if isinstance(m, str) else m)}
+    gap = next(t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i > 5 and t not in merged and len(t) == 1)
+    del vocab[gap]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    top = max(vocab.values())
+    assert len(tok) == top and num_token_ids(tok) == top + 1
+    ids = tok("The quick", add_special_tokens=False).input_ids + [top]
+    detok = Detokenizer(tok)
+    state = detok.new_state([], [], False, True)
+    for t in ids:
+        detok.push(state, t, check_stop=False)
+    assert state.text == tok.decode(ids) and state.text.endswith(tok.decode([top]))
+
+
 def test_request_timings_start_when_the_step_is_planned(llm, monkeypatch):
     """A request's first_scheduled_time is taken before its first step is planned and launched (on a
     CPU the forward runs inside the launch): the time to first token holds the step, the queue time
