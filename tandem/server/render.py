@@ -464,11 +464,12 @@ class ResponsesRenderer(ChatRenderer):
         self.decode = decode
 
     def _counts(self, outputs: list[RequestOutput]) -> tuple[int, int]:
-        """(cached prompt tokens, reasoning tokens) of the reply."""
+        """(cached prompt tokens, reasoning tokens) of the reply; the thinking counts whether or not it is
+        shown (include_reasoning), as OpenAI counts a hidden one."""
         out = outputs[0]
         seq = out.outputs[0]
         thinking = 0
-        if self.reasoning is not None and self.include_reasoning:
+        if self.reasoning is not None:
             thinking = self.reasoning.thinking_tokens(seq.text, seq.token_ids, self.opens, self.reasoning_tags,
                                                       self.decode)
         return out.num_cached_tokens or 0, thinking

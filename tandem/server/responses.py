@@ -18,6 +18,7 @@ No FastAPI, no engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -466,8 +467,8 @@ class ResponseBuilder:
         for call in message.tool_calls:
             output.append(_call_item(_id("fc"), call.id, call.function.name, call.function.arguments, "completed"))
         status = self.status(choice.finish_reason)
-        if status == "incomplete":
-            output[-1]["status"] = "incomplete"  # the item the limit cut
+        if status == "incomplete" and not _whole_call(output[-1]):
+            output[-1]["status"] = "incomplete"  # the item the limit cut (a call parsed whole was not)
         return self._done(self.response(status, output, self.usage(chat.usage, cached_tokens, reasoning_tokens)))
 
     def _done(self, response: dict[str, Any]) -> dict[str, Any]:
@@ -524,7 +525,7 @@ class ResponseBuilder:
         the whole response."""
         status = self.status(self.finish_reason)
         events = [] if self.items else self._open(_message_item(_id("msg"), "", self.held_logprobs, "in_progress"))
-        events += self._close("incomplete" if status == "incomplete" else "completed")
+        events += self._close("incomplete" if status == "incomplete" and not _whole_call(self.open) else "completed")
         response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens, reasoning_tokens)))
         return events + [self.event(f"response.{status}", response=response)]
 
@@ -589,6 +590,18 @@ class ResponseBuilder:
             events.append(self.event("response.content_part.done", part=part, **where))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
+
+
+def _whole_call(item: dict[str, Any] | None) -> bool:
+    """Whether item is a function call whose arguments are whole (the token limit cut the reply after it:
+    a later call the parser dropped, or the text around the calls)."""
+    if item is None or item["type"] != "function_call":
+        return False
+    try:
+        json.loads(item["arguments"])
+    except ValueError:
+        return False
+    return True
 
 
 def _message_item(item_id: str, text: str, logprobs: list, status: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pydantic import TypeAdapter  # noqa: E402
 
 from tandem.errors import RequestError  # noqa: E402
 from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, ResponseStore, \
-    chat_request  # noqa: E402
+    _input_messages, chat_request  # noqa: E402
 from tests.e2e.test_server import ASK, MODEL, WEATHER, LiveServer, _llm, model_dirs  # noqa: E402,F401
 
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
@@ -93,6 +93,36 @@ def test_a_previous_output_passed_back_is_one_assistant_turn():
     assert turn["content"] == "Checking." and turn["reasoning_content"] == "Use the tool."
     assert [(c["id"], c["function"]["name"]) for c in turn["tool_calls"]] == [("c1", "f"), ("c2", "g")]
     assert (got[3]["tool_call_id"], got[4]["content"]) == ("c1", "2")
+
+
+@pytest.mark.parametrize("arguments, status", [('{"city": "Paris"}', "completed"), ('{"city": "Pa', "incomplete")])
+def test_only_a_call_the_limit_cut_is_incomplete(arguments, status):
+    """A reply max_output_tokens cut after a whole call (a later call the parser dropped, the text
+    around the calls) is incomplete, but that call is not, whole or streamed: continued with
+    previous_response_id it stays in the conversation (a call marked incomplete is left out). A call
+    whose arguments the limit cut is incomplete."""
+    from tandem.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
+                                        ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                                        ToolCall, UsageInfo)
+
+    usage = UsageInfo(prompt_tokens=5, completion_tokens=60, total_tokens=65)
+    message = ChatResponseMessage(tool_calls=[ToolCall(function=FunctionCall(name="f", arguments=arguments))])
+    chat = ChatCompletionResponse(id="c", model=MODEL, usage=usage,
+                                  choices=[ChatChoice(index=0, message=message, finish_reason="length")])
+    whole = ResponseBuilder(ResponsesRequest(input="hi"), MODEL).from_chat(chat, 0, 0)
+    builder = ResponseBuilder(ResponsesRequest(input="hi"), MODEL)
+    call = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="f", arguments=arguments))
+    builder.start()
+    builder.on_chunk(ChatCompletionChunk(id="c", created=0, model=MODEL, choices=[
+        ChatStreamChoice(index=0, delta=DeltaMessage(tool_calls=[call]), finish_reason="length")]))
+    streamed = builder.finish(usage, 0, 0)[-1]["response"]
+    for response in (whole, streamed):
+        assert response["status"] == "incomplete" and [i["status"] for i in response["output"]] == [status]
+    item = whole["output"][0]  # stored, then continued: [the stored input, its call] + the call's output
+    stored = [{"role": "user", "content": "hi"}, item,
+              {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]
+    kept = _input_messages(stored, num_previous=2)
+    assert any(m.get("tool_calls") for m in kept) == (status == "completed")
 
 
 def test_input_items_keep_their_turns_apart():
@@ -200,6 +230,8 @@ def test_reasoning_is_its_own_item(live):
     chat = _chat(live, [{"role": "user", "content": kw["input"]}], max_tokens=99, logprobs=True,
                  extra_body=kw["extra_body"])
     assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == "\n\nIt is sunny."
+    # hidden, the thinking still counts (OpenAI counts a hidden one)
+    assert hidden.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens > 0
     # Cut short in the thinking: every output token is a reasoning token.
     assert [item.type for item in cut.output] == ["reasoning"] and cut.status == "incomplete"
     assert cut.usage.output_tokens_details.reasoning_tokens == cut.usage.output_tokens == 15
