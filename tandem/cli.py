@@ -149,7 +149,8 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
 _DRAFT_FLAGS = {"model": "--draft", "num_speculative_tokens": "--num-speculative-tokens",
                 "quantization": "--draft-quantization", "draft_sample_method": "--draft-sample-method",
                 "draft_vocab_size": "--draft-vocab-size", "draft_token_map": "--draft-token-map",
-                "rejection_sample_method": "--rejection-sample-method"}
+                "rejection_sample_method": "--rejection-sample-method",
+                "num_speculative_tokens_per_batch_size": "--adaptive"}
 
 
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
@@ -162,7 +163,12 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
         message = _DRAFT_FLAGS[found[1]] + message[found.end():]
     flags = {field: flag for field, flag in _ENGINE_FLAGS.items() if hasattr(args, field)}  # this command's
     if flags:
-        message = re.sub(r"(?<![\w.-])(" + "|".join(flags) + r")(?=[=<>])", lambda m: flags[m[1]], message)
+        # a field set or compared ("max_model_len=4096", "tensor_parallel_size > 1"), or named alone where
+        # its name is no English word ("raise num_gpu_blocks_override", not "the device")
+        named = "|".join(f for f in flags if "_" in f)
+        message = re.sub(r"(?<![\w.-])(" + "|".join(flags) + r")(?=\s*[=<>])"
+                         + (r"|(?<![\w.-])(" + named + r")(?![\w.])" if named else ""),
+                         lambda m: flags[m[1] or m[2]], message)
     return re.sub(r"StructuredOutputsParams\.(\w+)", r"--structured-outputs \1", message)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 import weakref
@@ -266,6 +267,9 @@ def _started(conn: Connection) -> bool:
 
 
 def _worker_main(rank: int, size: int, port: int, llm_kwargs: dict, conn: Connection) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides (a server drains its requests
+    # first) and the other ranks end with it (None, or the pipe's EOF), not with the interrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send(("started", None))
     torch.set_num_threads(threads_per_rank(size))
     logging.getLogger("tandem").setLevel(logging.ERROR)  # rank 0 logs the engine's progress and warnings

@@ -61,7 +61,11 @@ class SpeculatorFactory:
         self._check_vocab(target, target_tokenizer, draft_dir, arch)
         draft_tp = tp if tp is not None and spec.draft_tensor_parallel_size != 1 else None
         if draft_tp is not None:
-            check_shardable(arch, draft_tp.size, "tensor_parallel_size", f"the draft model {spec.model!r}")
+            try:
+                check_shardable(arch, draft_tp.size, "tensor_parallel_size", f"the draft model {spec.model!r}")
+            except ConfigError as e:
+                raise ConfigError(f"{e}; or set speculative_config.draft_tensor_parallel_size=1 (the whole draft on "
+                                  f"each of the {draft_tp.size} ranks)") from None
         shared = min(target.arch.vocab_size, arch.vocab_size)
         self.hot_ids = hot_token_ids(spec.draft_vocab_size, spec.draft_token_map, shared, target_tokenizer,
                                      eos_token_ids if eos_token_ids is not None else target.arch.eos_token_ids)

@@ -560,6 +560,15 @@ def test_engine_errors_name_the_flag_that_set_the_value(tmp_path, capsys):
     spec = json.dumps({"model": str(tmp_path / "missing"), "num_speculative_tokens": 2})
     assert main(["generate", "--model", str(model), "--speculative-config", spec, "hi"]) == 2
     assert capsys.readouterr().err.startswith("error: speculative_config.model")  # the user wrote that key
+    # a field compared, or named alone ("raise num_gpu_blocks_override"): the flag too; a field that is an
+    # English word stays a word
+    from tandem.cli import build_parser, in_flag_terms
+
+    args = build_parser().parse_args(["serve", "m"])
+    said = in_flag_terms('speculative_config.num_speculative_tokens_per_batch_size="auto" is not supported with '
+                         "tensor_parallel_size > 1; raise num_gpu_blocks_override on the device", args)
+    assert said == ('--adaptive="auto" is not supported with --tensor-parallel-size > 1; raise '
+                    "--num-gpu-blocks-override on the device")
 
 
 def test_generate_into_a_closed_pipe_or_interrupted_ends_quietly(tmp_path, monkeypatch):
