@@ -407,24 +407,33 @@ def check_dtype_name(dtype: str | torch.dtype, field_name: str = "dtype") -> Non
         raise ConfigError(f"{field_name}={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
 
 
+def half_dtype(device: torch.device | None) -> torch.dtype:
+    """The half dtype 'auto' runs in where the checkpoint's cannot: bfloat16, or float16 on a GPU without it."""
+    no_bf16 = device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported()
+    return torch.float16 if no_bf16 else torch.bfloat16
+
+
 def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device,
                   field_name: str = "dtype") -> torch.dtype:
-    """'auto' takes the checkpoint's half dtype (float16 becomes bfloat16 on CPU, where it is slow);
-    a float32 checkpoint, or one that names no dtype, runs in bfloat16 (float16 on a GPU without
-    bfloat16), as vLLM's 'auto' does: half the memory and twice the speed of float32 for the same
-    weights; dtype='float32' keeps them."""
+    """'auto' takes the checkpoint's half dtype (float16 becomes bfloat16 on CPU, where it is slow;
+    bfloat16 float16 on a GPU without it); a float32 checkpoint, or one that names no dtype, runs in
+    bfloat16 (float16 on a GPU without bfloat16), as vLLM's 'auto' does: half the memory and twice the
+    speed of float32 for the same weights; dtype='float32' keeps them."""
     check_dtype_name(dtype, field_name)
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         resolved = DTYPE_NAMES.get(str(arch.torch_dtype).replace("torch.", ""), torch.float32)
         if resolved == torch.float32:
-            resolved = torch.float16 if device.type == "cuda" and not torch.cuda.is_bf16_supported() \
-                else torch.bfloat16
+            resolved = half_dtype(device)
             logger.info("%s='auto': the float32 checkpoint runs in %s (as vLLM's 'auto'); %s='float32' keeps "
                         "float32", field_name, str(resolved).removeprefix("torch."), field_name)
         if resolved == torch.float16 and device.type == "cpu":
             resolved = torch.bfloat16
+        if resolved == torch.bfloat16 and half_dtype(device) == torch.float16:
+            resolved = torch.float16
+            logger.info("%s='auto': this GPU has no bfloat16, so the bfloat16 checkpoint runs in float16 (as vLLM's "
+                        "'auto')", field_name)
     else:
         resolved = DTYPE_NAMES[dtype]
     if resolved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():

@@ -145,7 +145,7 @@ class LLM:
                 raise ConfigError(f"{name}={value!r} needs a GPU with float8 (compute capability 8.9 or newer; "
                                   f"measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
                                   f"{off!r}")
-        model_dir = resolve_model_dir(model, dtype)
+        model_dir = resolve_model_dir(model, dtype, device=dev)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
         if tp_size > 1:

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import DTYPE_NAMES, token_ids_setting
+from tandem.config import DTYPE_NAMES, half_dtype, token_ids_setting
 from tandem.errors import ConfigError
 
 
-def resolve_model_dir(model: str, dtype, field: str = "model") -> Path:
-    """A local HF directory, a .gguf file or a known model name -> a directory with config.json."""
+def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.device | None = None) -> Path:
+    """A local HF directory, a .gguf file or a known model name -> a directory with config.json
+    (converted to dtype; "auto": the half dtype the device runs, config.half_dtype)."""
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ConfigError(f"{field}={model!r} must be a path or a model name")
     try:
@@ -23,8 +24,9 @@ def resolve_model_dir(model: str, dtype, field: str = "model") -> Path:
     if path.is_dir() and (path / "config.json").exists():
         return path
     if resolve_model is not None:
-        # the dtype a GGUF file or known name is converted to ("auto": bfloat16); aliases as their names
-        want = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(dtype, torch.bfloat16)
+        # the dtype a GGUF file or known name is converted to ("auto": bfloat16, or float16 on a GPU
+        # without it); aliases as their names
+        want = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(dtype, half_dtype(device))
         try:
             return Path(resolve_model(str(model), want))
         except ConfigError as e:

@@ -308,6 +308,30 @@ def test_auto_dtype_runs_a_float32_checkpoint_in_half_precision(model_dir, check
     assert resolve_dtype(asked, arch, torch.device("cpu")) == runs
 
 
+def test_auto_dtype_on_a_gpu_without_bfloat16(model_dir, tmp_path, monkeypatch):
+    """A GPU without bfloat16 (a T4, a V100): "auto" runs a bfloat16 or float32 checkpoint in float16
+    (vLLM's rule), and converts a GGUF file or known name to float16 (they failed: converted to
+    bfloat16, then refused); bfloat16 asked by name is refused naming float16."""
+    import dataclasses
+
+    import tandem.models.hub as hub
+    from tandem.config import resolve_dtype
+    from tandem.models.source import resolve_model_dir
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    gpu = torch.device("cuda")
+    for checkpoint in ("bfloat16", "float32", "float16", None):
+        arch = dataclasses.replace(read_arch_config(model_dir), torch_dtype=checkpoint)
+        assert resolve_dtype("auto", arch, gpu) == torch.float16
+    with pytest.raises(ConfigError, match="use dtype='float16'"):
+        resolve_dtype("bfloat16", read_arch_config(model_dir), gpu)
+    asked = []
+    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype: asked.append(dtype) or tmp_path)
+    resolve_model_dir(str(tmp_path / "x.gguf"), "auto", device=gpu)
+    resolve_model_dir(str(tmp_path / "x.gguf"), "auto", device=torch.device("cpu"))
+    assert asked == [torch.float16, torch.bfloat16]
+
+
 def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(model_dir, d)
