@@ -19,6 +19,7 @@ the IQ types, ...).
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -192,11 +193,11 @@ class _Cursor:
         return v
 
     def skip_strings(self, count: int) -> None:
-        buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+        buf, pos, unpack, end = self.buf, self.pos, struct.unpack_from, len(self.buf)
         for _ in range(count):
             pos += 8 + unpack("<Q", buf, pos)[0]
-        if pos > len(buf):
-            raise EOFError("string array runs past the end of the file")
+            if pos > end:  # (a damaged length would take the next read past what an offset can hold)
+                raise EOFError("string array runs past the end of the file")
         self.pos = pos
 
     def value(self, vtype: int, keep_long_strings: bool = False):
@@ -273,7 +274,7 @@ def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
             raw_tensors.append((name, tuple(int(d) for d in dims), ttype, off))
     except ModelFormatError:
         raise
-    except (struct.error, EOFError, ValueError, UnicodeDecodeError) as e:
+    except (struct.error, EOFError, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise ModelFormatError(corrupt.format(f"bad header: {e}")) from None
 
     align = int(meta.get("general.alignment", 32) or 32)
@@ -288,7 +289,7 @@ def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
                 f"{', '.join(sorted(supported_tensor_types()))}. Upgrade the `gguf` package or use another file."
             ) from None
         block, tsize = GGML_QUANT_SIZES[qtype]
-        n_el = int(np.prod(dims)) if dims else 1
+        n_el = math.prod(dims)  # (exact: numpy's int64 product wraps around for a damaged dimension)
         if n_el % block or (dims and dims[0] % block):
             raise ModelFormatError(corrupt.format(f"tensor {name!r} shape {dims} does not fit {qtype.name} blocks"))
         nbytes = n_el // block * tsize
@@ -336,7 +337,12 @@ def check_supported(info: GGUFInfo) -> None:
             raise ModelFormatError(f"{info.path.name}: required tensor {needed!r} is missing; the file is incomplete.")
     layers = {int(m.group(1)) for n in names if (m := _BLOCK_RE.match(n))}
     n_layers = _int(info.arch_get("block_count"))
-    n_layers = n_layers if n_layers is not None else 1 + max(layers, default=-1)
+    found = 1 + max(layers, default=-1)
+    if n_layers is not None and n_layers > found:  # (a damaged count would list millions of missing names)
+        raise ModelFormatError(f"{info.path.name}: its metadata says {info.arch}.block_count={n_layers} but its "
+                               f"tensors hold {found} layers; the file is incomplete or corrupt (re-download or "
+                               "re-convert it).")
+    n_layers = n_layers if n_layers is not None else found
     per_layer = [f"{base}.weight" for base in _BLOCK_MAP]
     if info.arch == "qwen2":  # its q, k and v projections always carry biases
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]

@@ -238,6 +238,39 @@ def test_truncated_or_corrupt_gguf(tmp_path, cut):
     assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
+@pytest.mark.parametrize("damage", ["string length", "dimension", "block_count"])
+def test_a_damaged_header_field_is_refused_as_corrupt(tmp_path, damage):
+    """One damaged number in the header: a token's string length past 2^56 (an OverflowError
+    escaped as a traceback), a tensor dimension whose product wraps around in int64 (it passed the
+    size check, then failed to reshape mid-conversion), a block_count of millions (every layer's
+    missing tensors were listed until memory ran out): each a ModelFormatError, nothing cached."""
+    import struct
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    raw = bytearray(src.read_bytes())
+    if damage == "string length":  # the top byte of the vocabulary's first string length
+        at = raw.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 16
+        raw[at + 7] = 0xFF
+        pattern = "truncated or corrupt"
+    elif damage == "dimension":  # d0 * (d1 + 2^58) == d0 * d1 mod 2^64 when d0 is a multiple of 64
+        at = raw.index(b"token_embd.weight") + len("token_embd.weight")
+        _, d0, d1 = struct.unpack_from("<IQQ", raw, at)
+        assert d0 % 64 == 0
+        struct.pack_into("<Q", raw, at + 12, d1 + (1 << 58))
+        pattern = "truncated"
+    else:
+        at = raw.index(b"llama.block_count") + len("llama.block_count")
+        vtype, count = struct.unpack_from("<II", raw, at)
+        assert (vtype, count) == (4, 2)
+        struct.pack_into("<I", raw, at + 4, count | 1 << 24)
+        pattern = "block_count=16777218 but its tensors hold 2 layers"
+    src.write_bytes(bytes(raw))
+    with pytest.raises(ModelFormatError, match=pattern):
+        resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    assert _cache_entries(tmp_path / "cache" / "converted") == []
+
+
 def test_streaming_safetensors_writer_is_readable(tmp_path):
     ts = {"a": torch.randn(3, 5), "b.c": torch.randn(7), "d": torch.randn(2, 2, 2)}
     size = G.write_safetensors(tmp_path / "x.safetensors", [(k, tuple(v.shape)) for k, v in ts.items()],
