@@ -145,7 +145,7 @@ class LLM:
                 raise ConfigError(f"{name}={value!r} needs a GPU with float8 (compute capability 8.9 or newer; "
                                   f"measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
                                   f"{off!r}")
-        model_dir = resolve_model_dir(model, dtype, device=dev)
+        model_dir = resolve_model_dir(model, dtype, device=dev, weights=load_format != "dummy")
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
         if tp_size > 1:
@@ -221,7 +221,8 @@ class LLM:
                 launch["model"] = str(model_dir)
                 if spec is not None and not spec.lookup:  # fetched once, here
                     draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else torch_dtype,
-                                                  "speculative_config.model")
+                                                  "speculative_config.model",
+                                                  weights=spec.draft_load_format != "dummy")
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
                 store = host_store(tp_size)
                 workers = Workers(tp_size, store.port, launch)

@@ -632,10 +632,12 @@ def convert_gguf(
     *,
     progress: bool = True,
     info: GGUFInfo | None = None,
+    weights: bool = True,
 ) -> dict[str, int]:
     """Convert ``gguf_path`` into ``out_dir`` (must exist, should be empty).
 
-    Writes config.json, generation_config.json, model.safetensors and the tokenizer files.
+    Writes config.json, generation_config.json, model.safetensors (not with weights=False: the
+    shapes alone, for dummy weights) and the tokenizer files.
     Returns {file name: size} of everything written.  Not atomic by itself: callers write
     into a temporary directory and rename it into place (see tandem.models.hub).
     """
@@ -660,6 +662,8 @@ def convert_gguf(
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(build_generation_config(info, cfg), indent=2) + "\n")
+    if not weights:
+        return {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
 
     from tqdm.auto import tqdm
 

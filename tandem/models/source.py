@@ -11,9 +11,11 @@ from tandem.config import DTYPE_NAMES, half_dtype, token_ids_setting
 from tandem.errors import ConfigError
 
 
-def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.device | None = None) -> Path:
+def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.device | None = None,
+                      weights: bool = True) -> Path:
     """A local HF directory, a .gguf file or a known model name -> a directory with config.json
-    (converted to dtype; "auto": the half dtype the device runs, config.half_dtype)."""
+    (converted to dtype; "auto": the half dtype the device runs, config.half_dtype). weights=False
+    (dummy weights): its config and tokenizer suffice; a GGUF's tensors need not be converted."""
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ConfigError(f"{field}={model!r} must be a path or a model name")
     try:
@@ -28,7 +30,7 @@ def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.dev
         # without it); aliases as their names
         want = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(dtype, half_dtype(device))
         try:
-            return Path(resolve_model(str(model), want))
+            return Path(resolve_model(str(model), want, weights=weights))
         except ConfigError as e:
             if field == "model":
                 raise

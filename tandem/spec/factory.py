@@ -37,7 +37,7 @@ class SpeculatorFactory:
         self.spec = spec
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
-                                      "speculative_config.model")
+                                      "speculative_config.model", weights=spec.draft_load_format != "dummy")
         arch = read_arch_config(draft_dir, "speculative_config.model")
         check_device_support(arch, device, "speculative_config.model")
         dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device,

@@ -267,7 +267,7 @@ def test_a_dtype_alias_converts_to_that_dtype(monkeypatch, tmp_path):
     from tandem.models.source import resolve_model_dir
 
     asked = []
-    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype: asked.append(dtype) or tmp_path)
+    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype, **kw: asked.append(dtype) or tmp_path)
     for name in ("float", "fp32", "half", "fp16", "bf16", "auto", torch.float16):
         resolve_model_dir(str(tmp_path / "x.gguf"), name)
     assert asked == [torch.float32, torch.float32, torch.float16, torch.float16, torch.bfloat16, torch.bfloat16,
@@ -326,7 +326,7 @@ def test_auto_dtype_on_a_gpu_without_bfloat16(model_dir, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="use dtype='float16'"):
         resolve_dtype("bfloat16", read_arch_config(model_dir), gpu)
     asked = []
-    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype: asked.append(dtype) or tmp_path)
+    monkeypatch.setattr(hub, "resolve_model", lambda model, dtype, **kw: asked.append(dtype) or tmp_path)
     resolve_model_dir(str(tmp_path / "x.gguf"), "auto", device=gpu)
     resolve_model_dir(str(tmp_path / "x.gguf"), "auto", device=torch.device("cpu"))
     assert asked == [torch.float16, torch.bfloat16]

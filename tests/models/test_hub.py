@@ -143,6 +143,31 @@ def test_cache_layout_and_marker(tiny):
     assert _leftovers(cache) == []
 
 
+def test_dummy_weights_need_no_conversion(tiny, monkeypatch):
+    """load_format="dummy": a GGUF file's config and tokenizer are cached without converting a tensor
+    (an entry of its own, "-noweights"), and an LLM runs on them; a whole conversion, once cached,
+    serves dummy weights too; a damaged "-noweights" entry is rebuilt."""
+    from tandem import LLM, SamplingParams
+
+    src, _, cache = tiny
+    monkeypatch.setenv("TANDEM_CACHE", str(cache))
+    monkeypatch.setattr(G, "write_safetensors", lambda *a, **k: pytest.fail("no tensor is converted for dummy"))
+    out = resolve_model(src, torch.float32, cache_dir=cache, progress=False, weights=False)
+    assert out.name.endswith("-float32-noweights") and not list(out.glob("*.safetensors"))
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert check_converted_dir(out, weights=False) is None and check_converted_dir(out) is not None
+    llm = LLM(str(src), dtype="float32", load_format="dummy", max_model_len=64)
+    assert llm.llm_engine.cfg.model.path == str(out)
+    assert len(llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
+    (out / "config.json").write_text("{}")  # damaged: rebuilt
+    assert resolve_model(src, torch.float32, cache_dir=cache, progress=False, weights=False) == out
+    assert json.loads((out / "config.json").read_text())["architectures"]
+    monkeypatch.undo()
+    whole = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
+    assert resolve_model(src, torch.float32, cache_dir=cache, progress=False, weights=False) == whole
+
+
 def test_second_resolve_reads_cache(tiny, monkeypatch):
     src, _, cache = tiny
     first = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
@@ -308,6 +333,14 @@ def test_fetch_known_model(fake_known, monkeypatch):
     ConvertSpy(monkeypatch, fail=AssertionError("must not convert"))
     assembled.unlink()
     assert resolve_model("fake-tiny", torch.bfloat16, cache_dir=cache, progress=False) == out
+
+
+def test_dummy_weights_of_a_known_name_convert_no_tensor(fake_known, monkeypatch):
+    km, _, cache = fake_known
+    monkeypatch.setattr(G, "write_safetensors", lambda *a, **k: pytest.fail("no tensor is converted for dummy"))
+    out = resolve_model("fake-tiny", torch.bfloat16, cache_dir=cache, progress=False, weights=False)
+    assert out == cache / "converted" / f"fake-tiny-{km.sha256[:12]}-bfloat16-noweights"
+    assert (out / "config.json").is_file() and not list(out.glob("*.safetensors"))
 
 
 def test_fetch_sha256_mismatch(fake_known, monkeypatch):
