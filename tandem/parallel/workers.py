@@ -181,13 +181,16 @@ class ReplicatedEngine:
     everything else is the engine's own (reading attributes, validation, read-only calls)."""
 
     def __init__(self, engine, workers: Workers, tp, threads: int):
-        """threads: the caller's torch threads, which rank 0 gave up for its share of the CPU. The
-        ranks stop and the threads come back on close(), or once the engine is dropped (or at exit)."""
+        """threads: the caller's torch threads, which rank 0 gave up for its share of the CPU (the
+        count now). The ranks stop and the threads come back on close(), or once the engine is
+        dropped (or at exit), unless something changed the count meanwhile: another tensor-parallel
+        engine closed first and gave back the count this one found (it had lowered it too)."""
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_workers", workers)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_threads", threads)
-        object.__setattr__(self, "_release", weakref.finalize(self, _release_ranks, workers, tp, threads))
+        object.__setattr__(self, "_release", weakref.finalize(self, _release_ranks, workers, tp, threads,
+                                                             torch.get_num_threads()))
 
     def __setattr__(self, name, value):
         self._workers.send("__setattr__", (name, value), {})
@@ -225,11 +228,13 @@ class ReplicatedEngine:
         self._release()
 
 
-def _release_ranks(workers: Workers, tp, threads: int) -> None:
-    """Stop the other ranks, leave the group and give the caller its torch threads back (once)."""
+def _release_ranks(workers: Workers, tp, threads: int, share: int) -> None:
+    """Stop the other ranks, leave the group and give the caller its torch threads back (once),
+    where they are still rank 0's share."""
     workers.close()
     tp.close()
-    torch.set_num_threads(threads)
+    if torch.get_num_threads() == share:
+        torch.set_num_threads(threads)
 
 
 # What a collective raises when another rank has gone (gloo's socket errors; NCCL's remote errors).

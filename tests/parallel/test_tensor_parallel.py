@@ -204,6 +204,23 @@ def test_dropping_the_llm_stops_its_ranks_and_gives_the_threads_back(models):
         assert not proc.is_alive()
 
 
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_engines_give_the_caller_its_threads_back(models, first):
+    """Two tensor-parallel engines in one process, closed in either order: the caller ends with the
+    torch threads it had (closed first, the first engine gave them back and the second then put back
+    the count it had found, rank 0's share, for good)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kw = dict(dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+        engines = {"a": LLM(str(models["target"]), **kw), "b": LLM(str(models["target"]), **kw)}
+        for name in (first, "b" if first == "a" else "a"):
+            engines[name].engine.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_rank_that_fails_to_load_names_its_error(models, tmp_path, monkeypatch):
     """Rank 1 fails while loading, after joining the group (here: its copy of the checkpoint is
     corrupt; in life, its own out-of-memory): rank 0's next collective breaks at once, and rank 0
