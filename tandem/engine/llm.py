@@ -102,6 +102,7 @@ class LLM:
         enable_chunked_prefill: bool | None = None,
         swap_space: float | None = None,
         disable_custom_all_reduce: bool = False,
+        download_dir: str | None = None,
         _rank: tuple[int, int] | None = None,
         **unsupported: Any,
     ):
@@ -112,8 +113,10 @@ class LLM:
         the log (False: one every 10 s that verified drafts, on the "tandem" logger at INFO).
         enable_chunked_prefill (True or None), swap_space and disable_custom_all_reduce are vLLM's
         arguments that ask for nothing here: prompts are always chunked to max_num_batched_tokens,
-        a preemption recomputes (no swap), and tensor parallelism reduces through NCCL. Any other
-        argument of vLLM's that tandem does not take is a ConfigError naming it."""
+        a preemption recomputes (no swap), and tensor parallelism reduces through NCCL. download_dir
+        (vLLM's): where models named by a known name, a GGUF file or a hub id are fetched and converted
+        (None: $TANDEM_CACHE, else ~/.cache/tandem). Any other argument of vLLM's that tandem does not
+        take is a ConfigError naming it."""
         if unsupported:
             names = ", ".join(sorted(unsupported))
             raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "
@@ -145,7 +148,8 @@ class LLM:
                 raise ConfigError(f"{name}={value!r} needs a GPU with float8 (compute capability 8.9 or newer; "
                                   f"measured on Hopper); this one is {torch.cuda.get_device_name(dev)}; leave it "
                                   f"{off!r}")
-        model_dir = resolve_model_dir(model, dtype, device=dev, weights=load_format != "dummy")
+        model_dir = resolve_model_dir(model, dtype, device=dev, weights=load_format != "dummy",
+                                      cache_dir=download_dir)
         arch = read_arch_config(model_dir)
         check_device_support(arch, dev)
         if tp_size > 1:
@@ -221,8 +225,8 @@ class LLM:
                 launch["model"] = str(model_dir)
                 if spec is not None and not spec.lookup:  # fetched once, here
                     draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else torch_dtype,
-                                                  "speculative_config.model",
-                                                  weights=spec.draft_load_format != "dummy")
+                                                  "speculative_config.model", weights=spec.draft_load_format != "dummy",
+                                                  cache_dir=launch["download_dir"])
                     launch["speculative_config"] = dataclasses.replace(spec, model=str(draft_dir))
                 store = host_store(tp_size)
                 workers = Workers(tp_size, store.port, launch)
@@ -244,7 +248,8 @@ class LLM:
             elif spec is not None:
                 from tandem.spec.factory import SpeculatorFactory
 
-                factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos)
+                factory = SpeculatorFactory(spec, cfg.model, self.tokenizer, dev, self.tp, eos,
+                                            launch["download_dir"])
             self.engine = Engine(cfg, target, self.tokenizer, eos, factory)
             if launch["disable_log_stats"]:
                 self.engine.log_interval_s = math.inf
@@ -496,7 +501,8 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                      per_request_spec_decode_metrics, quantization, kv_cache_dtype, scheduling_policy, logprobs_mode,
                      load_format, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
                      tokenizer_mode, trust_remote_code, enable_prefix_caching, enforce_eager, tokenizer, dtype,
-                     disable_log_stats, enable_chunked_prefill, swap_space, disable_custom_all_reduce, **_) -> None:
+                     disable_log_stats, enable_chunked_prefill, swap_space, disable_custom_all_reduce, download_dir,
+                     **_) -> None:
     """LLM's arguments that can be checked before anything is resolved: a ConfigError naming the
     first bad one and its fix."""
     _check_positive_int("max_num_seqs", max_num_seqs)
@@ -567,6 +573,9 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
     if swap_space is not None and (not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool)
                                    or swap_space < 0):
         raise ConfigError(f"swap_space={swap_space!r} must be a number of GiB >= 0 (unused: a preemption recomputes)")
+    if download_dir is not None and (not isinstance(download_dir, (str, os.PathLike)) or not str(download_dir)):
+        raise ConfigError(f"download_dir={download_dir!r} must be a directory (a path), or None for $TANDEM_CACHE "
+                          "(else ~/.cache/tandem)")
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
                           "model's own")

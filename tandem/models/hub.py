@@ -648,7 +648,7 @@ def _resolve_known(km: KnownModel, dtype: torch.dtype, root: pathlib.Path, progr
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def _resolve_hub(repo_id: str) -> pathlib.Path:
+def _resolve_hub(repo_id: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     hint = (f"Known names: {_known_names()}; or pass a local HF model directory (with config.json) or a .gguf file.")
     try:
         from huggingface_hub import snapshot_download
@@ -660,6 +660,7 @@ def _resolve_hub(repo_id: str) -> pathlib.Path:
         d = snapshot_download(
             repo_id,
             allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),  # (None: the hub's own cache)
         )
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -740,7 +741,7 @@ def resolve_model(
             f"{_known_names()}."
         )
     if _HUB_ID.match(model):
-        return _resolve_hub(model)
+        return _resolve_hub(model, None if cache_dir is None else root / "hub")
     raise ModelNotFoundError(
         f"unknown model {model!r}: not an existing path, not a known model name, not a hub id. Known names: "
         f"{_known_names()}; or pass a .gguf file or an HF model directory."

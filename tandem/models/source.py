@@ -12,10 +12,11 @@ from tandem.errors import ConfigError
 
 
 def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.device | None = None,
-                      weights: bool = True) -> Path:
+                      weights: bool = True, cache_dir: str | os.PathLike | None = None) -> Path:
     """A local HF directory, a .gguf file or a known model name -> a directory with config.json
     (converted to dtype; "auto": the half dtype the device runs, config.half_dtype). weights=False
-    (dummy weights): its config and tokenizer suffice; a GGUF's tensors need not be converted."""
+    (dummy weights): its config and tokenizer suffice; a GGUF's tensors need not be converted.
+    cache_dir: where fetched and converted models are kept (None: $TANDEM_CACHE, else ~/.cache/tandem)."""
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ConfigError(f"{field}={model!r} must be a path or a model name")
     try:
@@ -30,7 +31,7 @@ def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.dev
         # without it); aliases as their names
         want = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(dtype, half_dtype(device))
         try:
-            return Path(resolve_model(str(model), want, weights=weights))
+            return Path(resolve_model(str(model), want, weights=weights, cache_dir=cache_dir))
         except ConfigError as e:
             if field == "model":
                 raise

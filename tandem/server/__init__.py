@@ -12,7 +12,8 @@ import socket
 
 from tandem.chat import load_chat_template
 from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
-from tandem.flags import (DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP,
+from tandem.flags import (DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
+                          QUANTIZATION_HELP,
                           REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in,
                           non_empty, override_generation_config, size_in, speculative_config,
                           structured_outputs_config, watermark_config)
@@ -59,6 +60,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--dtype", default="auto")
     model.add_argument("--device", default="auto")
     model.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    model.add_argument("--download-dir", default=None, type=non_empty("pass a directory"), help=DOWNLOAD_DIR_HELP)
     model.add_argument("--seed", type=int_in(0), default=0)
     model.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES),
                        help="returned logprobs: the model's (default, as vLLM) or the sampled distribution's")

@@ -30,14 +30,17 @@ logger = logging.getLogger("tandem")
 
 class SpeculatorFactory:
     def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_tokenizer, device: torch.device,
-                 tp: TPGroup | None = None, eos_token_ids: tuple[int, ...] | None = None):
+                 tp: TPGroup | None = None, eos_token_ids: tuple[int, ...] | None = None,
+                 download_dir: str | None = None):
         """tp: the target's tensor-parallel group; the draft is sharded over it as well, or whole on
         every rank when speculative_config.draft_tensor_parallel_size is 1. eos_token_ids: the
-        engine's (None: the target config's), kept in a pruned draft head."""
+        engine's (None: the target config's), kept in a pruned draft head. download_dir: where a draft
+        named by a known name, a GGUF file or a hub id is fetched and converted (LLM's)."""
         self.spec = spec
         self.device = device
         draft_dir = resolve_model_dir(spec.model, spec.dtype if spec.dtype != "auto" else target.dtype,
-                                      "speculative_config.model", weights=spec.draft_load_format != "dummy")
+                                      "speculative_config.model", weights=spec.draft_load_format != "dummy",
+                                      cache_dir=download_dir)
         arch = read_arch_config(draft_dir, "speculative_config.model")
         check_device_support(arch, device, "speculative_config.model")
         dtype = target.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, arch, device,

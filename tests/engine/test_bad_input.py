@@ -469,7 +469,8 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(swap_space=-1), "swap_space"),
         (dict(disable_log_stats="no"), "disable_log_stats"),
         (dict(enable_lora=True), "enable_lora"),  # a vLLM argument tandem does not take: named, not a TypeError
-        (dict(download_dir="/tmp", hf_overrides={}), "download_dir, hf_overrides"),
+        (dict(revision="main", hf_overrides={}), "hf_overrides, revision"),
+        (dict(download_dir=""), "download_dir"),
         (dict(load_format="safetensors"), "load_format"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),

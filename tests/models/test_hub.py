@@ -168,6 +168,23 @@ def test_dummy_weights_need_no_conversion(tiny, monkeypatch):
     assert resolve_model(src, torch.float32, cache_dir=cache, progress=False, weights=False) == whole
 
 
+def test_download_dir_is_where_models_are_converted(tiny, tmp_path, monkeypatch):
+    """LLM(download_dir=...) (vLLM's argument; `--download-dir` on generate and serve) keeps a GGUF's
+    conversion there, the draft's too, not in $TANDEM_CACHE; a download_dir that is no path is refused."""
+    from tandem import LLM
+    from tandem.errors import ConfigError
+
+    src, _, cache = tiny
+    monkeypatch.setenv("TANDEM_CACHE", str(cache))
+    here = tmp_path / "downloads"
+    llm = LLM(str(src), dtype="float32", max_model_len=64, download_dir=str(here),
+              speculative_config={"model": str(src), "num_speculative_tokens": 2})
+    assert pathlib.Path(llm.llm_engine.cfg.model.path).parent == here / "converted"
+    assert _entries(here / "converted") and not (cache / "converted").exists()
+    with pytest.raises(ConfigError, match="download_dir=3 must be a directory"):
+        LLM(str(src), download_dir=3)
+
+
 def test_second_resolve_reads_cache(tiny, monkeypatch):
     src, _, cache = tiny
     first = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
