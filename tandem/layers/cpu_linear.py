@@ -27,6 +27,7 @@ widens 8: one row of the 1.5B's gate_up 1.07 -> 0.93 ms).
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,6 +35,8 @@ from torch import Tensor, nn
 
 from tandem.errors import ConfigError
 from tandem.kernels import cpu_build, cpu_gemm
+
+logger = logging.getLogger(__name__)
 
 CPU_MATMULS = ("auto", "avx512bf16", "avx512", "avx2", "fbgemm", "torch")
 
@@ -123,6 +126,11 @@ def cpu_linear_kind(cpu_matmul: str, device: torch.device, dtype: torch.dtype) -
         return cpu_matmul
     if cpu_matmul == "auto" and cpu_build.best_isa() is not None:
         return cpu_build.best_isa()
+    if cpu_matmul == "auto":
+        why = cpu_build.load_error("avx2")  # (the build every x86-64 CPU of this decade runs)
+        log = logger.info if why.startswith("this CPU lacks") else logger.warning
+        log("cpu_matmul='auto': tandem's CPU kernels cannot run here (%s); the linears run %s", why,
+            "FBGEMM's fp16 GEMM (weights rounded to float16)" if fbgemm_available() else "PyTorch's own")
     if fbgemm_available():
         return "fbgemm"
     if cpu_matmul == "fbgemm":
@@ -142,9 +150,11 @@ def runs_fp8_bytes(kind: str) -> bool:
     return kind in cpu_build.ISAS and cpu_build.load_error(kind) is None
 
 
-def prepare_linears(model: nn.Module, kind: str) -> None:
+def prepare_linears(model: nn.Module, kind: str, chosen: bool = True) -> None:
     """Swap every nn.Linear of `model` for the `kind` kernel (see cpu_linear_kind), in place; with
-    our kernel, linears marked `fp8_weights` (tandem/layers/quant.py) become W8Linear."""
+    our kernel, linears marked `fp8_weights` (tandem/layers/quant.py) become W8Linear. chosen: the
+    user named kind (else "auto" fell back to it: FBGEMM then keeps PyTorch's linears for weights
+    past the fp16 range instead of refusing them)."""
     if kind in cpu_build.ISAS:
         fp8 = runs_fp8_bytes(kind)
         for module, name, child in linear_sites(model):
@@ -156,21 +166,29 @@ def prepare_linears(model: nn.Module, kind: str) -> None:
                 child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
             setattr(module, name, W16Linear(child, kind))
     elif kind == "fbgemm":
-        pack_linears(model)
+        pack_linears(model, chosen)
 
 
-def pack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, chosen: bool = True) -> None:
     """Replace every nn.Linear of `model` by an FbgemmLinear, in place, packing on all threads
-    (the bf16 weights are released unless another module, e.g. a tied embedding, holds them)."""
+    (the bf16 weights are released unless another module, e.g. a tied embedding, holds them). A
+    weight past the fp16 range is refused where the user chose FBGEMM (chosen), else every linear
+    stays PyTorch's (checked before any is packed)."""
     sites = linear_sites(model)
     limit = torch.finfo(torch.float16).max
+    for _, name, child in sites:
+        lo, hi = torch.aminmax(child.weight.detach())
+        if max(-lo.item(), hi.item()) > limit:
+            if chosen:
+                raise ConfigError(f"cpu_matmul='fbgemm': weight {name!r} exceeds the fp16 range; use "
+                                  "cpu_matmul='torch'")
+            logger.warning("cpu_matmul='auto': weight %r exceeds the fp16 range of FBGEMM's GEMM, so the linears "
+                           "stay PyTorch's", name)
+            return
 
     def pack(site):
         _, name, child = site
         w = child.weight.detach()
-        lo, hi = torch.aminmax(w)
-        if max(-lo.item(), hi.item()) > limit:
-            raise ConfigError(f"cpu_matmul='fbgemm': weight {name!r} exceeds the fp16 range; use cpu_matmul='torch'")
         bias = child.bias.detach().float() if child.bias is not None else None
         return torch.ops.quantized.linear_prepack_fp16(w.float(), bias)
 

@@ -100,7 +100,7 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
     if device.type == "cuda":
         prepare_gpu_linears(model, cfg.dtype, keep_weights=cfg.fp8_draft_layout)
     else:
-        prepare_linears(model, kind)
+        prepare_linears(model, kind, chosen=cfg.cpu_matmul != "auto")
         if kind in cpu_build.ISAS:
             use_cpu_kernels(model, kind)
     if cfg.quantization is not None and any(isinstance(m, torch.nn.Linear) and getattr(m, "fp8_weights", False)

@@ -211,6 +211,10 @@ def test_weight_beyond_fp16_range_is_refused():
         lin.weight[3, 3] = 1e6
     with pytest.raises(ConfigError, match="fp16 range.*cpu_matmul='torch'"):
         pack_linears(nn.Sequential(lin))
+    # where "auto" fell back to FBGEMM (no build of ours), the linears stay PyTorch's instead
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), lin)
+    pack_linears(model, chosen=False)
+    assert all(type(m) is nn.Linear for m in model)
 
 
 def test_selection():
@@ -232,14 +236,17 @@ def test_selection():
                 cpu_linear_kind(isa, cpu, bf16)
 
 
-def test_unbuildable_kernel_falls_back_or_says_why(monkeypatch):
-    """No compiler: "auto" falls back, an explicit "avx2" names the reason and the fix."""
+def test_unbuildable_kernel_falls_back_or_says_why(monkeypatch, caplog):
+    """No compiler: "auto" falls back with a warning saying why, an explicit "avx2" names the reason
+    and the fix."""
     cpu_build._load.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     try:
         assert "no C compiler" in cpu_build.load_error("avx2")
         assert cpu_build.best_isa() is None
-        assert cpu_linear_kind("auto", torch.device("cpu"), torch.bfloat16) in ("fbgemm", "torch")
+        with caplog.at_level("WARNING", logger="tandem"):
+            assert cpu_linear_kind("auto", torch.device("cpu"), torch.bfloat16) in ("fbgemm", "torch")
+        assert any("cannot run here (no C compiler" in r.getMessage() for r in caplog.records), caplog.records
         with pytest.raises(ConfigError, match="cpu_matmul='avx2' cannot run here: .*no C compiler.*cpu_matmul='auto'"):
             cpu_linear_kind("avx2", torch.device("cpu"), torch.bfloat16)
     finally:
