@@ -80,6 +80,44 @@ static inline float dot_half(const float *restrict q, const uint16_t *restrict k
     return lanes_sum(part);
 }
 
+/* q . k for D elements of fp32 rows (an fp8 cache's key, widened): dot_half's lanes and tree. */
+static inline float dot_f32(const float *restrict q, const float *restrict k, int64_t D) {
+    lanes part = lanes_zero();
+    const int64_t body = D - D % LANES;
+    for (int64_t d = 0; d < body; d += LANES)
+        part = lanes_muladd(part, lanes_load(q + d), lanes_load(k + d));
+    if (body < D) {
+        float tail[LANES];
+        lanes_store(tail, part);
+        for (int64_t d = body; d < D; d++)
+            tail[d - body] += q[d] * k[d];
+        part = lanes_load(tail);
+    }
+    return lanes_sum(part);
+}
+
+/* D bytes of an fp8 (e4m3) cache row as fp32, through lut: the 256 byte values' exact widths. */
+static inline void widen_fp8(float *restrict dst, const uint8_t *restrict src, int64_t D, const float *restrict lut) {
+    for (int64_t d = 0; d < D; d++)
+        dst[d] = lut[src[d]];
+}
+
+/* The rep rows of scores [rep, L] in place -> e^(s - max) each, their sums into sums [rep]. */
+static inline void softmax_rows(float *scores, int64_t rep, int64_t L, float *sums) {
+    for (int64_t i = 0; i < rep; i++) {
+        float *s = scores + i * L;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < L; j++)
+            m = s[j] > m ? s[j] : m;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < L; j++) {
+            s[j] = exp_poly(s[j] - m);
+            sum += s[j];
+        }
+        sums[i] = sum;
+    }
+}
+
 /* The weighted sum of the values, PV_HEADS query heads x PV_VECS * 16 columns at a time with the
  * sums in registers (AVX2 has half the registers of AVX-512, and each `lanes` takes two):
  * acc[h, d] = sum over the keys j, in order, of p[h, j] * v_j[d] (each product rounded, then
@@ -165,34 +203,58 @@ static inline __attribute__((always_inline)) void attend_head(
             scores[i * L + j] = dot_half(qf + i * D, k, D, kind) * scale;
     }
     float sums[rep];
-    for (int64_t i = 0; i < rep; i++) {
-        float *s = scores + i * L;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < L; j++)
-            m = s[j] > m ? s[j] : m;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < L; j++) {
-            s[j] = exp_poly(s[j] - m);
-            sum += s[j];
-        }
-        sums[i] = sum;
-    }
+    softmax_rows(scores, rep, L, sums);
     weigh_values(acc, scores, v_cache, slots, L, rep, Hkv, hk, D, kind);
     for (int64_t i = 0; i < rep; i++)
         for (int64_t d = 0; d < D; d++)
             out[i * D + d] = to_half(acc[i * D + d] / sums[i], kind);
 }
 
+/* attend_head over an fp8 (e4m3) cache: each key and value row widened through lut (exact) into
+ * row, then the same fp32 arithmetic, the values summed in key order (a product rounded, then
+ * added). work: rep * (L + 2 D) + D floats. */
+static inline __attribute__((always_inline)) void attend_head_fp8(
+    const uint16_t *q, uint16_t *out, const uint8_t *k_cache, const uint8_t *v_cache, const int64_t *slots,
+    int64_t L, int64_t rep, int64_t Hkv, int64_t hk, int64_t D, float scale, float *work, const float *lut,
+    const int kind)
+{
+    float *scores = work, *qf = work + rep * L, *acc = qf + rep * D, *row = acc + rep * D;
+    for (int64_t i = 0; i < rep * D; i++) {
+        qf[i] = from_half(q[i], kind);
+        acc[i] = 0.0f;
+    }
+    for (int64_t j = 0; j < L; j++) {
+        widen_fp8(row, k_cache + (slots[j] * Hkv + hk) * D, D, lut);
+        for (int64_t i = 0; i < rep; i++)
+            scores[i * L + j] = dot_f32(qf + i * D, row, D) * scale;
+    }
+    float sums[rep];
+    softmax_rows(scores, rep, L, sums);
+    for (int64_t j = 0; j < L; j++) {
+        widen_fp8(row, v_cache + (slots[j] * Hkv + hk) * D, D, lut);
+        for (int64_t i = 0; i < rep; i++) {
+            const float w = scores[i * L + j];
+            float *a = acc + i * D;
+            for (int64_t d = 0; d < D; d++)
+                a[d] += w * row[d];
+        }
+    }
+    for (int64_t i = 0; i < rep; i++)
+        for (int64_t d = 0; d < D; d++)
+            out[i * D + d] = to_half(acc[i * D + d] / sums[i], kind);
+}
+
 static inline __attribute__((always_inline)) int attend_rows(
-    const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
+    const uint16_t *q, int64_t q_stride, uint16_t *out, const void *k_cache, const void *v_cache,
     const int64_t *row_token, const int64_t *row_slot_start, const int64_t *row_len, const int64_t *slots,
-    int64_t rows, int64_t H, int64_t Hkv, int64_t D, float scale, int num_threads, const int kind)
+    int64_t rows, int64_t H, int64_t Hkv, int64_t D, float scale, int num_threads, const float *fp8_lut,
+    const int kind)
 {
     const int64_t rep = H / Hkv;
     int64_t max_len = 0;
     for (int64_t r = 0; r < rows; r++)
         max_len = row_len[r] > max_len ? row_len[r] : max_len;
-    const int64_t work_floats = rep * (max_len + 2 * D);
+    const int64_t work_floats = rep * (max_len + 2 * D) + D;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) if (rows * max_len * H * D >= 65536)
     {
@@ -206,8 +268,12 @@ static inline __attribute__((always_inline)) int attend_rows(
             if (!work)
                 continue;
             const int64_t r = task / Hkv, hk = task % Hkv, t = row_token[r];
-            attend_head(q + t * q_stride + hk * rep * D, out + (t * H + hk * rep) * D, k_cache, v_cache,
-                        slots + row_slot_start[r], row_len[r], rep, Hkv, hk, D, scale, work, kind);
+            if (fp8_lut)
+                attend_head_fp8(q + t * q_stride + hk * rep * D, out + (t * H + hk * rep) * D, k_cache, v_cache,
+                                slots + row_slot_start[r], row_len[r], rep, Hkv, hk, D, scale, work, fp8_lut, kind);
+            else
+                attend_head(q + t * q_stride + hk * rep * D, out + (t * H + hk * rep) * D, k_cache, v_cache,
+                            slots + row_slot_start[r], row_len[r], rep, Hkv, hk, D, scale, work, kind);
         }
         free(work);
     }
@@ -217,20 +283,23 @@ static inline __attribute__((always_inline)) int attend_rows(
 /* Store the step's K/V rows (k_new, v_new [num_tokens, Hkv, D], rows at k_stride / v_stride) at
  * slot_mapping [num_tokens] in the caches [num_slots, Hkv, D], then attend every row: out [T, H, D]
  * contiguous gets row r's output at token row_token[r]; q rows [T, H, D] at q_stride, heads D apart.
+ * fp8_lut (NULL: 16-bit caches of q's kind): the caches hold fp8 (e4m3) bytes, read through this
+ * table of the 256 values; the caller has stored the step's rows (num_tokens 0: nothing to copy).
  * Returns 0, or -1 where a work buffer could not be allocated. */
 int tandem_paged_attention(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k_new, int64_t k_stride,
                            const uint16_t *v_new, int64_t v_stride, const int64_t *slot_mapping, int64_t num_tokens,
-                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *row_token,
+                           void *k_cache, void *v_cache, const int64_t *row_token,
                            const int64_t *row_slot_start, const int64_t *row_len, const int64_t *slots, int64_t rows,
-                           int64_t H, int64_t Hkv, int64_t D, float scale, int kind, int num_threads)
+                           int64_t H, int64_t Hkv, int64_t D, float scale, int kind, int num_threads,
+                           const float *fp8_lut)
 {
-    for (int64_t t = 0; t < num_tokens; t++) {
-        memcpy(k_cache + slot_mapping[t] * Hkv * D, k_new + t * k_stride, (size_t)(Hkv * D) * sizeof(uint16_t));
-        memcpy(v_cache + slot_mapping[t] * Hkv * D, v_new + t * v_stride, (size_t)(Hkv * D) * sizeof(uint16_t));
+    for (int64_t t = 0; t < num_tokens && !fp8_lut; t++) {
+        memcpy((uint16_t *)k_cache + slot_mapping[t] * Hkv * D, k_new + t * k_stride, (size_t)(Hkv * D) * sizeof(uint16_t));
+        memcpy((uint16_t *)v_cache + slot_mapping[t] * Hkv * D, v_new + t * v_stride, (size_t)(Hkv * D) * sizeof(uint16_t));
     }
     if (kind == H_BF16)
         return attend_rows(q, q_stride, out, k_cache, v_cache, row_token, row_slot_start, row_len, slots, rows, H,
-                           Hkv, D, scale, num_threads, H_BF16);
+                           Hkv, D, scale, num_threads, fp8_lut, H_BF16);
     return attend_rows(q, q_stride, out, k_cache, v_cache, row_token, row_slot_start, row_len, slots, rows, H, Hkv,
-                       D, scale, num_threads, H_F16);
+                       D, scale, num_threads, fp8_lut, H_F16);
 }

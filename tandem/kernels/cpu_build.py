@@ -48,7 +48,7 @@ _ENTRY_POINTS = {
     "tandem_rotary": ([_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _INT, _INT], None),
     "tandem_silu_mul": ([_P, _I64, _P, _I64, _I64, _INT, _INT], None),
     "tandem_paged_attention": ([_P, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
-                                _I64, _F32, _INT, _INT], _INT),
+                                _I64, _F32, _INT, _INT, _P], _INT),
     "tandem_uniform_rows": ([_P, _I64, _I64, _P, _INT], None),
 }
 

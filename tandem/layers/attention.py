@@ -80,6 +80,8 @@ class AttnMetadata:
         the tensors fit it; else the PyTorch reference below."""
         assert not kv_stored
         if cpu_isa is not None and self.rows is not None and cpu_attention.fits(q, k, v, k_cache, v_cache):
+            if k_cache.dtype != k.dtype:  # an fp8 cache: stored here (saturated and rounded), read by the kernel
+                store_kv(k, v, k_cache, v_cache, self.slot_mapping)
             return cpu_attention.paged_attention(q, k, v, k_cache, v_cache, self.slot_mapping, self.rows, scale,
                                                  cpu_isa)
         store_kv(k, v, k_cache, v_cache, self.slot_mapping)

@@ -106,8 +106,41 @@ def test_fits_refuses_what_the_kernel_does_not_take(isa):
     q, k, v, k_cache, v_cache = _step(torch.bfloat16, 4, 2, 32, 3)
     assert cpu_attention.fits(q, k, v, k_cache, v_cache)
     assert not cpu_attention.fits(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float())
+    fp8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    assert cpu_attention.fits(q, k, v, *fp8) and not cpu_attention.fits(q, k, v, fp8[0], v_cache)
     assert not cpu_attention.fits(q, k, v, k_cache.transpose(1, 2), v_cache)
     assert not cpu_attention.fits(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (8, 1, 24), (6, 3, 40)])
+def test_an_fp8_cache_matches_reference(isa, dtype, heads, kv_heads, head_dim):
+    """kv_cache_dtype "fp8": the step's keys and values stored saturated and rounded (as the
+    reference stores them), every row read through the 256 e4m3 values: within one rounding of
+    the exact attention over the cache's values, and a verified token what it gives decoded alone
+    (the reference attended a whole prompt at once and a chunk after a cached prefix row by row,
+    so a prefix-cache hit or a preemption could turn a bf16 near tie)."""
+    from tandem.layers.attention import to_cache
+
+    start_pos, q_lens = [0, 9, 30, 17], [7, 20, 1, 5]
+    tables = _tables([(s + n + BLOCK - 1) // BLOCK for s, n in zip(start_pos, q_lens)])
+    meta = build_attn_metadata(start_pos, q_lens, tables, BLOCK, torch.device("cpu"))
+    q, k, v, k_cache, v_cache = _step(dtype, heads, kv_heads, head_dim, sum(q_lens), seed=7)
+    k[0, 0, 0] = 1000.0  # past e4m3's 448: saturated, as the reference stores it
+    k_cache, v_cache = to_cache(k_cache * 4, torch.float8_e4m3fn), to_cache(v_cache, torch.float8_e4m3fn)
+    (ref, ref_caches), (out, c_caches) = _both(meta, q, k, v, k_cache, v_cache, isa)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(c_caches, ref_caches))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # the exact attention over the values the cache holds (the step's own keys and values as stored)
+    keys, values = (c.double() for c in c_caches)
+    stored_k, stored_v = (c.view(-1, kv_heads, head_dim)[meta.slot_mapping] for c in (keys, values))
+    exact = meta.attend(q.double(), stored_k, stored_v, keys, values, 0.125)
+    err = (out.double() - exact).abs()
+    assert bool((err <= exact.abs() * torch.finfo(dtype).eps + 1e-6).all()), float(err.max())
+    one = build_attn_metadata([30], [1], [tables[2]], BLOCK, torch.device("cpu"))
+    alone = one.attend(q[27:28], k[27:28], v[27:28], *c_caches, 0.125, cpu_isa=isa)
+    assert torch.equal(alone[0], out[27])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -135,3 +168,28 @@ def test_engine_with_cpu_attention_matches_reference_attention(tmp_path, isa):
     assert [o.token_ids for o in outs["C+draft"]] == [o.token_ids for o in outs["C"]]
     for c, ref in zip(outs["C"], outs["reference"]):
         assert_greedy_equal_up_to_near_tie(c, ref, logprob_tol=0.1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_prefix_hit_over_an_fp8_cache_changes_nothing(tmp_path, isa):
+    """kv_cache_dtype "fp8" in bf16 on the CPU: a request whose prefix the cache holds gives the
+    tokens and logprobs it gives computed whole (the C kernel reads an fp8 cache too; through the
+    reference, 5 of 6 such requests moved a logprob and 2 a token)."""
+    make_hf_model(tmp_path / "m", init_std=0.3)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 300, (30,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": prefix + torch.randint(3, 300, (n,), generator=g).tolist()} for n in (3, 9, 17)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run(caching: bool):
+        llm = LLM(str(tmp_path / "m"), dtype="bfloat16", kv_cache_dtype="fp8", cpu_matmul=isa, max_model_len=128,
+                  block_size=8, enable_prefix_caching=caching)
+        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # one at a time: later ones hit
+        return outs, [o.num_cached_tokens for o in outs]
+
+    (hit, cached), (whole, _) = run(True), run(False)
+    assert cached[1:] == [24, 24]
+    for a, b in zip(hit, whole):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+            [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
