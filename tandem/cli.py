@@ -10,9 +10,9 @@ import time
 
 from tandem.choices import KV_CACHE_DTYPES
 from tandem.flags import (DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
-                          QUANTIZATION_HELP, REJECTION_HELP,
-                          SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in, non_empty, size_in,
-                          speculative_config, speculative_config_from_flags, structured_outputs, watermark_config)
+                          QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
+                          float_in, hf_overrides, int_in, non_empty, size_in, speculative_config,
+                          speculative_config_from_flags, structured_outputs, watermark_config)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="dummy: seeded random weights of the model's shapes (for benchmarks), not its own")
     gen.add_argument("--download-dir", default=None, type=non_empty("pass a directory"), help=DOWNLOAD_DIR_HELP)
+    gen.add_argument("--hf-overrides", type=hf_overrides, default=None,
+                     help="config.json keys set over the model's, as a JSON object (vLLM's)")
     gen.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                      help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     # The sampling defaults are this command's own (greedy, 128 tokens), not vLLM's SamplingParams() (1.0, 16),
@@ -257,7 +259,8 @@ def _generate(args) -> int:
         raise RequestError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
     # One request: a batch-1 engine (on a GPU one CUDA graph size; --adaptive times batch 1 alone).
     common = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  load_format=args.load_format, download_dir=args.download_dir, max_num_seqs=1,
+                  load_format=args.load_format, download_dir=args.download_dir, hf_overrides=args.hf_overrides,
+                  max_num_seqs=1,
                   watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
                   quantization=args.quantization)

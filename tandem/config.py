@@ -182,10 +182,10 @@ def _positive_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> ArchConfig:
+def read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
     """Parse config.json into an ArchConfig, refusing architectures we do not implement and
     missing or malformed fields (named, with the file). field: the setting that named the model,
-    which the errors name."""
+    which the errors name; overrides: keys set over the file's (vLLM's hf_overrides, a shallow update)."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -195,6 +195,7 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model") -> Arch
         raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{field}: {path} holds a {type(raw).__name__}, not a JSON object of settings")
+    raw.update(overrides or {})
     archs = raw.get("architectures") or []
     archs = [archs] if isinstance(archs, str) else archs
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None

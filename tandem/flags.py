@@ -116,6 +116,15 @@ def override_generation_config(text: str) -> dict:
     return _checked(check_generation_override, _json(text, '{"temperature": 0.5}'), ConfigError)
 
 
+def hf_overrides(text: str) -> dict:
+    """--hf-overrides: vLLM's JSON object of config.json keys set over the model's, e.g. '{"max_position_embeddings": 4096}'."""
+    value = _json(text, '{"max_position_embeddings": 4096}')
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give one such as "
+                                         "'{\"max_position_embeddings\": 4096}'")
+    return value
+
+
 def structured_outputs_config(text: str) -> dict:
     """--structured-outputs-config: vLLM's JSON object, e.g. '{"enable_in_reasoning": true}', checked while parsing."""
     from tandem.config import parse_structured_outputs_config

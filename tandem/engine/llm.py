@@ -103,6 +103,7 @@ class LLM:
         swap_space: float | None = None,
         disable_custom_all_reduce: bool = False,
         download_dir: str | None = None,
+        hf_overrides: dict | None = None,
         _rank: tuple[int, int] | None = None,
         **unsupported: Any,
     ):
@@ -115,8 +116,9 @@ class LLM:
         arguments that ask for nothing here: prompts are always chunked to max_num_batched_tokens,
         a preemption recomputes (no swap), and tensor parallelism reduces through NCCL. download_dir
         (vLLM's): where models named by a known name, a GGUF file or a hub id are fetched and converted
-        (None: $TANDEM_CACHE, else ~/.cache/tandem). Any other argument of vLLM's that tandem does not
-        take is a ConfigError naming it."""
+        (None: $TANDEM_CACHE, else ~/.cache/tandem). hf_overrides (vLLM's, a dict): config.json's keys
+        set over the file's for the target model (its shape, positions, rope scaling...), checked as the
+        file's own. Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
         if unsupported:
             names = ", ".join(sorted(unsupported))
             raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "
@@ -150,7 +152,7 @@ class LLM:
                                   f"{off!r}")
         model_dir = resolve_model_dir(model, dtype, device=dev, weights=load_format != "dummy",
                                       cache_dir=download_dir)
-        arch = read_arch_config(model_dir)
+        arch = read_arch_config(model_dir, overrides=hf_overrides)
         check_device_support(arch, dev)
         if tp_size > 1:
             check_shardable(arch, tp_size)
@@ -502,7 +504,7 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                      load_format, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
                      tokenizer_mode, trust_remote_code, enable_prefix_caching, enforce_eager, tokenizer, dtype,
                      disable_log_stats, enable_chunked_prefill, swap_space, disable_custom_all_reduce, download_dir,
-                     **_) -> None:
+                     hf_overrides, **_) -> None:
     """LLM's arguments that can be checked before anything is resolved: a ConfigError naming the
     first bad one and its fix."""
     _check_positive_int("max_num_seqs", max_num_seqs)
@@ -573,6 +575,10 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
     if swap_space is not None and (not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool)
                                    or swap_space < 0):
         raise ConfigError(f"swap_space={swap_space!r} must be a number of GiB >= 0 (unused: a preemption recomputes)")
+    if hf_overrides is not None and (not isinstance(hf_overrides, dict) or not all(isinstance(k, str)
+                                                                                  for k in hf_overrides)):
+        raise ConfigError(f"hf_overrides={hf_overrides!r} must be a dict of config.json keys and their values (vLLM's "
+                          "function form is not taken), or None")
     if download_dir is not None and (not isinstance(download_dir, (str, os.PathLike)) or not str(download_dir)):
         raise ConfigError(f"download_dir={download_dir!r} must be a directory (a path), or None for $TANDEM_CACHE "
                           "(else ~/.cache/tandem)")

@@ -13,10 +13,9 @@ import socket
 from tandem.chat import load_chat_template
 from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
 from tandem.flags import (DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
-                          QUANTIZATION_HELP,
-                          REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts, float_in, int_in,
-                          non_empty, override_generation_config, size_in, speculative_config,
-                          structured_outputs_config, watermark_config)
+                          QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
+                          float_in, hf_overrides, int_in, non_empty, override_generation_config, size_in,
+                          speculative_config, structured_outputs_config, watermark_config)
 from tandem.reasoning import REASONING_PARSERS
 
 DEFAULT_K = 4
@@ -70,6 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--generation-config", default="auto", type=non_empty("pass 'auto', 'vllm' or a directory"),
                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
                             "generation_config.json, as vLLM), 'vllm' (the engine's own) or a directory")
+    model.add_argument("--hf-overrides", type=hf_overrides, default=None,
+                       help="config.json keys set over the model's, as a JSON object (vLLM's), e.g. "
+                            "'{\"max_position_embeddings\": 4096}'")
     model.add_argument("--override-generation-config", type=override_generation_config, default=None,
                        help="sampling defaults set over --generation-config's, as a JSON object (vLLM's), e.g. "
                             "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'")

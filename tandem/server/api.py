@@ -963,7 +963,7 @@ def run_server(args: argparse.Namespace) -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching, load_format=args.load_format, seed=args.seed,
-        download_dir=args.download_dir,
+        download_dir=args.download_dir, hf_overrides=args.hf_overrides,
         speculative_config=spec, logprobs_mode=args.logprobs_mode, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         max_logprobs=args.max_logprobs, watermark_config=args.watermark_config,

@@ -332,6 +332,21 @@ def test_auto_dtype_on_a_gpu_without_bfloat16(model_dir, tmp_path, monkeypatch):
     assert asked == [torch.float16, torch.bfloat16]
 
 
+def test_hf_overrides_set_config_keys_over_the_files(model_dir, tmp_path):
+    """hf_overrides (vLLM's; --hf-overrides): keys set over config.json's, checked as its own: a
+    shorter context, a window (then the cap), a value the file could not hold refused by name."""
+    assert LLM(str(model_dir), dtype="float32", hf_overrides={"max_position_embeddings": 64}).config.sched.max_model_len \
+        == 64
+    with pytest.raises(ConfigError, match="max_model_len=128"):
+        LLM(str(model_dir), dtype="float32", max_model_len=128, hf_overrides={"max_position_embeddings": 64})
+    with pytest.raises(ConfigError, match="hidden_act='gelu'"):
+        LLM(str(model_dir), dtype="float32", hf_overrides={"hidden_act": "gelu"})
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(["serve", str(model_dir), "--hf-overrides", '{"max_position_embeddings": 64}'])
+    assert args.hf_overrides == {"max_position_embeddings": 64}
+
+
 def test_broken_tokenizer_and_generation_config(model_dir, tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(model_dir, d)
@@ -469,7 +484,9 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(swap_space=-1), "swap_space"),
         (dict(disable_log_stats="no"), "disable_log_stats"),
         (dict(enable_lora=True), "enable_lora"),  # a vLLM argument tandem does not take: named, not a TypeError
-        (dict(revision="main", hf_overrides={}), "hf_overrides, revision"),
+        (dict(revision="main", code_revision="x"), "code_revision, revision"),
+        (dict(hf_overrides=lambda c: c), "hf_overrides"),
+        (dict(hf_overrides={1: 2}), "hf_overrides"),
         (dict(download_dir=""), "download_dir"),
         (dict(load_format="safetensors"), "load_format"),
         (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
