@@ -41,7 +41,7 @@ LLAMA_1B = dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_l
                 num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
 QWEN_15B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
-                rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+                rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
                 bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
 QWEN_05B = dict(QWEN_15B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, tie_word_embeddings=True)
@@ -118,15 +118,16 @@ def target_quantizations(args) -> list[tuple[str | None, str]]:
     return [(None, "") if q == "none" else (q, f" {q}") for q in args.target_quantizations.split(",")]
 
 
-def free(*objs) -> None:
-    for o in objs:
-        del o
+def free() -> None:
+    """Return what the engines the caller dropped (`del llm` first: a name still bound keeps one) held."""
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8, temperature: float = 0.0) -> dict:
-    """Decode-phase step time: add `batch` requests, prefill them, then time `steps` steps."""
+    """Decode-phase step time: add `batch` requests, prefill them, then time `steps` steps; with a
+    speculator, the draft rounds and accepted drafts of those steps alone (`rounds`, `accepted`: not
+    the prefill's or the warm-up's)."""
     from tandem import SamplingParams
 
     engine = llm.engine
@@ -152,11 +153,15 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8,
         step()
     for _ in range(warmup):
         step()
+    metrics = engine.spec_metrics
+    before = (metrics.num_draft_rounds, metrics.num_accepted_tokens) if metrics is not None else None
     times, tokens = [], 0
     for _ in range(steps):
         t0 = time.perf_counter()
         tokens += step()
         times.append(time.perf_counter() - t0)
+    counts = {} if before is None else dict(rounds=metrics.num_draft_rounds - before[0],
+                                            accepted=metrics.num_accepted_tokens - before[1])
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -164,7 +169,7 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8,
     engine.step()
     med = statistics.median(times)
     return {"ms_per_step": med * 1e3, "tokens_per_step": tokens / steps, "tok_s": tokens / sum(times),
-            "steps": steps}
+            "steps": steps, **counts}
 
 
 def recapture(llm) -> None:
@@ -280,7 +285,8 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                   f"{r.get('sync_ms_per_step', float('nan')):.2f} without async scheduling), "
                   f"{r['tok_s']:.1f} tok/s, roofline {r['roofline_frac']:.2f} ({r['roofline_frac_graph']:.2f})",
                   flush=True)
-        free(llm)
+        del llm
+        free()
     return base
 
 
@@ -306,10 +312,8 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                 uncond = torch.tensor(rates, dtype=torch.float32)
                 cond = uncond / torch.cat([torch.ones(1), uncond[:-1]]).clamp(min=1e-9)
                 sp.synthetic_rates.copy_(cond.clamp(max=1.0).cuda())
-                m0 = llm.engine.spec_metrics
-                before = (m0.num_draft_rounds, m0.num_accepted_tokens)
                 r = measure_steps(llm, b, args.prompt_len, args.synthetic_steps or args.steps)
-                rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
+                rounds, acc = r["rounds"], r["accepted"]
                 ref = base[(tname, b)]
                 if graphs_ms is None:  # after real rounds, so the graphs hold real contexts (graph_time)
                     n = llm.engine.runner.graphs[1 + k].bucket(b)
@@ -358,7 +362,8 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
                           f"{r['cublas_speedup_at_expected']:.2f} at the expected acceptance), round "
                           f"{c['ms_per_step']:.2f} ms, draft step {r['cublas_draft_step_ms']:.2f} ms", flush=True)
         write_json(args.out, results)  # after every k: a sweep cut short by a time limit keeps what it measured
-        free(llm, sp)
+        del llm, sp
+        free()
 
 
 def eps_engine(root, shape, base_name, args, max_num_seqs=1, **llm_kw):
@@ -395,17 +400,15 @@ def eps_pair(root, shape, base_name, base, epss, args, results) -> None:
     llm, originals = eps_engine(root, shape, base_name, args)
     for eps in epss:
         set_eps(llm, originals, eps)
-        m0 = llm.engine.spec_metrics
-        before = (m0.num_draft_rounds, m0.num_accepted_tokens)
         r = measure_steps(llm, 1, args.prompt_len, args.steps)
-        rounds = m0.num_draft_rounds - before[0]
-        acc = m0.num_accepted_tokens - before[1]
+        rounds, acc = r["rounds"], r["accepted"]
         r.update(eps=eps, k=4, batch=1, mean_acceptance_length=1 + acc / max(rounds, 1),
                  speedup=r["tok_s"] / base[(base_name, 1)]["tok_s"])
         results["eps_pair"].append(r)
         print(f"[eps] eps={eps}: {r['tok_s']:.1f} tok/s, AL {r['mean_acceptance_length']:.2f}, x{r['speedup']:.2f}",
               flush=True)
-    free(llm, originals)
+    del llm, originals
+    free()
 
 
 def watermark(root, shape, base_name, batches, args, results) -> None:
@@ -444,19 +447,17 @@ def sampled_runs(root, shape, base_name, batches, args, configs, out: list, tag:
             set_eps(llm, originals, eps)
         for b in batches:
             measure_steps(llm, b, args.prompt_len, args.steps, temperature=1.0)  # warm-up: first-use compiles
-            m0 = llm.engine.spec_metrics
-            before = (m0.num_draft_rounds, m0.num_accepted_tokens) if m0 is not None else (0, 0)
             r = measure_steps(llm, b, args.prompt_len, args.steps, temperature=1.0)
-            if m0 is not None:
-                rounds, acc = m0.num_draft_rounds - before[0], m0.num_accepted_tokens - before[1]
-                r["mean_acceptance_length"] = 1 + acc / max(rounds, 1)
+            if "rounds" in r:
+                r["mean_acceptance_length"] = 1 + r["accepted"] / max(r["rounds"], 1)
             if name == "target-only":
                 base[b] = r["tok_s"]
             r.update(config=name, batch=b, speedup=r["tok_s"] / base[b])
             out.append(r)
             print(f"[{tag}] {name} b={b}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step, "
                   f"AL {r.get('mean_acceptance_length', 1):.2f}, x{r['speedup']:.2f}", flush=True)
-        free(llm, originals)
+        del llm, originals
+        free()
 
 
 def triton_variants() -> dict[str, int]:
@@ -607,7 +608,8 @@ def serving(root, target, draft, batches, args, results) -> None:
             print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
                   f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "
                   f"{start_variants} at start, {r['variants_after']} after", flush=True)
-            free(llm)
+            del llm
+            free()
         base = results["serving"][first]
         for spec_r in results["serving"][first + 1 :]:
             spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
@@ -645,7 +647,8 @@ def hf_peer(target_shape, draft_shape, args, results) -> None:
         results["hf"].append(r)
         print(f"[hf] {name}: {r['tok_s']:.1f} tok/s warm (median of {' / '.join(f'{s:.1f}' for s in samples[1:])}), "
               f"{samples[0]:.1f} cold", flush=True)
-    free(target, draft)
+    del target, draft
+    free()
 
 
 def main(argv=None) -> int:
