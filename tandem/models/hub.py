@@ -343,6 +343,11 @@ def check_converted_dir(d: str | os.PathLike, sha256: str | None = None, dtype: 
             why = _check_safetensors(p)
             if why:
                 return f"{name}: {why}"
+        elif name in ("config.json", "generation_config.json"):  # small: damaged bytes of the same size show
+            try:
+                json.loads(p.read_bytes())
+            except (OSError, ValueError) as e:
+                return f"{name} is not valid JSON ({e})"
     return None
 
 

@@ -204,7 +204,8 @@ def test_changed_source_gets_a_new_entry(tiny):
     assert second != first and second.exists() and first.exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "delete-tokenizer", "delete-marker", "bad-marker"])
+@pytest.mark.parametrize("damage", ["truncate", "header", "delete-tokenizer", "delete-marker", "bad-marker",
+                                    "config-bytes"])
 def test_damaged_entry_is_rebuilt(tiny, monkeypatch, damage):
     src, expected, cache = tiny
     out = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
@@ -219,6 +220,9 @@ def test_damaged_entry_is_rebuilt(tiny, monkeypatch, damage):
         (out / "tokenizer.json").unlink()
     elif damage == "delete-marker":
         (out / MARKER).unlink()
+    elif damage == "config-bytes":  # same size, not JSON any more (was loaded, then refused with no way out)
+        size = (out / "config.json").stat().st_size
+        (out / "config.json").write_bytes(b"\x00" * size)
     else:
         (out / MARKER).write_text("{not json")
     assert check_converted_dir(out) is not None
