@@ -285,7 +285,7 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
                   f"{r.get('sync_ms_per_step', float('nan')):.2f} without async scheduling), "
                   f"{r['tok_s']:.1f} tok/s, roofline {r['roofline_frac']:.2f} ({r['roofline_frac_graph']:.2f})",
                   flush=True)
-        del llm
+        del llm, engine, g  # every name bound to the engine (else it stays on the GPU beside the next)
         free()
     return base
 
@@ -608,7 +608,8 @@ def serving(root, target, draft, batches, args, results) -> None:
             print(f"[serving] {name} max_num_seqs={b}: {r['tok_s']:.0f} tok/s warm ({tokens} tokens in {wall:.2f} s), "
                   f"{r['cold_tok_s']:.0f} cold; {r['graph_steps']} of {r['steps']} steps on graphs; Triton variants "
                   f"{start_variants} at start, {r['variants_after']} after", flush=True)
-            del llm
+            log.runner.launch = log.launch  # (the wrapper binds the log to the runner and back: a cycle)
+            del llm, log
             free()
         base = results["serving"][first]
         for spec_r in results["serving"][first + 1 :]:

@@ -173,6 +173,9 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
         message = re.sub(r"(?<![\w.-])(" + "|".join(flags) + r")(?=\s*[=<>])"
                          + (r"|(?<![\w.-])(" + named + r")(?![\w.])" if named else ""),
                          lambda m: flags[m[1] or m[2]], message)
+    if getattr(args, "speculative_config", None) is None:  # a key no draft flag sets: --speculative-config does
+        message = re.sub(r"speculative_config\.(\w+)=(\S+?)(?=[\s,;)]|$)",
+                         lambda m: f"--speculative-config with \"{m[1]}\": {m[2]}", message)
     return re.sub(r"StructuredOutputsParams\.(\w+)", r"--structured-outputs \1", message)
 
 

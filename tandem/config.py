@@ -185,7 +185,17 @@ def _positive_number(x) -> bool:
 def read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
     """Parse config.json into an ArchConfig, refusing architectures we do not implement and
     missing or malformed fields (named, with the file). field: the setting that named the model,
-    which the errors name; overrides: keys set over the file's (vLLM's hf_overrides, a shallow update)."""
+    which the errors name; overrides: keys set over the file's (vLLM's hf_overrides, a shallow update;
+    an error then names them too)."""
+    if not overrides:
+        return _read_arch_config(model_dir, field)
+    try:
+        return _read_arch_config(model_dir, field, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (config.json as hf_overrides={overrides!r} sets it)") from None
+
+
+def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())

@@ -179,7 +179,7 @@ def draft_flag_conflicts(args, draft_only: list[tuple[str, object]]) -> None:
 KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, saturated, no scale: half the memory a "
                         "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
 DOWNLOAD_DIR_HELP = ("where models named by a known name, a .gguf file or a hub id are fetched and converted "
-                     "(vLLM's flag; default: $TANDEM_CACHE, else ~/.cache/tandem)")
+                     "(vLLM's flag; default: $TANDEM_CACHE, else ~/.cache/tandem; a hub id: the Hugging Face cache)")
 QUANTIZATION_HELP = ("fp8: the target's linear layers rounded to float8 e4m3 on load, one power-of-two scale per "
                      "output row, its LM head kept (vLLM's online fp8, weight-only here): on a GPU half the weight "
                      "memory and traffic; needs compute capability 8.9+")

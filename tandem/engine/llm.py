@@ -116,9 +116,9 @@ class LLM:
         arguments that ask for nothing here: prompts are always chunked to max_num_batched_tokens,
         a preemption recomputes (no swap), and tensor parallelism reduces through NCCL. download_dir
         (vLLM's): where models named by a known name, a GGUF file or a hub id are fetched and converted
-        (None: $TANDEM_CACHE, else ~/.cache/tandem). hf_overrides (vLLM's, a dict): config.json's keys
-        set over the file's for the target model (its shape, positions, rope scaling...), checked as the
-        file's own. Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
+        (None: $TANDEM_CACHE, else ~/.cache/tandem; a hub id the Hugging Face cache). hf_overrides
+        (vLLM's, a dict): config.json's keys set over the file's for the target model (its shape,
+        positions, rope scaling...), checked as the file's own. Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
         if unsupported:
             names = ", ".join(sorted(unsupported))
             raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "

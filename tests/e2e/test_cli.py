@@ -569,6 +569,9 @@ def test_engine_errors_name_the_flag_that_set_the_value(tmp_path, capsys):
                          "tensor_parallel_size > 1; raise num_gpu_blocks_override on the device", args)
     assert said == ('--adaptive="auto" is not supported with --tensor-parallel-size > 1; raise '
                     "--num-gpu-blocks-override on the device")
+    said = in_flag_terms("--draft: ...; or set speculative_config.draft_tensor_parallel_size=1 (the whole draft)", args)
+    assert said == '--draft: ...; or set --speculative-config with "draft_tensor_parallel_size": 1 (the whole draft)'
+
 
 
 def test_generate_into_a_closed_pipe_or_interrupted_ends_quietly(tmp_path, monkeypatch):
