@@ -126,8 +126,8 @@ def free() -> None:
 
 def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8, temperature: float = 0.0) -> dict:
     """Decode-phase step time: add `batch` requests, prefill them, then time `steps` steps; with a
-    speculator, the draft rounds and accepted drafts of those steps alone (`rounds`, `accepted`: not
-    the prefill's or the warm-up's)."""
+    speculator, the draft rounds, accepted and drafted tokens of those steps alone (`rounds`,
+    `accepted`, `drafted`: not the prefill's or the warm-up's)."""
     from tandem import SamplingParams
 
     engine = llm.engine
@@ -154,14 +154,16 @@ def measure_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int = 8,
     for _ in range(warmup):
         step()
     metrics = engine.spec_metrics
-    before = (metrics.num_draft_rounds, metrics.num_accepted_tokens) if metrics is not None else None
+    before = (metrics.num_draft_rounds, metrics.num_accepted_tokens, metrics.num_draft_tokens) \
+        if metrics is not None else None
     times, tokens = [], 0
     for _ in range(steps):
         t0 = time.perf_counter()
         tokens += step()
         times.append(time.perf_counter() - t0)
     counts = {} if before is None else dict(rounds=metrics.num_draft_rounds - before[0],
-                                            accepted=metrics.num_accepted_tokens - before[1])
+                                            accepted=metrics.num_accepted_tokens - before[1],
+                                            drafted=metrics.num_draft_tokens - before[2])
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():

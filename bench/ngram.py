@@ -123,12 +123,8 @@ def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[in
             with torch.no_grad():
                 head.copy_(original if text == "dummy" else torch.zeros_like(original))
             for b in batches:
-                m0 = llm.engine.spec_metrics
-                before = (m0.num_draft_tokens, m0.num_accepted_tokens) if m0 is not None else (0, 0)
-                r = measure_steps(llm, b, args.prompt_len, args.steps)
-                drafted = (m0.num_draft_tokens - before[0]) if m0 is not None else 0
-                accepted = (m0.num_accepted_tokens - before[1]) if m0 is not None else 0
-                r.update(config=name, text=text, batch=b, drafted=drafted, accepted=accepted)
+                r = measure_steps(llm, b, args.prompt_len, args.steps)  # (drafted, accepted: the timed steps')
+                r.update(config=name, text=text, batch=b, drafted=r.get("drafted", 0), accepted=r.get("accepted", 0))
                 base = next((x for x in results["engine"] if x["config"] == "target-only" and x["text"] == text
                              and x["batch"] == b), None)
                 r["speedup"] = r["tok_s"] / base["tok_s"] if base else 1.0
@@ -136,7 +132,8 @@ def engine_runs(target: str, batches: list[int], ks: list[int], lookup: tuple[in
                 print(f"[engine] {name} {text} b={b}: {r['ms_per_step']:.2f} ms/step, {r['tokens_per_step']:.2f} "
                       f"tokens/step, {r['tok_s']:.0f} tok/s, x{r['speedup']:.2f}", flush=True)
                 write_json(args.out, results)
-        free(llm, original)
+        del llm, original, head  # every name bound to the engine's memory
+        free()
 
 
 def real_pair(args, results) -> None:
