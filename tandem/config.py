@@ -426,8 +426,8 @@ def half_dtype(device: torch.device | None) -> torch.dtype:
 
 def resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, device: torch.device,
                   field_name: str = "dtype") -> torch.dtype:
-    """'auto' takes the checkpoint's half dtype (float16 becomes bfloat16 on CPU, where it is slow;
-    bfloat16 float16 on a GPU without it); a float32 checkpoint, or one that names no dtype, runs in
+    """'auto' takes the checkpoint's half dtype (float16 becomes bfloat16 on CPU, where it is slow, and
+    bfloat16 becomes float16 on a GPU without it); a float32 checkpoint, or one that names no dtype, runs in
     bfloat16 (float16 on a GPU without bfloat16), as vLLM's 'auto' does: half the memory and twice the
     speed of float32 for the same weights; dtype='float32' keeps them."""
     check_dtype_name(dtype, field_name)
