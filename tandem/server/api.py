@@ -38,7 +38,7 @@ from tandem.sampling_params import BeamSearchParams, SamplingParams, is_int_text
 from tandem.server.async_engine import AsyncEngine, EngineStopped, RequestStream, ServerOverloaded
 from tandem.server.beam_search import BeamSearchStream
 from tandem.server.fim import FimError, fim_prompt, fim_sentinels
-from tandem.server.http_errors import APIError, request_error, validation_error
+from tandem.server.http_errors import APIError, non_finite_error, request_error, validation_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -794,9 +794,13 @@ def _copy_tokenizer(tokenizer):
 async def _parse(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as e:
         raise validation_error(e) from None
+    error = non_finite_error(raw)
+    if error is not None:
+        raise error
+    return body
 
 
 def _api_error(e: Exception) -> APIError:

@@ -2,6 +2,8 @@
 tandem RequestError into one that names the request field at fault."""
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any
 
@@ -50,6 +52,30 @@ def validation_error(e: ValidationError) -> APIError:
         msgs = "; ".join(dict.fromkeys(err["msg"] for err in same))
         return APIError(400, f"'{param}' is invalid ({msgs}); got {_short(first.get('input'))}", param=param)
     return APIError(400, f"'{param}' is invalid: {first['msg']}; got {_short(first.get('input'))}", param=param)
+
+
+def non_finite_error(raw: bytes) -> APIError | None:
+    """A 400 naming the first NaN / Infinity in a request body (Python's JSON reader takes them;
+    JSON has none, and a field echoed back would make the reply invalid JSON), or None."""
+    if b"NaN" not in raw and b"Infinity" not in raw:  # the usual body: no second parse
+        return None
+    path = _non_finite_path(json.loads(raw))
+    if path is None:  # the words were inside strings
+        return None
+    param = ".".join(map(str, path)) or None
+    return APIError(400, f"'{param}' is not a finite number; JSON has no NaN or Infinity: send a number",
+                    param=param)
+
+
+def _non_finite_path(value: Any) -> list | None:
+    if isinstance(value, float):
+        return None if math.isfinite(value) else []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        rest = _non_finite_path(item)
+        if rest is not None:
+            return [key, *rest]
+    return None
 
 
 def request_error(e: RequestError, fields: dict[str, str], prompt_param: str) -> APIError:

@@ -313,7 +313,10 @@ def _input_messages(items: str | list[dict[str, Any]], num_previous: int = 0) ->
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
             thinking = None
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
+            key = "content" if item.get("content") else "summary"
+            parts = item.get(key) or []
+            if not isinstance(parts, list):
+                raise ResponsesRequestError(f"'{where}.{key}' must be a list of text parts", f"{where}.{key}")
             thinking = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
         else:
             raise ResponsesRequestError(f"'{where}' is a {kind!r} item; this server takes 'message', 'function_call',"

@@ -314,6 +314,8 @@ def test_json_schema_format_and_logprobs(live):
     (dict(input=[{"type": "item_reference", "id": "x"}]), "input.0.type", "'item_reference' item"),
     (dict(input=[{"role": "critic", "content": "x"}]), "input.0.role", "'critic'"),
     (dict(input=[]), "input", "empty"),
+    (dict(input=[{"type": "reasoning", "summary": 5}, {"role": "user", "content": "x"}]), "input.0.summary",
+     "list of text parts"),  # was a 500
     (dict(max_output_tokens=500), "max_output_tokens", "'max_output_tokens'"),
     (dict(text={"format": {"type": "yaml"}}), "text.format", "'yaml'"),
     (dict(tool_choice={"type": "web_search"}, tools=[FLAT_WEATHER]), "tool_choice", "'tool_choice' must be"),

@@ -1293,6 +1293,12 @@ BAD_INPUTS = [
     ("prompt-type", C, {"prompt": 12}, 400, "prompt"),
     ("temperature", C, {"temperature": -0.5}, 400, "temperature"),
     ("temperature-infinite", C, b'{"model": "tiny-spec", "prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    # NaN / Infinity anywhere (Python's JSON reader takes them): a field echoed back made the reply invalid JSON
+    ("responses-nan-echoed", "/v1/responses", b'{"model": "tiny-spec", "input": "x", "max_output_tokens": 2, '
+     b'"reasoning": {"effort": NaN}}', 400, "reasoning.effort"),
+    ("chat-infinity-in-a-schema", CH, b'{"model": "tiny-spec", "messages": [{"role": "user", "content": "hi"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", '
+     b'"maximum": -Infinity}}}}', 400, "response_format.json_schema.schema.maximum"),
     ("top-p", C, {"top_p": 1.5}, 400, "top_p"),
     ("n-zero", C, {"n": 0}, 400, "n"),
     ("logprobs", C, {"logprobs": 21}, 400, "logprobs"),
@@ -1403,6 +1409,12 @@ def test_bad_input_gets_openai_error(live, path, body, status, param):
         assert param.split(".")[0] in error["message"], error  # the message names the field too
     too_long = ("prompt-too-long", "chat-too-long", "context-length", "chat-context-length")  # OpenAI's code, a prompt alone too
     assert (error["code"] == "context_length_exceeded") == (body in [c[2] for c in BAD_INPUTS if c[0] in too_long])
+
+
+def test_nan_and_infinity_inside_strings_are_text(live):
+    r = live.post(C, content=b'{"model": "tiny-spec", "prompt": "NaN or -Infinity", "max_tokens": 2, "stop": ["NaN"]}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
 
 
 def test_structured_outputs_over_the_api(live, reference):
