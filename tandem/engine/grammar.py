@@ -102,18 +102,24 @@ def _regex_literal(text: str) -> str:
 
 
 _SCHEMA_VALUES = ("const", "enum", "default", "examples")  # a JSON schema's keys that hold data, not schemas
+# keys whose object maps names (of properties, patterns, definitions) to schemas: a name is no keyword
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _closed_objects(schema: Any) -> Any:
     """disable_additional_properties: every object schema that names properties (or patterns of
     them) and leaves additionalProperties unset gets additionalProperties false, as vLLM's; a
     free-form {"type": "object"} stays free, and values (const, enum, default, examples) stay as
-    they are (in place; -> schema)."""
+    they are (in place; -> schema). A property named "default" or "properties" is a name, not a
+    keyword: its schema closes too, and the map of properties gets no key of its own."""
     if isinstance(schema, dict):
         if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
             schema["additionalProperties"] = False
         for key, value in schema.items():
-            if key not in _SCHEMA_VALUES:
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for named in value.values():
+                    _closed_objects(named)
+            elif key not in _SCHEMA_VALUES:
                 _closed_objects(value)
     elif isinstance(schema, list):
         for value in schema:

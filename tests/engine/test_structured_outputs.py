@@ -214,6 +214,18 @@ def test_disable_additional_properties_closes_objects():
     closed = json.loads(grammar_text(StructuredOutputsParams(json=free, disable_additional_properties=True)))
     assert json.dumps(closed).count('"additionalProperties": false') == 1 and '"const": {"properties": {}}' in \
         json.dumps(closed)
+    # property and definition names that are keywords elsewhere: the objects under them close too, and no
+    # map of names gains an "additionalProperties" name (a property of that name stays allowed)
+    def inner():
+        return {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    named = {"type": "object", "properties": {k: inner() for k in ("default", "enum", "const", "examples", "properties")},
+             "$defs": {"default": inner()}}
+    closed = json.loads(grammar_text(StructuredOutputsParams(json=named, disable_additional_properties=True)))
+    closed = closed["grammars"][0]["json_schema"]
+    assert all(closed["properties"][k]["additionalProperties"] is False for k in named["properties"])
+    assert closed["$defs"]["default"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"] and "additionalProperties" not in closed["$defs"]
     any_object = StructuredOutputsParams(json_object=True, disable_additional_properties=True)
     assert grammar_text(any_object) == grammar_text(StructuredOutputsParams(json_object=True))
     assert StructuredOutputsParams(regex=" ").regex == " "  # a regex of one space is one
