@@ -127,6 +127,24 @@ def _closed_objects(schema: Any) -> Any:
     return schema
 
 
+def rebased_refs(schema: Any, base: str) -> Any:
+    """A copy of schema with its local references ("#", "#/...") pointing into base (a JSON pointer,
+    "#/$defs/x"), for a schema moved there inside a larger one; others (anchors, URIs) kept."""
+    if isinstance(schema, list):
+        return [rebased_refs(value, base) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rebased_refs(named, base) for name, named in value.items()}
+        else:
+            out[key] = value if key in _SCHEMA_VALUES else rebased_refs(value, base)
+    return out
+
+
 def ll_tokenizer_of(tokenizer, n_vocab: int, eos_token_ids) -> Any:
     """llguidance's tokenizer of a fast Hugging Face tokenizer, mending two things in its own
     reading (llguidance.hf.from_tokenizer) so that a constraint may spell any text:

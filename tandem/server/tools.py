@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from tandem.engine.grammar import rebased_refs
 from tandem.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -389,10 +390,11 @@ class ToolChoice:
         elif self.mode == "required":
             defs: dict[str, Any] = {}
             items = []
-            for t in self.tools:  # each tool's $defs move to the root, where its "#/$defs/..." refs point
-                parameters = dict(t["parameters"])
-                if _defs(parameters):
-                    defs.update(parameters.pop("$defs"))
+            for i, t in enumerate(self.tools):
+                parameters, key = t["parameters"], f"tandem_tool_{i}"
+                rebased = rebased_refs(parameters, f"#/$defs/{key}")
+                if rebased != parameters:  # local refs ("#", "#/$defs/x"): moved under the root's $defs, rebased
+                    defs[key], parameters = rebased, {"$ref": f"#/$defs/{key}"}
                 items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                                                 "parameters": parameters},
                               "required": ["name", "parameters"], "additionalProperties": False})
@@ -476,13 +478,6 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
         raise ToolChoiceError(f"'tools' names the function {dup!r} twice; give each function once", "tools")
     specs = tuple({"name": t.function.name, "parameters": t.function.parameters or _ANY_OBJECT,
                    "strict": bool(t.function.strict)} for t in tools)
-    if choice == "required":
-        seen: dict[str, Any] = {}
-        for spec in specs:
-            for key, value in _defs(spec["parameters"]).items():
-                if seen.setdefault(key, value) != value:
-                    raise ToolChoiceError(f"'tools': two functions' parameters define '$defs' {key!r} differently, and "
-                                          "tool_choice \"required\" puts them in one schema; rename one", "tools")
     if constrained and choice != "auto":
         raise ToolChoiceError(f"'tool_choice' {_shown(choice)} constrains the output to tool calls, and the request "
                               "constrains it too ('response_format', 'structured_outputs' or 'guided_*'); drop one",
@@ -506,11 +501,6 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
         raise ToolChoiceError(f"'tool_choice' names the function {name!r}, which is not in 'tools' ({names}); name one "
                               "of them", "tool_choice")
     return ToolChoice("named", specs, name=name)
-
-
-def _defs(parameters: dict[str, Any]) -> dict[str, Any]:
-    defs = parameters.get("$defs")
-    return defs if isinstance(defs, dict) else {}
 
 
 def _shown(choice) -> str:

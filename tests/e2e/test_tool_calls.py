@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tandem.sampling_params import StructuredOutputsParams
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (PARSERS, ToolChoice, ToolChoiceError, ToolStream, parse_hermes, parse_llama3_json,
@@ -86,23 +87,48 @@ def test_choices_and_their_errors():
     assert tool_choice(request(tools=[f]), "hermes", constrained=True).mode == "auto"  # its own constraint holds
 
 
-def test_required_schema_hoists_defs_and_keeps_a_schemas_own_layout():
-    point = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
-    specs = ({"name": "a", "parameters": point}, {"name": "b", "parameters": {"type": "object"}})
+def test_required_schema_keeps_each_tools_references_and_a_schemas_own_layout(tmp_path):
+    """tool_choice "required" nests every tool's parameters in one array schema: a tool's local
+    references ("#", "#/properties/b", its own $defs, a $defs name another tool defines otherwise)
+    still resolve inside that tool (they pointed at the array, failed, or took the other tool's)."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.grammar import Grammars
+    from tests.helpers import save_tokenizer
+
+    def tool(name, parameters):
+        return {"name": name, "parameters": {"type": "object", "additionalProperties": False, **parameters}}
+
+    specs = (
+        tool("f", {"properties": {"v": {"type": "integer"}, "child": {"$ref": "#"}}, "required": ["v"]}),
+        tool("g", {"properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "string"}}, "required": ["a"]}),
+        tool("h", {"properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "$defs": {"P": {"type": "string"}}}),
+        tool("k", {"properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "$defs": {"P": {"type": "integer"}}}),
+        tool("plain", {"properties": {"x": {"type": "integer"}}}),
+    )
     schema = ToolChoice("required", specs, parallel=False).constraint().json
-    assert schema["$defs"] == {"P": {"type": "integer"}} and schema["maxItems"] == 1
-    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["a"], ["b"]]
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"] and "$defs" in point
+    assert schema["maxItems"] == 1 and [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [
+        ["f"], ["g"], ["h"], ["k"], ["plain"]]
+    assert schema["items"]["anyOf"][4]["properties"]["parameters"] == specs[4]["parameters"]  # no refs: in place
     assert schema["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    grammars = Grammars(tok, 320, (tok.eos_token_id,))
+
+    def fits(name: str, arguments: str) -> bool:
+        matcher = grammars.compile(StructuredOutputsParams(json=schema))
+        ids = tok.encode(f'[{{"name": "{name}", "parameters": {arguments}}}]', add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert fits("f", '{"v": 1, "child": {"v": 2}}') and not fits("f", '{"v": 1, "child": [{"name": "f", '
+                                                                   '"parameters": {"v": 2}}]}')
+    assert fits("g", '{"a": "x"}') and not fits("g", '{"a": 1}')
+    assert fits("h", '{"p": "x"}') and not fits("h", '{"p": 1}')
+    assert fits("k", '{"p": 1}') and not fits("k", '{"p": "x"}')
+    assert fits("plain", '{"x": 1}')
     own = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
     assert ToolChoice("named", ({"name": "a", "parameters": own},), name="a").constraint().json["x-guidance"][
         "whitespace_flexible"] is True
-    clash = {"type": "function", "function": {"name": "c", "parameters": {"$defs": {"P": {"type": "string"}}}}}
-    request = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
-        "tools": [{"type": "function", "function": {"name": "a", "parameters": point}}, clash]})
-    with pytest.raises(ToolChoiceError, match="'P' differently"):
-        tool_choice(request, None)
 
 
 def _stream(choice: ToolChoice, text: str, size: int) -> tuple[str, list[tuple[str, str]], list]:
