@@ -50,14 +50,14 @@ class ToolChoiceError(ValueError):
 
 # ---------------------------------------------------------------- parsers
 _HERMES_START = "<tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 # A call's head, its name and then its arguments' key, up to where the arguments object opens:
 # the order the formats ask for. A call written in another order is still parsed, only not
 # streamed piece by piece.
 _HEAD = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:%s)"\s*:\s*(?=\{)'
 _HERMES_HEAD = re.compile(r"<tool_call>\s*" + _HEAD % "arguments|parameters")
-# "required"'s array items (the array may follow blanks: a reasoning model's after </think>)
-_ITEM_HEAD = re.compile(r"\s*(?:\[|\}\s*,)\s*" + _HEAD % "parameters")
+# "required"'s array items, the first after "[" (the array may follow blanks: a reasoning model's
+# after </think>), each later one after the last one's "},"
+_ITEM_HEADS = (re.compile(r"\s*\[\s*" + _HEAD % "parameters"), re.compile(r"\s*\}\s*,\s*" + _HEAD % "parameters"))
 _NONBLANK = re.compile(r"\S")
 _HEAD_MAX = 200  # characters from where a head should begin to where it must have been read
 
@@ -109,7 +109,7 @@ class _CallScan:
     """The calls in a growing text, each found by its head and followed to its arguments' end.
     advance(text) -> (index, name when the call is new, a piece of its arguments' text) events."""
 
-    head: re.Pattern
+    heads: tuple[re.Pattern, re.Pattern]  # the first call's head, a later one's
     marker: str | None  # where the next head begins: at this text after the last call (hermes), or right there
     limit: int | None = None  # calls to find at most
     done: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments' text) of each complete call
@@ -126,7 +126,7 @@ class _CallScan:
                 if at < 0:
                     self.searched = len(text) - len(self.marker) + 1
                     break
-                m = self.head.match(text, at)
+                m = self.heads[bool(self.done)].match(text, at)
                 if m is None:
                     self.stopped = len(text) - at > _HEAD_MAX
                     break
@@ -168,28 +168,57 @@ def _as_written(calls: list[FunctionCall], scan: _CallScan, text: str) -> list[F
     return out
 
 
+class _Object(dict):
+    """A JSON object as json.loads reads it (a key written twice: its last value), with its pairs as
+    written (`pairs`)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]):
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_Object)
+
+
+def _call(obj: Any, arguments_by_default: dict | None) -> FunctionCall | None:
+    """The call a decoded object writes, or None: its name and its arguments ("arguments" or
+    "parameters"), each the first such key written, the one a stream reads in the call's head
+    (json.loads would take a key written twice at its last value, the other key before it)."""
+    if not isinstance(obj, _Object):
+        return None
+    name = next((value for key, value in obj.pairs if key == "name"), None)
+    arguments = next((value for key, value in obj.pairs if key in ("arguments", "parameters")), arguments_by_default)
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
     """Hermes-style calls (Qwen2.5's template asks for them): `<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>` blocks, the last one possibly unclosed (the model stopped at
     its end-of-turn token). Returns (the text before the first block, None if blank; the calls,
-    their arguments in json.dumps's layout). A first block that is not such an object makes the
-    whole text content and no call (vLLM's rule); a later one ends the calls, its text and what
-    follows dropped as after the last block, so the reply holds the complete calls a stream of it
-    has sent (vLLM's whole-reply parser drops them all, though its stream sent them); the broken
-    block itself, which a stream may have begun (cut by max_tokens), is in the stream alone."""
+    their arguments in json.dumps's layout). Each block's object is read as JSON (a "</tool_call>"
+    inside one of its strings is text) and the next block is sought after it, as a stream reads
+    them (a block left unclosed before the next one, or text after an object before its closing
+    tag, ends nothing). A first block that is not such an object makes the whole text content and
+    no call (vLLM's rule); a later one ends the calls, its text and what follows dropped as after
+    the last block, so the reply holds the complete calls a stream of it has sent (vLLM's
+    whole-reply parser drops them all, though its stream sent them); the broken block itself, which
+    a stream may have begun (cut by max_tokens), is in the stream alone."""
     start = text.find(_HERMES_START)
     if start < 0:
         return text, []
-    calls = []
-    for closed, unclosed in _HERMES_CALL.findall(text[start:]):
+    calls, pos = [], start
+    while (at := text.find(_HERMES_START, pos)) >= 0:
+        body = _NONBLANK.search(text, at + len(_HERMES_START))
         try:
-            obj = json.loads(closed or unclosed)
+            obj, pos = _DECODER.raw_decode(text, body.start() if body else len(text))
         except ValueError:
             break
-        arguments = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(arguments, dict):
+        call = _call(obj, {})
+        if call is None:
             break
-        calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+        calls.append(call)
     if not calls:
         return text, []
     content = text[:start]
@@ -226,7 +255,9 @@ def hermes_grammar(tools: tuple[dict[str, Any], ...], tag_tokens: dict[str, int]
 # "; ", after a <|python_tag|> token where the template asks for one. A call's head: the first
 # one's at the reply's start, each later one's after the previous call's closing brace and ";".
 _PYTHON_TAG = "<|python_tag|>"
-_LLAMA_HEAD = re.compile(r"(?:<\|python_tag\|>|\s*\}\s*;)?\s*" + _HEAD % "parameters|arguments")
+# the first call's head (at the reply's start), a later one's (after the last call's "}" and ";")
+_LLAMA_HEADS = (re.compile(r"\s*(?:<\|python_tag\|>\s*)?" + _HEAD % "parameters|arguments"),
+                re.compile(r"\s*\}\s*;\s*" + _HEAD % "parameters|arguments"))
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
@@ -243,16 +274,16 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
         body = body[len(_PYTHON_TAG):].lstrip()
     if not body.startswith("{"):
         return text, []
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    calls, pos = [], 0
     while True:
         try:
-            obj, pos = decoder.raw_decode(body, pos)
+            obj, pos = _DECODER.raw_decode(body, pos)
         except ValueError:
             return (None, calls) if calls else (text, [])
-        arguments = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) or not isinstance(arguments, dict):
+        call = _call(obj, None)
+        if call is None:
             return (None, calls) if calls else (text, [])
-        calls.append(FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+        calls.append(call)
         rest = body[pos:].lstrip()
         if not rest.startswith(";") or not rest[1:].strip():  # the last call (a ";" with nothing after it too)
             return None, calls
@@ -337,17 +368,17 @@ class _Parser(NamedTuple):
     must name as tokens where the tokenizer has them."""
 
     parse: Callable[[str], tuple[str | None, list[FunctionCall]]]
-    head: re.Pattern
+    heads: tuple[re.Pattern, re.Pattern]  # the first call's head, a later one's
     marker: str | None
     plain: Callable[[], Callable[[str], int]]  # a new tracker of how much of a growing text is surely content
     grammar: Callable[[tuple[dict[str, Any], ...], dict[str, int], bool], str]
     tags: tuple[str, ...]
 
 
-_LLAMA3_JSON = _Parser(parse_llama3_json, _LLAMA_HEAD, None, _Llama3Plain, llama3_json_grammar, (_PYTHON_TAG,))
+_LLAMA3_JSON = _Parser(parse_llama3_json, _LLAMA_HEADS, None, _Llama3Plain, llama3_json_grammar, (_PYTHON_TAG,))
 # "auto"'s parsers by the names of tandem.server.TOOL_CALL_PARSERS.
 PARSERS = {
-    "hermes": _Parser(parse_hermes, _HERMES_HEAD, _HERMES_START, lambda: _BeforeMarker(_HERMES_START),
+    "hermes": _Parser(parse_hermes, (_HERMES_HEAD, _HERMES_HEAD), _HERMES_START, lambda: _BeforeMarker(_HERMES_START),
                       hermes_grammar, (_HERMES_START, "</tool_call>")),
     "llama3_json": _LLAMA3_JSON,
     "llama4_json": _LLAMA3_JSON,  # Llama 4 writes the same calls (as vLLM's parser of both names)
@@ -412,10 +443,10 @@ class ToolChoice:
         """A scan of the calls in this choice's text, as it grows (None: a named call, whose text
         is its arguments, or no calls)."""
         if self.mode == "required":
-            return _CallScan(_ITEM_HEAD, marker=None)
+            return _CallScan(_ITEM_HEADS, marker=None)
         if self.mode == "auto":
             parser = PARSERS[self.parser]
-            return _CallScan(parser.head, parser.marker, limit=None if self.parallel else 1)
+            return _CallScan(parser.heads, parser.marker, limit=None if self.parallel else 1)
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:

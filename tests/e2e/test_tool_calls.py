@@ -149,6 +149,25 @@ def _stream(choice: ToolChoice, text: str, size: int) -> tuple[str, list[tuple[s
     return "".join(d.content or "" for d in deltas), [tuple(c) for c in calls.values()], deltas
 
 
+# Blocks read as JSON, as a stream reads them (the whole reply took a regex's blocks: each of these was content
+# or fewer calls there, while the stream sent the calls)
+HERMES_AS_JSON = {
+    '<tool_call>\n{"name": "w", "arguments": {"text": "ends with </tool_call>"}}\n</tool_call>':
+        [("w", '{"text": "ends with </tool_call>"}')],
+    '<tool_call>\n{"name": "f", "arguments": {}}\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>':
+        [("f", "{}"), ("g", "{}")],  # a block left unclosed before the next one
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}}</tool_call>'
+    '<tool_call>{"name": "h", "arguments": {}}</tool_call>': [("f", "{}"), ("g", "{}"), ("h", "{}")],  # text after one
+    '<tool_call>{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}, "name": "g"}</tool_call>':
+        [("f", '{"a": 1}')],  # keys written twice: the first, which the stream reads in the head
+}
+
+
+def test_hermes_blocks_are_read_as_json():
+    for text, want in HERMES_AS_JSON.items():
+        assert [(c.name, c.arguments) for c in parse_hermes(text)[1]] == want, text
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_streamed_auto_choice_equals_the_whole_reply(size):
     auto = ToolChoice("auto", parallel=True, parser="hermes")
@@ -156,7 +175,7 @@ def test_streamed_auto_choice_equals_the_whole_reply(size):
     reordered = '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>'  # parsed, sent whole at the end
     for text in (two, "\n\n" + CALL, reordered, CALL + reordered, reordered + CALL, reordered * 5 + CALL,
                  "no call, only a <tool", "a <tool_call> that breaks", CALL + "\n<tool_call>\nnot json</tool_call>",
-                 "Sure. " + CALL + '<tool_call>{"name": "g"'):
+                 "Sure. " + CALL + '<tool_call>{"name": "g"', *HERMES_AS_JSON):
         want_content, want_calls = auto.parse(text)
         content, calls, deltas = _stream(auto, text, size)
         assert content == (want_content or ""), (text, size)
@@ -186,7 +205,9 @@ def test_streamed_llama3_json_choice_equals_the_whole_reply(size):
     reordered = '{"parameters": {"x": 1}, "name": "f"}'  # parsed, sent whole at the end
     for text in (LLAMA_CALL + "; " + nested, "\n" + LLAMA_CALL, "<|python_tag|>" + LLAMA_CALL, reordered,
                  LLAMA_CALL + "; " + reordered, "plain text, no call", "<|python", '{"answer": 42}',
-                 "Sure: " + LLAMA_CALL, LLAMA_CALL + "\n\nDone.", LLAMA_CALL + '; {"name": "g", "para'):
+                 "Sure: " + LLAMA_CALL, LLAMA_CALL + "\n\nDone.", LLAMA_CALL + '; {"name": "g", "para',
+                 "}; " + LLAMA_CALL, " <|python_tag|> " + LLAMA_CALL,  # a later call's head opens no reply
+                 '{"name": "f", "parameters": {"a": 1}, "arguments": {"b": 2}}'):
         want_content, want_calls = auto.parse(text)
         content, calls, deltas = _stream(auto, text, size)
         assert content == (want_content or ""), (text, size)
@@ -194,6 +215,8 @@ def test_streamed_llama3_json_choice_equals_the_whole_reply(size):
     assert auto.parse(LLAMA_CALL + "; " + nested)[1][1].arguments == '{"x": {"y": "}]\\";{"}, "s": "é"}'
     if size == 3:  # a call's arguments come in pieces, as they are written
         assert sum(1 for d in _stream(auto, LLAMA_CALL + "; " + nested, size)[2] if d.tool_calls) > 10
+    assert auto.parse("}; " + LLAMA_CALL)[1] == [] and len(auto.parse(" <|python_tag|> " + LLAMA_CALL)[1]) == 1
+    assert _stream(auto, '{"name": "f", "parameters": {"a": 1}, "arguments": {"b": 2}}', size)[1] == [("f", '{"a": 1}')]
     one = ToolChoice("auto", parallel=False, parser="llama3_json")
     assert len(one.parse(LLAMA_CALL + "; " + LLAMA_CALL)[1]) == 1
     assert len(_stream(one, LLAMA_CALL + "; " + LLAMA_CALL, size)[1]) == 1
