@@ -168,10 +168,11 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     flags = {field: flag for field, flag in _ENGINE_FLAGS.items() if hasattr(args, field)}  # this command's
     if flags:
         # a field set or compared ("max_model_len=4096", "tensor_parallel_size > 1"), or named alone where
-        # its name is no English word ("raise num_gpu_blocks_override", not "the device")
+        # its name is no English word ("raise num_gpu_blocks_override", not "the device"); a name in quotes
+        # is a key as written (speculative_config's known keys), not a field
         named = "|".join(f for f in flags if "_" in f)
-        message = re.sub(r"(?<![\w.-])(" + "|".join(flags) + r")(?=\s*[=<>])"
-                         + (r"|(?<![\w.-])(" + named + r")(?![\w.])" if named else ""),
+        message = re.sub(r"(?<![\w.'\"-])(" + "|".join(flags) + r")(?=\s*[=<>])"
+                         + (r"|(?<![\w.'\"-])(" + named + r")(?![\w.'\"])" if named else ""),
                          lambda m: flags[m[1] or m[2]], message)
     if getattr(args, "speculative_config", None) is None:  # a key no draft flag sets: --speculative-config does
         message = re.sub(r"speculative_config\.(\w+)=(\S+?)(?=[\s,;)]|$)",

@@ -88,6 +88,8 @@ def _json(text: str, example: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}); give an object such as '{example}'") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"nested too deeply to read; give an object such as '{example}'") from None
 
 
 def _checked(check, value, errors):

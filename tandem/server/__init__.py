@@ -242,6 +242,40 @@ def check_listen_address(host: str, port: int) -> None:
                               "(or --host), or stop the process that holds it") from None
 
 
+class _EncryptedKey(Exception):
+    pass
+
+
+def _ask_no_password():
+    raise _EncryptedKey
+
+
+def _check_tls_files(args: argparse.Namespace) -> None:
+    """Load the HTTPS files now, not once the model is loaded: a file that is not PEM, or a key that
+    is not its certificate's, is a ConfigError naming the flags (it was ssl.SSLError's traceback at
+    the server's start). An encrypted key is left to uvicorn, which asks for its password."""
+    import ssl
+
+    from tandem.errors import ConfigError
+
+    if args.ssl_keyfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=_ask_no_password)
+    except _EncryptedKey:
+        pass
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"--ssl-certfile {args.ssl_certfile!r} and --ssl-keyfile {args.ssl_keyfile!r} are not a PEM "
+                          f"certificate and its private key ({e}); give those files") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"--ssl-ca-certs {args.ssl_ca_certs!r} holds no PEM CA certificate ({e}); give such "
+                              "a file") from None
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Resolve the model to serve (vLLM's positional MODEL, or --model) into args.model, and refuse
     flag combinations that would be silently ignored (ranges are checked while parsing)."""
@@ -287,6 +321,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag}: no file {path!r}; give the path of a PEM file")
+    _check_tls_files(args)
     for variable in ("TANDEM_API_KEY", "VLLM_API_KEY"):  # vLLM's variable too: a key it guarded stays needed
         if args.api_key is None and os.environ.get(variable):
             args.api_key = [os.environ[variable]]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -350,6 +352,36 @@ def test_serve_tool_flags_come_together(tmp_path, capsys, extra, says):
     assert capsys.readouterr().err.startswith(says)
 
 
+@pytest.mark.parametrize("flag", ["--speculative-config", "--hf-overrides", "--structured-outputs"])
+def test_json_flags_nested_too_deeply_are_an_error(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path / "missing"), flag, "[" * 100000, "hi"])
+    assert e.value.code == 2 and "nested too deeply" in capsys.readouterr().err
+
+
+def test_serve_refuses_tls_files_that_are_not_pem_before_loading(tmp_path, capsys):
+    """A key or certificate that exists but is not PEM was ssl.SSLError's traceback once the model had loaded."""
+    for name in ("k.pem", "c.pem", "ca.pem"):
+        (tmp_path / name).write_text("not PEM\n")
+    k, c, ca = (str(tmp_path / n) for n in ("k.pem", "c.pem", "ca.pem"))
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--ssl-keyfile", k, "--ssl-certfile", c]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --ssl-certfile {c!r} and --ssl-keyfile {k!r} are not a PEM "
+                                              "certificate and its private key")
+    if shutil.which("openssl") is None:
+        return
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", k, "-out", c, "-days", "1",
+                    "-subj", "/CN=tandem"], check=True, capture_output=True)
+    argv = ["serve", "--model", str(tmp_path / "missing"), "--ssl-keyfile", k, "--ssl-certfile", c]
+    assert main(argv + ["--ssl-ca-certs", ca, "--ssl-cert-reqs", "2"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --ssl-ca-certs {ca!r} holds no PEM CA certificate")
+    encrypted = str(tmp_path / "encrypted.pem")  # left to uvicorn, which asks for its password: no prompt here
+    subprocess.run(["openssl", "rsa", "-in", k, "-aes128", "-passout", "pass:pw", "-out", encrypted], check=True,
+                   capture_output=True)
+    for key in (k, encrypted):
+        main(["serve", "--model", str(tmp_path / "missing"), "--ssl-keyfile", key, "--ssl-certfile", c])
+        assert "ssl" not in capsys.readouterr().err  # past the TLS check: the missing model is what fails
+
+
 SPEC = '{"model": "D", "num_speculative_tokens": 2}'
 
 
@@ -571,6 +603,8 @@ def test_engine_errors_name_the_flag_that_set_the_value(tmp_path, capsys):
                     "--num-gpu-blocks-override on the device")
     said = in_flag_terms("--draft: ...; or set speculative_config.draft_tensor_parallel_size=1 (the whole draft)", args)
     assert said == '--draft: ...; or set --speculative-config with "draft_tensor_parallel_size": 1 (the whole draft)'
+    known = "speculative_config has unknown keys ['bogus']; known keys: ['enforce_eager', 'max_model_len', \"method\"]"
+    assert in_flag_terms(known, args) == known  # keys as the user writes them, not flags
 
 
 
