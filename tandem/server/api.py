@@ -685,8 +685,11 @@ class OpenAIServer:
         return streams
 
     async def _finals(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
-        """Every request's final output, or None if the client disconnected first."""
-        results = asyncio.ensure_future(asyncio.gather(*(s.final() for s in streams)))
+        """Every request's final output, or None if the client disconnected first. One request's
+        error ends the wait: the others' waits are cancelled (their requests are released, and a
+        released stream is never woken)."""
+        finals = [asyncio.ensure_future(s.final()) for s in streams]
+        results = asyncio.gather(*finals)
         # A gather cancelled below ends with an error nobody awaits: retrieve it, so it is not logged.
         results.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(wait_for_disconnect(request))
@@ -694,8 +697,8 @@ class OpenAIServer:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not results.done():
-                results.cancel()  # takes effect later: a gather is cancelled once its children are
+            for final in finals:
+                final.cancel()  # (a gather already done left the others waiting)
         return results.result() if results.done() and not results.cancelled() else None
 
     async def _events(self, streams: list[RequestStream], renderer: Renderer) -> AsyncIterator[str]:

@@ -2233,3 +2233,41 @@ def test_a_steps_outputs_reach_their_loop_in_one_wake_up():
             await streams[1].next_output()
 
     asyncio.run(run())
+
+
+def test_one_prompts_error_cancels_the_other_prompts_waits():
+    """A non-streamed request of several prompts answers the first error; the waits for its other prompts
+    (whose requests are released then, their streams never woken) are cancelled, not left pending."""
+    import asyncio
+
+    from tandem.server.api import OpenAIServer
+    from tandem.server.async_engine import ServerOverloaded
+
+    cancelled = []
+
+    class Stream:
+        def __init__(self, fails: bool):
+            self.fails = fails
+
+        async def final(self):
+            await asyncio.sleep(0)
+            if self.fails:
+                raise ServerOverloaded("shed")
+            try:
+                await asyncio.Event().wait()  # a released stream: nothing ever comes
+            except asyncio.CancelledError:
+                cancelled.append(self)
+                raise
+
+    class Connected:
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    async def run():
+        waiting = Stream(False)
+        with pytest.raises(ServerOverloaded):
+            await OpenAIServer._finals(None, Connected(), [waiting, Stream(True)])
+        await asyncio.sleep(0)
+        assert cancelled == [waiting]  # (inside the loop: asyncio.run cancels what is left once it ends)
+
+    asyncio.run(run())
