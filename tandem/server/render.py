@@ -488,7 +488,13 @@ class ResponsesRenderer(ChatRenderer):
         return self.builder.finish(self.usage(outputs), *self._counts(outputs))
 
     def body(self, outputs: list[RequestOutput]) -> dict:
-        return self.builder.from_chat(self.response(outputs), *self._counts(outputs))
+        """The whole Response, made as a stream makes its last one: the reply read at once through the
+        stream's parsers, so what a stream tells otherwise than a whole chat reply (a call the token
+        limit cut, which the stream has begun) is told alike, streamed or not."""
+        self.preamble()
+        for i, out in enumerate(outputs):
+            self.on_output(i, out)
+        return self.final_chunks()[-1]["response"]
 
     def sse(self, event: dict) -> str:
         return _event_sse(event)

@@ -30,8 +30,8 @@ from typing import Any
 from tandem.chat import part_text
 from tandem.errors import RequestError
 from tandem.sampling_params import SamplingParams
-from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
-    ChatLogprobs, UsageInfo, _SamplingRequest
+from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, UsageInfo, \
+    _SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -458,21 +458,6 @@ class ResponseBuilder:
 
     def status(self, finish_reason: str | None) -> str:
         return "incomplete" if finish_reason == "length" else "completed"
-
-    def from_chat(self, chat: ChatCompletionResponse, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-        """The whole response from the chat reply."""
-        choice = chat.choices[0]
-        message, output = choice.message, []
-        if message.reasoning:
-            output.append(_reasoning_item(_id("rs"), message.reasoning, "completed"))
-        if message.content or not (message.tool_calls or message.reasoning):  # an empty reply: an empty message
-            output.append(_message_item(_id("msg"), message.content or "", _logprobs(choice.logprobs), "completed"))
-        for call in message.tool_calls:
-            output.append(_call_item(_id("fc"), call.id, call.function.name, call.function.arguments, "completed"))
-        status = self.status(choice.finish_reason)
-        if status == "incomplete" and not _whole_call(output[-1]):
-            output[-1]["status"] = "incomplete"  # the item the limit cut (a call parsed whole was not)
-        return self._done(self.response(status, output, self.usage(chat.usage, cached_tokens, reasoning_tokens)))
 
     def _done(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.on_done is not None:

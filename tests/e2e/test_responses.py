@@ -98,31 +98,45 @@ def test_a_previous_output_passed_back_is_one_assistant_turn():
 @pytest.mark.parametrize("arguments, status", [('{"city": "Paris"}', "completed"), ('{"city": "Pa', "incomplete")])
 def test_only_a_call_the_limit_cut_is_incomplete(arguments, status):
     """A reply max_output_tokens cut after a whole call (a later call the parser dropped, the text
-    around the calls) is incomplete, but that call is not, whole or streamed: continued with
+    around the calls) is incomplete, but that call is not: continued with
     previous_response_id it stays in the conversation (a call marked incomplete is left out). A call
     whose arguments the limit cut is incomplete."""
-    from tandem.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatResponseMessage,
-                                        ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                        ToolCall, UsageInfo)
+    from tandem.server.protocol import (ChatCompletionChunk, ChatStreamChoice, DeltaFunctionCall, DeltaMessage,
+                                        DeltaToolCall, UsageInfo)
 
     usage = UsageInfo(prompt_tokens=5, completion_tokens=60, total_tokens=65)
-    message = ChatResponseMessage(tool_calls=[ToolCall(function=FunctionCall(name="f", arguments=arguments))])
-    chat = ChatCompletionResponse(id="c", model=MODEL, usage=usage,
-                                  choices=[ChatChoice(index=0, message=message, finish_reason="length")])
-    whole = ResponseBuilder(ResponsesRequest(input="hi"), MODEL).from_chat(chat, 0, 0)
     builder = ResponseBuilder(ResponsesRequest(input="hi"), MODEL)
     call = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="f", arguments=arguments))
     builder.start()
     builder.on_chunk(ChatCompletionChunk(id="c", created=0, model=MODEL, choices=[
         ChatStreamChoice(index=0, delta=DeltaMessage(tool_calls=[call]), finish_reason="length")]))
-    streamed = builder.finish(usage, 0, 0)[-1]["response"]
-    for response in (whole, streamed):
-        assert response["status"] == "incomplete" and [i["status"] for i in response["output"]] == [status]
-    item = whole["output"][0]  # stored, then continued: [the stored input, its call] + the call's output
+    response = builder.finish(usage, 0, 0)[-1]["response"]  # (a whole response is made so too)
+    assert response["status"] == "incomplete" and [i["status"] for i in response["output"]] == [status]
+    item = response["output"][0]  # stored, then continued: [the stored input, its call] + the call's output
     stored = [{"role": "user", "content": "hi"}, item,
               {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]
     kept = _input_messages(stored, num_previous=2)
     assert any(m.get("tool_calls") for m in kept) == (status == "completed")
+
+
+def test_a_reply_cut_inside_a_call_is_told_alike_streamed_or_not(live):
+    """max_output_tokens cutting a "required" reply inside its call: the whole response and the
+    stream's last one hold the same items (the whole one held the call's raw text as a message,
+    the stream the call it had begun, incomplete), and so continue the same conversation."""
+    def shown(response):
+        items = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+        return response["status"], items, response["usage"]["output_tokens"]
+
+    kinds = set()
+    for limit in (3, 6, 10, 16, 40):
+        body = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": limit, "temperature": 0,
+                "tools": [FLAT_WEATHER], "tool_choice": "required"}
+        whole = httpx.post(live.url + "/v1/responses", json=body, timeout=120).json()
+        with httpx.stream("POST", live.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert shown(whole) == shown(events[-1]["response"]), limit
+        kinds |= {(item["type"], item["status"]) for item in whole["output"]}
+    assert ("function_call", "incomplete") in kinds, kinds  # (cut before a call's name: its text, a message)
 
 
 def test_input_items_keep_their_turns_apart():
