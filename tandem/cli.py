@@ -149,7 +149,8 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "gpu_memory_utilization": "--gpu-memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
                  "num_gpu_blocks_override": "--num-gpu-blocks-override",
                  "block_size": "--block-size", "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization",
-                 "dtype": "--dtype", "device": "--device"}
+                 "dtype": "--dtype", "device": "--device", "generation_config": "--generation-config",
+                 "override_generation_config": "--override-generation-config"}
 _DRAFT_FLAGS = {"model": "--draft", "num_speculative_tokens": "--num-speculative-tokens",
                 "quantization": "--draft-quantization", "draft_sample_method": "--draft-sample-method",
                 "draft_vocab_size": "--draft-vocab-size", "draft_token_map": "--draft-token-map",

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from tandem.config import DTYPE_NAMES, half_dtype, token_ids_setting
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, RequestError
+from tandem.sampling_params import SamplingParams
 
 
 def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.device | None = None,
@@ -113,6 +114,10 @@ def check_generation_override(override: dict | None) -> dict | None:
     if unknown:
         raise ConfigError(f"override_generation_config sets {unknown}, which are not sampling defaults; use some "
                           f"of {sorted(GENERATION_DEFAULT_KEYS)}")
+    try:  # its values as SamplingParams takes them (else every request would fail, blaming itself)
+        SamplingParams(**{GENERATION_DEFAULT_KEYS[key]: value for key, value in override.items() if value is not None})
+    except RequestError as e:
+        raise ConfigError(f"override_generation_config sets an invalid sampling default: {e}") from None
     return override
 
 

@@ -304,6 +304,7 @@ def test_generate_chat_without_template(tmp_path, capsys):
     (["--structured-outputs-config", "{"], "--structured-outputs-config"),
     (["--override-generation-config", '{"do_sample": true}'], "--override-generation-config"),
     (["--override-generation-config", "[1]"], "--override-generation-config"),
+    (["--override-generation-config", '{"temperature": "hot"}'], "--override-generation-config"),  # was after loading
     (["--chat-template-content-format", "xml"], "--chat-template-content-format"),
     (["--tool-call-parser", "llama5_json"], "--tool-call-parser"),
     (["--draft-vocab-size", "0"], "--draft-vocab-size"),
@@ -605,6 +606,9 @@ def test_engine_errors_name_the_flag_that_set_the_value(tmp_path, capsys):
     assert said == '--draft: ...; or set --speculative-config with "draft_tensor_parallel_size": 1 (the whole draft)'
     known = "speculative_config has unknown keys ['bogus']; known keys: ['enforce_eager', 'max_model_len', \"method\"]"
     assert in_flag_terms(known, args) == known  # keys as the user writes them, not flags
+    said = in_flag_terms("generation_config.json or override_generation_config sets ...; or pass "
+                         "generation_config='vllm'", args)
+    assert said == "generation_config.json or --override-generation-config sets ...; or pass --generation-config='vllm'"
 
 
 
