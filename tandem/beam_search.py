@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import functools
 import math
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from tandem.engine.engine import check_cache_salt, progress_bar
 from tandem.errors import RequestError
 from tandem.outputs import Logprob
 from tandem.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -173,6 +173,7 @@ def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm:
     for prompt in prompts:
         ids, _, _ = llm._tokenize(prompt)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        check_cache_salt(salt)
         engine.validate_request(ids, step)  # every prompt checked before any work starts
         items.append((ids, salt))
     limit = concurrency_limit or max(len(items), 1)
@@ -189,11 +190,7 @@ def _search(llm: LLM, items: list[tuple[list[int], str | None]], params: BeamSea
             use_tqdm: bool, decode) -> list[BeamSearchOutput]:
     search = BeamSearch([ids for ids, _ in items], params, llm.engine.eos_token_ids,
                         llm.engine.cfg.sched.max_model_len)
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
+    bar = progress_bar(use_tqdm, params.max_tokens, "Beam search")
     try:
         while live := search.live():
             runs = [(beam.tokens, None, items[i][1]) for i, beam in live]

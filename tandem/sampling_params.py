@@ -21,6 +21,7 @@ MAX_SEED = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it (vLLM's rule): logits / T overflow
+MAX_N = 1 << 16  # samples a request may ask for: each is a sequence the engine keeps (n = 10**7 filled memory)
 
 # The kinds of constraint a StructuredOutputsParams holds (exactly one is set).
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -217,8 +218,8 @@ class SamplingParams:
         def bad(name: str, rule: str) -> RequestError:
             return RequestError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", "it must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"it must be an integer in [1, {MAX_N}]; ask for more samples in several requests")
         if not _is_num(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise bad("temperature", "it must be >= 0 (0 means greedy) and a finite float32")
         if self.temperature == 0 and self.n > 1:  # vLLM's rule: n copies of one greedy output
@@ -383,7 +384,13 @@ def is_int_text(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A number (NaN, and an integer past a float's range, are none: no check may overflow on them)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return float(x) == float(x)
+    except OverflowError:
+        return False
 
 
 def _output_kind(value) -> RequestOutputKind:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import operator
 import random
 import time
 from dataclasses import dataclass, field
@@ -331,10 +332,10 @@ class Engine:
         if isinstance(prompt_token_ids, (str, dict)):  # vLLM's LLMEngine takes a prompt; this engine takes ids
             raise RequestError("Engine.add_request takes the prompt's token ids (prompt_token_ids); tokenize the text "
                                "first (LLM.get_tokenizer()), or use LLM.generate")
+        prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate_priority(priority)
         priority = int(priority)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise RequestError(f"cache_salt={cache_salt!r} must be a non-empty string (or left out)")
+        check_cache_salt(cache_salt)
         self.validate_request(prompt_token_ids, params)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
@@ -784,3 +785,42 @@ class Engine:
         state.shown_prompt_logprobs = state.shown_prompt_logprobs or prompt_lps is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, m,
                              prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None)
+
+
+def check_cache_salt(cache_salt) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise RequestError(f"cache_salt={cache_salt!r} must be a non-empty string (or left out)")
+
+
+def progress_bar(use_tqdm, total: int, desc: str):
+    """LLM.generate's bar: None (use_tqdm false), tqdm's, or use_tqdm's own where it is a callable
+    (vLLM's: a tqdm-like class or factory, called as tqdm is)."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc, dynamic_ncols=True)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+
+def as_token_ids(ids) -> list:
+    """Token ids as LLM.generate takes them: a list or tuple, a numpy array or a tensor (of Python's,
+    numpy's or 0-d tensors' integers, made Python ints) -> a list; RequestError for anything else.
+    What is not an integer is left for validate_request to refuse."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array, a tensor
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise RequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    return [_as_int(t) for t in ids]
+
+
+def _as_int(t):
+    """An integer-like id (numpy's integers too) as a Python int; anything else is left for the
+    engine's check to refuse (bool included)."""
+    if isinstance(t, bool):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t

@@ -4,10 +4,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from tandem.config import (
 )
 from tandem.beam_search import BeamSearchOutput, run_beam_search
 from tandem.chat import content_format, developer_as_system, template_kwargs, text_message
-from tandem.engine.engine import Engine
+from tandem.engine.engine import Engine, as_token_ids, progress_bar
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.layers.quant import QUANTIZATIONS
@@ -297,14 +296,16 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable = True,
         lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in order. priority:
         one integer per prompt (lower first), for an LLM built with scheduling_policy="priority".
         A dict prompt may carry "cache_salt" (vLLM's): it shares cached prefix blocks only with
-        prompts of the same salt. lora_request: vLLM's argument, in its place; only None (no adapters)."""
+        prompts of the same salt. use_tqdm: a progress bar (vLLM's: True for tqdm's, or a callable
+        made as tqdm is, tqdm(total=..., desc=..., dynamic_ncols=True)). lora_request: vLLM's
+        argument, in its place; only None (no adapters)."""
         _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -348,7 +349,7 @@ class LLM:
         prompts: list[PromptType],
         params: BeamSearchParams,
         lora_request: None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's, tandem/beam_search.py): one BeamSearchOutput per prompt, its best
@@ -368,7 +369,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable = True,
         lora_request: None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -428,12 +429,11 @@ class LLM:
         if isinstance(prompt, dict):
             _check_prompt_keys(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array, a tensor
-                ids = ids.tolist()
-            if not isinstance(ids, (list, tuple)):
-                raise RequestError("prompt_token_ids must be a list of integers")
-            return [_as_int(t) for t in ids], prompt.get("prompt"), False
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise RequestError(f"a prompt's 'prompt' (its text, beside prompt_token_ids) must be a string, got "
+                                   f"{type(text).__name__}")
+            return as_token_ids(prompt["prompt_token_ids"]), text, False
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
@@ -459,10 +459,7 @@ class LLM:
                     p = final_only[id(p)]
                 self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank, cache_salt=salt)
                 ids.append(request_id)
-            if use_tqdm:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = progress_bar(use_tqdm, len(ids), "Processed prompts")
             mine = set(ids)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -640,17 +637,6 @@ def _resolve_async_scheduling(async_scheduling, spec, dev: torch.device) -> bool
     if async_scheduling is None:  # auto: on a GPU, for steps without drafts (on a CPU nothing overlaps)
         async_scheduling = dev.type == "cuda" and undrafted
     return async_scheduling
-
-
-def _as_int(t):
-    """An integer-like id (numpy's integers too) as a Python int; anything else is left for the
-    engine's check to refuse (bool included)."""
-    if isinstance(t, bool):
-        return t
-    try:
-        return operator.index(t)
-    except TypeError:
-        return t
 
 
 def _parse_spec(spec, target_max_len: int):

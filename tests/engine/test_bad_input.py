@@ -862,3 +862,63 @@ def test_bad_words_without_tokenizer(llm_no_tok):
         llm_no_tok.generate({"prompt_token_ids": [5, 6]}, GREEDY.clone(bad_words=["x"]), use_tqdm=False)
     out = llm_no_tok.generate({"prompt_token_ids": [5, 6]}, GREEDY.clone(bad_words_token_ids=[[7]]), use_tqdm=False)
     assert 7 not in out[0].outputs[0].token_ids
+
+
+def test_numbers_past_a_floats_range_and_huge_n_are_request_errors():
+    """(were a bare OverflowError, at once or mid-search, and n = 10**7 filled memory making sequences)"""
+    from tandem.sampling_params import MAX_N, BeamSearchParams
+
+    for kw, field in [(dict(logit_bias={5: 10**400}), "logit_bias"), (dict(logit_bias={5: -10**400}), "logit_bias"),
+                      (dict(n=MAX_N + 1, temperature=1.0), "n"), (dict(temperature=10**400), "temperature")]:
+        with pytest.raises(RequestError, match=f"SamplingParams.{field}="):
+            SamplingParams(**kw)
+    assert SamplingParams(n=MAX_N, temperature=1.0).n == MAX_N
+    with pytest.raises(RequestError, match="BeamSearchParams.length_penalty="):
+        BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=10**400)
+
+
+def test_engine_add_request_takes_the_token_ids_generate_takes(llm, reference):
+    """Engine.add_request (the streaming API) takes a numpy array, a tensor, numpy's integers, as LLM.generate
+    does (they were bare ValueError / RuntimeError, or refused as not integers); other things by name."""
+    from tandem.sampling_params import RequestOutputKind
+
+    ids = reference[0][0]
+    params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    for i, form in enumerate([np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(t) for t in ids]]):
+        llm.engine.add_request(f"forms-{i}", form, params)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += [o for o in llm.engine.step() if o.finished]
+        assert outs[0].outputs[0].token_ids == reference[1][0], type(form)
+    for bad, says in [((t for t in ids), "list of integers, got generator"), ([5.0, 6], r"integers in \[0")]:
+        with pytest.raises(RequestError, match=says):
+            llm.engine.add_request("bad-form", bad, params)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(RequestError, match="'prompt' .* must be a string, got int"):
+        llm.generate({"prompt_token_ids": ids, "prompt": 5}, GREEDY, use_tqdm=False)
+
+
+def test_beam_search_checks_every_prompts_salt_first_and_a_callable_use_tqdm_makes_the_bar(llm, monkeypatch):
+    from tandem.sampling_params import BeamSearchParams
+
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(1) or step())
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9], "cache_salt": 5}]
+    with pytest.raises(RequestError, match="cache_salt=5 must be a non-empty string"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=3), concurrency_limit=1)
+    assert steps == []  # (the first prompt's whole search ran, then the second's salt was refused)
+    made = []
+
+    class Bar:
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def update(self, n):
+            made.append(n)
+
+        def close(self):
+            made.append("closed")
+
+    llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], GREEDY, use_tqdm=Bar)
+    assert made == [dict(total=2, desc="Processed prompts", dynamic_ncols=True), 1, 1, "closed"]
