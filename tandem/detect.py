@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.engine import as_token_ids
 from tandem.errors import RequestError
 from tandem.sampling.watermark import WatermarkConfig, keyed_uniform, parse_watermark_config, sequence_contexts
 
@@ -45,6 +46,8 @@ def detect_watermark(
     cfg = parse_watermark_config(watermark_config)
     if cfg is None:
         raise RequestError("watermark_config is required: the key the text would have been drawn with")
+    token_ids = as_token_ids(token_ids, "token_ids")  # (numpy's arrays and integers too, as generate takes them)
+    prompt_token_ids = None if prompt_token_ids is None else as_token_ids(prompt_token_ids)
     for name, ids in (("token_ids", token_ids), ("prompt_token_ids", prompt_token_ids or [])):
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             raise RequestError(f"{name} must be a list of token ids (integers >= 0)")

@@ -804,14 +804,14 @@ def progress_bar(use_tqdm, total: int, desc: str):
     return tqdm(total=total, desc=desc, dynamic_ncols=True)
 
 
-def as_token_ids(ids) -> list:
+def as_token_ids(ids, name: str = "prompt_token_ids") -> list:
     """Token ids as LLM.generate takes them: a list or tuple, a numpy array or a tensor (of Python's,
-    numpy's or 0-d tensors' integers, made Python ints) -> a list; RequestError for anything else.
-    What is not an integer is left for validate_request to refuse."""
+    numpy's or 0-d tensors' integers, made Python ints) -> a list; RequestError naming them for
+    anything else. What is not an integer is left for the caller's check to refuse."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array, a tensor
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)):
-        raise RequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+        raise RequestError(f"{name} must be a list of integers, got {type(ids).__name__}")
     return [_as_int(t) for t in ids]
 
 

@@ -280,6 +280,7 @@ def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
     align = int(meta.get("general.alignment", 32) or 32)
     data_start = (cur.pos + align - 1) // align * align
     tensors = []
+    expected = 0  # where the next tensor must start: right after the last one, aligned (llama.cpp's rule)
     for name, dims, ttype, off in raw_tensors:
         try:
             qtype = GGMLQuantizationType(ttype)
@@ -293,6 +294,11 @@ def read_gguf(path: str | os.PathLike, *, check_arch: bool = True) -> GGUFInfo:
         if n_el % block or (dims and dims[0] % block):
             raise ModelFormatError(corrupt.format(f"tensor {name!r} shape {dims} does not fit {qtype.name} blocks"))
         nbytes = n_el // block * tsize
+        if off != expected:  # (a wrong type or shape: the tensor would read into its neighbour, or leave a gap)
+            raise ModelFormatError(corrupt.format(
+                f"tensor {name!r} ({qtype.name}, shape {dims}) starts at data offset {off}, but the tensors before it "
+                f"end at {expected}"))
+        expected += (nbytes + align - 1) // align * align
         start = data_start + off
         if start + nbytes > size:
             raise ModelFormatError(
@@ -460,6 +466,26 @@ def build_generation_config(info: GGUFInfo, cfg: dict) -> dict:
 # --------------------------------------------------------------------------- tensors
 
 
+def _check_shapes(info: GGUFInfo, cfg: dict) -> None:
+    """Every tensor's shape as the metadata (the config built from it) implies, refused before
+    anything is converted: the loader would refuse the converted copy, cached by then, naming it."""
+    hidden, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    rows_cols = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+                 "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden),
+                 "mlp.down_proj": (hidden, ffn), "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
+                 "model.embed_tokens": (vocab, hidden), "model.norm": (hidden,), "lm_head": (vocab, hidden)}
+    for t in info.tensors:
+        module, kind = re.sub(r"^model\.layers\.\d+\.", "", hf_name_for(t.name)).rsplit(".", 1)
+        want = rows_cols[module] if kind == "weight" else rows_cols[module][:1]
+        if t.hf_shape != want:
+            raise ModelFormatError(
+                f"{info.path.name}: tensor {t.name!r} has shape {t.hf_shape} (rows, columns), but its metadata "
+                f"({info.arch}.embedding_length, feed_forward_length, attention.head_count and the vocabulary) "
+                f"implies {want}; the file is corrupt (re-download or re-convert it).")
+
+
 def _tensor_plan(info: GGUFInfo) -> list[tuple[str, object, tuple[int, ...]]]:
     """[(hf_name, GGUFTensor, hf_shape)] in file order."""
     plan = []
@@ -483,7 +509,10 @@ def _dequant_one(info: GGUFInfo, t, shape: tuple[int, ...], dtype: torch.dtype) 
         n_head = _int(info.arch_get("attention.head_count"))
         if ".attn_k." in t.name:
             n_head = _int(info.arch_get("attention.head_count_kv")) or n_head
-        arr = unpermute_llama_qk(arr, n_head)
+        try:
+            arr = unpermute_llama_qk(arr, n_head)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{info.path.name}: tensor {t.name}: {e}") from None
     if np.may_share_memory(arr, t.data) or not arr.flags.c_contiguous:
         arr = np.array(arr, dtype=np.float32, order="C")  # F32 tensors come back as views of the read-only memmap
     ten = torch.from_numpy(arr)
@@ -646,6 +675,7 @@ def convert_gguf(
     out = pathlib.Path(out_dir)
     info = info or read_gguf(gguf_path)
     cfg = build_config(info, dtype)
+    _check_shapes(info, cfg)
     plan = _tensor_plan(info)
     entries = [(hf, shape) for hf, _, shape in plan]
     if len({hf for hf, _ in entries}) != len(entries):

@@ -219,6 +219,25 @@ def test_a_missing_layer_tensor_is_named_before_anything_is_converted(tmp_path, 
     assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
+def test_a_tensor_whose_shape_the_metadata_does_not_imply_is_refused_before_converting(tmp_path, monkeypatch):
+    """(it was converted and cached, then refused at load naming the cached copy, every time)"""
+    import gguf
+
+    add = gguf.GGUFWriter.add_tensor
+
+    def narrower(self, name, tensor, *a, **kw):
+        return add(self, name, tensor[: tensor.shape[0] // 2] if name == "blk.0.ffn_up.weight" else tensor, *a, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", narrower)
+    src = tmp_path / "narrow.gguf"
+    write_tiny_gguf(src)
+    monkeypatch.undo()
+    with pytest.raises(ModelFormatError, match=r"narrow.gguf: tensor 'blk.0.ffn_up.weight' has shape \(48, 64\) .* "
+                                               r"implies \(96, 64\)"):
+        resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    assert _cache_entries(tmp_path / "cache" / "converted") == []
+
+
 @pytest.mark.parametrize("cut", ["data", "header", "garbage"])
 def test_truncated_or_corrupt_gguf(tmp_path, cut):
     src = tmp_path / "tiny.gguf"
@@ -238,7 +257,7 @@ def test_truncated_or_corrupt_gguf(tmp_path, cut):
     assert _cache_entries(tmp_path / "cache" / "converted") == []
 
 
-@pytest.mark.parametrize("damage", ["string length", "dimension", "block_count"])
+@pytest.mark.parametrize("damage", ["string length", "dimension", "block_count", "type id"])
 def test_a_damaged_header_field_is_refused_as_corrupt(tmp_path, damage):
     """One damaged number in the header: a token's string length past 2^56 (an OverflowError
     escaped as a traceback), a tensor dimension whose product wraps around in int64 (it passed the
@@ -259,6 +278,12 @@ def test_a_damaged_header_field_is_refused_as_corrupt(tmp_path, damage):
         assert d0 % 64 == 0
         struct.pack_into("<Q", raw, at + 12, d1 + (1 << 58))
         pattern = "truncated"
+    elif damage == "type id":  # F32 data said to be F16: read, it was half its bytes (NaN weights), a gap after it
+        at = raw.index(b"blk.0.ffn_up.weight") + len("blk.0.ffn_up.weight")
+        (n_dims,) = struct.unpack_from("<I", raw, at)
+        assert struct.unpack_from("<I", raw, at + 4 + 8 * n_dims) == (0,)
+        struct.pack_into("<I", raw, at + 4 + 8 * n_dims, 1)
+        pattern = "'blk.0.ffn_down.weight' .* starts at data offset"
     else:
         at = raw.index(b"llama.block_count") + len("llama.block_count")
         vtype, count = struct.unpack_from("<II", raw, at)

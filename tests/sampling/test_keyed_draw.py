@@ -113,6 +113,9 @@ def test_detector_finds_the_key_and_only_the_key():
     assert detect_watermark(out[:3], {"key": 1234}) == detect_watermark([], {"key": 1234})  # nothing to score
     with pytest.raises(RequestError, match="token_ids"):
         detect_watermark([1, -2], {"key": 1})
+    import numpy as np  # numpy's arrays, as generate takes them (a prompt's was numpy's bare ValueError)
+
+    assert detect_watermark(np.array(out), {"key": 1234}, prompt_token_ids=np.array(prompt)) == found
     with pytest.raises(ConfigError, match="key"):
         detect_watermark([1, 2], {"key": "x"})
 
