@@ -129,10 +129,11 @@ def _closed_objects(schema: Any) -> Any:
 
 def rebased_refs(schema: Any, base: str) -> Any:
     """A copy of schema with its local references ("#", "#/...") pointing into base (a JSON pointer,
-    "#/$defs/x"), for a schema moved there inside a larger one; others (anchors, URIs) kept."""
+    "#/$defs/x"), for a schema moved there inside a larger one; others (anchors, URIs) kept, and so
+    is a subschema with an "$id" of its own (its "#" is itself, wherever it lies)."""
     if isinstance(schema, list):
         return [rebased_refs(value, base) for value in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for key, value in schema.items():

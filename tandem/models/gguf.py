@@ -675,8 +675,8 @@ def convert_gguf(
     out = pathlib.Path(out_dir)
     info = info or read_gguf(gguf_path)
     cfg = build_config(info, dtype)
+    plan = _tensor_plan(info)  # (an unknown tensor refused by name first)
     _check_shapes(info, cfg)
-    plan = _tensor_plan(info)
     entries = [(hf, shape) for hf, _, shape in plan]
     if len({hf for hf, _ in entries}) != len(entries):
         raise ModelFormatError(f"{info.path.name}: duplicate tensors after name mapping")

@@ -54,11 +54,14 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"'{param}' is invalid: {first['msg']}; got {_short(first.get('input'))}", param=param)
 
 
+_HUGE_EXPONENT = re.compile(rb"\d[eE]\+?\d{3}")  # a number that may be past a float's range
+
+
 def non_finite_error(raw: bytes) -> APIError | None:
     """A 400 naming the first NaN / Infinity in a request body (Python's JSON reader takes them;
     JSON has none, and a field echoed back would make the reply invalid JSON), or None."""
-    if b"NaN" not in raw and b"Infinity" not in raw:  # the usual body: no second parse
-        return None
+    if b"NaN" not in raw and b"Infinity" not in raw and _HUGE_EXPONENT.search(raw) is None:  # the usual body:
+        return None  # no second parse (1e999 is read as inf too)
     path = _non_finite_path(json.loads(raw))
     if path is None:  # the words were inside strings
         return None

@@ -1296,6 +1296,8 @@ BAD_INPUTS = [
     # NaN / Infinity anywhere (Python's JSON reader takes them): a field echoed back made the reply invalid JSON
     ("responses-nan-echoed", "/v1/responses", b'{"model": "tiny-spec", "input": "x", "max_output_tokens": 2, '
      b'"reasoning": {"effort": NaN}}', 400, "reasoning.effort"),
+    ("responses-overflow-echoed", "/v1/responses", b'{"model": "tiny-spec", "input": "x", "max_output_tokens": 2, '
+     b'"reasoning": {"effort": -1e999}}', 400, "reasoning.effort"),  # (read as -inf)
     ("chat-infinity-in-a-schema", CH, b'{"model": "tiny-spec", "messages": [{"role": "user", "content": "hi"}], '
      b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", '
      b'"maximum": -Infinity}}}}', 400, "response_format.json_schema.schema.maximum"),

@@ -105,10 +105,13 @@ def test_required_schema_keeps_each_tools_references_and_a_schemas_own_layout(tm
         tool("h", {"properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "$defs": {"P": {"type": "string"}}}),
         tool("k", {"properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "$defs": {"P": {"type": "integer"}}}),
         tool("plain", {"properties": {"x": {"type": "integer"}}}),
+        tool("inner", {"properties": {"a": {"$id": "urn:inner", "type": "object", "additionalProperties": False,
+                                            "properties": {"x": {"type": "integer"}, "y": {"$ref": "#/properties/x"}}},
+                                      "b": {"$ref": "#/properties/a"}}}),  # "#" inside the $id: that subschema
     )
     schema = ToolChoice("required", specs, parallel=False).constraint().json
     assert schema["maxItems"] == 1 and [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [
-        ["f"], ["g"], ["h"], ["k"], ["plain"]]
+        ["f"], ["g"], ["h"], ["k"], ["plain"], ["inner"]]
     assert schema["items"]["anyOf"][4]["properties"]["parameters"] == specs[4]["parameters"]  # no refs: in place
     assert schema["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     save_tokenizer(tmp_path)
@@ -126,6 +129,8 @@ def test_required_schema_keeps_each_tools_references_and_a_schemas_own_layout(tm
     assert fits("h", '{"p": "x"}') and not fits("h", '{"p": 1}')
     assert fits("k", '{"p": 1}') and not fits("k", '{"p": "x"}')
     assert fits("plain", '{"x": 1}')
+    assert fits("inner", '{"a": {"y": 2}}') and not fits("inner", '{"a": {"y": "z"}}')
+    assert fits("inner", '{"b": {"x": 1}}') and not fits("inner", '{"b": {"x": 1, "q": 2}}')
     own = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
     assert ToolChoice("named", ({"name": "a", "parameters": own},), name="a").constraint().json["x-guidance"][
         "whitespace_flexible"] is True

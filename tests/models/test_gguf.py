@@ -196,6 +196,18 @@ def test_unsupported_tensor_type(tmp_path):
         resolve_model(src, torch.float32, cache_dir=tmp_path / "cache", progress=False)
 
 
+def test_an_unknown_tensor_is_named_when_converting_unchecked(tmp_path):
+    """convert_gguf of a file read without check_arch names the tensor it cannot map (the shape check
+    before it met None: a TypeError)."""
+    from tandem.models.gguf import convert_gguf, read_gguf
+
+    src = tmp_path / "rope.gguf"
+    write_tiny_gguf(src, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ModelFormatError, match="unsupported tensor 'rope_freqs.weight'"):
+        convert_gguf(src, tmp_path / "out", torch.float32, progress=False, info=read_gguf(src, check_arch=False))
+
+
 def test_unsupported_extra_tensor(tmp_path):
     src = tmp_path / "rope.gguf"
     write_tiny_gguf(src, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
