@@ -126,8 +126,11 @@ def _content_format(template: str) -> str:
 
 def _parsed_arguments(call: Any, i: int) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), (str, type(None))):
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), dict):
         return call
+    if not isinstance(function.get("arguments"), (str, type(None))):
+        raise RequestError(f"tool_calls.{i}.function.arguments={function['arguments']!r} is invalid: give the "
+                           "arguments as a JSON object's text, as the reply that made the call gave them")
     if not function.get("arguments"):  # none: no arguments (vLLM's)
         return {**call, "function": {**function, "arguments": {}}}
     try:

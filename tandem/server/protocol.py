@@ -293,6 +293,8 @@ class ContentPart(_Request):
 
 
 class FunctionDefinition(_Request):
+    model_config = ConfigDict(extra="allow", strict=True)  # other keys reach the chat template, as in vLLM
+
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
@@ -300,6 +302,8 @@ class FunctionDefinition(_Request):
 
 
 class ChatTool(_Request):
+    model_config = ConfigDict(extra="allow", strict=True)
+
     type: Literal["function"]
     function: FunctionDefinition
 

@@ -483,9 +483,19 @@ class ToolChoice:
 
 
 def tools_for_template(request) -> list[dict[str, Any]] | None:
-    """The request's tools as the chat template takes them (OpenAI's dicts, unset fields left out)."""
+    """The request's tools as the chat template takes them, as vLLM passes them: each function's name,
+    description and parameters (null where not given), then any other key the client sent
+    ("strict" among them only where sent), so a template that prints the whole tool prints vLLM's."""
     tools = getattr(request, "tools", None)
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        dumped = tool.model_dump()
+        if "strict" not in tool.function.model_fields_set:
+            del dumped["function"]["strict"]
+        out.append(dumped)
+    return out
 
 
 def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constrained: bool = False,

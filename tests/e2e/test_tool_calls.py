@@ -379,3 +379,32 @@ def test_strict_tools_hold_llama3_json_calls_to_their_schemas(tmp_path, as_token
             assert not fits(choice, bad), bad
         if as_token:
             assert fits(choice, "<|python_tag|>" + call)
+
+
+def test_tools_reach_the_template_as_vllm_passes_them():
+    """Each function's name, description and parameters (null where not given), then the other keys the
+    client sent: a template printing the whole tool (Qwen2.5's `tool | tojson`) prints vLLM's prompt (the
+    nulls and the extra keys were dropped)."""
+    from tandem.server.tools import tools_for_template
+
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}, "examples": ["g()"],
+                                          "strict": True}}]})
+    assert tools_for_template(request) == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "g", "description": None, "parameters": {"type": "object"},
+                                          "strict": True, "examples": ["g()"]}}]
+
+
+def test_a_past_calls_arguments_must_be_json_text_or_an_object():
+    from tandem.chat import _parsed_arguments
+    from tandem.errors import RequestError
+
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    assert _parsed_arguments(call, 0)["function"]["arguments"] == {"x": 1}
+    as_object = {**call, "function": {"name": "f", "arguments": {"x": 1}}}
+    assert _parsed_arguments(as_object, 0) == as_object
+    for bad in (5, True, ["x"]):  # (rendered as written: "arguments": 5)
+        with pytest.raises(RequestError, match="tool_calls.0.function.arguments=.* is invalid"):
+            _parsed_arguments({**call, "function": {"name": "f", "arguments": bad}}, 0)
