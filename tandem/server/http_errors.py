@@ -62,7 +62,10 @@ def non_finite_error(raw: bytes) -> APIError | None:
     JSON has none, and a field echoed back would make the reply invalid JSON), or None."""
     if b"NaN" not in raw and b"Infinity" not in raw and _HUGE_EXPONENT.search(raw) is None:  # the usual body:
         return None  # no second parse (1e999 is read as inf too)
-    path = _non_finite_path(json.loads(raw))
+    try:
+        path = _non_finite_path(json.loads(raw))
+    except (ValueError, RecursionError):  # (what pydantic's reader took and Python's does not: left to pass)
+        return None
     if path is None:  # the words were inside strings
         return None
     param = ".".join(map(str, path)) or None
