@@ -210,9 +210,11 @@ class _SamplingRequest(_Request):
     def constraint_fields(self) -> list[str]:
         """The fields that constrain the output, in the order they are checked. A guided_* field
         counts once given at all (an empty choice list or regex is refused by name, not taken as
-        unset); an empty structured_outputs or a "text" response_format constrains nothing."""
+        unset), and so does a response_format (an empty one names no type: refused, as OpenAI's); an
+        empty structured_outputs or a "text" response_format constrains nothing."""
+        given = {"response_format", *GUIDED_FIELDS}
         return [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                if (getattr(self, name) is not None if name in GUIDED_FIELDS else not _unset(getattr(self, name)))
+                if (getattr(self, name) is not None if name in given else not _unset(getattr(self, name)))
                 and not (name == "response_format" and self.response_format.get("type") == "text")]
 
     def structured(self) -> StructuredOutputsParams | None:

@@ -1333,6 +1333,7 @@ BAD_INPUTS = [
     ("chat-response-format-type", CH, {"response_format": {"type": "xml"}}, 400, "response_format"),
     ("chat-response-format-no-type", CH, {"response_format": {"json_schema": {"schema": {}}}}, 400,
      "response_format"),
+    ("chat-response-format-empty", CH, {"response_format": {}}, 400, "response_format"),  # was no constraint
     ("chat-json-schema-shape", CH, {"response_format": {"type": "json_schema", "json_schema": []}}, 400,
      "response_format"),
     ("chat-auto-tools-not-enabled", CH, {"tools": [TOOL_F]}, 400, "tool_choice"),
