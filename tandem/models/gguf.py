@@ -466,7 +466,7 @@ def build_generation_config(info: GGUFInfo, cfg: dict) -> dict:
 # --------------------------------------------------------------------------- tensors
 
 
-def _check_shapes(info: GGUFInfo, cfg: dict) -> None:
+def _check_shapes(info: GGUFInfo, cfg: dict, plan: list[tuple[str, object, tuple[int, ...]]]) -> None:
     """Every tensor's shape as the metadata (the config built from it) implies, refused before
     anything is converted: the loader would refuse the converted copy, cached by then, naming it."""
     hidden, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -476,12 +476,12 @@ def _check_shapes(info: GGUFInfo, cfg: dict) -> None:
                  "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden),
                  "mlp.down_proj": (hidden, ffn), "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
                  "model.embed_tokens": (vocab, hidden), "model.norm": (hidden,), "lm_head": (vocab, hidden)}
-    for t in info.tensors:
-        module, kind = re.sub(r"^model\.layers\.\d+\.", "", hf_name_for(t.name)).rsplit(".", 1)
+    for hf, t, shape in plan:
+        module, kind = re.sub(r"^model\.layers\.\d+\.", "", hf).rsplit(".", 1)
         want = rows_cols[module] if kind == "weight" else rows_cols[module][:1]
-        if t.hf_shape != want:
+        if shape != want:
             raise ModelFormatError(
-                f"{info.path.name}: tensor {t.name!r} has shape {t.hf_shape} (rows, columns), but its metadata "
+                f"{info.path.name}: tensor {t.name!r} has shape {shape} (rows, columns), but its metadata "
                 f"({info.arch}.embedding_length, feed_forward_length, attention.head_count and the vocabulary) "
                 f"implies {want}; the file is corrupt (re-download or re-convert it).")
 
@@ -676,7 +676,7 @@ def convert_gguf(
     info = info or read_gguf(gguf_path)
     cfg = build_config(info, dtype)
     plan = _tensor_plan(info)  # (an unknown tensor refused by name first)
-    _check_shapes(info, cfg)
+    _check_shapes(info, cfg, plan)
     entries = [(hf, shape) for hf, _, shape in plan]
     if len({hf for hf, _ in entries}) != len(entries):
         raise ModelFormatError(f"{info.path.name}: duplicate tensors after name mapping")
