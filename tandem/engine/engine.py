@@ -248,7 +248,12 @@ class Engine:
         return params.clone(**self._logprobs_changes(params))
 
     def _logprobs_changes(self, params: SamplingParams) -> dict[str, int]:
-        """resolve_logprobs' changes to params, checked."""
+        """resolve_logprobs' changes to params, checked (with the truncation, which -1 also resolves
+        against the engine)."""
+        k, max_len = params.truncate_prompt_tokens, self.cfg.sched.max_model_len
+        if k is not None and k > max_len:  # as vLLM's: a cut longer than any prompt that runs is a mistake
+            raise RequestError(f"SamplingParams.truncate_prompt_tokens={k} is invalid: it is greater than "
+                               f"max_model_len={max_len}; ask for at most {max_len} (-1: max_model_len)")
         cap = self.cfg.model.max_logprobs
         changes = {}
         for name in ("logprobs", "prompt_logprobs"):

@@ -283,6 +283,9 @@ def test_truncate_prompt_tokens(live, reference):
                            "truncate_prompt_tokens": 50})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 50
+    r = live.post(C, json={"model": MODEL, "prompt": [5] * 4, "max_tokens": 3, "truncate_prompt_tokens": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    assert "greater than max_model_len" in r.json()["error"]["message"], r.text
 
 
 def test_echo_of_a_truncated_token_id_prompt_is_what_ran(live, reference):

@@ -196,6 +196,12 @@ def test_truncate_prompt_tokens(llm):
         llm.generate({"prompt_token_ids": prompt}, p.clone(truncate_prompt_tokens=-1), use_tqdm=False)
     with pytest.raises(RequestError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+    # more than max_model_len is refused before any work, for a short prompt too (as vLLM's)
+    for prompt_ids in (prompt, prompt[:10]):
+        with pytest.raises(RequestError, match=r"truncate_prompt_tokens=129 is invalid: .*max_model_len=128"):
+            llm.generate({"prompt_token_ids": prompt_ids}, p.clone(truncate_prompt_tokens=129), use_tqdm=False)
+    ok = llm.generate({"prompt_token_ids": prompt[:10]}, p.clone(truncate_prompt_tokens=128), use_tqdm=False)[0]
+    assert ok.prompt_token_ids == prompt[:10]
 
 
 def test_n_greater_than_one(llm):
