@@ -31,8 +31,10 @@ def fits(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> b
     if k_cache.dtype != v_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     head_dim = q.shape[2]
-    return all(t.dim() == 3 and t.shape[2] == head_dim and t.stride(2) == 1 and t.stride(1) == head_dim
-               for t in (q, k, v)) and q.shape[1] % k.shape[1] == 0
+    return (all(t.dim() == 3 and t.shape[2] == head_dim and t.stride(2) == 1 and t.stride(1) == head_dim
+                for t in (q, k, v)) and q.shape[1] % k.shape[1] == 0 and v.shape == k.shape
+            # the caches hold k's heads (the store copies rows of Hkv x D into them)
+            and all(t.dim() == 4 and t.shape[2:] == k.shape[1:] for t in (k_cache, v_cache)))
 
 
 # The 256 e4m3 byte values as fp32 (exact): how the C kernel reads an fp8 cache.

@@ -62,7 +62,9 @@ def rotary_fits(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor) -> bool:
     return (q.dtype in cpu_build.HALF_KIND and k.dtype == q.dtype and q.device.type == "cpu"
             and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1 and k.stride(2) == 1
             and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2] and k.shape[0] == q.shape[0]
-            and positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous())
+            and positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous()
+            # one head size throughout: the kernel reads q's in k and in the tables
+            and k.shape[2] == q.shape[2] and cos.dim() == 2 and cos.shape[1] == q.shape[2])
 
 
 def silu_mul(gate_up: Tensor, isa: str) -> Tensor:

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
         if (self.cpu_isa is not None and self.weight.dtype == x.dtype and cpu_rows.rows_of(x) is not None
-                and (residual is None or cpu_rows.rows_of(residual) is not None)):
+                and (residual is None or (residual.shape == x.shape and _own_rows(residual)))):
             return cpu_rows.rms_norm(x, self.weight, self.eps, residual, self.cpu_isa)
         if residual is not None:
             residual.add_(x)
@@ -50,3 +50,10 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def _own_rows(residual: Tensor) -> bool:
+    """Whether the C norm may add into residual in place: rows it takes (`rows_of`) that do not
+    overlap (an expanded tensor's would; torch refuses to write into those)."""
+    rows = cpu_rows.rows_of(residual)
+    return rows is not None and (rows[0] <= 1 or rows[1] >= residual.shape[-1])

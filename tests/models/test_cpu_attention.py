@@ -110,6 +110,9 @@ def test_fits_refuses_what_the_kernel_does_not_take(isa):
     assert cpu_attention.fits(q, k, v, *fp8) and not cpu_attention.fits(q, k, v, fp8[0], v_cache)
     assert not cpu_attention.fits(q, k, v, k_cache.transpose(1, 2), v_cache)
     assert not cpu_attention.fits(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, k_cache, v_cache)
+    # caches of other heads than k's: the store would write rows of k's size past them
+    assert not cpu_attention.fits(q, k, v, k_cache[:, :, :1].contiguous(), v_cache[:, :, :1].contiguous())
+    assert not cpu_attention.fits(q, k, v, k_cache.flatten(2), v_cache.flatten(2))
 
 
 @pytest.mark.parametrize("isa", ISAS)

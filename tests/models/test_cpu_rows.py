@@ -75,6 +75,29 @@ def test_rms_norm_falls_back_where_layout_does_not_fit(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_row_ops_leave_mismatched_shapes_to_torch(isa):
+    """Shapes that do not fit together go to the torch path, which refuses them, instead of the C
+    kernels, which would read or write past the tensors: a residual of another shape or of
+    overlapping (expanded) rows; a k or a table of another head size than q's."""
+    g = torch.Generator().manual_seed(5)
+    norm = _norm(64, torch.bfloat16, isa, 3)
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    for residual in (torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64)):
+        before = residual.clone()
+        with pytest.raises(RuntimeError):
+            norm(x, residual)
+        assert torch.equal(residual, before)
+    rope = RotaryEmbedding(64, 16, 1e4, None)
+    rope.cpu_isa = isa
+    positions = torch.arange(3)
+    q = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+    assert not cpu_rows.rotary_fits(positions, q, torch.randn(3, 1, 128).to(torch.bfloat16), rope.cos)
+    assert not cpu_rows.rotary_fits(positions, q, q[:, :1], rope.cos[:, :32].contiguous())
+    with pytest.raises(RuntimeError):
+        rope(positions, q, torch.randn(3, 1, 128).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (14, 2, 64), (4, 4, 32)])
 @pytest.mark.parametrize("rows", [1, 5, 200])
