@@ -654,6 +654,20 @@ def hf_peer(target_shape, draft_shape, args, results) -> None:
     free()
 
 
+def peer_ratios(results: dict, target_name: str) -> list[dict]:
+    """Every batch-1 run of the target (target-only, each synthetic profile, each eps) against
+    transformers' target-only `generate`, warm and cold; [] without that peer."""
+    peer = next((r for r in results["hf"] if r["engine"] == "hf_generate"), None)
+    if peer is None:
+        return []
+    runs = [("target-only", r["tok_s"]) for r in results["target_only"]
+            if r["model"] == target_name and r["batch"] == 1]
+    runs += [(f"k={r['k']} {r['profile']}" + (f" {r['draft_quantization']} draft" if r["draft_quantization"] else ""),
+              r["tok_s"]) for r in results["synthetic"] if r["target"] == target_name and r["batch"] == 1]
+    runs += [(f"eps pair {r['eps']} (k=4, greedy)", r["tok_s"]) for r in results["eps_pair"]]
+    return [dict(run=name, tok_s=t, over_warm=t / peer["tok_s"], over_cold=t / peer["cold_tok_s"]) for name, t in runs]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_bench.json")
@@ -823,6 +837,12 @@ def main(argv=None) -> int:
         print_table(["peer", "warm tok/s", "tandem b=1 / warm", "cold tok/s", "tandem b=1 / cold"],
                     [(r["engine"], f"{r['tok_s']:.1f}", ratio(r["tok_s"]), f"{r['cold_tok_s']:.1f}",
                       ratio(r["cold_tok_s"])) for r in results["hf"]])
+        results["peer_ratios"] = peer_ratios(results, target[0])
+        if results["peer_ratios"]:
+            write_json(args.out, results)
+            print_table(["tandem, batch 1", "tok/s", "/ generate warm", "/ generate cold"],
+                        [(r["run"], f"{r['tok_s']:.0f}", f"{r['over_warm']:.1f}x", f"{r['over_cold']:.1f}x")
+                         for r in results["peer_ratios"]])
     return 0
 
 

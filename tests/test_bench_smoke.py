@@ -137,3 +137,23 @@ def test_prefix_sharing_bench_on_a_tiny_pair(tmp_path):
     shared, alone = report["results"]
     assert shared["cached_tokens"][0] == 0 and min(shared["cached_tokens"][1:]) >= 32
     assert alone["cached_tokens"] == [0, 0, 0]
+
+
+def test_gpu_bench_peer_ratios():
+    """The GPU bench's table of batch-1 runs against transformers (its GPU sections need CUDA;
+    this is the arithmetic on their results)."""
+    from bench.gpu_bench import peer_ratios
+
+    results = {"hf": [{"engine": "hf_generate", "tok_s": 40.0, "cold_tok_s": 20.0},
+                      {"engine": "hf_assisted", "tok_s": 20.0, "cold_tok_s": 8.0}],
+               "target_only": [{"model": "t", "batch": 1, "tok_s": 250.0}, {"model": "t", "batch": 8, "tok_s": 1700.0},
+                               {"model": "d", "batch": 1, "tok_s": 900.0}],
+               "synthetic": [{"target": "t", "batch": 1, "k": 4, "profile": "uniform-0.8", "draft_quantization": "fp8",
+                              "tok_s": 460.0},
+                             {"target": "t", "batch": 8, "k": 4, "profile": "uniform-0.8", "draft_quantization": None,
+                              "tok_s": 3000.0}],
+               "eps_pair": [{"eps": 0.02, "tok_s": 480.0}]}
+    got = [(r["run"], r["over_warm"], r["over_cold"]) for r in peer_ratios(results, "t")]
+    assert got == [("target-only", 6.25, 12.5), ("k=4 uniform-0.8 fp8 draft", 11.5, 23.0),
+                   ("eps pair 0.02 (k=4, greedy)", 12.0, 24.0)]
+    assert peer_ratios({**results, "hf": results["hf"][1:]}, "t") == []
