@@ -165,10 +165,12 @@ def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm:
     """LLM.beam_search's work: the prompts concurrency_limit at a time (None: all at once)."""
     engine = llm.engine
     check_beam_width(params.beam_width, engine.cfg.model.max_logprobs, engine.vocab_size)
-    if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+    if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool)
+                                          or concurrency_limit < 1):
         raise RequestError(f"concurrency_limit={concurrency_limit!r} must be an integer >= 1 (or None: every prompt "
                            "at once)")
-    step = step_params(params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    # detokenized, as vLLM's steps: the sequences' logprob entries carry their tokens' text
+    step = step_params(params, output_kind=RequestOutputKind.FINAL_ONLY)
     items = []
     for prompt in prompts:
         ids, _, _ = llm._tokenize(prompt)

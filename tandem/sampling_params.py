@@ -335,7 +335,8 @@ class BeamSearchParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "it must be an integer >= 1")
         if not _is_num(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
-            raise bad("temperature", "it must be >= 0 (0: each beam's candidates are its likeliest tokens alone)")
+            raise bad("temperature", "it must be >= 0 (0: each beam's candidates are its likeliest tokens alone) "
+                      "and a finite float32")
         if not _is_num(self.length_penalty) or abs(self.length_penalty) == float("inf"):
             raise bad("length_penalty", "it must be a finite number (1: score by logprob per token, 0: total logprob)")
         for name in ("ignore_eos", "include_stop_str_in_output"):

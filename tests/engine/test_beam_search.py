@@ -97,6 +97,9 @@ def test_beam_search_ignore_eos_limits_and_text(llm, model):
     tok = llm.get_tokenizer()
     assert [s.text for s in outs[0].sequences] == [tok.decode(s.tokens[3:], skip_special_tokens=True)
                                                    for s in outs[0].sequences]
+    # every logprob entry carries its token's text, as generate's (and vLLM's detokenized steps)
+    entries = [(t, lp) for s in outs[0].sequences for step in s.logprobs for t, lp in step.items()]
+    assert entries and all(lp.decoded_token == tok.decode([t]) for t, lp in entries)
     near = list(range(10, 10 + 61))  # 3 tokens of room in max_model_len=64
     out = llm.beam_search([{"prompt_token_ids": near}], BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
     assert all(len(s.tokens) == 64 and s.finish_reason == "length" for s in out[0].sequences)
@@ -108,6 +111,7 @@ def test_beam_search_ignore_eos_limits_and_text(llm, model):
     (dict(beam_width=2.5, max_tokens=4), "beam_width"),
     (dict(beam_width=2, max_tokens=0), "max_tokens"),
     (dict(beam_width=2, max_tokens=4, temperature=-1), "temperature"),
+    (dict(beam_width=2, max_tokens=4, temperature=1e39), "temperature"),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos"),
 ])
@@ -116,11 +120,17 @@ def test_bad_beam_search_params(kwargs, field):
         BeamSearchParams(**kwargs)
 
 
+def test_a_temperature_past_float32_is_told_so():
+    with pytest.raises(RequestError, match=r"temperature=1e\+39 is invalid: .*a finite float32"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=1e39)
+
+
 def test_beam_search_refusals_name_the_fix(llm):
     with pytest.raises(RequestError, match="max_logprobs >= 22"):  # 2 * 11 logprobs a step, the cap is 20
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
-    with pytest.raises(RequestError, match="concurrency_limit"):
-        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    for limit in (0, True):
+        with pytest.raises(RequestError, match="concurrency_limit"):
+            llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=limit)
     with pytest.raises(RequestError, match="BeamSearchParams"):
         llm.beam_search(["hi"], {"beam_width": 2})
     with pytest.raises(RequestError, match="max_model_len"):
