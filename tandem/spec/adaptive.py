@@ -39,10 +39,18 @@ class AcceptanceEstimator:
     what was seen, exponentially forgotten over about `window` observations per position (the
     workload drifts). Before any observation S_j is prior**(j + 1), held with prior_weight
     observations' weight: optimistic (1.0), so a fresh engine drafts k and observes every
-    position at once; the first few verified rounds outweigh it."""
+    position at once; the first few verified rounds outweigh it.
 
-    def __init__(self, k: int, window: float = 1000.0, prior: float = 1.0, prior_weight: float = 2.0):
+    A position seen again after more than `stale_after` steps unobserved (the policy stopped
+    verifying it; a probe looks again) keeps at most `stale_weight` observations' weight of what
+    it knew: forgetting per observation alone would hold the evidence of the rounds that switched
+    it off (a window's worth) against each probe's one or few rounds, and a draft that agrees
+    again would wait thousands of steps to be used."""
+
+    def __init__(self, k: int, window: float = 1000.0, prior: float = 1.0, prior_weight: float = 2.0,
+                 stale_after: int = 64, stale_weight: float = 8.0):
         self.k = k
+        self.stale_after, self.stale_weight = stale_after, stale_weight
         self.decay = 1.0 - 1.0 / window
         self.weight = [prior_weight] * k  # forgotten count of observations of position j
         self.hits = [prior_weight * prior ** (j + 1) for j in range(k)]  # of which the first j + 1 were accepted
@@ -59,6 +67,10 @@ class AcceptanceEstimator:
                 hit[j] += num_accepted > j
         for j in range(self.k):
             if seen[j]:
+                if self.num_steps - self.last_seen[j] > self.stale_after and self.weight[j] > self.stale_weight:
+                    shrink = self.stale_weight / self.weight[j]  # the same estimate, held more loosely
+                    self.weight[j] *= shrink
+                    self.hits[j] *= shrink
                 keep = self.decay ** seen[j]
                 self.weight[j] = keep * self.weight[j] + seen[j]
                 self.hits[j] = keep * self.hits[j] + hit[j]
@@ -82,14 +94,16 @@ class StepCosts:
 
     ms[i][K]: a step of sizes[i] requests, each verifying K drafts and proposing K (inf: not
     measured, e.g. the step does not fit max_num_batched_tokens). A batch between two sizes
-    costs what the next size up costs (a CUDA graph pads it to that size); past the last, the
-    last."""
+    costs what the next size up costs where a CUDA graph pads it to that size (`padded`), else
+    the line between the two; past the last size, the line through the last two (one size:
+    its costs), as the reference extrapolates: verification grows with the rows it multiplies."""
 
     sizes: tuple[int, ...]  # ascending
     ms: tuple[tuple[float, ...], ...]
+    padded: bool = True  # the steps run on CUDA graphs of these sizes (else eagerly, at any size)
 
     @classmethod
-    def from_measured(cls, sizes: list[int], ms: list[list[float]]) -> "StepCosts":
+    def from_measured(cls, sizes: list[int], ms: list[list[float]], padded: bool = True) -> "StepCosts":
         """Measured medians made monotone (a running max along K, then along the sizes): more
         drafts or more requests never cost less, whatever the timer's noise said."""
         rows, prev = [], None
@@ -99,11 +113,20 @@ class StepCosts:
                 row = [max(a, b) for a, b in zip(row, prev)]
             rows.append(tuple(row))
             prev = row
-        return cls(tuple(sizes), tuple(rows))
+        return cls(tuple(sizes), tuple(rows), padded)
 
     def at(self, num_reqs: int) -> tuple[float, ...]:
-        i = min(bisect.bisect_left(self.sizes, num_reqs), len(self.sizes) - 1)
-        return self.ms[i]
+        sizes = self.sizes
+        i = bisect.bisect_left(sizes, num_reqs)
+        if i < len(sizes) and (sizes[i] == num_reqs or self.padded) or i == 0 or len(sizes) == 1:
+            return self.ms[min(i, len(sizes) - 1)]
+        lo = min(i, len(sizes) - 1) - 1  # between sizes[lo] and the next, or past the last two
+        frac = (num_reqs - sizes[lo]) / (sizes[lo + 1] - sizes[lo])
+        row, low = [], 0.0
+        for a, b in zip(self.ms[lo], self.ms[lo + 1]):
+            low = max(low, a + frac * (b - a) if not math.isinf(b) else math.inf)  # monotone along K
+            row.append(low)
+        return tuple(row)
 
     def table(self) -> str:
         """One line per size: the ms of K = 0, 1, ... (for the log)."""
@@ -119,13 +142,13 @@ class AdaptiveDrafts:
                  probe_interval: int = 64):
         self.k = k
         self.costs = costs
-        self.estimator = estimator if estimator is not None else AcceptanceEstimator(k)
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator(k, stale_after=probe_interval)
         self.probe_interval = probe_interval
         self.num_steps_by_k = [0] * (k + 1)  # steps that proposed K drafts, K = 0..k (observe)
         # Under the confidence stop: R_j = P(a chain runs more than j draft steps | it planned more drafts),
         # the same survival estimate over (drafts planned, draft steps run); 1 without the stop. A chain
         # ended by an unsure draft ran the step that drew it: one step more than the drafts it proposes.
-        self.proposals = AcceptanceEstimator(k)
+        self.proposals = AcceptanceEstimator(k, stale_after=probe_interval)
         # req id -> (the drafts its next round planned, the draft steps its chain ran), for rounds the
         # confidence stop cut short
         self.planned_by_req: dict[int, tuple[int, int]] = {}

@@ -28,14 +28,14 @@ logger = logging.getLogger("tandem")
 
 MAX_CONTEXT = 256  # tokens of context the profiled steps attend to (fewer when max_model_len is small)
 EAGER_CONTEXT = 64  # ... on the eager path, whose prefill of it is slow and whose steps it hardly changes
-EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger ones use its costs
+EAGER_MAX_SIZE = 8  # the largest batch timed on the eager path (CPU): larger ones extrapolate the costs
 EAGER_MAX_STEP_MS = 500.0  # ... or the last size whose steps all took less (a real model on a CPU)
 
 
 def profile_sizes(cfg: EngineConfig) -> list[int]:
     """The batch sizes to time: the CUDA graphs' sizes up to max_num_seqs (a batch pads to one), or
     on the eager path powers of two up to EAGER_MAX_SIZE (a CPU step of a real model at hundreds
-    of requests takes seconds; past the last size timed, its costs stand in)."""
+    of requests takes seconds; past the last size timed, StepCosts.at extrapolates)."""
     top = cfg.sched.max_num_seqs
     if cfg.use_cuda_graphs:
         return [s for s in CAPTURE_SIZES if s < top] + [top]
@@ -86,7 +86,7 @@ def profile_step_costs(runner: ModelRunner, cfg: EngineConfig) -> StepCosts:
                 break
     for slot in range(n_max):
         runner.state.remove(slot)
-    costs = StepCosts.from_measured(sizes[: len(rows)], rows)
+    costs = StepCosts.from_measured(sizes[: len(rows)], rows, padded=graphs)
     logger.info("adaptive speculation: step ms by batch size (K = 0..%d drafts), measured in %.1f s: %s",
                 k, time.monotonic() - t0, costs.table())
     return costs

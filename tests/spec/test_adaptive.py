@@ -110,7 +110,68 @@ def test_a_size_that_cannot_verify_k_is_never_chosen():
     table = StepCosts((1, 8), ((4.0, 4.1, 4.2), (5.0, 5.5, math.inf)))
     policy = AdaptiveDrafts(2, table)
     assert policy(1) == 2 and policy(8) == 1
-    assert table.at(1) == table.ms[0] and table.at(2) == table.at(8) == table.at(100) == table.ms[1]
+    assert table.at(1) == table.ms[0] and table.at(2) == table.at(8) == table.ms[1]
+    assert math.isinf(table.at(100)[2]) and policy(100) < 2
+
+
+def test_costs_between_and_past_the_measured_sizes():
+    """A CUDA graph pads a batch to the next size, so it costs that size's step; an eager step
+    costs the line between the two sizes around it. Past the last size the line through the last
+    two goes on (verification grows with its rows: holding the last size's cost would price a
+    batch of 64 as one of 8 and draft too much there); a single size stands for every batch."""
+    rows = ((4.0, 5.0, 6.0), (5.0, 7.0, 9.0), (7.0, 10.0, 13.0))
+    graphs, eager = StepCosts((1, 4, 8), rows), StepCosts((1, 4, 8), rows, padded=False)
+    assert graphs.at(2) == graphs.at(4) == rows[1] and graphs.at(5) == rows[2]
+    assert eager.at(4) == rows[1] and eager.at(2) == pytest.approx((4 + 1 / 3, 5 + 2 / 3, 7.0))
+    assert eager.at(6) == pytest.approx((6.0, 8.5, 11.0))
+    for table in (graphs, eager):
+        assert table.at(16) == pytest.approx((11.0, 16.0, 21.0)) and table.at(1) == rows[0]
+    one = StepCosts((1,), ((4.0, 5.0),), padded=False)
+    assert one.at(1) == one.at(64) == (4.0, 5.0)
+    # a bend that would cross along K stays monotone: K = 1 never costs less than K = 0
+    bent = StepCosts((1, 2), ((4.0, 4.1), (6.0, 4.2)), padded=False)
+    assert bent.at(4)[1] >= bent.at(4)[0] == pytest.approx(10.0)
+    assert StepCosts.from_measured([1, 2], [[1.0], [2.0]], padded=False).padded is False
+    # the policy prices a large eager batch by the line: fewer drafts than the last size's costs would give
+    table = StepCosts((1, 8), ((4.0, 4.4, 4.8, 5.2, 5.6), (4.2, 5.0, 5.8, 6.6, 7.4)), padded=False)
+    policy = AdaptiveDrafts(4, table)
+    rng = random.Random(3)
+    for _ in range(200):
+        policy.estimator.observe(_rounds(rng, [0.8] * 4, 4, 8))
+    assert policy(8) == 4 and policy(64) == 1  # (at batch 8's costs, 64 would draft 4 too)
+    assert policy(64) == brute_force(policy.estimator.survival(), table.at(64))
+
+
+def test_a_switched_off_draft_comes_back_within_a_few_probes():
+    """After a long run the first position holds a window's weight of evidence; once K = 0 only the
+    probes observe it. A probe after a stale spell meets at most stale_weight observations of the
+    old estimate, so a draft that agrees again is used after a few probes, not thousands of steps."""
+    table = costs()
+    for batch in (1, 8):
+        rng = random.Random(batch)
+        policy = AdaptiveDrafts(4, table, probe_interval=64)
+        step, k_now = 0, 4
+        def run(accept, steps):
+            nonlocal step, k_now
+            for _ in range(steps):
+                step += 1
+                k_now = policy(batch)
+                policy.estimator.observe(_rounds(rng, [accept] * 4, k_now, batch) if k_now else [])
+        run(0.9, 2000)
+        assert k_now == 4
+        run(0.02, 3000)
+        assert k_now == 0
+        run(0.9, 400)
+        assert k_now == 4, (batch, policy.estimator.survival())
+    # a draft that stays poor is not brought back by the probes
+    policy = AdaptiveDrafts(4, table, probe_interval=64)
+    rng = random.Random(5)
+    drafted = 0
+    for _ in range(3000):
+        K = policy(1)
+        drafted += K > 0
+        policy.estimator.observe(_rounds(rng, [0.02] * 4, K, 1) if K else [])
+    assert drafted < 3000 * 0.05
 
 
 def test_measured_costs_are_made_monotone():
