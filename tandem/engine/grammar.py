@@ -238,6 +238,10 @@ class Grammars:
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.num_words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.matchers: dict[int, Any] = {}  # req_id -> llguidance.LLMatcher
+        # req_id -> (a copy of its matcher at the output's start, the tokens accept() consumed since):
+        # how a matcher that a speculative rollback left in error is rebuilt (_live)
+        self._history: dict[int, tuple[Any, list[int]]] = {}
+        self._failed: set[int] = set()  # req_ids whose matchers erred over emitted tokens (as target-only's)
         self.drafts: dict[int, list[int]] = {}  # req_id -> the drafts pending in its slot
         # req_id -> how often its free drafting rounds leave the grammar (a moving average, "auto")
         self.misfit_rate: dict[int, float] = {}
@@ -345,9 +349,12 @@ class Grammars:
 
     def add(self, req_id: int, matcher) -> None:
         self.matchers[req_id] = matcher
+        self._history[req_id] = (matcher.deep_copy(), [])
 
     def remove(self, req_id: int) -> None:
         self.matchers.pop(req_id, None)
+        self._history.pop(req_id, None)
+        self._failed.discard(req_id)
         self.drafts.pop(req_id, None)
         self.misfit_rate.pop(req_id, None)
         self._fitting_rows.pop(req_id, None)
@@ -366,16 +373,43 @@ class Grammars:
         row before the output was complete) or its own failure puts it in error, which llguidance
         counts as stopped: its rows allow only EOS from then on, so the output ends (vLLM's
         rows of an errored matcher)."""
-        matcher = self.matchers.get(req_id)
+        matcher = self._live(req_id)
         if matcher is None or not tokens or matcher.is_stopped():  # stopped: complete, only EOS follows
             return
         self._fitting_rows.pop(req_id, None)
         n = matcher.try_consume_tokens(tokens)
+        self._history[req_id][1].extend(tokens[:n])
         if n < len(tokens) and not matcher.is_stopped():
             matcher.consume_tokens(tokens[n:n + 1])  # refused: the matcher errs
         if matcher.is_error():
+            self._failed.add(req_id)
             logger.error("request %d: its structured output's matcher failed (%s); only EOS may follow, so its "
                          "output ends", req_id, matcher.get_error())
+
+    def _live(self, req_id: int):
+        """req_id's matcher, rebuilt if it is in error though the tokens it followed never put it
+        there: llguidance can fail to roll back a draft that entered a branch whose forced text it
+        will not expand (a rule with no end), leaving the matcher in error where target-only
+        decoding, which never rolls back, goes on. The rebuilt one is the start's copy advanced over
+        the tokens accepted so far (None: no matcher)."""
+        matcher = self.matchers.get(req_id)
+        if matcher is None or req_id in self._failed or not matcher.is_error():
+            return matcher
+        start, consumed = self._history[req_id]
+        matcher = start.deep_copy()
+        # A row before each token and at the end, as target-only steps compute them: whether llguidance's
+        # limits let a token through depends on the row computed before it.
+        for token in consumed:
+            matcher.compute_bitmask()
+            if matcher.try_consume_tokens([token]) < 1 or matcher.is_error():
+                self._failed.add(req_id)
+                break
+        else:
+            matcher.compute_bitmask()
+        logger.debug("request %d: its matcher erred in a speculative rollback; rebuilt over %d tokens", req_id,
+                     len(consumed))
+        self.matchers[req_id] = matcher
+        return matcher
 
     def draft_masks(self, plan: StepPlan) -> DraftMasks | None:
         """The masks of the step's drafting round for its constrained requests that draft (None:
@@ -383,7 +417,7 @@ class Grammars:
         reqs = self._drafting(plan)
         if not reqs:
             return None
-        return DraftMasks(reqs, [self.matchers[plan.reqs[i].req_id] for i in reqs], self.num_words, self._executor,
+        return DraftMasks(reqs, [self._live(plan.reqs[i].req_id) for i in reqs], self.num_words, self._executor,
                           self._eos_row())
 
     def misfits(self, drafts: dict[int, list[int]]) -> dict[int, int]:
@@ -399,14 +433,14 @@ class Grammars:
         seqs = [(req_id, tokens) for req_id, tokens in drafts.items() if tokens and req_id in self.matchers]
         out = {}
         for req_id, tokens in seqs:  # a first draft the matcher cannot follow needs no rows (no row allows it)
-            if tokens[0] not in self.eos_token_ids and self.matchers[req_id].validate_tokens(tokens[:1]) == 0:
+            if tokens[0] not in self.eos_token_ids and self._live(req_id).validate_tokens(tokens[:1]) == 0:
                 out[req_id] = 0
         for req_id in out:
             self._note_misfit(req_id, True)
         seqs = [(req_id, tokens) for req_id, tokens in seqs if req_id not in out]
         if not seqs:
             return out
-        rows = self._draft_rows([(self.matchers[req_id], tokens) for req_id, tokens in seqs])
+        rows = self._draft_rows([(self._live(req_id), tokens) for req_id, tokens in seqs])
         row = 0
         for req_id, tokens in seqs:
             ids = torch.tensor(tokens, dtype=torch.int64)  # [n]
@@ -444,7 +478,7 @@ class Grammars:
     def repair_masks(self, req_ids: list[int], drafts: list[list[int]]) -> DraftMasks:
         """Masks for redrafting sequences req_ids from the end of the drafts that fit (drafts[j],
         per sequence): each matcher advanced over them."""
-        masks = DraftMasks(list(range(len(req_ids))), [self.matchers[r] for r in req_ids], self.num_words,
+        masks = DraftMasks(list(range(len(req_ids))), [self._live(r) for r in req_ids], self.num_words,
                            self._executor, self._eos_row())
         for j, tokens in enumerate(drafts):
             masks.advance(j, tokens)
@@ -466,7 +500,7 @@ class Grammars:
             if fitting is not None and fitting[0][: len(drafts)] == drafts:  # (a row depends on the drafts before)
                 parts.append(fitting[1][: len(drafts) + 1])
             else:
-                todo.append((len(parts), (self.matchers[r.req_id], drafts)))
+                todo.append((len(parts), (self._live(r.req_id), drafts)))
                 parts.append(None)
         if todo:
             rows = self._draft_rows([seq for _, seq in todo])
@@ -500,6 +534,10 @@ class Grammars:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:  # the matcher advanced over each draft in turn, then rolled back
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+            for matcher, row, drafts in drafted:
+                if matcher.is_error():  # it failed on a draft (_live rebuilds it): the rows it left unfilled
+                    rows = bitmask[row: row + len(drafts) + 1]  # allow EOS alone, as an erring matcher's do
+                    rows[(rows == -1).all(dim=1)] = self._eos_row()
         return bitmask
 
     def _completed_by(self, matcher, tokens: list[int]) -> int | None:

@@ -333,6 +333,57 @@ def test_bitmask_rows_follow_the_drafts(models):
     assert [t for t in range(320) if (int(bits[0, t // 32]) >> (t % 32)) & 1] == allowed[2]
 
 
+ENDLESS = 'start: item+\nitem: "x" | "y" w\nw: "c" w'  # after "y" no output completes: "c" forever
+
+
+def test_a_draft_llguidance_fails_on_leaves_the_matcher_and_rows_as_target_only_does(models):
+    """llguidance gives up on the forced text of a rule with no end ("Too many items ...
+    ff_tokens") after it follows a "c" past a row it computed, and then fails to roll back: the
+    rows of a draft "y c" left the matcher in error (every later row EOS alone, the output cut short
+    after a draft the target rejected) and its unfilled rows allowing every token. Now the rows
+    it left are EOS alone, as an erring matcher's, and the matcher is rebuilt at the output so far."""
+    from tandem.engine.grammar import Grammars
+    from tandem.plan import ScheduledReq, StepPlan
+
+    tok = _llm(models).engine.tokenizer
+    x, y, c = (tok.convert_tokens_to_ids(t) for t in "xyc")
+    grammars = Grammars(tok, 320, (1,))
+    grammars.add(0, grammars.compile(StructuredOutputsParams(grammar=ENDLESS)))
+    grammars.accept(0, [x])
+    grammars.drafts[0] = [y, c, c]
+    mask = grammars.bitmask(StepPlan([], [ScheduledReq(0, 0, 10, [5], 3, [0, 1], True, 3, 3)]))
+    bits = torch.from_numpy(mask.bitmask)
+    allowed = [[t for t in range(320) if (int(bits[r, t // 32]) >> (t % 32)) & 1] for r in range(4)]
+    assert allowed[0] == sorted([1, x, y]) and allowed[1] == [c] and allowed[2] == allowed[3] == [1]
+    assert grammars.matchers[0].is_error()  # the rollback failed ...
+    grammars.drafts[0] = []
+    bits = torch.from_numpy(grammars.bitmask(StepPlan([], [ScheduledReq(0, 0, 10, [5], 0, [0, 1], True, 3, 0)]))
+                            .bitmask)
+    assert not grammars.matchers[0].is_error()  # ... and the matcher was rebuilt after "x"
+    assert [t for t in range(320) if (int(bits[0, t // 32]) >> (t % 32)) & 1] == sorted([1, x, y])
+
+
+@pytest.mark.parametrize("spec", ["ngram", "suffix", "other"])
+def test_speculation_over_a_grammar_llguidance_fails_on_equals_target_only(models, spec):
+    """Drafts that walk into the endless branch (the prompt's "x y" makes the lookups propose "y"
+    after "x"): whether the target rejects them (logit_bias bans "y") or writes "y" itself, the
+    output is target-only's (it was cut two tokens in, or went on past where target-only ended)."""
+    config = {"ngram": dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1),
+              "suffix": dict(method="suffix", num_speculative_tokens=2),
+              "other": dict(model=str(models["other"]), num_speculative_tokens=3)}[spec]
+    base = _llm(models)
+    tok = base.get_tokenizer()
+    x, y = tok.convert_tokens_to_ids("x"), tok.convert_tokens_to_ids("y")
+    prompts = [{"prompt_token_ids": [5, 40, x, y, x, y, x]}, {"prompt_token_ids": [9, x, y, x, y, x]}]
+    constraint = StructuredOutputsParams(grammar=ENDLESS)
+    params = [SamplingParams(temperature=0, max_tokens=12, logit_bias={y: -100.0}, structured_outputs=constraint),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=constraint)]
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(models["target"]), dtype="float32", block_size=8, max_model_len=MAX_LEN, speculative_config=config)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and len(want[0]) == 12
+
+
 def test_ignore_eos_goes_on_with_eos_after_a_complete_output(models, caplog):
     """Under ignore_eos an output goes on past the EOS that completes its constraint, and only EOS
     may follow: without a draft, and with drafts that propose the completing EOS and more after it
