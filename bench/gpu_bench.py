@@ -660,10 +660,11 @@ def peer_ratios(results: dict, target_name: str) -> list[dict]:
     peer = next((r for r in results["hf"] if r["engine"] == "hf_generate"), None)
     if peer is None:
         return []
-    runs = [("target-only", r["tok_s"]) for r in results["target_only"]
-            if r["model"] == target_name and r["batch"] == 1]
-    runs += [(f"k={r['k']} {r['profile']}" + (f" {r['draft_quantization']} draft" if r["draft_quantization"] else ""),
-              r["tok_s"]) for r in results["synthetic"] if r["target"] == target_name and r["batch"] == 1]
+    runs = [("target-only" + (f", {r['kv_cache_dtype']} kv cache" if r.get("kv_cache_dtype", "auto") != "auto" else ""),
+             r["tok_s"]) for r in results["target_only"] if r["model"] == target_name and r["batch"] == 1]
+    runs += [(f"k={r['k']} {r['profile']}" + (f" {r['draft_quantization']} draft" if r["draft_quantization"] else "")
+              + (f" head {r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""), r["tok_s"])
+             for r in results["synthetic"] if r["target"] == target_name and r["batch"] == 1]
     runs += [(f"eps pair {r['eps']} (k=4, greedy)", r["tok_s"]) for r in results["eps_pair"]]
     return [dict(run=name, tok_s=t, over_warm=t / peer["tok_s"], over_cold=t / peer["cold_tok_s"]) for name, t in runs]
 

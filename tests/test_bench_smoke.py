@@ -146,14 +146,18 @@ def test_gpu_bench_peer_ratios():
 
     results = {"hf": [{"engine": "hf_generate", "tok_s": 40.0, "cold_tok_s": 20.0},
                       {"engine": "hf_assisted", "tok_s": 20.0, "cold_tok_s": 8.0}],
-               "target_only": [{"model": "t", "batch": 1, "tok_s": 250.0}, {"model": "t", "batch": 8, "tok_s": 1700.0},
-                               {"model": "d", "batch": 1, "tok_s": 900.0}],
+               "target_only": [{"model": "t", "batch": 1, "tok_s": 250.0, "kv_cache_dtype": "auto"},
+                               {"model": "t", "batch": 1, "tok_s": 260.0, "kv_cache_dtype": "fp8"},
+                               {"model": "t", "batch": 8, "tok_s": 1700.0}, {"model": "d", "batch": 1, "tok_s": 900.0}],
                "synthetic": [{"target": "t", "batch": 1, "k": 4, "profile": "uniform-0.8", "draft_quantization": "fp8",
                               "tok_s": 460.0},
+                             {"target": "t", "batch": 1, "k": 4, "profile": "uniform-0.8", "draft_quantization": None,
+                              "draft_vocab_size": 32768, "tok_s": 430.0},
                              {"target": "t", "batch": 8, "k": 4, "profile": "uniform-0.8", "draft_quantization": None,
                               "tok_s": 3000.0}],
                "eps_pair": [{"eps": 0.02, "tok_s": 480.0}]}
     got = [(r["run"], r["over_warm"], r["over_cold"]) for r in peer_ratios(results, "t")]
-    assert got == [("target-only", 6.25, 12.5), ("k=4 uniform-0.8 fp8 draft", 11.5, 23.0),
+    assert got == [("target-only", 6.25, 12.5), ("target-only, fp8 kv cache", 6.5, 13.0),
+                   ("k=4 uniform-0.8 fp8 draft", 11.5, 23.0), ("k=4 uniform-0.8 head 32768", 10.75, 21.5),
                    ("eps pair 0.02 (k=4, greedy)", 12.0, 24.0)]
     assert peer_ratios({**results, "hf": results["hf"][1:]}, "t") == []

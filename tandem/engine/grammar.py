@@ -238,8 +238,8 @@ class Grammars:
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.num_words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.matchers: dict[int, Any] = {}  # req_id -> llguidance.LLMatcher
-        # req_id -> (a copy of its matcher at the output's start, the tokens accept() consumed since):
-        # how a matcher that a speculative rollback left in error is rebuilt (_live)
+        # req_id -> (a copy of its matcher at the output's start or its last rebuild, the tokens accept()
+        # consumed since): how a matcher that a speculative rollback left in error is rebuilt (_live)
         self._history: dict[int, tuple[Any, list[int]]] = {}
         self._failed: set[int] = set()  # req_ids whose matchers erred over emitted tokens (as target-only's)
         self.drafts: dict[int, list[int]] = {}  # req_id -> the drafts pending in its slot
@@ -390,25 +390,35 @@ class Grammars:
         """req_id's matcher, rebuilt if it is in error though the tokens it followed never put it
         there: llguidance can fail to roll back a draft that entered a branch whose forced text it
         will not expand (a rule with no end), leaving the matcher in error where target-only
-        decoding, which never rolls back, goes on. The rebuilt one is the start's copy advanced over
-        the tokens accepted so far (None: no matcher)."""
+        decoding, which never rolls back, goes on. The rebuilt one is a copy of the last checkpoint (the
+        output's start, or the last rebuild: each replays only what was emitted since) advanced over the
+        tokens accepted since, a row computed before each as target-only steps do; a token it then
+        refuses is one target-only steps fail on too, and the output ends. (Where llguidance's limits
+        hang on the rows computed between tokens, a step that accepts several at once may pass one that
+        target-only steps fail on: in such grammars, and only there, the two can end a few tokens apart.)
+        None: no matcher."""
         matcher = self.matchers.get(req_id)
         if matcher is None or req_id in self._failed or not matcher.is_error():
             return matcher
-        start, consumed = self._history[req_id]
-        matcher = start.deep_copy()
+        checkpoint, consumed = self._history[req_id]
+        matcher = checkpoint.deep_copy()
         # A row before each token and at the end, as target-only steps compute them: whether llguidance's
         # limits let a token through depends on the row computed before it.
         for token in consumed:
             matcher.compute_bitmask()
             if matcher.try_consume_tokens([token]) < 1 or matcher.is_error():
-                self._failed.add(req_id)
                 break
         else:
             matcher.compute_bitmask()
-        logger.debug("request %d: its matcher erred in a speculative rollback; rebuilt over %d tokens", req_id,
-                     len(consumed))
         self.matchers[req_id] = matcher
+        if matcher.is_error():  # where target-only steps would have failed too (not seen but in such grammars)
+            self._failed.add(req_id)
+            logger.error("request %d: its structured output's matcher failed (%s); only EOS may follow, so its "
+                         "output ends", req_id, matcher.get_error())
+        else:  # the next rebuild starts here: each replays only what was emitted since the last
+            self._history[req_id] = (matcher.deep_copy(), [])
+            logger.debug("request %d: its matcher erred in a speculative rollback; rebuilt over %d tokens", req_id,
+                         len(consumed))
         return matcher
 
     def draft_masks(self, plan: StepPlan) -> DraftMasks | None:
