@@ -63,6 +63,7 @@ def rotary_fits(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor) -> bool:
             and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1 and k.stride(2) == 1
             and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2] and k.shape[0] == q.shape[0]
             and positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous()
+            and positions.shape == q.shape[:1]
             # one head size throughout: the kernel reads q's in k and in the tables
             and k.shape[2] == q.shape[2] and cos.dim() == 2 and cos.shape[1] == q.shape[2])
 

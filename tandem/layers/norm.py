@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
         if (self.cpu_isa is not None and self.weight.dtype == x.dtype and cpu_rows.rows_of(x) is not None
-                and (residual is None or (residual.shape == x.shape and _own_rows(residual)))):
+                and self.weight.shape == x.shape[-1:]
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                          and _own_rows(residual)))):
             return cpu_rows.rms_norm(x, self.weight, self.eps, residual, self.cpu_isa)
         if residual is not None:
             residual.add_(x)

@@ -360,6 +360,7 @@ def test_a_draft_llguidance_fails_on_leaves_the_matcher_and_rows_as_target_only_
     bits = torch.from_numpy(grammars.bitmask(StepPlan([], [ScheduledReq(0, 0, 10, [5], 0, [0, 1], True, 3, 0)]))
                             .bitmask)
     assert not grammars.matchers[0].is_error()  # ... and the matcher was rebuilt after "x"
+    assert grammars._history[0][1] == []  # the next rebuild starts from this one (replays what follows alone)
     assert [t for t in range(320) if (int(bits[0, t // 32]) >> (t % 32)) & 1] == sorted([1, x, y])
 
 

@@ -87,12 +87,19 @@ def test_row_ops_leave_mismatched_shapes_to_torch(isa):
         with pytest.raises(RuntimeError):
             norm(x, residual)
         assert torch.equal(residual, before)
+    # a residual of another dtype (the kernel read its bytes as x's): the torch path's result
+    residual, ref_residual = torch.ones(8, 64, dtype=torch.float16), torch.ones(8, 64, dtype=torch.float16)
+    assert torch.equal(norm(x, residual), _norm(64, torch.bfloat16, None, 3)(x, ref_residual))
+    assert torch.equal(residual, ref_residual)
+    with pytest.raises(RuntimeError):  # x wider than the weight (the kernel read past the weight)
+        norm(torch.randn(8, 96).to(torch.bfloat16))
     rope = RotaryEmbedding(64, 16, 1e4, None)
     rope.cpu_isa = isa
     positions = torch.arange(3)
     q = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
     assert not cpu_rows.rotary_fits(positions, q, torch.randn(3, 1, 128).to(torch.bfloat16), rope.cos)
     assert not cpu_rows.rotary_fits(positions, q, q[:, :1], rope.cos[:, :32].contiguous())
+    assert not cpu_rows.rotary_fits(positions[:2], q, q[:, :1], rope.cos)  # fewer positions than rows
     with pytest.raises(RuntimeError):
         rope(positions, q, torch.randn(3, 1, 128).to(torch.bfloat16))
 
