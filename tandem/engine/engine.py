@@ -176,7 +176,8 @@ class Engine:
                                    record_spec_steps=cfg.per_request_spec_decode_metrics == "detailed",
                                    draft_kv=cfg.spec is None or not cfg.spec.lookup,
                                    sampled_drafts=cfg.spec is not None and cfg.spec.draft_sample_method == "probabilistic")
-        self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None or cfg.spec.plans_ahead)
+        self.async_scheduling = cfg.sched.async_scheduling and (cfg.spec is None
+                                                                or cfg.spec.plans_ahead(cfg.sched.max_num_seqs))
         if self.async_scheduling:
             self.runner.enable_pending_inputs()
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected

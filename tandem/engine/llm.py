@@ -164,7 +164,7 @@ class LLM:
         _check_speculation(spec, dev=dev, tp_size=tp_size, enforce_eager=enforce_eager, eager_asked=eager_asked,
                            per_request_spec_decode_metrics=per_request_spec_decode_metrics, watermark=watermark)
         k = spec.num_speculative_tokens if spec is not None else 0
-        async_scheduling = _resolve_async_scheduling(async_scheduling, spec, dev)
+        async_scheduling = _resolve_async_scheduling(async_scheduling, spec, dev, max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs * (1 + k))
         if max_num_batched_tokens < 1 + k:
@@ -619,14 +619,18 @@ def _check_speculation(spec, *, dev: torch.device, tp_size: int, enforce_eager: 
                           "would not survive it; use 'standard' or leave watermark_config out")
 
 
-def _resolve_async_scheduling(async_scheduling, spec, dev: torch.device) -> bool:
+def _resolve_async_scheduling(async_scheduling, spec, dev: torch.device, max_num_seqs: int) -> bool:
     """LLM's async_scheduling (True, False or None: auto) against the speculative config."""
     if async_scheduling not in (None, True, False):
         raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
+    if spec is not None and spec.unreachable_ranges(max_num_seqs):
+        logger.warning("speculative_config.num_speculative_tokens_per_batch_size: %s start past max_num_seqs=%d; "
+                       "no batch reaches them, so they never apply", spec.unreachable_ranges(max_num_seqs),
+                       max_num_seqs)
     # Steps that draft nothing are planned ahead as without a draft; the others overlap the
     # host's work with the device's drafting instead. A lookup's steps are planned ahead while
     # it finds nothing (Scheduler.schedule_ahead).
-    undrafted = spec is None or spec.plans_ahead
+    undrafted = spec is None or spec.plans_ahead(max_num_seqs)
     if async_scheduling and not undrafted:
         raise ConfigError(
             "async_scheduling=True is not supported with speculative_config unless method='ngram' or 'suffix', or "

@@ -149,15 +149,21 @@ class SpeculativeConfig:
         """num_speculative_tokens_per_batch_size="auto": the engine picks each step's drafts."""
         return self.num_speculative_tokens_per_batch_size == "auto"
 
-    @property
-    def plans_ahead(self) -> bool:
+    def plans_ahead(self, max_num_seqs: int) -> bool:
         """Some steps can be planned before the previous result is known (async scheduling) with the
         synchronous engine's output: a lookup's while it finds nothing, a draft model's at batch sizes
-        that draft nothing. Not "auto" with probabilistic drafts: its K follows the result being
-        collected (the estimate, a probe falling due), and whether a step drafts decides its seeded draws."""
+        (up to max_num_seqs: a range past it never applies) that draft nothing. Not "auto" with
+        probabilistic drafts: its K follows the result being collected (the estimate, a probe falling
+        due), and whether a step drafts decides its seeded draws."""
         if self.lookup:
             return True
-        return 0 in self.draft_counts and not (self.adaptive and self.draft_sample_method == "probabilistic")
+        if self.adaptive:
+            return self.draft_sample_method != "probabilistic"
+        return any(K == 0 and start <= max_num_seqs for start, _, K in self._ranges())
+
+    def unreachable_ranges(self, max_num_seqs: int) -> list[tuple[int, int, int]]:
+        """The [start, end, K] ranges no batch reaches: they start past max_num_seqs."""
+        return [r for r in self._ranges() if r[0] > max_num_seqs]
 
     def _ranges(self) -> tuple[tuple[int, int, int], ...]:
         return () if self.adaptive else self.num_speculative_tokens_per_batch_size or ()
@@ -183,7 +189,9 @@ class SpeculativeConfig:
             spec = dataclasses.asdict(spec)
         if not isinstance(spec, dict):
             raise ConfigError(f"speculative_config must be a dict or SpeculativeConfig, got {type(spec).__name__}")
-        spec = dict(spec)
+        # numpy or torch values (an array of ranges, an np.int64 k) as the Python values they hold
+        spec = {key: value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes)) else value
+                for key, value in spec.items()}
         if "method" in spec and spec["method"] is None:  # vLLM's "detect": a separate draft model here
             del spec["method"]
         if "draft_confidence_fallback_depth" in spec:
@@ -216,7 +224,7 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.model is required: the draft model's path or name")
         rates = spec.get("synthetic_acceptance_rates")
         if rates is not None:
-            if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
+            if isinstance(rates, (str, bytes, dict, set, frozenset)) or not hasattr(rates, "__iter__"):
                 raise ConfigError("speculative_config.synthetic_acceptance_rates must be a list of floats")
             spec["synthetic_acceptance_rates"] = tuple(rates)
         ranges = spec.get("num_speculative_tokens_per_batch_size")

@@ -65,6 +65,8 @@ def cfg(**kw):
          "use_local_argmax_reduction=True needs draft_sample_method='greedy'"),
         (dict(use_local_argmax_reduction="yes"), "use_local_argmax_reduction='yes' must be"),
         (dict(enforce_eager=1), "enforce_eager=1 must be"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates={0.9: "a", 0.2: "b"}), "list of floats"),
+        (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates={0.9, 0.2, 0.1}), "list of floats"),
     ],
 )
 def test_bad_config(kw, field):
@@ -104,6 +106,32 @@ def test_drafts_per_batch_size():
     auto = cfg(num_speculative_tokens_per_batch_size="auto")
     assert auto.adaptive and not c.adaptive and auto.draft_counts == (0, 1, 2, 3) and auto.k_for_batch(9) == 3
     assert SpeculativeConfig.from_user(c, 128) == c
+
+
+def test_numpy_values_are_read_as_the_values_they_hold():
+    """An array of ranges, an np.int64 k (they raised numpy's "truth value of an array is
+    ambiguous", naming no field)."""
+    np = pytest.importorskip("numpy")
+    c = cfg(num_speculative_tokens_per_batch_size=np.array([[1, 2, 0], [3, 64, 1]]), num_speculative_tokens=np.int64(3))
+    assert c.num_speculative_tokens_per_batch_size == ((1, 2, 0), (3, 64, 1)) and c.num_speculative_tokens == 3
+    assert type(c.num_speculative_tokens) is int
+    with pytest.raises(ConfigError, match="method"):
+        cfg(method=np.array(["ngram", "suffix"]))
+
+
+def test_a_range_past_max_num_seqs_turns_nothing_off(pair, caplog):
+    """A [start, end, 0] range that starts past max_num_seqs is one no batch reaches: it no longer lets
+    async_scheduling=True through with a draft model that always drafts, and the log says it never applies."""
+    target, draft, _ = pair
+    spec = dict(model=str(draft), num_speculative_tokens=2, num_speculative_tokens_per_batch_size=[[8, 64, 0]])
+    with pytest.raises(ConfigError, match="async_scheduling=True is not supported"):
+        LLM(str(target), max_model_len=64, max_num_seqs=2, async_scheduling=True, speculative_config=spec)
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        llm = LLM(str(target), max_model_len=64, max_num_seqs=2, speculative_config=spec)
+    assert "[(8, 64, 0)] start past max_num_seqs=2" in caplog.text and not llm.engine.async_scheduling
+    reachable = dict(spec, num_speculative_tokens_per_batch_size=[[2, 64, 0]])
+    assert LLM(str(target), max_model_len=64, max_num_seqs=2, async_scheduling=True,
+               speculative_config=reachable).engine.async_scheduling
 
 
 def test_synthetic_length_becomes_rates():
