@@ -623,10 +623,10 @@ def _resolve_async_scheduling(async_scheduling, spec, dev: torch.device, max_num
     """LLM's async_scheduling (True, False or None: auto) against the speculative config."""
     if async_scheduling not in (None, True, False):
         raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None (auto)")
-    if spec is not None and spec.unreachable_ranges(max_num_seqs):
+    unreachable = spec.unreachable_ranges(max_num_seqs) if spec is not None else []
+    if unreachable:
         logger.warning("speculative_config.num_speculative_tokens_per_batch_size: %s start past max_num_seqs=%d; "
-                       "no batch reaches them, so they never apply", spec.unreachable_ranges(max_num_seqs),
-                       max_num_seqs)
+                       "no batch reaches them, so they never apply", unreachable, max_num_seqs)
     # Steps that draft nothing are planned ahead as without a draft; the others overlap the
     # host's work with the device's drafting instead. A lookup's steps are planned ahead while
     # it finds nothing (Scheduler.schedule_ahead).
