@@ -42,6 +42,13 @@ tile holds 4x the bytes it streams a step, and the 16x smaller one lets more pro
 ms). So the sums run in another order than the bf16 weights' (within an ulp of their result,
 tests/kernels/test_gemv.py).
 
+Each program loads its first weight tile before its PDL wait (PRELOAD; tandem/kernels/pdl.py): the
+weights are no earlier kernel's output, so the tile streams while the kernel before runs (the attention,
+a norm, another GEMV's tail) and the products are the same, in the same order. Into registers, one tile
+a resident program: H100, the 8B's decode step 5.45 -> 5.42 ms and a k = 4 round (1B draft) 10.56 ->
+10.44 ms (fp8 draft 9.18 -> 9.10); two tiles gained nothing more (docs/benchmarks.md, session 63).
+(Prefetching 4-16 KB a program into L2 instead, every program at once, had cost 10%: pdl.py.)
+
 Rows 2-32 go to tandem/kernels/gemm_rows.py (a tensor-core tile); a CUDA-core tile reading each
 weight tile once for 2-8 rows ran at 1.1-2.8x cuBLAS's time (bench/gpu_kernels.py at 2026-11-30) and
 was not kept.
@@ -104,50 +111,79 @@ def _inv_rms(sumsq_ptr, P, K, eps, inv_k, BLOCK_P: tl.constexpr, CUDA_LIBM: tl.c
 
 
 @triton.jit
+def _w_tile(w_ptrs, rows_ok, k0, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at w_ptrs (columns k0 onwards), zero past N and K."""
+    if EVEN_K:
+        if EVEN_N:
+            return tl.load(w_ptrs)
+        return tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
+    k_ok = k0 + tl.arange(0, BLOCK_K) < K
+    return tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _dot_rows(
-    x_ptr, w_ptr, nw_ptr, inv, rows, rows_ok, K, stride_wn,
+    x_ptr, w_ptr, nw_ptr, inv, rows, rows_ok, K, stride_wn, w_first, w_second,
     DTYPE: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    CUDA_LIBM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    CUDA_LIBM: tl.constexpr, SOFT_BF16: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     """fp32 [BLOCK_N]: the input row (SILU_MUL / NORM_IN applied to it) dotted with weight rows
     `rows`, accumulated elementwise over BLOCK_K tiles and reduced once. SUB > 1: every step sums
     each run of SUB contiguous products first (one thread's 16-byte load of fp8 weights, summed in
-    its registers), so the accumulator is SUB times smaller."""
+    its registers), so the accumulator is SUB times smaller. PRELOAD (0-2): w_first (and w_second)
+    are the first tiles, loaded by the caller before its PDL wait; the same products in the same order."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K // SUB], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k)
-            if SILU_MUL:
-                up = tl.load(x_ptr + K + k0 + offs_k)
-            if NORM_IN:
-                nw = tl.load(nw_ptr + k0 + offs_k)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
-        else:
-            k_ok = k0 + offs_k < K
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            if SILU_MUL:
-                up = tl.load(x_ptr + K + k0 + offs_k, mask=k_ok, other=0.0)
-            if NORM_IN:
-                nw = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-        if SILU_MUL:
-            x = _silu_mul(x, up, DTYPE, CUDA_LIBM, SOFT_BF16)
-        if NORM_IN:
-            y = _round(x.to(tl.float32) * inv, DTYPE, SOFT_BF16).to(tl.float32)
-            x = _round(nw.to(tl.float32) * y, DTYPE, SOFT_BF16)
-        if SUB == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        else:
-            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-            acc += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // SUB, SUB]), axis=2)
+    if PRELOAD >= 1:
+        acc = _acc_tile(acc, w_first, x_ptr, nw_ptr, inv, 0, K, DTYPE, SILU_MUL, NORM_IN, EVEN_K, BLOCK_N, BLOCK_K,
+                        SUB, CUDA_LIBM, SOFT_BF16)
+        w_ptrs += BLOCK_K
+    if PRELOAD >= 2:
+        acc = _acc_tile(acc, w_second, x_ptr, nw_ptr, inv, BLOCK_K, K, DTYPE, SILU_MUL, NORM_IN, EVEN_K, BLOCK_N,
+                        BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16)
+        w_ptrs += BLOCK_K
+    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        w = _w_tile(w_ptrs, rows_ok, k0, K, EVEN_N, EVEN_K, BLOCK_K)
+        acc = _acc_tile(acc, w, x_ptr, nw_ptr, inv, k0, K, DTYPE, SILU_MUL, NORM_IN, EVEN_K, BLOCK_N, BLOCK_K, SUB,
+                        CUDA_LIBM, SOFT_BF16)
         w_ptrs += BLOCK_K
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _acc_tile(
+    acc, w, x_ptr, nw_ptr, inv, k0, K, DTYPE: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, CUDA_LIBM: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """acc + the products of weight tile w with the input's columns [k0, k0 + BLOCK_K)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + offs_k)
+        if SILU_MUL:
+            up = tl.load(x_ptr + K + k0 + offs_k)
+        if NORM_IN:
+            nw = tl.load(nw_ptr + k0 + offs_k)
+    else:
+        k_ok = k0 + offs_k < K
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+        if SILU_MUL:
+            up = tl.load(x_ptr + K + k0 + offs_k, mask=k_ok, other=0.0)
+        if NORM_IN:
+            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+    if SILU_MUL:
+        x = _silu_mul(x, up, DTYPE, CUDA_LIBM, SOFT_BF16)
+    if NORM_IN:
+        y = _round(x.to(tl.float32) * inv, DTYPE, SOFT_BF16).to(tl.float32)
+        x = _round(nw.to(tl.float32) * y, DTYPE, SOFT_BF16)
+    if SUB == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // SUB, SUB]), axis=2)
+    return acc
 
 
 @triton.jit
@@ -180,6 +216,7 @@ def _gemv_kernel(
     SUB: tl.constexpr,  # see _dot_rows (fp8 weights: 16)
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PRELOAD: tl.constexpr,  # 0-2: weight tiles loaded before the PDL wait (they read no earlier kernel's output)
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -193,12 +230,18 @@ def _gemv_kernel(
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
+    w_first, w_second = 0.0, 0.0
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    if PRELOAD >= 1:
+        w_first = _w_tile(w_ptrs, n_ok, 0, K, EVEN_N, EVEN_K, BLOCK_K)
+    if PRELOAD >= 2:
+        w_second = _w_tile(w_ptrs + BLOCK_K, n_ok, BLOCK_K, K, EVEN_N, EVEN_K, BLOCK_K)
     wait_for_inputs(PDL)
     inv = 1.0
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
-    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, offs_n, n_ok, K, stride_wn, dtype, SILU_MUL, NORM_IN, EVEN_N, EVEN_K,
-                    BLOCK_N, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16)  # [BLOCK_N]
+    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, offs_n, n_ok, K, stride_wn, w_first, w_second, dtype, SILU_MUL, NORM_IN,
+                    EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16, PRELOAD)  # [BLOCK_N]
     if W_SCALE:
         out = out * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
@@ -263,6 +306,7 @@ def _gemv_qkv_rope_kernel(
     SUB: tl.constexpr,
     CUDA_LIBM: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The qkv projection of one row with the rotary embedding and the paged KV store in its
@@ -278,12 +322,18 @@ def _gemv_qkv_rope_kernel(
     dim = (offs // PAIRS) * HALF + (pid % CHUNKS) * PAIRS + offs % PAIRS  # within the head
     rope = pid < ROPE_PROGRAMS
     rows = tl.where(rope, head * HEAD_DIM + dim, (NUM_Q + NUM_KV) * HEAD_DIM + (pid - ROPE_PROGRAMS) * (2 * PAIRS) + offs)
+    w_first, w_second = 0.0, 0.0
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    if PRELOAD >= 1:
+        w_first = _w_tile(w_ptrs, rows >= 0, 0, K, True, EVEN_K, BLOCK_K)
+    if PRELOAD >= 2:
+        w_second = _w_tile(w_ptrs + BLOCK_K, rows >= 0, BLOCK_K, K, True, EVEN_K, BLOCK_K)
     wait_for_inputs(PDL)
     inv = 1.0
     if NORM_IN:
         inv = _inv_rms(sumsq_in_ptr, P_IN, K, eps, inv_k, BLOCK_P, CUDA_LIBM)
-    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, rows, rows >= 0, K, stride_wn, dtype, False, NORM_IN, True, EVEN_K,
-                    2 * PAIRS, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16)
+    out = _dot_rows(x_ptr, w_ptr, nw_ptr, inv, rows, rows >= 0, K, stride_wn, w_first, w_second, dtype, False, NORM_IN,
+                    True, EVEN_K, 2 * PAIRS, BLOCK_K, SUB, CUDA_LIBM, SOFT_BF16, PRELOAD)
     if W_SCALE:
         out = out * tl.load(ws_ptr + rows)
     if HAS_BIAS:
@@ -348,7 +398,7 @@ def _check_weight(x: Tensor, weight: Tensor, w_scale: Tensor | None) -> None:
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: str | None,
             norm: RowNorm | None, sumsq_out: Tensor | None, block_n: int, block_k: int, num_warps: int,
-            w_scale: Tensor | None = None, gate_up: bool = False) -> None:
+            w_scale: Tensor | None = None, gate_up: bool = False, preload: int = 0) -> None:
     n, k = weight.shape
     silu_mul = act == "silu_mul"
     assert act in (None, "silu_mul")
@@ -376,13 +426,13 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, act: st
         NORM_IN=norm is not None, ADD_OUT=sumsq_out is not None,
         EVEN_N=even_n, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p_in), SUB=_sub(w_scale, block_k), num_warps=num_warps, **_numerics(x),
-        **pdl_flags(x),
+        PRELOAD=min(preload, triton.cdiv(k, block_k)), **pdl_flags(x),
     )
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
          config: tuple[int, int, int] | None = None, act: str | None = None, norm: RowNorm | None = None,
-         w_scale: Tensor | None = None) -> Tensor:
+         w_scale: Tensor | None = None, preload: int = 0) -> Tensor:
     """x [1, K] (or [K]) bf16 / fp16 / fp32, contiguous; weight [N, K] same dtype, rows contiguous;
     bias [N] or None. -> out [1, N] (or [N]) in x's dtype, fp32 accumulation, rounded once.
     w_scale [N] fp32: weight is fp8 e4m3 and row n's sum is multiplied by w_scale[n] (before the
@@ -395,13 +445,13 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     if out is None:
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     tile = config or gemv_config(n, k, w_scale is not None)
-    _launch(x, weight, bias, out, act, norm, None, *tile, w_scale=w_scale)
+    _launch(x, weight, bias, out, act, norm, None, *tile, w_scale=w_scale, preload=preload)
     return out
 
 
 def gemv_gate_up(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                  config: tuple[int, int, int] | None = None, norm: RowNorm | None = None,
-                 w_scale: Tensor | None = None) -> Tensor:
+                 w_scale: Tensor | None = None, preload: int = 0) -> Tensor:
     """F.silu(gate) * up of a packed [gate | up] projection of one row, the activation in the GEMV's
     epilogue: silu_and_mul(gemv(x, weight, bias, norm=norm, w_scale=w_scale)) bit for bit, in one
     launch and without the [1, N] intermediate. weight [N, K] = [gate (N / 2 rows) | up]; each
@@ -411,13 +461,13 @@ def gemv_gate_up(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     if out is None:
         out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype, device=x.device)
     tile = config or gemv_config(n, k, w_scale is not None)
-    _launch(x, weight, bias, out, None, norm, None, *tile, w_scale=w_scale, gate_up=True)
+    _launch(x, weight, bias, out, None, norm, None, *tile, w_scale=w_scale, gate_up=True, preload=preload)
     return out
 
 
 def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None = None,
               config: tuple[int, int, int] | None = None, act: str | None = None,
-              w_scale: Tensor | None = None) -> Tensor:
+              w_scale: Tensor | None = None, preload: int = 0) -> Tensor:
     """residual += gemv(x, weight, bias, act=act), in place, with the product rounded
     to the dtype before the add and the sum rounded again (the rms_norm kernel's add).
     residual [1, N] (or [N]) contiguous, x's dtype, not x. -> sumsq [cdiv(N, BLOCK_N)] fp32: partial
@@ -426,7 +476,7 @@ def gemv_add_(x: Tensor, weight: Tensor, residual: Tensor, bias: Tensor | None =
     block_n, block_k, num_warps = config or gemv_config(n, k, w_scale is not None)
     assert residual.data_ptr() != x.data_ptr()
     sumsq = torch.empty(triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
-    _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps, w_scale=w_scale)
+    _launch(x, weight, bias, residual, act, None, sumsq, block_n, block_k, num_warps, w_scale=w_scale, preload=preload)
     return sumsq
 
 
@@ -440,7 +490,7 @@ def qkv_block_k(k: int, fp8: bool) -> int:
 def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                   positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                   slot_mapping: Tensor, norm: RowNorm | None = None, block_k: int | None = None,
-                  w_scale: Tensor | None = None) -> Tensor:
+                  w_scale: Tensor | None = None, preload: int = 0) -> Tensor:
     """One row's packed q | k | v projection (gemv(x, weight, bias, norm=norm)) with q and k
     rotated as kernels.fused.rotary_embedding rotates them (same bits) and this token's k and v
     written into the paged cache at slot_mapping[0] (-1: not written). -> [1, (H + 2 Hkv) D].
@@ -475,6 +525,7 @@ def gemv_qkv_rope(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
         1.0 / k, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, HAS_BIAS=bias is not None,
         W_SCALE=w_scale is not None,
         NORM_IN=norm is not None, EVEN_K=k % block_k == 0, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p_in),
-        SUB=_sub(w_scale, block_k), num_warps=4, **_numerics(x), **pdl_flags(x),
+        SUB=_sub(w_scale, block_k), num_warps=4, **_numerics(x), PRELOAD=min(preload, triton.cdiv(k, block_k)),
+        **pdl_flags(x),
     )
     return out

@@ -33,7 +33,8 @@ Measured (H200, bench/gpu_bench.py --env-ab TANDEM_PDL=0, engine steps at batch 
 8.68 ms. Fetching the first 4 or 16 KB of each GEMV program's weight rows into L2 before the wait
 (cp.async.bulk.prefetch) made the 8B step slower (4.51 / 4.94 ms against 4.11 in the same run):
 the prefetches compete with the previous kernel's own weight reads, and most of the chain is
-GEMVs. Not kept.
+GEMVs. Not kept. Loading one tile into registers before the wait, only in the programs already
+resident, does pay (~1%: tandem/kernels/gemv.py, PRELOAD).
 
 TANDEM_PDL=0 launches every kernel plainly (an A/B switch for benchmarks). Off in Triton's
 interpreter, on CPU tensors and before compute capability 9.0.

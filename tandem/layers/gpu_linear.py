@@ -96,6 +96,17 @@ def _fp8_rows_w8() -> bool:
     return raw == "w8"
 
 
+def _preload(site: str) -> int:
+    """Weight tiles (0-2) the one-row GEMV of the linear named `site` loads before its PDL wait.
+    TANDEM_GEMV_PRELOAD: the linears that do (attribute names joined by ":", e.g. "o_proj:gate_up_proj";
+    unset: "all"; "none"); TANDEM_GEMV_PRELOAD_TILES: how many tiles (unset: 1). A/B switches."""
+    sites = os.environ.get("TANDEM_GEMV_PRELOAD", "all").split(":")
+    raw = os.environ.get("TANDEM_GEMV_PRELOAD_TILES", "1")
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"TANDEM_GEMV_PRELOAD_TILES={raw!r}: expected 0, 1 (the default) or 2")
+    return int(raw) if site in sites or "all" in sites else 0
+
+
 @dataclass(frozen=True)
 class AddedRow:
     """A one-row layer output already added into the residual stream by its GEMV: sumsq [P] fp32,
@@ -135,6 +146,7 @@ class GemvLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
+        self.site = ""  # the attribute name in its parent module (prepare_gpu_linears), for TANDEM_GEMV_PRELOAD
         self.w8 = self.w_scale = None  # fp8: the e4m3 copy [N, K] and its row scales [N] fp32
         if fp8:
             from tandem.layers.quant import quantize_fp8
@@ -145,6 +157,10 @@ class GemvLinear(nn.Module):
                                                        device=self.w8.device), persistent=False)
             if not keep_weight:
                 self.weight = None
+
+    @property
+    def preload(self) -> int:
+        return _preload(self.site)
 
     @property
     def fp8_only(self) -> bool:
@@ -191,11 +207,12 @@ class GemvLinear(nn.Module):
         if isinstance(x, NormedRow):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x.row, self.kernel_weight, self.bias, out=out, norm=x.row_norm(), w_scale=self.w_scale)
+            return gemv(x.row, self.kernel_weight, self.bias, out=out, norm=x.row_norm(), w_scale=self.w_scale,
+                        preload=self.preload)
         if self.one_row(x):
             from tandem.kernels.gemv import gemv
 
-            return gemv(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale)
+            return gemv(x, self.kernel_weight, self.bias, out=out, w_scale=self.w_scale, preload=self.preload)
         if self.fp8_only and (not self.few_rows(x) or _fp8_rows_w8()):
             return self._many_rows(x, out)
         if self.few_rows(x):
@@ -224,7 +241,8 @@ class GemvLinear(nn.Module):
         if self.one_row(gate_up) and self.w8 is None:  # (fp8: apart, as forward_add_ says)
             from tandem.kernels.gemv import gemv
 
-            return gemv(gate_up, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale)
+            return gemv(gate_up, self.kernel_weight, self.bias, act="silu_mul", w_scale=self.w_scale,
+                        preload=self.preload)
         from tandem.kernels.fused import silu_and_mul
 
         return self(silu_and_mul(gate_up))
@@ -255,7 +273,8 @@ class GemvLinear(nn.Module):
             from tandem.kernels.gemv import gemv_gate_up
 
             row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)
-            return gemv_gate_up(row, self.kernel_weight, self.bias, norm=norm, w_scale=self.w_scale)
+            return gemv_gate_up(row, self.kernel_weight, self.bias, norm=norm, w_scale=self.w_scale,
+                                preload=self.preload)
         if self.fp8_only and (not self.few_rows(x) or _fp8_rows_w8()):
             return self._many_rows(x, act="silu_mul")
         from tandem.kernels.gemm_rows import gemm_rows
@@ -302,7 +321,8 @@ class GemvLinear(nn.Module):
 
         row, norm = (x.row, x.row_norm()) if isinstance(x, NormedRow) else (x, None)
         return gemv_qkv_rope(row, self.kernel_weight, self.bias, num_heads, num_kv_heads, positions, rotary.cos,
-                             rotary.sin, k_cache, v_cache, slot_mapping, norm=norm, w_scale=self.w_scale)
+                             rotary.sin, k_cache, v_cache, slot_mapping, norm=norm, w_scale=self.w_scale,
+                             preload=self.preload)
 
     def forward_add_(self, x: Tensor, residual: Tensor, act: str | None = None) -> AddedRow:
         """residual += self(x) (act="silu_mul": self(F.silu(gate) * up) for x = [gate | up]) in
@@ -316,7 +336,8 @@ class GemvLinear(nn.Module):
             from tandem.kernels.fused import silu_and_mul
 
             x, act = silu_and_mul(x), None
-        return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale))
+        return AddedRow(gemv_add_(x, self.kernel_weight, residual, self.bias, act=act, w_scale=self.w_scale,
+                                  preload=self.preload))
 
 
 def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool = True) -> None:
@@ -329,6 +350,7 @@ def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool
         if not child.weight.is_contiguous():
             child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
         linear = GemvLinear(child, fp8=getattr(child, "fp8_weights", False), keep_weight=keep_weights)
+        linear.site = name
         setattr(module, name, linear)
         if linear.fp8_only:
             child.weight = None  # freed now, not when the loop ends: the load's peak stays the model-dtype weights'

@@ -391,6 +391,91 @@ def test_gemv_qkv_rope_interpreter(norm, slot, bias, dtype):
     check_qkv_rope(4, 2, 16, 96, dtype, "cpu", bias, norm, slot, block_k=32)
 
 
+# ------------------------------------------------------------------ the first weight tile loaded before the wait
+def check_preload(n: int, k: int, dtype: torch.dtype, device: str, config=None, fp8: bool = False,
+                  qkv=None, qkv_block_k: int | None = None) -> None:
+    """preload=1 or 2 (weight tiles loaded before the PDL wait) gives the bits of preload=0
+    in every one-row kernel: plain with a bias, with the RMSNorm inside, with SiLU-and-mul, adding into
+    the residual, gate | up with SiLU in the epilogue; qkv=(H, Hkv, D): the qkv GEMV rotating and
+    storing K/V (n is then (H + 2 Hkv) D)."""
+    from tandem.layers.quant import fake_quantize_fp8_, quantize_fp8
+    from tandem.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(n * 5 + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    w_scale = None
+    if fp8:
+        fake_quantize_fp8_(w)
+        w, w_scale = quantize_fp8(w)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(device, dtype)
+    row_norm = RowNorm(nw, 1e-6, ((x.float() ** 2).sum().reshape(1).repeat(3) / 3).contiguous())
+    two = torch.randn(1, 2 * k, generator=g).to(device, dtype)
+
+    def both(fn):
+        outs = [fn(preload) for preload in (0, 1, 2)]
+        for a, *others in zip(*[o if isinstance(o, tuple) else (o,) for o in outs]):
+            assert not a.float().isnan().any()
+            for b_ in others:
+                assert torch.equal(a, b_)
+
+    if qkv is not None:
+        heads, kv_heads, head_dim = qkv
+        rot = RotaryEmbedding(head_dim, 512, 500000.0, None, device=device)
+
+        def rope(preload):
+            caches = [torch.zeros((6, 4, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(2)]
+            out = gemv_qkv_rope(x, w, b, heads, kv_heads, torch.tensor([301], device=device), rot.cos, rot.sin,
+                                *caches, torch.tensor([9], device=device), norm=row_norm, block_k=qkv_block_k,
+                                w_scale=w_scale, preload=preload)
+            return out, *caches
+
+        both(rope)
+        return
+    both(lambda preload: gemv(x, w, b, config=config, w_scale=w_scale, preload=preload))
+    both(lambda preload: gemv(x, w, config=config, norm=row_norm, w_scale=w_scale, preload=preload))
+    both(lambda preload: gemv(two, w, config=config, act="silu_mul", w_scale=w_scale, preload=preload))
+    res = torch.randn(1, n, generator=g).to(device, dtype)
+
+    def add(preload):
+        r = res.clone()
+        return r, gemv_add_(x, w, r, config=config, w_scale=w_scale, preload=preload)
+
+    both(add)
+    if n % 2 == 0:
+        both(lambda preload: gemv_gate_up(x, w, config=config, norm=row_norm, w_scale=w_scale, preload=preload))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 2048), (16384, 2048), (2048, 8192), (1536, 8960), (1000, 700)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_preload_gives_the_same_bits_gpu(n, k, dtype, fp8):
+    check_preload(n, k, dtype, "cuda", fp8=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k", [(32, 8, 128, 4096), (32, 8, 64, 2048), (12, 2, 128, 1536)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_preload_qkv_rope_gives_the_same_bits_gpu(heads, kv_heads, head_dim, k, fp8):
+    check_preload((heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, "cuda", fp8=fp8, qkv=(heads, kv_heads, head_dim))
+
+
+@interpret_mark(_gemv_kernel)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,config", [(24, 256, (4, 64, 4)), (20, 96, (8, 64, 4)), (13, 64, (8, 64, 4))])
+def test_preload_gives_the_same_bits_interpreter(n, k, config, dtype):
+    check_preload(n, k, dtype, "cpu", config=config)
+
+
+@interpret_mark(_gemv_kernel)
+def test_preload_qkv_rope_gives_the_same_bits_interpreter():
+    check_preload((4 + 2 * 2) * 16, 96, torch.float32, "cpu", qkv=(4, 2, 16), qkv_block_k=32)
+
+
 # ------------------------------------------------------------------ fp8 weights (tandem/layers/quant.py)
 def _near(a, b, x, w):
     """a and b (two GEMV outputs over the same exact products) within 2 ulps of each other or

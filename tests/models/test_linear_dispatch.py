@@ -78,3 +78,27 @@ def test_fp8_only_layers_send_few_rows_to_gemm_w8(monkeypatch):
     monkeypatch.setenv("TANDEM_FP8_ROWS", "gemm_w8")
     with pytest.raises(ValueError, match="TANDEM_FP8_ROWS"):
         lin(torch.zeros(5, 4096, dtype=torch.bfloat16))
+
+
+def test_one_row_gemvs_preload_their_first_weight_tile(monkeypatch):
+    """Every one-row GEMV loads one weight tile before its PDL wait unless TANDEM_GEMV_PRELOAD (an A/B
+    switch) names other linears, "none", or TANDEM_GEMV_PRELOAD_TILES another count."""
+    from tandem.layers.gpu_linear import prepare_gpu_linears
+
+    o, down = layer(2048, 2048), layer(2048, 8192)
+    o.site, down.site = "o_proj", "down_proj"
+    assert (o.preload, down.preload) == (1, 1)
+    monkeypatch.setenv("TANDEM_GEMV_PRELOAD", "o_proj:gate_up_proj")
+    assert (o.preload, down.preload) == (1, 0)
+    monkeypatch.setenv("TANDEM_GEMV_PRELOAD_TILES", "2")
+    assert (o.preload, down.preload) == (2, 0)
+    monkeypatch.setenv("TANDEM_GEMV_PRELOAD", "none")
+    assert (o.preload, down.preload) == (0, 0)
+    monkeypatch.setenv("TANDEM_GEMV_PRELOAD_TILES", "3")
+    with pytest.raises(ValueError, match="TANDEM_GEMV_PRELOAD_TILES"):
+        o.preload
+    model = nn.Sequential()
+    model.o_proj = nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)
+    monkeypatch.setattr("tandem.layers.gpu_linear.fused_kernels_available", lambda: True)
+    prepare_gpu_linears(model, torch.bfloat16)
+    assert isinstance(model.o_proj, GemvLinear) and model.o_proj.site == "o_proj"
