@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from tandem.sampling.state import SamplingState
+from tandem.sampling_params import FLOAT32_MAX
 
 
 # Rows the processors handle at once: their temporaries (penalty counts, sort, softmax, cumsum)
@@ -131,7 +132,9 @@ def _apply_penalties(logits: Tensor, state: SamplingState, rows: SampleRows, pen
     pres = state.presence_penalty[slot_ids][:, None]
     sub = logits[idx]
     seen = prompt | (counts > 0)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    # A penalty below 1 may lift a large (biased) logit past the floats: held at the largest float32, so the
+    # row keeps a finite maximum (an inf made the softmax NaN); such slots are shifted (state.shifted).
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub).clamp(max=FLOAT32_MAX)
     sub = sub - freq * counts - pres * (counts > 0)
     logits[idx] = sub
 
@@ -154,7 +157,7 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
 def divide_by_temperature(logits: Tensor, temp: Tensor, slots: list[int], state: SamplingState) -> Tensor:
     """logits [n, V] / temp [n] (0 read as 1) -> new [n, V] fp32, a row a slot's.
 
-    The rows of slots a huge positive bias lifts (state.shifted) lose their maximum first, where it is
+    The rows of slots a huge positive bias or a tiny repetition penalty lifts (state.shifted) lose their maximum first, where it is
     positive: the same distribution, but their biased logits divided by a temperature would otherwise
     overflow to inf (a NaN softmax: min-p / top-p then mask every token) or reach magnitudes whose
     spacing swamps the Gumbel noise (two equally forced tokens not drawn evenly). Other rows are

@@ -23,6 +23,10 @@ _BANNING_BIAS = -FLOAT32_MAX * MIN_TEMPERATURE / 2
 # spacing (8) swamps the Gumbel noise (two such tokens would not be drawn evenly), or to inf (a NaN softmax):
 # rows of such a slot are shifted by their maximum before the division (processors.divide_by_temperature).
 _SHIFTING_BIAS = 1e6
+# The raw logits of the models served stay below this: a repetition penalty p < 1 lifts a seen token's positive
+# logit (its bias added) to (logit + bias) / p, so a slot whose (_LOGIT_BOUND + bias) / p passes _SHIFTING_BIAS is
+# shifted too.
+_LOGIT_BOUND = 1e3
 
 # The fp32 per-slot parameters (attribute names of both SamplingParams and SamplingState).
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -85,7 +89,7 @@ class SamplingState:
         self.processed: set[int] = set()  # slots with any logits processor (uses_processors)
         self.steered: set[int] = set()  # of those, slots whose processors steer (steers): drafts follow them
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
-        self.shifted: set[int] = set()  # slots with a bias above _SHIFTING_BIAS: divide_by_temperature shifts them
+        self.shifted: set[int] = set()  # slots a bias or penalty lifts past _SHIFTING_BIAS: divide_by_temperature shifts them
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).
@@ -149,8 +153,10 @@ class SamplingState:
             biases = [p.logit_bias[t] if p.logit_bias[t] > _BANNING_BIAS else float("-inf") for t in ids]
             ids_t, bias_t = self.upload(ids, _float_bits(biases))
             self.logit_bias[slot] = (ids_t, _from_bits(bias_t))
-            if max(biases, default=0.0) > _SHIFTING_BIAS:
-                self.shifted.add(slot)
+        lift = max(biases, default=0.0) if p.logit_bias else 0.0  # the largest bias (of ids in the vocabulary)
+        if lift > _SHIFTING_BIAS or (p.repetition_penalty < 1
+                                     and (_LOGIT_BOUND + max(lift, 0.0)) / p.repetition_penalty > _SHIFTING_BIAS):
+            self.shifted.add(slot)
         if p.allowed_token_ids or p.bad_words_token_ids or \
                 (p.logit_bias and min(p.logit_bias.values()) <= _BANNING_BIAS):
             self.can_empty.add(slot)

@@ -62,7 +62,7 @@ def response_id(request: Request, body, prefix: str) -> str:
 
 
 def _floor(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN too: JSON has no NaN)
 
 
 def prompt_logprobs(out: RequestOutput, k: int | None) -> PromptLogprobs | None:

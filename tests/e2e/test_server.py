@@ -861,6 +861,12 @@ def test_masked_tokens_logprobs_read_the_floor_not_minus_infinity(model_dirs):
             extra_body={"top_k": 2}) if c.choices and c.choices[0].logprobs]
         values = [v for lp in streamed for top in lp.top_logprobs for v in top.values()]
         assert values and None not in values and min(values) == -9999.0
+        # a token forced by a bias of 100 and then seen, under the smallest repetition penalty accepted: its
+        # logit divided by 1.2e-38 overflowed (NaN logprobs, a 500 "Out of range float values")
+        r = server.post(C, json={**kw, "prompt": PROMPTS[0], "logprobs": 2, "temperature": 0, "logit_bias": {"17": 100},
+                                 "repetition_penalty": 1.2e-38})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["token_logprobs"] == [0.0] * 3
     finally:
         server.stop()
 

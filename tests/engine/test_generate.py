@@ -409,6 +409,29 @@ def test_a_huge_positive_bias_forces_its_tokens_evenly(model, draft):
     assert together[1].outputs[0].token_ids == alone and together[0].outputs[0].token_ids == [50] * 3
 
 
+def test_a_repetition_penalty_below_one_keeps_a_lifted_logit_finite(model):
+    """A repetition penalty below 1 divides a seen token's positive logit: a biased one (3e38 / 0.5), or one
+    with a bias of 100 under the smallest penalty accepted (1.2e-38), went past the floats (+inf): processed
+    logprobs NaN with rank 0 (the server answered 500), and of two forced tokens the lower id always drawn.
+    Now held at the largest float and the row shifted: the token forced with logprob 0 at rank 1, two such
+    tokens drawn about evenly, as without the penalty."""
+    llm = LLM(str(model), dtype="float32", max_model_len=128, block_size=8, logprobs_mode="processed_logprobs")
+    prompt = {"prompt_token_ids": [8, 50, 51, 9]}  # 50 and 51 seen: the repetition penalty applies to them
+    for temperature in (0.0, 1.0, 0.5):
+        for bias, penalty in ((3e38, 0.5), (100.0, 1.2e-38)):
+            p = SamplingParams(temperature=temperature, logit_bias={50: bias}, repetition_penalty=penalty, seed=1,
+                               max_tokens=3, logprobs=2, ignore_eos=True)
+            out = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == [50] * 3, (temperature, bias, penalty)
+            for step in out.logprobs:
+                assert step[50].logprob == 0.0 and step[50].rank == 1, step
+                assert all(not math.isnan(lp.logprob) and lp.rank >= 1 for lp in step.values()), step
+    two = SamplingParams(n=200, temperature=1.0, logit_bias={50: 3e38, 51: 3e38}, repetition_penalty=0.5,
+                         max_tokens=1, seed=2)
+    drawn = [o.token_ids[0] for o in llm.generate(prompt, two, use_tqdm=False)[0].outputs]
+    assert set(drawn) == {50, 51} and 60 < drawn.count(50) < 140, drawn  # Binomial(200, 1/2): 5e-9 outside
+
+
 def test_a_stop_token_that_is_the_last_allowed_stops(llm):
     """EOS or a stop token as the last token max_tokens allows finishes with "stop" (its text left
     out, its stop_reason set), as vLLM since its PR 27640 (stop before the length cap)."""
