@@ -22,6 +22,9 @@ so the metadata is complete when the attention starts, and those loads overlap t
 projection's tail. This holds only while a plainly launched kernel separates the metadata's
 writer (a host copy, or tandem/kernels/decode_inputs.py in the draft loop) from the attention:
 an embedding lookup launched with PDL, or metadata computed inside the layers, would race.
+Another: the one-row GEMVs (gemv.py) load their first weight tile before their wait. Weights are
+written only by plainly launched kernels (loading, quantization) outside any forward, so they are
+complete before a kernel that may start early is launched.
 
 `release_then_wait` lets the next kernel start before this one's inputs are ready: used by the
 small kernels that precede a GEMV (the attention's split merge, RMSNorm), so the GEMV's programs
