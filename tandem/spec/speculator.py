@@ -49,8 +49,8 @@ from tandem.runner.inputs import Batch
 from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
-from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_token_bitmask, apply_top_k_top_p,
-                                       divide_by_temperature)
+from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_min_p, apply_token_bitmask,
+                                       apply_top_k_top_p, divide_by_temperature)
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
 from tandem.spec.base import Speculator
@@ -390,7 +390,7 @@ class DraftSpeculator(Speculator):
         mask (rows [m] into logits, bitmask [m, words], on the device): structured outputs' grammar.
         The draft distribution of those rows is the draft's own restricted to the tokens the grammar
         allows (their logits are kept that way for the ratio test). A structured-output request's
-        drafts skip the draft-side top-k / top-p (the target still applies them): untruncated, a
+        drafts skip the draft-side min-p / top-k / top-p (the target still applies them): untruncated, a
         draw among the tokens that fit is the same whether the mask comes before the draw or after
         a free draw that missed (DraftSpeculator.repair), and never from an empty set.
 
@@ -415,6 +415,13 @@ class DraftSpeculator(Speculator):
             return
         params = [self.state.params[r.slot] for r in sampling]
         scaled = divide_by_temperature(logits, temp, [r.slot for r in sampling], self.state)
+        cut = [p.min_p > 0 and p.structured_outputs is None for p in params]
+        if any(cut):  # min-p, then top-k / top-p: the target's order (apply_temperature_and_masks)
+            min_p = self.state.min_p[slots]
+            if not all(cut):
+                (keep,) = self.attn_backend.upload(cut)
+                min_p = min_p.where(keep.bool(), 0.0)
+            apply_min_p(scaled, min_p)
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
         if any(truncated):
             top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]

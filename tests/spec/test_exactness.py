@@ -129,6 +129,18 @@ def test_target_as_draft_accepts_everything(models, baseline):
     assert llm.engine.spec_metrics.acceptance_rate == 1.0
 
 
+def test_target_as_its_own_sampled_draft_accepts_everything(models):
+    """Sampled drafts from the target itself pass every ratio test (q == p) under the request's temperature,
+    min-p, top-k and top-p: the draft samples from the distribution the target verifies against (min-p was
+    left out of the drafts: 0.42 of them accepted at min_p=0.1)."""
+    llm = _llm(models, "target", 4, "probabilistic")
+    for kw in (dict(), dict(min_p=0.1), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.2, top_k=8, top_p=0.9)):
+        params = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=1, n=2, **kw)
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        assert drafted > 0 and sum(o.metrics.num_accepted_tokens for o in outs) == drafted, kw
+
+
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
 def test_unrelated_smaller_draft(models, baseline, method):
     llm = _llm(models, "other", 3, method)
