@@ -178,8 +178,11 @@ ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+MAX_ROPE_FACTOR = 1024  # a rope_scaling factor beyond this stretches positions past any context served
+
+
 def _positive_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
 def read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
@@ -203,6 +206,8 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
         raise ConfigError(f"{field}: {model_dir} has no config.json; pass a Hugging Face model directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"{field}: {path} could not be read ({e.strerror or e}); make it a readable file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{field}: {path} holds a {type(raw).__name__}, not a JSON object of settings")
     raw.update(overrides or {})
@@ -287,6 +292,9 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
         if not _positive_number(rope.get(key)):
             raise ConfigError(f"{field}: rope_scaling of type {rope_type!r} in {path} needs a positive number "
                               f"{key!r}, got {rope.get(key)!r}")
+    if "factor" in ROPE_TYPES[rope_type] and not 1 <= rope["factor"] <= MAX_ROPE_FACTOR:  # (transformers: >= 1)
+        raise ConfigError(f"{field}: rope_scaling factor={rope['factor']!r} in {path} must be in [1, {MAX_ROPE_FACTOR}] "
+                          "(it stretches the trained positions)")
     if not _positive_number(rope_theta):
         raise ConfigError(f"{field}: rope_theta={rope_theta!r} in {path} must be a positive number")
     rms_norm_eps = raw.get("rms_norm_eps", 1e-6)

@@ -343,7 +343,7 @@ def check_converted_dir(d: str | os.PathLike, sha256: str | None = None, dtype: 
             why = _check_safetensors(p)
             if why:
                 return f"{name}: {why}"
-        elif name in ("config.json", "generation_config.json"):  # small: damaged bytes of the same size show
+        elif name.endswith(".json"):  # configs and tokenizer files: damaged bytes of the same size show
             try:
                 json.loads(p.read_bytes())
             except (OSError, ValueError) as e:
@@ -481,8 +481,10 @@ def _gguf_sha256(path: pathlib.Path, root: pathlib.Path, progress: bool) -> str:
     idx = root / "index" / f"{key}.json"
     try:
         rec = json.loads(idx.read_text())
-        if rec["path"] == real and rec["size"] == st.st_size and rec["mtime_ns"] == st.st_mtime_ns:
-            return rec["sha256"]
+        sha = rec["sha256"]
+        if (rec["path"] == real and rec["size"] == st.st_size and rec["mtime_ns"] == st.st_mtime_ns
+                and isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            return sha
     except (OSError, ValueError, KeyError, TypeError):
         pass
     sha = sha256_file(real, progress=progress)

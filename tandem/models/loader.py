@@ -26,6 +26,7 @@ logger = logging.getLogger("tandem")
 
 # Checkpoint entries that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype names of the weights read
 
 # Checkpoint projection -> (our packed parameter, shard index); shards are stacked along dim 0.
 PACKED = {part: (packed, i) for packed, parts in PACKED_FROM.items() for i, part in enumerate(parts)}
@@ -165,6 +166,8 @@ def _read_safetensors(params: dict, cfg: ModelConfig, device: torch.device, fiel
         try:
             _read_file(path, params, cfg, device, loaded, shards_seen, field, local, cut)
         except (SafetensorError, OSError) as e:
+            if os.path.exists(path) and not os.access(path, os.R_OK):
+                raise ConfigError(f"{field}: {path} could not be read (permission denied); make it readable") from None
             raise ConfigError(f"{field}: {path} is not a valid safetensors file ({e}); re-download or re-convert "
                               "it") from None
     for target, seen in shards_seen.items():
@@ -194,7 +197,11 @@ def _read_file(path: str, params: dict, cfg: ModelConfig, device: torch.device, 
         for name in f.keys():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            shape = tuple(f.get_slice(name).get_shape())
+            part = f.get_slice(name)
+            shape = tuple(part.get_shape())
+            if part.get_dtype() not in _FLOAT_DTYPES:  # integers, bools, fp8 without its scales: not weights we read
+                raise ConfigError(f"{field}: tensor {name!r} in {path} is stored as {part.get_dtype()}; expected "
+                                  f"floating point ({', '.join(sorted(_FLOAT_DTYPES))}): re-convert the checkpoint")
             packed = _packed_target(name)
             if packed is not None and packed[0] in params:
                 target, kind, shard = packed

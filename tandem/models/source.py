@@ -25,8 +25,11 @@ def resolve_model_dir(model: str, dtype, field: str = "model", device: torch.dev
     except ImportError:  # pragma: no cover - hub support not installed
         resolve_model = None
     path = Path(model)
-    if path.is_dir() and (path / "config.json").exists():
-        return path
+    try:
+        if path.is_dir() and (path / "config.json").exists():
+            return path
+    except OSError as e:  # a directory without permission, ...
+        raise ConfigError(f"{field}={model!r} could not be read ({e.strerror or e}); check its permissions") from None
     if resolve_model is not None:
         # the dtype a GGUF file or known name is converted to ("auto": bfloat16, or float16 on a GPU
         # without it); aliases as their names
@@ -80,6 +83,8 @@ def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
             eos = json.loads(gen.read_text())["eos_token_id"]
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"model: {gen} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"model: {gen} could not be read ({e.strerror or e}); make it a readable file") from None
         except (KeyError, TypeError):
             eos = None
         ids += token_ids_setting(eos, "model: eos_token_id", gen)
@@ -135,6 +140,9 @@ def _file_defaults(generation_config: str, model_dir: Path) -> dict:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"generation_config: {path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"generation_config: {path} could not be read ({e.strerror or e}); make it a readable "
+                          "file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"generation_config: {path} must hold a JSON object")
     return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}

@@ -105,6 +105,34 @@ def test_invalid_config_json(tmp_path, no_loading):
         LLM(str(d), dtype="float32")
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_model_file_that_cannot_be_read_is_named(model_dir, tmp_path, name, no_loading):
+    """config.json or generation_config.json that is a directory (or unreadable): a ConfigError naming it
+    (IsADirectoryError / PermissionError tracebacks before)."""
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (d / name).unlink(missing_ok=True)
+    (d / name).mkdir()
+    with pytest.raises(ConfigError, match=f"{name} could not be read .*make it a readable file"):
+        LLM(str(d), dtype="float32")
+
+
+def test_weights_stored_as_integers_are_refused(model_dir, tmp_path):
+    """A tensor stored as integers, bools or fp8 (no scales) was cast to the model's dtype and ran as garbage:
+    refused, named."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (st,) = d.glob("*.safetensors")
+    tensors = load_file(st)
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    for dtype, stored in ((torch.int64, "I64"), (torch.bool, "BOOL"), (torch.float8_e4m3fn, "F8_E4M3")):
+        save_file(tensors | {name: tensors[name].to(dtype)}, st)
+        with pytest.raises(ConfigError, match=f"tensor '{name}' in .* is stored as {stored}; expected floating point"):
+            LLM(str(d), dtype="float32")
+
+
 def _copy_with_config(src, dst, change):
     """A copy of the model directory src whose config.json is change(config) (a dict or anything)."""
     shutil.copytree(src, dst)
@@ -125,6 +153,10 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64}}, "low_freq_factor"),
     (lambda c: c | {"rope_scaling": {"type": "linear"}}, "'factor'"),
+    (lambda c: c | {"rope_scaling": {"type": "linear", "factor": float("inf")}}, "'factor', got inf"),
+    (lambda c: c | {"rope_scaling": {"type": "linear", "factor": 0.001}}, r"factor=0.001 .* must be in \[1, 1024\]"),
+    (lambda c: c | {"rope_scaling": {"type": "linear", "factor": 1e300}}, r"factor=1e\+300 .* must be in"),
+    (lambda c: c | {"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, "rope_theta=inf"),
     (lambda c: c | {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),  # was ignored: every dim rotated
     (lambda c: c | {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
      "per layer type \\('full_attention'\\)"),  # was read as plain RoPE, theta 10000
@@ -143,7 +175,8 @@ def _copy_with_config(src, dst, change):
     (lambda c: c | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantized checkpoint \(quantization_config, quant_method 'fp8'\).*quantization='fp8'"),
 ], ids=["no-heads", "no-vocab", "list", "positions=0", "hidden-str", "heads=0", "kv-heads-3", "rope-str",
-        "llama3-no-low-freq", "linear-no-factor", "partial-rotary", "partial-rotary-in-rope", "nested-rope",
+        "llama3-no-low-freq", "linear-no-factor", "factor-inf", "factor-below-1", "factor-huge", "theta-inf",
+        "partial-rotary", "partial-rotary-in-rope", "nested-rope",
         "theta-null", "eps-null", "tie-str", "gelu", "bias-str",
         "head-dim-9", "head-dim-15", "eos-str", "eos-float", "pre-quantized"])
 def test_malformed_config_json_names_the_key(model_dir, tmp_path, change, match, no_loading):

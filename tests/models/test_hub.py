@@ -195,6 +195,18 @@ def test_second_resolve_reads_cache(tiny, monkeypatch):
     assert time.perf_counter() - t0 < 0.5
 
 
+def test_a_damaged_hash_memo_is_recomputed(tiny):
+    """The index memo of a file's sha256 is an optimisation only: one whose sha256 is not a hex digest
+    (valid JSON) is hashed again (a raw TypeError before)."""
+    src, _, cache = tiny
+    first = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
+    (memo,) = (pathlib.Path(cache) / "index").glob("*.json")
+    rec = json.loads(memo.read_text())
+    for bad in (5, None, "../x", ["a"]):
+        memo.write_text(json.dumps(rec | {"sha256": bad}))
+        assert resolve_model(src, torch.float32, cache_dir=cache, progress=False) == first
+
+
 def test_changed_source_gets_a_new_entry(tiny):
     src, _, cache = tiny
     first = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
@@ -205,7 +217,7 @@ def test_changed_source_gets_a_new_entry(tiny):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "header", "delete-tokenizer", "delete-marker", "bad-marker",
-                                    "config-bytes"])
+                                    "config-bytes", "tokenizer-bytes"])
 def test_damaged_entry_is_rebuilt(tiny, monkeypatch, damage):
     src, expected, cache = tiny
     out = resolve_model(src, torch.float32, cache_dir=cache, progress=False)
@@ -220,9 +232,9 @@ def test_damaged_entry_is_rebuilt(tiny, monkeypatch, damage):
         (out / "tokenizer.json").unlink()
     elif damage == "delete-marker":
         (out / MARKER).unlink()
-    elif damage == "config-bytes":  # same size, not JSON any more (was loaded, then refused with no way out)
-        size = (out / "config.json").stat().st_size
-        (out / "config.json").write_bytes(b"\x00" * size)
+    elif damage in ("config-bytes", "tokenizer-bytes"):  # same size, not JSON (was loaded, then refused with no way out)
+        name = "config.json" if damage == "config-bytes" else "tokenizer.json"
+        (out / name).write_bytes(b"\x00" * (out / name).stat().st_size)
     else:
         (out / MARKER).write_text("{not json")
     assert check_converted_dir(out) is not None
