@@ -418,7 +418,11 @@ class LLM:
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except Exception as e:  # jinja's errors, a template's raise_exception, bad tools: the template's input
-                raise RequestError(f"chat template could not be applied: {type(e).__name__}: {e}") from None
+                from jinja2 import TemplateSyntaxError
+
+                fix = ("; the model's template is broken: pass chat_template=" if isinstance(e, TemplateSyntaxError)
+                       and kwargs["chat_template"] is None else "")
+                raise RequestError(f"chat template could not be applied: {type(e).__name__}: {e}{fix}") from None
             _check_encodable(text, "chat(): the rendered conversation")
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})

@@ -114,6 +114,9 @@ class OpenAIServer:
         self.chat_template = chat_template  # the server's own (--chat-template), or None: the tokenizer's
         if chat_template is not None:
             _check_chat_template(self.tokenizer, chat_template)
+        elif (broken := _template_syntax_error(self.tokenizer)) is not None:  # completions still serve: warn
+            logger.warning("the model's chat template is not valid Jinja (%s): chat requests will fail; start the "
+                           "server with --chat-template", broken)
         # the parser's tags a grammar names by id: those llguidance holds as special tokens
         self.tool_tags = engine.grammars.special_tags(tag_tokens(self.tokenizer, tool_call_parser)) \
             if tool_call_parser else {}
@@ -532,6 +535,11 @@ class OpenAIServer:
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors, or a tokenizer without a template
+            from jinja2 import TemplateSyntaxError
+
+            if isinstance(e, TemplateSyntaxError) and body.chat_template is None:  # the server's own: not the client's
+                raise APIError(500, f"the server's chat template is not valid Jinja ({e.message}, line {e.lineno}); "
+                               "its operator can pass --chat-template", type="server_error") from None
             raise APIError(400, f"the chat template could not be applied to 'messages': {e}", param="messages")
         ids = self.tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
         return Prompt(ids, text, from_text=True)
@@ -734,6 +742,22 @@ def _check_chat_template(tokenizer, chat_template: str) -> None:
         raise ConfigError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
     except Exception:
         pass
+
+
+def _template_syntax_error(tokenizer) -> str | None:
+    """The model's own chat template's Jinja syntax error ("message (line N)"), or None (none found, or no
+    template: a chat request then says so)."""
+    from jinja2 import TemplateSyntaxError
+
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError as e:
+        return f"{e.message} (line {e.lineno})"
+    except Exception:
+        pass
+    return None
 
 
 class RootPath:

@@ -27,6 +27,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.errors import RequestError  # noqa: E402
 from tandem.server.api import DrainingServer, build_app  # noqa: E402
 from tandem.spec.adaptive import StepCosts  # noqa: E402
 from tests.helpers import make_hf_model  # noqa: E402
@@ -554,6 +555,31 @@ def test_api_keys_and_the_servers_chat_template(model_dirs, reference):
         server.stop()
     with pytest.raises(ConfigError, match="--chat-template is not a valid Jinja template"):
         build_app(server.llm, MODEL, chat_template="{% for m in messages %}")
+
+
+def test_a_broken_model_chat_template_is_the_servers_error(model_dirs, caplog):
+    """The model's own chat template with a Jinja syntax error: the server starts (completions serve) with a
+    warning naming --chat-template, and a chat is a 500 server_error saying so (a 400 blaming 'messages'
+    before); a request's own broken template stays the client's 400; LLM.chat names chat_template=."""
+    llm = _llm(model_dirs)
+    llm.get_tokenizer().chat_template = "{% for m in messages %}{{ m['content'] }"
+    with caplog.at_level("WARNING", logger="tandem.server"):
+        server = LiveServer(llm)
+    try:
+        assert any("chat template is not valid Jinja" in r.message and "--chat-template" in r.message
+                   for r in caplog.records), caplog.text
+        hi = [{"role": "user", "content": "hi"}]
+        r = server.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        assert "--chat-template" in r.json()["error"]["message"]
+        assert server.post(C, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+        server.app.state.server.trust_request_chat_template = True
+        r = server.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1, "chat_template": "{% if %}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    finally:
+        server.stop()
+    with pytest.raises(RequestError, match="the model's template is broken: pass chat_template="):
+        llm.chat(hi)
 
 
 def test_fill_in_the_middle(model_dirs, tmp_path):
