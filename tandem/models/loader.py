@@ -57,6 +57,10 @@ def load_model(cfg: ModelConfig, device: torch.device, field: str = "model", dty
     fix = f"use a smaller {field}, or a smaller {dtype_field}"
     if tp is not None:
         fix += f", or a larger tensor_parallel_size than {tp.size}"
+    rope_bytes = 2 * cfg.max_model_len * cfg.arch.head_dim * 4  # the fp32 cos / sin tables, a row a position
+    if rope_bytes > 2**28:
+        fix += (f", or a smaller max_model_len (its {cfg.max_model_len} positions' rotary tables alone take "
+                f"{rope_bytes / 2**30:.1f} GiB)")
     with OutOfMemoryGuard(device, f"loading the weights of {what}", fix):
         # nothing of it referenced here: an error releases it all
         return _build(cfg, device, what, fix, field, tp, head_ids)
@@ -126,13 +130,19 @@ def _weight_files(cfg: ModelConfig, field: str) -> list[str]:
     folder may hold other copies, e.g. Mistral's consolidated.safetensors), else every one."""
     index = os.path.join(cfg.path, "model.safetensors.index.json")
     if not os.path.exists(index):
-        return sorted(p for p in glob.glob(os.path.join(cfg.path, "*.safetensors")) if os.path.isfile(p))
+        found = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+        dangling = [p for p in found if not os.path.isfile(p)]  # a broken or looping link, a directory
+        if dangling:
+            raise ConfigError(f"{field}: {dangling[0]} is not a readable file (a broken link?); re-download it")
+        return found
     try:
         weight_map = json.loads(pathlib.Path(index).read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
         bad = next((n for n in names if not isinstance(n, str) or not n), None)
         if bad is not None:
             raise TypeError(f"its weight_map names the file {bad!r}")
+        if not names:
+            raise TypeError("its weight_map names no file")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{field}: {index} is not a valid safetensors index ({type(e).__name__}: {e}); "
                           "re-download it") from None

@@ -133,6 +133,40 @@ def test_weights_stored_as_integers_are_refused(model_dir, tmp_path):
             LLM(str(d), dtype="float32")
 
 
+def test_weight_files_the_folder_cannot_give_are_named(model_dir, tmp_path):
+    """An index whose weight_map names no file, or a weight file that is a broken link: named ("no
+    *.safetensors files ... load_format='dummy'" before, though the files were there)."""
+    d = tmp_path / "index"
+    shutil.copytree(model_dir, d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is not a valid safetensors index .*names no file"):
+        LLM(str(d), dtype="float32")
+    d = tmp_path / "link"
+    shutil.copytree(model_dir, d)
+    (st,) = d.glob("*.safetensors")
+    st.unlink()
+    st.symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(ConfigError, match=f"{st} is not a readable file .*re-download it"):
+        LLM(str(d), dtype="float32")
+
+
+def test_running_out_of_memory_for_the_rotary_tables_names_max_model_len(model_dir, tmp_path, monkeypatch):
+    """Out of memory while loading a model whose max_model_len makes its rotary tables large (GiBs of
+    positions): the fix names max_model_len (only a smaller model or dtype before)."""
+    import tandem.models.loader as loader
+
+    d = _copy_with_config(model_dir, tmp_path / "long", lambda c: c | {"max_position_embeddings": 2**24})
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(loader, "_build", out_of_memory)
+    with pytest.raises(ConfigError, match=r"ran out of .*or a smaller max_model_len \(its 16777216 positions' rotary"):
+        LLM(str(d), dtype="float32")
+    with pytest.raises(ConfigError, match=r"ran out of .*smaller dtype$"):  # a short context: not named
+        LLM(str(d), dtype="float32", max_model_len=4096)
+
+
 def _copy_with_config(src, dst, change):
     """A copy of the model directory src whose config.json is change(config) (a dict or anything)."""
     shutil.copytree(src, dst)
