@@ -67,8 +67,16 @@ def load_tokenizer(path, field: str | None = None):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds for broken files: name the files, keep the reason
-        raise ConfigError(f"{where} could not be loaded ({type(e).__name__}: {e}); check or re-download "
-                          "its tokenizer files") from None
+        reason = f"{type(e).__name__}: {e}"
+    if (path / "config.json").is_file():  # AutoTokenizer reads config.json too: transformers' checks of it
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(str(path))
+        except Exception as e:
+            raise ConfigError(f"{path / 'config.json'} does not pass transformers' checks, which loading the tokenizer "
+                              f"runs ({type(e).__name__}: {e}); fix the field it names") from None
+    raise ConfigError(f"{where} could not be loaded ({reason}); check or re-download its tokenizer files")
 
 
 def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:

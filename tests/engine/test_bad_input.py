@@ -167,6 +167,15 @@ def test_running_out_of_memory_for_the_rotary_tables_names_max_model_len(model_d
         LLM(str(d), dtype="float32", max_model_len=4096)
 
 
+def test_a_config_transformers_refuses_is_named_not_the_tokenizer(model_dir, tmp_path):
+    """AutoTokenizer reads config.json too, and transformers checks it: a field it refuses (bos_token_id "x")
+    read as a broken tokenizer ("check or re-download its tokenizer files"); now config.json and the field."""
+    d = _copy_with_config(model_dir, tmp_path / "bos", lambda c: c | {"bos_token_id": "x"})
+    assert any((d / n).exists() for n in ("tokenizer.json", "tokenizer_config.json"))
+    with pytest.raises(ConfigError, match=r"config.json does not pass transformers' checks.*bos_token_id"):
+        LLM(str(d), dtype="float32")
+
+
 def _copy_with_config(src, dst, change):
     """A copy of the model directory src whose config.json is change(config) (a dict or anything)."""
     shutil.copytree(src, dst)
