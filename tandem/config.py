@@ -293,8 +293,8 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
             raise ConfigError(f"{field}: rope_scaling of type {rope_type!r} in {path} needs a positive number "
                               f"{key!r}, got {rope.get(key)!r}")
     if "factor" in ROPE_TYPES[rope_type] and not 1 <= rope["factor"] <= MAX_ROPE_FACTOR:  # (transformers: >= 1)
-        raise ConfigError(f"{field}: rope_scaling factor={rope['factor']!r} in {path} must be in [1, {MAX_ROPE_FACTOR}] "
-                          "(it stretches the trained positions)")
+        raise ConfigError(f"{field}: rope_scaling factor={rope['factor']!r} in {path} must be in "
+                          f"[1, {MAX_ROPE_FACTOR}] (it stretches the trained positions)")
     if not _positive_number(rope_theta):
         raise ConfigError(f"{field}: rope_theta={rope_theta!r} in {path} must be a positive number")
     rms_norm_eps = raw.get("rms_norm_eps", 1e-6)

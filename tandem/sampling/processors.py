@@ -157,11 +157,11 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
 def divide_by_temperature(logits: Tensor, temp: Tensor, slots: list[int], state: SamplingState) -> Tensor:
     """logits [n, V] / temp [n] (0 read as 1) -> new [n, V] fp32, a row a slot's.
 
-    The rows of slots a huge positive bias or a tiny repetition penalty lifts (state.shifted) lose their maximum first, where it is
-    positive: the same distribution, but their biased logits divided by a temperature would otherwise
-    overflow to inf (a NaN softmax: min-p / top-p then mask every token) or reach magnitudes whose
-    spacing swamps the Gumbel noise (two equally forced tokens not drawn evenly). Other rows are
-    divided as they are, bit for bit."""
+    The rows of slots a huge positive bias or a tiny repetition penalty lifts (state.shifted) lose their
+    maximum first, where it is positive: the same distribution, but their biased logits divided by a
+    temperature would otherwise overflow to inf (a NaN softmax: min-p / top-p then mask every token) or
+    reach magnitudes whose spacing swamps the Gumbel noise (two equally forced tokens not drawn evenly).
+    Other rows are divided as they are, bit for bit."""
     divisor = torch.where(temp > 0, temp, 1.0)[:, None]
     if not (state.shifted and any(s in state.shifted for s in slots)):
         return logits / divisor

@@ -89,7 +89,8 @@ class SamplingState:
         self.processed: set[int] = set()  # slots with any logits processor (uses_processors)
         self.steered: set[int] = set()  # of those, slots whose processors steer (steers): drafts follow them
         self.can_empty: set[int] = set()  # slots whose allowed ids, bad words or -inf (or near) biases may empty a row
-        self.shifted: set[int] = set()  # slots a bias or penalty lifts past _SHIFTING_BIAS: divide_by_temperature shifts them
+        # slots a bias or a penalty lifts past _SHIFTING_BIAS: divide_by_temperature shifts them
+        self.shifted: set[int] = set()
         self.output_counts: dict[int, Tensor] = {}  # slot -> [vocab] int32, output tokens
         self.prompt_mask: dict[int, Tensor] = {}  # slot -> [vocab] bool, tokens of the prompt
         # The keyed draw's context windows (None: the engine does not watermark).

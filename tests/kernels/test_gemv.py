@@ -461,7 +461,8 @@ def test_preload_gives_the_same_bits_gpu(n, k, dtype, fp8):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,k", [(32, 8, 128, 4096), (32, 8, 64, 2048), (12, 2, 128, 1536)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_preload_qkv_rope_gives_the_same_bits_gpu(heads, kv_heads, head_dim, k, fp8):
-    check_preload((heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, "cuda", fp8=fp8, qkv=(heads, kv_heads, head_dim))
+    check_preload((heads + 2 * kv_heads) * head_dim, k, torch.bfloat16, "cuda", fp8=fp8,
+                  qkv=(heads, kv_heads, head_dim))
 
 
 @interpret_mark(_gemv_kernel)

@@ -232,7 +232,7 @@ def test_damaged_entry_is_rebuilt(tiny, monkeypatch, damage):
         (out / "tokenizer.json").unlink()
     elif damage == "delete-marker":
         (out / MARKER).unlink()
-    elif damage in ("config-bytes", "tokenizer-bytes"):  # same size, not JSON (was loaded, then refused with no way out)
+    elif damage in ("config-bytes", "tokenizer-bytes"):  # same size, not JSON (was loaded, then refused: no way out)
         name = "config.json" if damage == "config-bytes" else "tokenizer.json"
         (out / name).write_bytes(b"\x00" * (out / name).stat().st_size)
     else:
