@@ -131,10 +131,10 @@ def _weight_files(cfg: ModelConfig, field: str) -> list[str]:
     index = os.path.join(cfg.path, "model.safetensors.index.json")
     if not os.path.exists(index):
         found = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
-        dangling = [p for p in found if not os.path.isfile(p)]  # a broken or looping link, a directory
+        dangling = [p for p in found if os.path.islink(p) and not os.path.exists(p)]  # a broken or looping link
         if dangling:
             raise ConfigError(f"{field}: {dangling[0]} is not a readable file (a broken link?); re-download it")
-        return found
+        return [p for p in found if os.path.isfile(p)]  # (a folder of that name is no weight file)
     try:
         weight_map = json.loads(pathlib.Path(index).read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
