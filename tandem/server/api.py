@@ -730,32 +730,27 @@ class OpenAIServer:
 def _check_chat_template(tokenizer, chat_template: str) -> None:
     """Refuse (ConfigError) a server chat template that cannot run: no tokenizer, or a syntax error
     (found by rendering one user message; what the template raises for that message is its business)."""
-    from jinja2 import TemplateSyntaxError
-
     if tokenizer is None:
         raise ConfigError("--chat-template needs a tokenizer to encode the text it makes; this model has none "
                           "(give --tokenizer)")
+    broken = _template_syntax_error(tokenizer, chat_template)
+    if broken is not None:
+        raise ConfigError(f"--chat-template is not a valid Jinja template: {broken}")
+
+
+def _template_syntax_error(tokenizer, chat_template: str | None = None) -> str | None:
+    """The Jinja syntax error ("message (line N)") of chat_template (None: the model's own), found by
+    rendering one user message, or None (none found, or no template: a chat request then says so)."""
+    from jinja2 import TemplateSyntaxError
+
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        return None
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template,
                                       tokenize=False, add_generation_prompt=True)
     except TemplateSyntaxError as e:
-        raise ConfigError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
-    except Exception:
-        pass
-
-
-def _template_syntax_error(tokenizer) -> str | None:
-    """The model's own chat template's Jinja syntax error ("message (line N)"), or None (none found, or no
-    template: a chat request then says so)."""
-    from jinja2 import TemplateSyntaxError
-
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    except TemplateSyntaxError as e:
         return f"{e.message} (line {e.lineno})"
-    except Exception:
+    except Exception:  # what the template raises for that message is its business
         pass
     return None
 
