@@ -416,19 +416,20 @@ class DraftSpeculator(Speculator):
         params = [self.state.params[r.slot] for r in sampling]
         scaled = divide_by_temperature(logits, temp, [r.slot for r in sampling], self.state)
         cut = [p.min_p > 0 and p.structured_outputs is None for p in params]
-        if any(cut):  # min-p, then top-k / top-p: the target's order (apply_temperature_and_masks)
-            min_p = self.state.min_p[slots]
-            if not all(cut):
-                (keep,) = self.attn_backend.upload(cut)
-                min_p = min_p.where(keep.bool(), 0.0)
-            apply_min_p(scaled, min_p)
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
-        if any(truncated):
-            top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]
-            if not all(truncated):  # structured-output rows keep their whole distribution
-                (keep,) = self.attn_backend.upload(truncated)
-                top_k, top_p = top_k.where(keep.bool(), 0), top_p.where(keep.bool(), 1.0)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        if any(cut) or any(truncated):  # min-p, then top-k / top-p: the target's order (apply_temperature_and_masks)
+            keep = None  # structured-output rows keep their whole distribution
+            if any(p.structured_outputs is not None for p in params):
+                (keep,) = self.attn_backend.upload([p.structured_outputs is None for p in params])
+                keep = keep.bool()
+            if any(cut):
+                min_p = self.state.min_p[slots]
+                apply_min_p(scaled, min_p if keep is None else min_p.where(keep, 0.0))
+            if any(truncated):
+                top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]
+                if keep is not None:
+                    top_k, top_p = top_k.where(keep, 0), top_p.where(keep, 1.0)
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
         if mask is not None:
             apply_token_bitmask(scaled, *mask)
             apply_token_bitmask(logits, *mask)
