@@ -484,10 +484,13 @@ class ResponseBuilder:
             logprobs = _logprobs(choice.logprobs)
             if delta.reasoning:
                 events += self._text_delta("reasoning", delta.reasoning, [])
-            if delta.content:
-                events += self._text_delta("message", delta.content, self.held_logprobs + logprobs)
+            if delta.content or (logprobs and self.open is not None and self.open["type"] == "message"):
+                # Tokens that showed no text yet (part of a character, text held back) while the message
+                # is open: an empty delta carries their logprobs, as chat's stream sends them without content.
+                events += self._text_delta("message", delta.content or "", self.held_logprobs + logprobs)
                 self.held_logprobs = []
-            else:  # tokens that showed no text: they join the last message (or the next one)
+            else:  # no message open: a tool call's tokens join the message before it (with no event:
+                # its output_text.done was sent), thinking's and the first tokens' the next message
                 message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
                 if message is not None:
                     message["content"][0]["logprobs"] += logprobs
@@ -512,7 +515,11 @@ class ResponseBuilder:
         """The last events: the open item closed (an empty message when the reply had nothing), then
         the whole response."""
         status = self.status(self.finish_reason)
-        events = [] if self.items else self._open(_message_item(_id("msg"), "", self.held_logprobs, "in_progress"))
+        events = []
+        if not self.items:  # an empty message, with the logprobs of tokens that showed no text in its delta
+            events = self._text_delta("message", "", self.held_logprobs) if self.held_logprobs \
+                else self._open(_message_item(_id("msg"), "", [], "in_progress"))
+            self.held_logprobs = []
         events += self._close("incomplete" if status == "incomplete" and not _whole_call(self.open) else "completed")
         response = self._done(self.response(status, self.items, self.usage(usage, cached_tokens, reasoning_tokens)))
         return events + [self.event(f"response.{status}", response=response)]

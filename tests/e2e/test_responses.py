@@ -264,7 +264,8 @@ def test_reasoning_is_its_own_item(live):
 
 def test_a_streamed_message_has_the_whole_ones_logprobs(live):
     """As in the whole response (and vLLM's), a message's logprobs are every output token's: the
-    thinking's and the EOS's too, streamed or not; the deltas and output_text.done carry them all."""
+    thinking's and the EOS's too, streamed or not; the deltas and output_text.done carry them all (the
+    EOS's in an empty delta)."""
     from tandem.reasoning import REASONING_PARSERS
 
     server = live.app.state.server
@@ -284,7 +285,37 @@ def test_a_streamed_message_has_the_whole_ones_logprobs(live):
             (lp.token, pytest.approx(lp.logprob, abs=1e-3)) for lp in whole.output[-1].content[0].logprobs]
         deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
         done = next(e for e in events if e.type == "response.output_text.done")
-        assert deltas == tokens[:len(deltas)] and [lp.token for lp in done.logprobs] == tokens
+        assert deltas == tokens and [lp.token for lp in done.logprobs] == tokens
+
+
+def test_tokens_that_show_no_text_stream_their_logprobs():
+    """A token that shows no text of its own (part of a character, an EOS) still streams its logprob:
+    in an empty output_text.delta while the message is open, in the empty message's when a reply
+    ends before any text (max_output_tokens=1 on part of a character); before the message, in its
+    first delta. The deltas add up to output_text.done's and the final message's logprobs."""
+    from tandem.server.protocol import (ChatCompletionChunk, ChatLogprob, ChatLogprobs, ChatStreamChoice, DeltaMessage,
+                                        UsageInfo)
+
+    def chunk(text, token, finish=None):
+        lp = ChatLogprobs(content=[ChatLogprob(token=token, logprob=-1.0, bytes=[0xE2])])
+        return ChatCompletionChunk(id="c", created=0, model=MODEL, choices=[
+            ChatStreamChoice(index=0, delta=DeltaMessage(content=text), logprobs=lp, finish_reason=finish)])
+
+    usage = UsageInfo(prompt_tokens=1, completion_tokens=4, total_tokens=5)
+    for replies in ([("", "a", "length")], [("", "a"), ("", "b"), ("xy", "c"), ("", "d"), ("z", "e"), ("", "f", "stop")]):
+        builder = ResponseBuilder(ResponsesRequest(input="hi", top_logprobs=0), MODEL)
+        events = builder.start()
+        for reply in replies:
+            events += builder.on_chunk(chunk(*reply))
+        events += builder.finish(usage, 0, 0)
+        tokens = [r[1] for r in replies]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert [lp["token"] for e in deltas for lp in e["logprobs"]] == tokens
+        assert "".join(e["delta"] for e in deltas) == "".join(r[0] for r in replies)
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        message = events[-1]["response"]["output"][0]
+        assert [lp["token"] for lp in done["logprobs"]] == [lp["token"] for lp in message["content"][0]["logprobs"]] \
+            == tokens
 
 
 def test_response_reports_its_sampling_and_takes_request_id(model_dirs):  # noqa: F811
