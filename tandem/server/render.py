@@ -433,8 +433,8 @@ class ChatRenderer(Renderer):
             if self.tools is not None and content is not None:
                 content, calls = self.tools.parse(content)
                 finish = self.tools.finish_reason(calls, finish)
-            if not self.include_reasoning:
-                thinking = None
+            if not self.include_reasoning or not thinking:
+                thinking = None  # an empty thinking ("<think></think>", or cut at "<think>") is none, as streamed
             message = ChatResponseMessage(role=self.role, content=self.echo_text + content if content is not None
                                           else self.echo_text or None, reasoning=thinking, reasoning_content=thinking,
                                           tool_calls=[ToolCall(function=c) for c in calls])

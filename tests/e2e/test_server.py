@@ -1658,7 +1658,7 @@ def test_auto_tool_choice_parses_llama3_json_calls(live, reference):
 
 def test_reasoning_parser_splits_the_thinking(live):
     """With a reasoning parser a chat reply's <think> part is its "reasoning" (and the older
-    "reasoning_content"), the rest its content, streamed or not; include_reasoning false drops the
+    "reasoning_content"), the rest its content, streamed or not (an empty one: none); include_reasoning false drops the
     thinking; tool calls are read from the answer alone. (Set on the server only, so a regex can
     force the whole reply: the engine's own parser would hold the regex after the thinking,
     tests/e2e/test_reasoning.py.)"""
@@ -1676,6 +1676,8 @@ def test_reasoning_parser_splits_the_thinking(live):
         chunks = list(live.client.chat.completions.create(**kwargs, stream=True))
         hidden = live.client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"],
                                                                                "include_reasoning": False}})
+        empty = live.client.chat.completions.create(**{**kwargs, "extra_body": {
+            "guided_regex": re.escape("<think></think>It is sunny.")}})
         server.tool_call_parser = "hermes"
         tools = live.client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=99, temperature=0, tools=[f],
@@ -1691,6 +1693,9 @@ def test_reasoning_parser_splits_the_thinking(live):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
+    # An empty thinking is none, as its stream (which sends no empty delta) tells it.
+    assert empty.choices[0].message.reasoning is empty.choices[0].message.reasoning_content is None
+    assert empty.choices[0].message.content == "It is sunny."
     message = tools.choices[0].message
     assert message.reasoning == "<tool_call>?" and message.content is None, tools  # a tag in the thinking: no call
     assert tools.choices[0].finish_reason == "tool_calls"
