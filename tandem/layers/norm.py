@@ -40,6 +40,12 @@ class RMSNorm(nn.Module):
             from tandem.kernels.fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
+        if (self.cpu_isa is not None and residual is None and x.dim() > 2 and x.stride(-1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16) and cpu_rows.rows_of(x) is None):
+            # Rows at two strides (q / k of a multi-row step, views of the qkv output, under q/k norm):
+            # gathered, so the C kernel takes them as it takes one row's (contiguous) view, and a row's
+            # bits do not depend on how many rows its step has.
+            x = x.contiguous()
         if (self.cpu_isa is not None and self.weight.dtype == x.dtype and cpu_rows.rows_of(x) is not None
                 and self.weight.shape == x.shape[-1:]
                 and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
