@@ -78,6 +78,37 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise RequestError(f"StructuredOutputsParams.{kind} is invalid: {e}") from None
 
 
+# llguidance checks and compiles a grammar by recursion, one level per nested rule or $ref: on a
+# thread's usual 8 MB stack a chain of ~2,500 (a 40 KB request) overflowed it and killed the process.
+# It runs on a thread of GRAMMAR_STACK_BYTES (reserved, not committed, until used), and a grammar
+# is at most MAX_GRAMMAR_BYTES: the longest chain that size holds (~75k rules, ~35k $refs) took
+# under a second on a 256 MB stack.
+GRAMMAR_STACK_BYTES = 512 << 20
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def _on_grammar_stack(fn: Callable[[], Any]) -> Any:
+    """fn() on a thread with a GRAMMAR_STACK_BYTES stack; its result returned, its exception raised."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            out["error"] = e
+
+    old = threading.stack_size(GRAMMAR_STACK_BYTES)
+    try:
+        thread = threading.Thread(target=run, name="tandem-grammar")
+        thread.start()
+    finally:
+        threading.stack_size(old)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 # llguidance refuses an Earley row of more items than this once the output starts (its default, 2000,
 # ended a JSON object of 3000 properties or an anyOf of 3000 branches after "{"); a step's items stay
 # capped by step_max_items (50_000), so this lets such a row be as large as a step may be.
@@ -321,8 +352,12 @@ class Grammars:
             text = self._after_thinking(text, prompt_token_ids or [])
         if text in self._valid:
             return text
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer(),
-                                                                                 limits=_parser_limits())
+        if len(text) > MAX_GRAMMAR_BYTES:
+            raise RequestError(f"StructuredOutputsParams.{params.kind} is too large: its grammar takes {len(text)} "
+                               f"bytes, at most {MAX_GRAMMAR_BYTES}; split the constraint or simplify it")
+        tokenizer, limits = self._tokenizer(), _parser_limits()
+        is_error, messages = _on_grammar_stack(
+            lambda: llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=limits))
         if is_error:
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {messages[0].strip()}")
         self._valid[text] = None
@@ -342,7 +377,8 @@ class Grammars:
         import llguidance
 
         text = self.validate(params, prompt_token_ids)
-        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=_parser_limits())
+        matcher = _on_grammar_stack(lambda: llguidance.LLMatcher(self._tokenizer(), text, log_level=0,
+                                                                 limits=_parser_limits()))
         if matcher.is_error():
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {matcher.get_error()}")
         return matcher

@@ -178,6 +178,27 @@ def test_bad_constraints_are_refused_and_lose_nothing(models):
     assert out.request_id == "good" and re.fullmatch(REGEX, out.outputs[0].text)
 
 
+def test_deep_grammars_compile_and_huge_ones_are_refused(models):
+    """llguidance recurses once per nested rule or $ref: a chain of 5,000 (a 70 KB request) overflowed an
+    8 MB thread stack and killed the process (SIGSEGV). It compiles now (on a deep stack), and a
+    grammar past MAX_GRAMMAR_BYTES is refused by name before anything compiles it."""
+    llm = _llm(models)
+    n = 5000
+    chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "7"'
+    refs = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)} | {f"d{n}": {"enum": [7]}},
+            "$ref": "#/$defs/d0"}
+    for so in (StructuredOutputsParams(grammar=chain), StructuredOutputsParams(json=refs)):
+        out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(temperature=0, max_tokens=5,
+                                                                          structured_outputs=so), use_tqdm=False)
+        assert out[0].outputs[0].text == "7"
+    from tandem.engine.grammar import MAX_GRAMMAR_BYTES
+
+    huge = "start: " + " | ".join(f'"{i}"' for i in range(MAX_GRAMMAR_BYTES // 8))
+    with pytest.raises(RequestError, match=r"StructuredOutputsParams.grammar is too large: .* at most 1048576"):
+        llm.engine.add_request("huge", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(grammar=huge)))
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("fields,message", [
     ({}, "no constraint"),
     ({"regex": "a", "choice": ["a"]}, "sets regex, choice"),
