@@ -135,7 +135,7 @@ def _parsed_arguments(call: Any, i: int) -> Any:
         return {**call, "function": {**function, "arguments": {}}}
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: nested past json's limit, ~1,000 levels)
         raise RequestError(f"tool_calls.{i}.function.arguments is not JSON ({e}); give the arguments as a JSON "
                            "object's text, as the reply that made the call gave them") from None
     return {**call, "function": {**function, "arguments": arguments}}

@@ -74,7 +74,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             # of many choices after one token.
             return llguidance.LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in params.choice))
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: JSON text nested past json's limit)
         raise RequestError(f"StructuredOutputsParams.{kind} is invalid: {e}") from None
 
 
@@ -107,6 +107,12 @@ def _on_grammar_stack(fn: Callable[[], Any]) -> Any:
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+def _told(message: str) -> str:
+    """llguidance's message as a request error tells it: without the native backtrace an internal
+    assertion (a grammar of ~70k alternatives: "panic: ... symbols.len() < u16::MAX") carries."""
+    return message.split("<backtrace>")[0].strip()
 
 
 # llguidance refuses an Earley row of more items than this once the output starts (its default, 2000,
@@ -359,7 +365,7 @@ class Grammars:
         is_error, messages = _on_grammar_stack(
             lambda: llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=limits))
         if is_error:
-            raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {messages[0].strip()}")
+            raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {_told(messages[0])}")
         self._valid[text] = None
         if len(self._valid) > 64:
             del self._valid[next(iter(self._valid))]
@@ -380,7 +386,7 @@ class Grammars:
         matcher = _on_grammar_stack(lambda: llguidance.LLMatcher(self._tokenizer(), text, log_level=0,
                                                                  limits=_parser_limits()))
         if matcher.is_error():
-            raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {matcher.get_error()}")
+            raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {_told(matcher.get_error())}")
         return matcher
 
     def add(self, req_id: int, matcher) -> None:

@@ -594,7 +594,7 @@ def _whole_call(item: dict[str, Any] | None) -> bool:
         return False
     try:
         json.loads(item["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

@@ -147,7 +147,7 @@ class _CallScan:
 
 def _name(quoted: str) -> str:
     try:
-        return json.loads(f'"{quoted}"')
+        return _utf8(json.loads(f'"{quoted}"'))
     except ValueError:
         return quoted
 
@@ -162,7 +162,7 @@ def _as_written(calls: list[FunctionCall], scan: _CallScan, text: str) -> list[F
             try:
                 if json.loads(scan.done[i][1]) == json.loads(call.arguments):
                     call = FunctionCall(name=call.name, arguments=scan.done[i][1])
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         out.append(call)
     return out
@@ -178,6 +178,19 @@ class _Object(dict):
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_Object)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(name: str) -> str:
+    """A decoded name as text a reply can carry: a lone surrogate (a JSON escape "\\ud800" the model
+    wrote; no UTF-8 encodes it) replaced by U+FFFD."""
+    return _LONE_SURROGATE.sub("\ufffd", name)
+
+
+def _dumps(arguments: Any) -> str:
+    """Arguments as JSON text in their characters, or ASCII escapes where a string holds a lone surrogate."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return json.dumps(arguments) if _LONE_SURROGATE.search(text) else text
 
 
 def _call(obj: Any, arguments_by_default: dict | None) -> FunctionCall | None:
@@ -190,7 +203,7 @@ def _call(obj: Any, arguments_by_default: dict | None) -> FunctionCall | None:
     arguments = next((value for key, value in obj.pairs if key in ("arguments", "parameters")), arguments_by_default)
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return None
-    return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+    return FunctionCall(name=_utf8(name), arguments=_dumps(arguments))
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
@@ -213,7 +226,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[FunctionCall]]:
         body = _NONBLANK.search(text, at + len(_HERMES_START))
         try:
             obj, pos = _DECODER.raw_decode(text, body.start() if body else len(text))
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past json's recursion limit: no call either)
             break
         call = _call(obj, {})
         if call is None:
@@ -278,7 +291,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[FunctionCall]]:
     while True:
         try:
             obj, pos = _DECODER.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return (None, calls) if calls else (text, [])
         call = _call(obj, None)
         if call is None:
@@ -459,9 +472,8 @@ class ToolChoice:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                calls = [FunctionCall(name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))
-                         for item in items]
-            except (ValueError, TypeError, KeyError):
+                calls = [FunctionCall(name=_utf8(item["name"]), arguments=_dumps(item["parameters"])) for item in items]
+            except (ValueError, TypeError, KeyError, RecursionError):  # (nested past json's recursion limit)
                 # cut short (max_tokens): the calls written whole before the cut, which a stream has sent
                 # (the one cut, begun in a stream, is in the stream alone, as parse_hermes drops it)
                 scan = self.scan()

@@ -58,6 +58,22 @@ def test_parse_llama3_json():
         assert content is None and _calls(calls) == [("f", {"x": 1, "s": "é"})], cut
 
 
+def test_escapes_no_reply_can_carry_and_deep_nesting():
+    """A call whose name holds a lone surrogate (the escape "\\ud800": no UTF-8 encodes it) is kept with
+    U+FFFD for it, its arguments' one as an ASCII escape; arguments nested past json's recursion limit
+    are no call (the text stays content). Both answered 500 before (UnicodeEncodeError, RecursionError)."""
+    for parse, head, close in ((parse_hermes, "<tool_call>", "</tool_call>"), (parse_llama3_json, "", "")):
+        text = head + '{"name": "f\\ud800", "arguments": {"s": "a\\udc00"}}' + close
+        _, calls = parse(text)
+        assert [(c.name, c.arguments) for c in calls] == [("f\ufffd", '{"s": "a\\udc00"}')], parse
+        assert calls[0].name.encode() and calls[0].arguments.encode()
+        deep = head + '{"name": "f", "arguments": {"q": ' + "[" * 5000 + "]" * 5000 + "}}" + close
+        assert parse(deep) == (deep, []), parse
+    _, calls, _ = _stream(ToolChoice("auto", parallel=True, parser="hermes"),
+                          '<tool_call>\n{"name": "f\\ud800", "arguments": {}}\n</tool_call>', 7)
+    assert [name for name, _ in calls] == ["f\ufffd"]  # streamed as the whole reply holds it
+
+
 def test_every_parser_the_flag_offers_exists():
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
 
@@ -408,3 +424,6 @@ def test_a_past_calls_arguments_must_be_json_text_or_an_object():
     for bad in (5, True, ["x"]):  # (rendered as written: "arguments": 5)
         with pytest.raises(RequestError, match="tool_calls.0.function.arguments=.* is invalid"):
             _parsed_arguments({**call, "function": {"name": "f", "arguments": bad}}, 0)
+    deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"  # past json's recursion limit: a 400, not a 500
+    with pytest.raises(RequestError, match="tool_calls.0.function.arguments is not JSON"):
+        _parsed_arguments({**call, "function": {"name": "f", "arguments": deep}}, 0)

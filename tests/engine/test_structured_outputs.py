@@ -160,6 +160,7 @@ def test_bad_constraints_are_refused_and_lose_nothing(models):
         (StructuredOutputsParams(regex="[0-9"), "regex does not compile"),
         (StructuredOutputsParams(grammar="start: foo"), "grammar does not compile"),
         (StructuredOutputsParams(json="{not json"), "json is invalid"),
+        (StructuredOutputsParams(json='{"a": ' + "[" * 5000 + "]" * 5000 + "}"), "json is invalid"),  # too deep
         (StructuredOutputsParams(json={"type": "strnig"}), "json does not compile"),
     ]
     for so, message in cases:
@@ -191,8 +192,11 @@ def test_deep_grammars_compile_and_huge_ones_are_refused(models):
         out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(temperature=0, max_tokens=5,
                                                                           structured_outputs=so), use_tqdm=False)
         assert out[0].outputs[0].text == "7"
-    from tandem.engine.grammar import MAX_GRAMMAR_BYTES
+    from tandem.engine.grammar import MAX_GRAMMAR_BYTES, _told
 
+    # an internal assertion of llguidance's (~70k alternatives) is told without its native backtrace
+    assert _told("panic: assertion failed: symbols\n<backtrace>\n   0: f\n at /build/x.rs:1") == \
+        "panic: assertion failed: symbols"
     huge = "start: " + " | ".join(f'"{i}"' for i in range(MAX_GRAMMAR_BYTES // 8))
     with pytest.raises(RequestError, match=r"StructuredOutputsParams.grammar is too large: .* at most 1048576"):
         llm.engine.add_request("huge", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(grammar=huge)))
