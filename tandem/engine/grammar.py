@@ -82,7 +82,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 # thread's usual 8 MB stack a chain of ~2,500 (a 40 KB request) overflowed it and killed the process.
 # It runs on a thread of GRAMMAR_STACK_BYTES (reserved, not committed, until used), and a grammar
 # is at most MAX_GRAMMAR_BYTES: the longest chain that size holds (~75k rules, ~35k $refs) took
-# under a second on a 256 MB stack.
+# under a second on that stack.
 GRAMMAR_STACK_BYTES = 512 << 20
 MAX_GRAMMAR_BYTES = 1 << 20
 
@@ -97,13 +97,20 @@ def _on_grammar_stack(fn: Callable[[], Any]) -> Any:
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             out["error"] = e
 
+    thread = threading.Thread(target=run, name="tandem-grammar")
     old = threading.stack_size(GRAMMAR_STACK_BYTES)
     try:
-        thread = threading.Thread(target=run, name="tandem-grammar")
         thread.start()
+    except RuntimeError:  # no thread of that stack (a strict memory overcommit policy): on this one's
+        thread = None
     finally:
         threading.stack_size(old)
-    thread.join()
+    if thread is not None:
+        thread.join()
+    else:
+        logger.warning("no thread with a %d MB stack for llguidance; checking the grammar on this thread's",
+                       GRAMMAR_STACK_BYTES >> 20)
+        run()
     if "error" in out:
         raise out["error"]
     return out["value"]
