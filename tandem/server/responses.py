@@ -54,6 +54,9 @@ class ResponsesRequestError(ValueError):
         self.param = param
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's (passed to the template as given)
+
+
 class ResponsesRequest(_SamplingRequest):
     """POST /v1/responses. vLLM's extra sampling fields (top_k, seed, stop, ...) are taken as in chat."""
 
@@ -86,6 +89,10 @@ class ResponsesRequest(_SamplingRequest):
                 return name, why
         if self.truncation not in (None, "disabled"):
             return "truncation", f"truncation {self.truncation!r} is not supported; leave it out or give 'disabled'"
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            return "reasoning.effort", (f"reasoning.effort={effort!r} is invalid: give one of "
+                                        f"{', '.join(map(repr, REASONING_EFFORTS))}, or leave it out")
         if self.n != 1:
             return "n", "a response has one output; leave 'n' out"
         if self.prompt_logprobs is not None:

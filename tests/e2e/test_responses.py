@@ -353,6 +353,7 @@ def test_json_schema_format_and_logprobs(live):
     (dict(previous_response_id="resp_1"), "previous_response_id", "stores no responses"),
     (dict(background=True), "background", "stores no responses"),
     (dict(truncation="auto"), "truncation", "'auto' is not supported"),
+    (dict(reasoning={"effort": 5}), "reasoning.effort", "reasoning.effort=5 is invalid: give one of 'none'"),
     (dict(tools=[{"type": "web_search"}]), "tools.0.type", "function tools"),
     (dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input.0.content", "text only"),
