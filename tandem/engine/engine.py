@@ -324,11 +324,13 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        priority: int = 0, cache_salt: str | None = None,
+        priority: int = 0, cache_salt: str | None = None, matcher=None,
     ) -> None:
         """Queue a request. priority (scheduling_policy="priority" only): lower values are
         scheduled first, and may preempt running requests of a higher value. cache_salt (vLLM's):
-        the request shares prefix-cache blocks only with requests of the same salt."""
+        the request shares prefix-cache blocks only with requests of the same salt. matcher:
+        params.structured_outputs compiled for this prompt by compile_structured, on another
+        thread (None: compiled here)."""
         if self._dead is not None:
             raise StepError(self._dead, [], fatal=True)
         if not isinstance(request_id, str):  # (vLLM's are str: outputs and aborts name them so)
@@ -346,11 +348,11 @@ class Engine:
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._check_watermark(params)
-        matcher = (self.grammars.compile(params.structured_outputs, prompt_token_ids)
-                   if params.structured_outputs is not None else None)
-        if params.bad_words:
-            params = params.clone(bad_words=None,
-                                  bad_words_token_ids=(params.bad_words_token_ids or []) + self._bad_word_ids(params))
+        if params.structured_outputs is None:
+            matcher = None
+        elif matcher is None:
+            matcher = self.compile_structured(params, prompt_token_ids)
+        params = self.resolve_bad_words(params)
         prompt_token_ids = list(prompt_token_ids)
         max_room = self.cfg.sched.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or max_room, max_room)
@@ -384,6 +386,13 @@ class Engine:
             self.scheduler.add(req)
         self._requests[request_id] = state
 
+    def compile_structured(self, params: SamplingParams, prompt_token_ids: list[int]):
+        """params.structured_outputs' matcher at the start of the output to prompt_token_ids (after
+        truncate_prompt); RequestError when it does not compile. Any thread may call it: the server
+        compiles a request's on a tokenizing thread (a large grammar takes up to a second) and hands
+        it to add_request, so the engine loop's thread, which steps every request, does not."""
+        return self.grammars.compile(params.structured_outputs, prompt_token_ids)
+
     def _check_structured(self, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         """RequestError for a constraint that does not compile, or an engine that cannot keep one."""
         if self.cfg.spec is not None and self.cfg.spec.synthetic:
@@ -392,18 +401,17 @@ class Engine:
                                "the lossless verifier")
         self.grammars.validate(params.structured_outputs, prompt_token_ids)
 
-    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds
-        a leading space into the first token (the spaced spelling starts with another token and is no
-        longer), after a space: vLLM bans both, by this rule."""
-        out = []
-        for word in params.bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out.append(plain)
-            if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return [w for w in out if w]
+    def resolve_bad_words(self, params: SamplingParams, tokenizer=None) -> SamplingParams:
+        """params with its bad_words tokenized into bad_words_token_ids (bad_word_ids' rule), by
+        tokenizer (None: the engine's). add_request does it; the server does it first, on a
+        tokenizing thread, so that a long list (300k words take seconds) does not hold up the
+        engine loop's thread, which steps every request."""
+        if not params.bad_words:
+            return params
+        if tokenizer is None:
+            tokenizer = self.tokenizer
+        return params.clone(bad_words=None, bad_words_token_ids=(params.bad_words_token_ids or [])
+                            + bad_word_ids(tokenizer, params.bad_words))
 
     def unstarted_requests(self) -> list[tuple[int, int, str, int]]:
         """(priority, arrival order, request id, sequences) of each request none of whose sequences
@@ -791,6 +799,20 @@ class Engine:
         state.shown_prompt_logprobs = state.shown_prompt_logprobs or prompt_lps is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, m,
                              prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None)
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it reads at the start of a text and, where the tokenizer folds
+    a leading space into the first token (the spaced spelling starts with another token and is no
+    longer), after a space: vLLM bans both, by this rule."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [w for w in out if w]
 
 
 def check_cache_salt(cache_salt) -> None:

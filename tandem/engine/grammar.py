@@ -374,8 +374,8 @@ class Grammars:
         if is_error:
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {_told(messages[0])}")
         self._valid[text] = None
-        if len(self._valid) > 64:
-            del self._valid[next(iter(self._valid))]
+        if len(self._valid) > 64:  # (the server's tokenizing threads validate too: the oldest may be gone)
+            self._valid.pop(next(iter(self._valid), None), None)
         return text
 
     def _after_thinking(self, text: str, prompt_token_ids: list[int]) -> str:

@@ -17,6 +17,8 @@ import hashlib
 import hmac
 import json
 import logging
+import queue
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +79,7 @@ from tandem.server.tools import (
 
 logger = logging.getLogger("tandem.server")
 request_logger = logging.getLogger("tandem.server.requests")  # --enable-log-requests: each request received
+TOKENIZING_THREADS = 4  # requests templated and tokenized at once (each thread holds a copy of the tokenizer)
 
 
 # ---------------------------------------------------------------- the server
@@ -106,11 +109,18 @@ class OpenAIServer:
         self.reasoning = reasoning_format(engine.cfg.reasoning_parser)
         self.trust_request_chat_template = trust_request_chat_template
         self.generation_defaults = dict(generation_defaults or {})  # for the sampling fields a request leaves out
-        # Templating and tokenizing run on one worker thread: a long prompt does not stall the event
-        # loop, and the handlers' tokenizer is used by one thread at a time.
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenize")
-        # The loop thread decodes with the engine's tokenizer; the handlers encode with their own copy.
-        self.tokenizer = _copy_tokenizer(tokenizer)
+        # Templating, tokenizing and detokenizing a request's text run off the event loop, on
+        # TOKENIZING_THREADS worker threads, each with its own copy of the tokenizer (a copy is used by
+        # one thread at a time): the Rust tokenizer lets go of the GIL while it encodes, so a huge
+        # prompt (10 MB: seconds) holds up its own thread, not the other requests' (or the loop).
+        copies = queue.SimpleQueue()
+        for _ in range(TOKENIZING_THREADS):
+            copies.put(_copy_tokenizer(tokenizer))
+        self._local = threading.local()
+        self._tokenizing = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="tandem-tokenize",
+                                              initializer=lambda: setattr(self._local, "tokenizer", copies.get()))
+        # the event loop's own copy (renderers decode a token's text with it)
+        self._loop_tokenizer = _copy_tokenizer(tokenizer)
         self.chat_template = chat_template  # the server's own (--chat-template), or None: the tokenizer's
         if chat_template is not None:
             _check_chat_template(self.tokenizer, chat_template)
@@ -132,8 +142,13 @@ class OpenAIServer:
         # request skips the build, and chat logprobs give a piece of a character its own bytes.
         self.token_bytes = engine.grammars.token_bytes()
 
+    @property
+    def tokenizer(self):
+        """The tokenizer of the calling thread: a tokenizing thread's own copy, else the loop's."""
+        return getattr(self._local, "tokenizer", self._loop_tokenizer)
+
     async def _off_loop(self, fn, *args):
-        """fn(*args) on the tokenizing thread."""
+        """fn(*args) on a tokenizing thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def close(self) -> None:
@@ -162,7 +177,8 @@ class OpenAIServer:
             ids = (await self._off_loop(self._prompt, body.prompt, body.add_special_tokens is not False)).token_ids
         else:
             ids = (await self._off_loop(self._chat_prompt, body)).token_ids  # no special tokens unless asked
-        extra = {"token_strs": self.tokenizer.convert_ids_to_tokens(ids)} if body.return_token_strs else {}
+        extra = {"token_strs": await self._off_loop(lambda: self.tokenizer.convert_ids_to_tokens(ids))} \
+            if body.return_token_strs else {}
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
                                              **extra).model_dump(mode="json"))
 
@@ -174,7 +190,8 @@ class OpenAIServer:
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"'tokens' holds {bad[0]}, not a token id in [0, {self.vocab_size})", param="tokens")
-        return JSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)).model_dump(mode="json"))
+        text = await self._off_loop(lambda: self.tokenizer.decode(body.tokens))
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))
 
     async def version(self, request: Request) -> Response:
         from tandem import __version__
@@ -674,11 +691,12 @@ class OpenAIServer:
         self._check_capacity(prompts, params.n, prompt_param)
         streams: list[RequestStream] = []
         try:
+            submitted, matchers = await self._off_loop(self._prepare, prompts, params)
             for i, p in enumerate(prompts):
                 engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats
                 self._log_request(engine_id, p, params)
-                streams.append(await self.client.add_request(engine_id, p.token_ids, params, p.text, priority,
-                                                             cache_salt))
+                streams.append(await self.client.add_request(engine_id, p.token_ids, submitted, p.text, priority,
+                                                             cache_salt, matcher=matchers[i]))
         except BaseException as e:
             for s in streams:
                 self.client.release(s)
@@ -691,6 +709,19 @@ class OpenAIServer:
                 raise request_error(e, {}, prompt_param) from None
             raise
         return streams
+
+    def _prepare(self, prompts: list[Prompt], params: SamplingParams) -> tuple[SamplingParams, list]:
+        """On a tokenizing thread, what the engine loop's thread would otherwise do while every
+        request waits on it: params with its bad words tokenized (300k take seconds), and each
+        prompt's structured-output matcher compiled (a large grammar: up to a second)."""
+        engine = self.client.engine
+        for p in prompts:  # the engine's checks first (a matcher is compiled for a valid prompt only)
+            engine.validate_request(p.token_ids, params)
+        if params.bad_words and self.tokenizer is not None:
+            params = engine.resolve_bad_words(params, self.tokenizer)
+        if params.structured_outputs is None:
+            return params, [None] * len(prompts)
+        return params, [engine.compile_structured(params, p.token_ids) for p in prompts]
 
     async def _finals(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
         """Every request's final output, or None if the client disconnected first. One request's

@@ -191,6 +191,7 @@ class _Add:
     internal: bool = False  # a piece of a request (a beam search's step): no server metrics, never shed
     admitted: bool = False  # continues work already let in: past the queue limit, and through a drain
     num_seqs: int | None = None  # the sequences the queue limit counts it as (None: params.n)
+    matcher: object = None  # params' structured output compiled for this prompt (None: the engine compiles it)
 
 
 @dataclass
@@ -261,14 +262,16 @@ class AsyncEngine:
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
         priority: int = 0, cache_salt: str | None = None, internal: bool = False, admitted: bool = False,
-        num_seqs: int | None = None,
+        num_seqs: int | None = None, matcher=None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it. internal: a piece of a
         request the server reports itself (a beam search's step): left out of the server's metrics
         and never shed for a request of a higher priority; admitted: it continues work already let
         in (a beam search's later steps): not held to max_queued_requests, and taken while the
         server drains; num_seqs: the sequences max_queued_requests counts it as (None: params.n; a
-        beam search's first step, one request, counts the beams it lets in).
+        beam search's first step, one request, counts the beams it lets in); matcher: params'
+        structured output compiled for this prompt (Engine.compile_structured), off the engine
+        loop's thread (None: the engine compiles it there, while every request waits).
 
         Raises RequestError (invalid request), ServerOverloaded or EngineStopped.
         """
@@ -284,7 +287,7 @@ class AsyncEngine:
             if self._stopped:
                 raise EngineStopped("the engine stopped and takes no new requests")
             self._commands.put(_Add(stream, prompt_token_ids, params, prompt, priority, cache_salt, internal,
-                                    admitted, num_seqs))
+                                    admitted, num_seqs, matcher))
         try:
             await stream.accepted()
         except asyncio.CancelledError:
@@ -370,7 +373,7 @@ class AsyncEngine:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
             self.engine.add_request(stream.request_id, cmd.prompt_token_ids, params, prompt=cmd.prompt,
-                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt, matcher=cmd.matcher)
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)
             return

@@ -222,6 +222,70 @@ def test_allowed_token_ids_match_offline(live, reference):
     assert r.choices[0].text == ref.text
 
 
+def test_bad_words_and_grammars_are_prepared_off_the_engine_loop(live, reference, monkeypatch):
+    """A request's bad words are tokenized and its grammar compiled on a tokenizing thread, not on
+    the engine loop's thread, which steps every request (300k bad words held it 7.6 s, a 1 MB
+    grammar about 1 s); the outputs are the offline engine's."""
+    import tandem.engine.engine as engine_module
+
+    engine = live.app.state.server.client.engine
+    seen = []
+    bad_word_ids, compile_ = engine_module.bad_word_ids, engine.grammars.compile
+    monkeypatch.setattr(engine_module, "bad_word_ids", lambda tokenizer, words: (
+        seen.append(("bad_words", threading.current_thread().name)), bad_word_ids(tokenizer, words))[1])
+    monkeypatch.setattr(engine.grammars, "compile", lambda *a, **kw: (
+        seen.append(("grammar", threading.current_thread().name)), compile_(*a, **kw))[1])
+    base = offline(reference, PROMPTS[0], **greedy(max_tokens=12))[0].outputs[0]
+    tok = reference.get_tokenizer()
+    word = next(w for w in map(tok.decode, ([t] for t in base.token_ids)) if w.strip().isalnum())
+    ref = offline(reference, PROMPTS[0], **greedy(max_tokens=12, bad_words=[word]))[0].outputs[0]
+    assert word and ref.text != base.text
+    seen.clear()
+    r = live.post(C, json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                           "bad_words": [word]}).json()
+    assert r["choices"][0]["text"] == ref.text, r
+    regex = "(ab|cd)+e"
+    ref = offline(reference, PROMPTS[1], **greedy(max_tokens=12, structured_outputs={"regex": regex}))[0].outputs[0]
+    r = live.post(C, json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+                           "structured_outputs": {"regex": regex}}).json()
+    assert r["choices"][0]["text"] == ref.text, r
+    assert [what for what, _ in seen] == ["bad_words", "grammar"]
+    assert all(thread.startswith("tandem-tokenize") for _, thread in seen), seen
+
+
+def test_a_long_tokenizing_holds_up_its_own_request_only(live, monkeypatch):
+    """Prompts are templated and tokenized on several threads, each with its own copy of the
+    tokenizer: a prompt that takes long (10 MB: seconds) holds up its own request, not the next
+    one (all of them waited behind it on the one thread before)."""
+    server = live.app.state.server
+    entered, release = threading.Event(), threading.Event()
+    prompt_ = server._prompt
+
+    def held_prompt(prompt, *args):
+        if prompt == "HOLD":
+            entered.set()
+            release.wait(60)
+        return prompt_(prompt, *args)
+
+    monkeypatch.setattr(server, "_prompt", held_prompt)
+    held = {}
+    worker = threading.Thread(target=lambda: held.setdefault("r", live.post(
+        C, json={"model": MODEL, "prompt": "HOLD", "max_tokens": 1})))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        for body in ({"prompt": PROMPTS[0], "max_tokens": 2}, {"messages": [{"role": "user", "content": "hi"}]}):
+            path = C if "prompt" in body else CH
+            r = live.post(path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+            assert r.status_code == 200 and worker.is_alive(), r.text
+        r = live.post("/tokenize", json={"prompt": PROMPTS[1], "return_token_strs": True}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["token_strs"]) == r.json()["count"] > 0, r.text
+    finally:
+        release.set()
+        worker.join(60)
+    assert held["r"].status_code == 200, held["r"].text
+
+
 def test_prompt_logprobs_and_echo_with_logprobs(live, reference):
     """vLLM's prompt_logprobs (completions and chat), and OpenAI's echo with logprobs: the prompt's
     tokens lead the logprobs, the first without one."""

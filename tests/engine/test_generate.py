@@ -177,12 +177,11 @@ def test_bad_words_spaced_spelling_rule():
     the word keeps its length (vLLM's rule): not where only a later token differs."""
     from types import SimpleNamespace
 
-    from tandem.engine.engine import Engine
+    from tandem.engine.engine import bad_word_ids
 
     spellings = {"ab": [1, 2], " ab": [3, 2], "cd": [4, 5], " cd": [4, 6], "ef": [7], " ef": [8, 7]}
     tok = SimpleNamespace(encode=lambda text, add_special_tokens: spellings[text])
-    ids = Engine._bad_word_ids(SimpleNamespace(tokenizer=tok), SamplingParams(bad_words=["ab", " cd", "ef"]))
-    assert ids == [[1, 2], [3, 2], [4, 5], [7]]
+    assert bad_word_ids(tok, ["ab", " cd", "ef"]) == [[1, 2], [3, 2], [4, 5], [7]]
 
 
 def test_truncate_prompt_tokens(llm):
