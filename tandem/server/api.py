@@ -67,7 +67,7 @@ from tandem.server.render import (
 )
 from tandem.server.response_metrics import ResponseMetrics
 from tandem.server.responses import BackgroundRun, ResponseBuilder, ResponsesRequest, ResponsesRequestError, \
-    ResponseStore, chat_request, input_items
+    ResponseStore, chat_request, input_item_resource, input_items
 from tandem.server.responses import renamed as responses_names
 from tandem.server import TOOL_CALL_PARSERS
 from tandem.server.tools import (
@@ -166,6 +166,11 @@ class OpenAIServer:
         cards = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len) for name in self.model_names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the model's card, as /v1/models lists it."""
+        name = self._check_model(request.path_params["model"] or " ")  # ("": no model, not the default one)
+        return JSONResponse(ModelCard(id=name, root=self.root, max_model_len=self.max_model_len).model_dump(mode="json"))
+
     async def tokenize(self, request: Request) -> Response:
         body = await _parse(request, TokenizeRequest)
         self._check_model(body.model)
@@ -261,26 +266,7 @@ class OpenAIServer:
         refused = body.refused_field()
         if refused is not None:
             raise APIError(400, f"'{refused[0]}': {refused[1]}", param=refused[0])
-        previous = None
-        if body.previous_response_id is not None:
-            if self.responses_store is None:
-                raise APIError(400, "'previous_response_id': this server stores no responses (start it with "
-                               "--responses-store-size N); send the whole conversation in 'input'",
-                               param="previous_response_id")
-            previous = self._stored(body.previous_response_id, "previous_response_id")[1]
-            if previous is None:
-                raise APIError(400, f"'previous_response_id': the response '{body.previous_response_id}' is still "
-                               "being made in the background; continue it once it ended (GET /v1/responses/"
-                               f"{body.previous_response_id} says when)", param="previous_response_id")
-        items = input_items(body, previous)
-        try:
-            chat = chat_request(body, items, len(previous or []))
-        except ResponsesRequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        except ValidationError as e:  # a field passed on to the chat request (a tool's, tool_choice)
-            err = validation_error(e)
-            err.message, err.param = responses_names(err.message, err.param)
-            raise err from None
+        items, chat = self._responses_chat(body)
         store = self.responses_store if body.store is not False else None
         if body.request_id is not None and self.responses_store is not None \
                 and self.responses_store.get(body.request_id) is not None:
@@ -297,7 +283,7 @@ class OpenAIServer:
 
         builder = ResponseBuilder(body, model, on_done=keep if store is not None and not body.background else None,
                                   stored=store is not None)
-        run = BackgroundRun(builder, on_finish=keep) if body.background else None
+        run = BackgroundRun(builder, on_finish=keep, inputs=items) if body.background else None
         try:
             return await self._chat(request, chat, model, builder.id, ResponsesRenderer, builder=builder,
                                     reasoning_tags=self.reasoning_tags, background=run,
@@ -305,6 +291,43 @@ class OpenAIServer:
         except APIError as e:
             e.message, e.param = responses_names(e.message, e.param)
             raise
+
+    def _responses_chat(self, body: ResponsesRequest) -> tuple[list[dict], ChatCompletionRequest]:
+        """(the items the response is made from (input_items), the chat completion that serves it)."""
+        previous = None
+        if body.previous_response_id is not None:
+            if self.responses_store is None:
+                raise APIError(400, "'previous_response_id': this server stores no responses (start it with "
+                               "--responses-store-size N); send the whole conversation in 'input'",
+                               param="previous_response_id")
+            previous = self._stored(body.previous_response_id, "previous_response_id")[1]
+            if previous is None:
+                raise APIError(400, f"'previous_response_id': the response '{body.previous_response_id}' is still "
+                               "being made in the background; continue it once it ended (GET /v1/responses/"
+                               f"{body.previous_response_id} says when)", param="previous_response_id")
+        items = input_items(body, previous)
+        try:
+            return items, chat_request(body, items, len(previous or []))
+        except ResponsesRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValidationError as e:  # a field passed on to the chat request (a tool's, tool_choice)
+            err = validation_error(e)
+            err.message, err.param = responses_names(err.message, err.param)
+            raise err from None
+
+    async def responses_input_tokens(self, request: Request) -> Response:
+        """POST /v1/responses/input_tokens: how many tokens a Responses request's input would take
+        (its instructions, the conversation it continues, its input and tools, as templated)."""
+        body = await _parse(request, ResponsesRequest)
+        self._check_common(body)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="input")
+        try:
+            prompt = await self._off_loop(self._chat_prompt, self._responses_chat(body)[1])
+        except APIError as e:
+            e.message, e.param = responses_names(e.message, e.param)
+            raise
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)})
 
     def _stored(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
         entry = self.responses_store.get(response_id) if self.responses_store is not None else None
@@ -340,6 +363,35 @@ class OpenAIServer:
             raise APIError(400, f"'starting_after' must be an event's sequence number (an integer >= 0); got "
                            f"{after!r}", param="starting_after")
         return EventStream(sse_events(run.follow(start)), lambda: None)
+
+    async def response_input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}/input_items: the items a stored response was made from
+        (the conversation it continued, then its own input), a page at a time: ?limit=N (1-100,
+        default 20) after ?after=<an item's id>, ?order=desc (the newest first, the default) or asc."""
+        response_id = request.path_params["response_id"]
+        self._stored(response_id)
+        items = [input_item_resource(item) for item in self.responses_store.inputs(response_id) or []]
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"'order' must be 'asc' or 'desc'; got {order!r}", param="order")
+        if order == "desc":
+            items.reverse()
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"'limit' must be an integer from 1 to 100; got {query['limit']!r}", param="limit")
+        if "after" in query:
+            ids = [item.get("id") for item in items]
+            if query["after"] not in ids:
+                raise APIError(400, f"'after': the response '{response_id}' has no input item '{query['after']}'",
+                               param="after")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def cancel_response(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel: stop a background response -> it, cancelled (or
@@ -983,8 +1035,11 @@ def build_app(
     route("/invocations", server.invocations)
     route("/v1/responses/{response_id}", server.get_response, "GET")
     route("/v1/responses/{response_id}", server.delete_response, "DELETE")
+    route("/v1/responses/input_tokens", server.responses_input_tokens)
     route("/v1/responses/{response_id}/cancel", server.cancel_response)
+    route("/v1/responses/{response_id}/input_items", server.response_input_items, "GET")
     route("/v1/models", server.models, "GET")
+    route("/v1/models/{model:path}", server.model, "GET")  # (a name may hold slashes: "Qwen/Qwen3-8B")
     route("/health", server.health, "GET")
     route("/ping", server.health, "GET")  # vLLM's (SageMaker's health check): /health's answer
     route("/ping", server.health, "POST")

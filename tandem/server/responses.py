@@ -116,9 +116,11 @@ class BackgroundRun:
     `snapshot` is the Response object as far as it went. on_finish gets the last Response object
     (completed, incomplete, failed or cancelled) once."""
 
-    def __init__(self, builder: "ResponseBuilder", on_finish: Callable[[dict[str, Any]], None]):
+    def __init__(self, builder: "ResponseBuilder", on_finish: Callable[[dict[str, Any]], None],
+                 inputs: list[dict[str, Any]] = ()):
         self.builder = builder
         self.id = builder.id
+        self.inputs = list(inputs)  # the items the response is made from (ResponseStore.inputs)
         self.events: list[dict[str, Any]] = []
         self.final: dict[str, Any] | None = None  # the last Response object, once it ended
         self.task: asyncio.Task | None = None
@@ -230,6 +232,16 @@ class ResponseStore:
         run = self._runs.get(response_id)
         return (run.snapshot(), None) if run is not None else None
 
+    def inputs(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items a kept response was made from (the conversation it continued, then its own
+        input: OpenAI's input items), or None if it is not kept."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            response, conversation = entry
+            return conversation[:len(conversation) - len(response["output"])]
+        run = self._runs.get(response_id)
+        return run.inputs if run is not None else None
+
     def run(self, response_id: str) -> BackgroundRun | None:
         """The response's background run (running or finished), if it was one and is still kept."""
         return self._runs.get(response_id)
@@ -243,9 +255,31 @@ class ResponseStore:
 
 
 def input_items(body: ResponsesRequest, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The conversation the request continues (previous: a stored response's items) and its input, as items."""
+    """The conversation the request continues (previous: a stored response's items) and its input,
+    as items; each of the input's items without an id is given one (GET .../input_items names it)."""
     mine = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if isinstance(mine, list):  # (anything else is refused by chat_request)
+        mine = [item if not isinstance(item, dict) or "id" in item
+                else {"id": _id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")), **item} for item in mine]
     return (previous or []) + list(mine)
+
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_item_resource(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored input item as GET /v1/responses/{id}/input_items lists it (OpenAI's item objects):
+    a message's text content as one text part (input_text; an assistant's output_text), and a
+    status where it has none."""
+    item = dict(item)
+    if item.get("type", "message") == "message":
+        item["type"] = "message"
+        if isinstance(item.get("content"), str):
+            part = ({"type": "output_text", "text": item["content"], "annotations": []} if item.get("role") == "assistant"
+                    else {"type": "input_text", "text": item["content"]})
+            item["content"] = [part]
+    item.setdefault("status", "completed")
+    return item
 
 
 def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = None,

@@ -422,6 +422,46 @@ def test_a_store_keeps_responses_to_continue_read_and_drop(model_dirs):  # noqa:
         server.stop()
 
 
+def test_a_stored_responses_input_items_and_an_inputs_token_count(model_dirs):  # noqa: F811
+    """GET /v1/responses/{id}/input_items lists the items a stored response was made from (the
+    conversation it continued, then its own input) through the SDK's pager, the newest first by
+    default, with stable ids; POST /v1/responses/input_tokens counts a request's templated input
+    (the usage a response would report)."""
+    server = LiveServer(_llm(model_dirs), responses_store_size=4)
+    client = server.client
+    try:
+        kw = dict(model=MODEL, max_output_tokens=4, temperature=0)
+        first = client.responses.create(input="Weather in Paris?", **kw)
+        second = client.responses.create(input=[{"type": "message", "role": "user", "content": "And Rome?"}],
+                                         previous_response_id=first.id, **kw)
+        items = list(client.responses.input_items.list(second.id, order="asc"))
+        assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"),
+                                                     ("message", "user")]
+        assert [i.content[0].text for i in items] == ["Weather in Paris?", first.output_text, "And Rome?"]
+        assert items[1].id == first.output[0].id and items[0].content[0].type == "input_text"
+        assert [i.id for i in client.responses.input_items.list(first.id)] == [items[0].id]  # kept ids
+        newest = client.responses.input_items.list(second.id, limit=2)  # desc: the newest first
+        assert [i.id for i in newest.data] == [items[2].id, items[1].id] and newest.has_more
+        assert [i.id for i in newest] == [i.id for i in items[::-1]]  # the pager asks for the rest after last_id
+        for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+            r = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params=query, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_items.list("resp_none")
+        # the input's token count is the usage its response reports
+        counted = client.responses.input_tokens.count(model=MODEL, input="And Rome?", previous_response_id=first.id)
+        assert counted.input_tokens == second.usage.input_tokens
+        r = server.post("/v1/responses/input_tokens", json={"model": MODEL, "input": [{"role": "robot", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.role", r.text
+        # the model's own card, as /v1/models lists it
+        assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+        for name in ("nope", ""):
+            r = httpx.get(f"{server.url}/v1/models/{name}", timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    finally:
+        server.stop()
+
+
 def _kinds(events) -> list[str]:
     """The events' types, a run of deltas as one (how many the text takes depends on the engine's steps)."""
     kinds = [e.type for e in events]
