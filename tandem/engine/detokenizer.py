@@ -20,6 +20,34 @@ except ImportError:
 _CONTEXT_TOKENS = 6
 
 
+class StopStrings:
+    """A request's stop strings, shared by its sequences. A stop string newly in the text ends in the
+    newest piece, so where there are many only those ending with one of its characters are looked
+    for (100k stop strings were 100k searches a token, a second a step for the batch)."""
+
+    INDEX_FROM = 16  # fewer are all looked for
+
+    def __init__(self, stops: list[str]):
+        self.stops = tuple(stops)
+        self.max_len = max(map(len, stops), default=0)
+        self._by_last: dict[str, list[int]] | None = None  # last character -> the stops' indices, in order
+        if len(stops) >= self.INDEX_FROM:
+            self._by_last = {}
+            for i, stop in enumerate(stops):
+                self._by_last.setdefault(stop[-1], []).append(i)
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def ending_in(self, piece: str) -> tuple[str, ...] | list[str]:
+        """The stops that may end in piece, in the request's order (the first of two found at one
+        place is the one reported)."""
+        if self._by_last is None:
+            return self.stops
+        hits = [i for c in set(piece) for i in self._by_last.get(c, ())]
+        return [self.stops[i] for i in sorted(hits)]
+
+
 @dataclass
 class DetokState:
     """Text of one output sequence, grown token by token.
@@ -35,11 +63,10 @@ class DetokState:
     read_offset: int
     skip_special_tokens: bool
     spaces_between_special_tokens: bool = True
-    stops: list[str] = field(default_factory=list)
+    stops: StopStrings = field(default_factory=lambda: StopStrings([]))
     include_stop: bool = False
     stream: object | None = None  # a DecodeStream primed with the context; None: decode by windows
-    max_stop_len: int = 0  # of stops
-    recent: str = ""  # with stops: the text's last max_stop_len - 1 characters (where a stop may begin)
+    recent: str = ""  # with stops: the text's last stops.max_len - 1 characters (where a stop may begin)
     buffer: TextBuffer = field(default_factory=TextBuffer)
 
     @property
@@ -79,11 +106,12 @@ class Detokenizer:
                                               and self.tokenizer.decode([token], skip_special_tokens=False) != "")
         return skipped
 
-    def new_state(self, prompt_ids: list[int], stops: list[str], include_stop: bool, skip_special: bool,
+    def new_state(self, prompt_ids: list[int], stops: list[str] | StopStrings, include_stop: bool, skip_special: bool,
                   spaces_between_special: bool = True) -> DetokState:
+        """stops: the stop strings (a StopStrings, to share one among a request's sequences)."""
         ctx = list(prompt_ids[-_CONTEXT_TOKENS:])
-        st = DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special, stops=stops, include_stop=include_stop,
-                        max_stop_len=max(map(len, stops), default=0))
+        st = DetokState(ctx, 0, len(ctx), skip_special, spaces_between_special,
+                        stops=stops if isinstance(stops, StopStrings) else StopStrings(stops), include_stop=include_stop)
         if self._fast is not None and spaces_between_special:  # (DecodeStream has no such option)
             known = [t for t in ctx if self._num_known is None or t < self._num_known]
             if "\ufffd" not in self.tokenizer.decode(known, skip_special_tokens=skip_special):
@@ -127,12 +155,13 @@ class Detokenizer:
         st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
         if not st.stops:
             return None
-        tail = st.recent + piece  # a stop may start up to max_stop_len - 1 characters before the piece
+        tail = st.recent + piece  # a stop may start up to stops.max_len - 1 characters before the piece
         first = before - len(st.recent)
-        found = [(first + at, stop) for stop in st.stops
+        found = [(first + at, stop) for stop in st.stops.ending_in(piece)
                  if (at := tail.find(stop, max(0, before - len(stop) + 1 - first))) != -1] if check_stop else None
         if not found:
-            st.recent = tail[max(0, len(tail) - st.max_stop_len + 1):] if st.max_stop_len > 1 else ""
+            max_len = st.stops.max_len
+            st.recent = tail[max(0, len(tail) - max_len + 1):] if max_len > 1 else ""
             return None
         at, stop = min(found, key=lambda f: f[0])
         st.buffer.cut(at + len(stop) if st.include_stop else at)

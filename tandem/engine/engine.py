@@ -23,7 +23,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.build import build_runner, capture_graphs, rehearse, scratch_cache
-from tandem.engine.detokenizer import Detokenizer, DetokState
+from tandem.engine.detokenizer import Detokenizer, DetokState, StopStrings
 from tandem.engine.grammar import Grammars
 from tandem.engine.heap import freeze_startup_heap
 from tandem.errors import ContextLengthError, RequestError, StepError
@@ -360,6 +360,7 @@ class Engine:
         base_seed = params.seed % (MAX_SEED + 1) if params.seed is not None else self._rng.randrange(MAX_SEED)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         state = RequestState(request_id, prompt, prompt_token_ids, params, [], metrics)
+        stops, stop_token_set = StopStrings(params.stop), frozenset(params.stop_token_ids)  # (once for the n)
         for i in range(params.n):
             req = Request(
                 req_id=self._next_id,
@@ -370,10 +371,11 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 cache_salt=cache_salt,
+                stop_token_set=stop_token_set,
             )
             self._next_id += 1
             detok = self.detokenizer.new_state(
-                prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                prompt_token_ids, stops, params.include_stop_str_in_output, params.skip_special_tokens,
                 params.spaces_between_special_tokens,
             )
             seq = SeqState(request_id, req, i, detok, logprobs=[] if params.logprobs is not None else None,
@@ -754,7 +756,7 @@ class Engine:
         length = seq.detok.buffer.length
         if seq.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
             return length
-        hold = max(len(stop) for stop in params.stop) - 1
+        hold = seq.detok.stops.max_len - 1
         return max(seq.num_shown_chars, length - hold)
 
     def _completion(self, seq: SeqState, params: SamplingParams, delta: bool) -> CompletionOutput | None:

@@ -50,6 +50,13 @@ class Request:
     # (per_request_spec_decode_metrics="detailed"); None otherwise.
     per_step_accepted: list[int] | None = None
     per_step_drafted: list[int] | None = None
+    # params.stop_token_ids as a set (None: made from them): every output token is looked up in it
+    # (a list of 1M ids was a scan a token); the n sequences of a request share one
+    stop_token_set: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_token_set is None:
+            self.stop_token_set = frozenset(self.params.stop_token_ids)
 
     @property
     def sort_key(self) -> tuple[int, int]:

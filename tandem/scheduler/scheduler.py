@@ -539,7 +539,7 @@ class Scheduler:
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 return "stop", None if token == req.eos_token_ids[0] else token
-            if params.stop_token_ids and token in params.stop_token_ids:
+            if token in req.stop_token_set:
                 return "stop", token
         if num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.cfg.max_model_len:
             return "length", None

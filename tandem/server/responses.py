@@ -30,7 +30,7 @@ from typing import Any
 from tandem.chat import part_text
 from tandem.errors import RequestError
 from tandem.sampling_params import SamplingParams
-from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, UsageInfo, \
+from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, Items, UsageInfo, \
     _SamplingRequest
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,12 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's (pa
 class ResponsesRequest(_SamplingRequest):
     """POST /v1/responses. vLLM's extra sampling fields (top_k, seed, stop, ...) are taken as in chat."""
 
-    input: str | list[dict[str, Any]]
+    input: str | Items[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
     top_logprobs: int | None = None  # the output text's logprobs with this many alternatives
-    include: list[str] | None = None  # "message.output_text.logprobs" asks for the logprobs too
-    tools: list[dict[str, Any]] | None = None
+    include: Items[str] | None = None  # "message.output_text.logprobs" asks for the logprobs too
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}

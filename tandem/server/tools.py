@@ -17,6 +17,7 @@ each call's id and name once read, then its arguments as they are written (`_Cal
 """
 from __future__ import annotations
 
+import collections
 import json
 import re
 from collections.abc import Callable
@@ -527,7 +528,7 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
                               "'tool_choice'", "tool_choice")
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
-        dup = next(n for n in names if names.count(n) > 1)
+        dup = next(n for n, count in collections.Counter(names).items() if count > 1)  # (linear: 20k tools took 5 s)
         raise ToolChoiceError(f"'tools' names the function {dup!r} twice; give each function once", "tools")
     specs = tuple({"name": t.function.name, "parameters": t.function.parameters or _ANY_OBJECT,
                    "strict": bool(t.function.strict)} for t in tools)

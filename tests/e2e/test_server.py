@@ -1513,6 +1513,28 @@ def test_bad_input_gets_openai_error(live, path, body, status, param):
     assert (error["code"] == "context_length_exceeded") == (body in [c[2] for c in BAD_INPUTS if c[0] in too_long])
 
 
+@pytest.mark.parametrize("body", [
+    {"stop_token_ids": ["x"] * 100_000}, {"prompt": [[1, 2], ["x"] * 100_000]}, {"stop": ["a"] + [3] * 100_000},
+    {"messages": [{"role": "user", "content": "x"}] + [{"role": 3}] * 100_000},
+    {"messages": [{"role": "user", "content": ["x"] + [3] * 100_000}]},
+    {"tools": [TOOL_F] + [{"type": 3}] * 100_000},
+], ids=["stop-token-ids", "prompt-ids", "stop", "messages", "content-parts", "tools"])
+def test_a_long_list_of_bad_items_is_one_error(body):
+    """A request's list stops validating at its first bad item: the error names that one, and a
+    list of 5M wrong items is no longer 5M errors built on the event loop (a minute's stall)."""
+    from pydantic import ValidationError
+
+    from tandem.server.http_errors import validation_error
+    from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    request = ChatCompletionRequest if "messages" in body or "tools" in body else CompletionRequest
+    base = {"messages": [{"role": "user", "content": "hi"}]} if request is ChatCompletionRequest else {"prompt": "hi"}
+    with pytest.raises(ValidationError) as e:
+        request.model_validate_json(json.dumps({**base, **body}))
+    assert e.value.error_count() <= 4  # one a member of the field's union, at most
+    assert validation_error(e.value).param.split(".")[0] == next(iter(body))
+
+
 def test_nan_and_infinity_inside_strings_are_text(live):
     r = live.post(C, content=b'{"model": "tiny-spec", "prompt": "NaN or -Infinity", "max_tokens": 2, "stop": ["NaN"]}',
                   headers={"content-type": "application/json"})

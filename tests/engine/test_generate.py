@@ -701,6 +701,44 @@ def test_stop_strings_across_tokens_in_the_text_buffer(model):
     assert found == "quick brown fox" and state.text == "The "
 
 
+def test_many_stop_strings_are_looked_for_by_their_last_character(model, monkeypatch):
+    """With many stop strings only those ending in the new piece's characters are searched (100k
+    stops were 100k searches a token); the stop found and the text cut are those of searching them
+    all, ties (two stops starting at one place) going to the first listed, as before."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tandem.engine.detokenizer import Detokenizer, StopStrings
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = "The quick brown fox\r\njumps over the lazy dog. def fib(n):\r\n return n\r"
+    ids = tok(text, add_special_tokens=False).input_ids
+    detok = Detokenizer(tok)
+    rng = random.Random(0)
+
+    def run(stops, include, check_from=0):
+        state = detok.new_state([], StopStrings(stops), include, skip_special=True)
+        found = next((f for i, t in enumerate(ids) if (f := detok.push(state, t, check_stop=i >= check_from))
+                      is not None), None)
+        return found, state.text
+
+    found = 0
+    for trial in range(60):
+        stops = ["".join(rng.choice("abcxyz#") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(16, 80))]
+        for _ in range(rng.randint(0, 3)):  # a few that occur, some starting at one place
+            at = rng.randrange(len(text) - 1)
+            stops.insert(rng.randrange(len(stops) + 1), text[at: at + rng.randint(1, 8)])
+        include, check_from = rng.random() < 0.5, rng.choice([0, 0, 3])
+        indexed = run(stops, include, check_from)
+        monkeypatch.setattr(StopStrings, "INDEX_FROM", 10 ** 9)  # every stop searched, as before
+        assert run(stops, include, check_from) == indexed, (trial, stops)
+        monkeypatch.undo()
+        assert len(stops) >= StopStrings.INDEX_FROM
+        found += indexed[0] is not None
+    assert found > 30  # most trials end at a stop
+
+
 class _FailingStream:
     def step(self, tokenizer, token):
         raise Exception("Invalid prefix encountered")
