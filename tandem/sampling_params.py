@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import itertools
 import logging
 import numbers
 import operator
@@ -180,7 +181,7 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)):
                 raise RequestError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r} is invalid: "
                                    "give a list of token ids")
-            self.allowed_token_ids = [_as_int(t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = _int_list(self.allowed_token_ids)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
@@ -188,13 +189,16 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
         if self.bad_words_token_ids is not None:
-            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
-                isinstance(w, (list, tuple)) for w in self.bad_words_token_ids
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not (
+                set(map(type, self.bad_words_token_ids)) <= {list, tuple}
+                or all(isinstance(w, (list, tuple)) for w in self.bad_words_token_ids)
             ):
                 raise RequestError(f"SamplingParams.bad_words_token_ids={self.bad_words_token_ids!r} is invalid: "
                                    "give a list of token id lists")
-            self.bad_words_token_ids = [[_as_int(t) for t in w] for w in self.bad_words_token_ids]
-        self.stop_token_ids = [_as_int(t) for t in self.stop_token_ids or []]
+            words = self.bad_words_token_ids
+            self.bad_words_token_ids = [list(w) for w in words] if _plain_ints(itertools.chain.from_iterable(words)) \
+                else [[_as_int(t) for t in w] for w in words]
+        self.stop_token_ids = _int_list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                 _is_int(_as_int(t)) or is_int_text(t) for t in self.logit_bias
@@ -255,19 +259,20 @@ class SamplingParams:
             raise bad("prompt_logprobs", "it must be an integer >= 0, or -1 for the whole vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if not _token_ids(self.stop_token_ids) and any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be integers >= 0")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "give at least one token id, or None for the whole vocabulary")
-            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+            if not _token_ids(self.allowed_token_ids) and any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "token ids must be integers >= 0")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "bad words must be non-empty strings")
         if self.bad_words is not None and any(lone_surrogate(w) is not None for w in self.bad_words):
             raise bad("bad_words", "a bad word holds a lone surrogate, which is not valid Unicode")
-        if self.bad_words_token_ids is not None and any(
-            not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids
+        words = self.bad_words_token_ids
+        if words is not None and not (all(words) and _token_ids(list(itertools.chain.from_iterable(words)))) and any(
+            not w or any(not _is_int(t) or t < 0 for t in w) for w in words
         ):
             raise bad("bad_words_token_ids", "each word must be a non-empty list of token ids >= 0")
         if self.logit_bias and any(not -FLOAT32_MAX <= b <= FLOAT32_MAX and b != float("-inf")
@@ -348,6 +353,23 @@ class BeamSearchParams:
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _plain_ints(values) -> bool:
+    """Every value an int, not of a subclass (bool): at C speed, for long lists."""
+    return set(map(type, values)) <= {int}
+
+
+def _int_list(values) -> list:
+    """values as a list, integers of other types (numpy's) as int: at C speed where all are plain
+    ints (a request's 1M stop ids were a second of Python each time its params were copied)."""
+    values = list(values)
+    return values if _plain_ints(values) else [_as_int(t) for t in values]
+
+
+def _token_ids(values: list) -> bool:
+    """Every value a plain int >= 0, checked at C speed (False: look at each)."""
+    return _plain_ints(values) and min(values, default=0) >= 0
 
 
 def _as_int(x):

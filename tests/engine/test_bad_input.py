@@ -670,6 +670,13 @@ BAD_PARAMS = [
     (dict(stop=[3]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop_token_ids=[1, "2"]), "stop_token_ids"),
+    (dict(allowed_token_ids=[1, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, False]), "allowed_token_ids"),
+    (dict(bad_words_token_ids=[[1], []]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[1], [True]]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[1], [-2]]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[1], 2]), "bad_words_token_ids"),
     (dict(n=0), "n"),
     (dict(n=True), "n"),
     (dict(n=2.0), "n"),
@@ -788,6 +795,29 @@ def test_allowed_token_ids_outside_the_vocabulary(llm):
     with pytest.raises(RequestError, match="allowed_token_ids"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(allowed_token_ids=[5, VOCAB]), use_tqdm=False)
     assert_idle(llm)
+
+
+def test_long_token_id_lists_are_checked_and_copied_fast(monkeypatch):
+    """Token-id lists of plain ints are checked and copied at C speed, not an int at a time (a
+    request's 1M stop ids or 600k bad words took a second of Python every time its params were
+    copied, on the engine loop's thread too); other integer types still become ints, and a copy
+    shares no list."""
+    import tandem.sampling_params as sp
+
+    calls = []
+    as_int = sp._as_int
+    monkeypatch.setattr(sp, "_as_int", lambda x: (calls.append(x), as_int(x))[1])
+    words = [[i % 30000, (7 * i) % 30000] for i in range(100_000)]
+    p = SamplingParams(stop_token_ids=list(range(100_000)), allowed_token_ids=[3] * 100_000,
+                       bad_words_token_ids=words)
+    q = p.clone(max_tokens=3)
+    assert len(calls) < 50  # the scalar fields' (400k a copy before)
+    assert q.bad_words_token_ids == words and q.bad_words_token_ids[0] is not words[0]
+    assert q.stop_token_ids == p.stop_token_ids and q.stop_token_ids is not p.stop_token_ids
+    p = SamplingParams(stop_token_ids=[np.int64(3), 4], allowed_token_ids=(np.int32(1),),
+                       bad_words_token_ids=[(np.int64(2),), [5]])
+    assert p.stop_token_ids == [3, 4] and p.allowed_token_ids == [1] and p.bad_words_token_ids == [[2], [5]]
+    assert all(type(t) is int for t in p.stop_token_ids + p.allowed_token_ids + p.bad_words_token_ids[0])
 
 
 def test_numpy_token_ids_are_integers(llm, reference):
