@@ -192,11 +192,15 @@ class OpenAIServer:
         self._check_model(body.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"'tokens' holds {bad[0]}, not a token id in [0, {self.vocab_size})", param="tokens")
-        text = await self._off_loop(lambda: self.tokenizer.decode(body.tokens))
-        return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))
+        return JSONResponse(DetokenizeResponse(prompt=await self._off_loop(self._detokenize, body.tokens))
+                            .model_dump(mode="json"))
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        """/detokenize's text, on a tokenizing thread (5M ids: a second or two)."""
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"'tokens' holds {bad}, not a token id in [0, {self.vocab_size})", param="tokens")
+        return self.tokenizer.decode(tokens)
 
     async def version(self, request: Request) -> Response:
         from tandem import __version__
