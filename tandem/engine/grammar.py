@@ -85,6 +85,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 # under a second on that stack.
 GRAMMAR_STACK_BYTES = 512 << 20
 MAX_GRAMMAR_BYTES = 1 << 20
+# threading.stack_size is the process's: the engine loop's thread and the server's tokenizing threads
+# each set it, start their grammar thread and put it back under this lock, so that none starts its
+# thread on another's setting (an 8 MB stack: a deep grammar's SIGSEGV) or leaves 512 MB set for all.
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 def _on_grammar_stack(fn: Callable[[], Any]) -> Any:
@@ -98,13 +102,14 @@ def _on_grammar_stack(fn: Callable[[], Any]) -> Any:
             out["error"] = e
 
     thread = threading.Thread(target=run, name="tandem-grammar")
-    old = threading.stack_size(GRAMMAR_STACK_BYTES)
-    try:
-        thread.start()
-    except RuntimeError:  # no thread of that stack (a strict memory overcommit policy): on this one's
-        thread = None
-    finally:
-        threading.stack_size(old)
+    with _STACK_SIZE_LOCK:
+        old = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread of that stack (a strict memory overcommit policy): on this one's
+            thread = None
+        finally:
+            threading.stack_size(old)
     if thread is not None:
         thread.join()
     else:
@@ -293,6 +298,7 @@ class Grammars:
         # round's drafts that fit, for the next bitmask, until the matcher moves (accept, remove).
         self._fitting_rows: dict[int, tuple[list[int], torch.Tensor]] = {}
         self._valid: dict[str, None] = {}  # grammars that compiled, oldest first
+        self._valid_lock = threading.Lock()  # validate runs on the server's tokenizing threads too
         self._ll_tokenizer = None  # built on first use (about a second for a 150k vocabulary)
         self._building = threading.Lock()  # the server's loop may ask for it too (token_bytes)
         self._build_error: RequestError | None = None  # why it cannot be built, once found
@@ -373,9 +379,10 @@ class Grammars:
             lambda: llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=limits))
         if is_error:
             raise RequestError(f"StructuredOutputsParams.{params.kind} does not compile: {_told(messages[0])}")
-        self._valid[text] = None
-        if len(self._valid) > 64:  # (the server's tokenizing threads validate too: the oldest may be gone)
-            self._valid.pop(next(iter(self._valid), None), None)
+        with self._valid_lock:
+            self._valid[text] = None
+            if len(self._valid) > 64:
+                del self._valid[next(iter(self._valid))]
         return text
 
     def _after_thinking(self, text: str, prompt_token_ids: list[int]) -> str:

@@ -324,6 +324,9 @@ class OpenAIServer:
         (its instructions, the conversation it continues, its input and tools, as templated)."""
         body = await _parse(request, ResponsesRequest)
         self._check_common(body)
+        refused = body.refused_field()
+        if refused is not None:
+            raise APIError(400, f"'{refused[0]}': {refused[1]}", param=refused[0])
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="input")
         try:

@@ -259,12 +259,18 @@ def input_items(body: ResponsesRequest, previous: list[dict[str, Any]] | None = 
     as items; each of the input's items without an id is given one (GET .../input_items names it)."""
     mine = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     if isinstance(mine, list):  # (anything else is refused by chat_request)
-        mine = [item if not isinstance(item, dict) or "id" in item
-                else {"id": _id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")), **item} for item in mine]
+        mine = [item if not isinstance(item, dict) or "id" in item else {"id": _item_id(item), **item} for item in mine]
     return (previous or []) + list(mine)
 
 
 _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _item_id(item: dict[str, Any]) -> str:
+    """A fresh id for an input item, prefixed by its type as OpenAI's are (any type: chat_request
+    refuses a bad one by name)."""
+    kind = item.get("type", "message")
+    return _id(_ITEM_PREFIXES.get(kind, "item") if isinstance(kind, str) else "item")
 
 
 def input_item_resource(item: dict[str, Any]) -> dict[str, Any]:

@@ -358,6 +358,8 @@ def test_json_schema_format_and_logprobs(live):
     (dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input.0.content", "text only"),
     (dict(input=[{"type": "item_reference", "id": "x"}]), "input.0.type", "'item_reference' item"),
+    (dict(input=[{"type": {"a": 1}, "role": "user", "content": "x"}]), "input.0.type", "item"),  # was a 500
+    (dict(input=[{"type": ["message"], "role": "user", "content": "x"}]), "input.0.type", "item"),
     (dict(input=[{"role": "critic", "content": "x"}]), "input.0.role", "'critic'"),
     (dict(input=[]), "input", "empty"),
     (dict(input=[{"type": "reasoning", "summary": 5}, {"role": "user", "content": "x"}]), "input.0.summary",
@@ -451,8 +453,11 @@ def test_a_stored_responses_input_items_and_an_inputs_token_count(model_dirs):  
         # the input's token count is the usage its response reports
         counted = client.responses.input_tokens.count(model=MODEL, input="And Rome?", previous_response_id=first.id)
         assert counted.input_tokens == second.usage.input_tokens
-        r = server.post("/v1/responses/input_tokens", json={"model": MODEL, "input": [{"role": "robot", "content": "x"}]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.role", r.text
+        for body, param in (({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+                            ({"input": [{"type": {"a": 1}, "content": "x"}]}, "input.0.type"),
+                            ({"input": "x", "truncation": "auto"}, "truncation")):
+            r = server.post("/v1/responses/input_tokens", json={"model": MODEL, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         # the model's own card, as /v1/models lists it
         assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
         for name in ("nope", ""):

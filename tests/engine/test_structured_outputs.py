@@ -179,6 +179,36 @@ def test_bad_constraints_are_refused_and_lose_nothing(models):
     assert out.request_id == "good" and re.fullmatch(REGEX, out.outputs[0].text)
 
 
+def test_grammar_threads_started_at_once_each_get_the_deep_stack(monkeypatch):
+    """The server's tokenizing threads and the engine loop's start grammar threads at once: each
+    starts on the deep stack (one on the default 8 MB would die of a deep grammar) and the
+    process's stack size setting is back to its default after (not left at 512 MB for every thread)."""
+    import sys
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.engine.grammar import GRAMMAR_STACK_BYTES, _on_grammar_stack
+
+    seen = []
+    start = threading.Thread.start
+
+    def recording_start(thread):
+        if thread.name == "tandem-grammar":
+            seen.append(threading.stack_size())
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the window between set and restore is hit
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(lambda i: _on_grammar_stack(lambda: i), range(3000))) == list(range(3000))
+    finally:
+        sys.setswitchinterval(interval)
+    assert threading.stack_size() == 0
+    assert seen.count(GRAMMAR_STACK_BYTES) == len(seen) == 3000
+
+
 def test_deep_grammars_compile_and_huge_ones_are_refused(models):
     """llguidance recurses once per nested rule or $ref: a chain of 5,000 (a 70 KB request) overflowed an
     8 MB thread stack and killed the process (SIGSEGV). It compiles now (on a deep stack), and a
