@@ -272,8 +272,9 @@ class Engine:
                 changes[name] = n
         return changes
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that cannot be served; changes nothing."""
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, compiled: bool = False) -> None:
+        """Raise RequestError for a request that cannot be served; changes nothing. compiled: its
+        structured output was compiled already (compile_structured), so its grammar is not checked again."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         self._logprobs_changes(params)
@@ -292,7 +293,7 @@ class Engine:
             raise RequestError("SamplingParams.bad_words needs a tokenizer, and this model has none; give "
                                "bad_words_token_ids instead")
         if params.structured_outputs is not None:
-            self._check_structured(params, prompt_token_ids)
+            self._check_structured(params, prompt_token_ids, compiled)
         max_len = self.cfg.sched.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ContextLengthError(
@@ -344,7 +345,7 @@ class Engine:
         self.validate_priority(priority)
         priority = int(priority)
         check_cache_salt(cache_salt)
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, compiled=matcher is not None)
         params = self.resolve_logprobs(params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self._check_watermark(params)
@@ -395,13 +396,15 @@ class Engine:
         it to add_request, so the engine loop's thread, which steps every request, does not."""
         return self.grammars.compile(params.structured_outputs, prompt_token_ids)
 
-    def _check_structured(self, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        """RequestError for a constraint that does not compile, or an engine that cannot keep one."""
+    def _check_structured(self, params: SamplingParams, prompt_token_ids: list[int], compiled: bool = False) -> None:
+        """RequestError for a constraint that does not compile (unless compiled), or an engine that
+        cannot keep one."""
         if self.cfg.spec is not None and self.cfg.spec.synthetic:
             raise RequestError("SamplingParams.structured_outputs cannot run with rejection_sample_method="
                                "'synthetic', which accepts drafts whatever they are (a benchmark mode); use "
                                "the lossless verifier")
-        self.grammars.validate(params.structured_outputs, prompt_token_ids)
+        if not compiled:
+            self.grammars.validate(params.structured_outputs, prompt_token_ids)
 
     def resolve_bad_words(self, params: SamplingParams, tokenizer=None) -> SamplingParams:
         """params with its bad_words tokenized into bad_words_token_ids (bad_word_ids' rule), by

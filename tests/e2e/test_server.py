@@ -230,11 +230,13 @@ def test_bad_words_and_grammars_are_prepared_off_the_engine_loop(live, reference
 
     engine = live.app.state.server.client.engine
     seen = []
-    bad_word_ids, compile_ = engine_module.bad_word_ids, engine.grammars.compile
+    bad_word_ids, compile_, validate = engine_module.bad_word_ids, engine.grammars.compile, engine.grammars.validate
     monkeypatch.setattr(engine_module, "bad_word_ids", lambda tokenizer, words: (
         seen.append(("bad_words", threading.current_thread().name)), bad_word_ids(tokenizer, words))[1])
     monkeypatch.setattr(engine.grammars, "compile", lambda *a, **kw: (
         seen.append(("grammar", threading.current_thread().name)), compile_(*a, **kw))[1])
+    monkeypatch.setattr(engine.grammars, "validate", lambda *a, **kw: (
+        seen.append(("validate", threading.current_thread().name)), validate(*a, **kw))[1])
     base = offline(reference, PROMPTS[0], **greedy(max_tokens=12))[0].outputs[0]
     tok = reference.get_tokenizer()
     word = next(w for w in map(tok.decode, ([t] for t in base.token_ids)) if w.strip().isalnum())
@@ -249,8 +251,8 @@ def test_bad_words_and_grammars_are_prepared_off_the_engine_loop(live, reference
     r = live.post(C, json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
                            "structured_outputs": {"regex": regex}}).json()
     assert r["choices"][0]["text"] == ref.text, r
-    assert [what for what, _ in seen] == ["bad_words", "grammar"]
-    assert all(thread.startswith("tandem-tokenize") for _, thread in seen), seen
+    assert {what for what, _ in seen} == {"bad_words", "grammar", "validate"}
+    assert all(thread.startswith("tandem-tokenize") for _, thread in seen), seen  # none on the engine loop's
 
 
 def test_a_long_tokenizing_holds_up_its_own_request_only(live, monkeypatch):
