@@ -750,6 +750,7 @@ class OpenAIServer:
         self._check_capacity(prompts, params.n, prompt_param)
         streams: list[RequestStream] = []
         try:
+            self.client.check_accepting()  # (a draining server answers 503 before any work)
             submitted, matchers = await self._off_loop(self._prepare, prompts, params)
             for i, p in enumerate(prompts):
                 engine_id = f"{response_id}-{i}-{uuid.uuid4().hex[:8]}"  # unique though a request_id repeats

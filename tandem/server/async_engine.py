@@ -275,8 +275,7 @@ class AsyncEngine:
 
         Raises RequestError (invalid request), ServerOverloaded or EngineStopped.
         """
-        if not (self._accepting or admitted) or not self.is_running or self._stopped:
-            raise EngineStopped("the server is shutting down and takes no new requests")
+        self.check_accepting(admitted)
         self.engine.validate_priority(priority)  # before the queue's counts compare it
         if params.output_kind != RequestOutputKind.CUMULATIVE:  # a stream keeps the output so far
             raise RequestError(f"SamplingParams.output_kind={params.output_kind.name} is not served here: a request "
@@ -295,6 +294,11 @@ class AsyncEngine:
             raise
         self.num_in_flight += 1
         return stream
+
+    def check_accepting(self, admitted: bool = False) -> None:
+        """EngineStopped unless a new request (admitted: one continuing work let in) would be taken."""
+        if not (self._accepting or admitted) or not self.is_running or self._stopped:
+            raise EngineStopped("the server is shutting down and takes no new requests")
 
     def release(self, stream: RequestStream) -> None:
         """The handler is done with stream: abort it in the engine unless it finished. Idempotent."""
