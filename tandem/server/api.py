@@ -577,8 +577,11 @@ class OpenAIServer:
             return Prompt(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids, prompt,
                           from_text=True)
         text = None
-        if self.tokenizer is not None and all(0 <= t < self.vocab_size for t in prompt):
-            text = self.tokenizer.decode(prompt)  # out-of-vocab ids are refused by the engine
+        # Out-of-vocab ids are refused by the engine; ids that leave no room are cut (_truncate decodes
+        # what is kept) or refused: not decoded here (3M ids held the GIL for seconds)
+        if self.tokenizer is not None and len(prompt) < self.max_model_len \
+                and all(0 <= t < self.vocab_size for t in prompt):
+            text = self.tokenizer.decode(prompt)
         return Prompt(list(prompt), text)
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
