@@ -456,7 +456,9 @@ def test_qwen_pair(tandem_cache):
     t0 = time.perf_counter()
     for name in (QWEN_TARGET, QWEN_DRAFT):
         assert resolve_model(name, torch.bfloat16, cache_dir=tandem_cache, progress=False) == dirs[name]
-    assert time.perf_counter() - t0 < 1.0
+    # no conversion (15-45 s a model): the cache's check alone, which parses each JSON file (the tokenizer's
+    # 7 MB), 0.45 s for both on an idle 2-core machine and 1.05 s once on a busy one
+    assert time.perf_counter() - t0 < 5.0
 
     shapes = {QWEN_TARGET: (28, 1536, 12, 2), QWEN_DRAFT: (24, 896, 14, 2)}
     for name, d in dirs.items():
