@@ -182,6 +182,9 @@ class Engine:
             self.runner.enable_pending_inputs()
         self._inflight: tuple[StepPlan, Launched, float] | None = None  # launched, not collected
         self.detokenizer = Detokenizer(tokenizer)
+        # token id -> its text alone, as logprobs name it (a decode is ~7 us of Python: logprobs=-1 made 150k
+        # of them a step, prompt_logprobs a prompt's length times as many, for the whole batch to wait on)
+        self._token_text: dict[int, str] = {}
         self.vocab_size = self.runner.vocab_size
         # structured outputs' matchers (after the thinking, with a reasoning parser, unless they hold in it too)
         gate = None if cfg.structured_outputs_in_reasoning else reasoning_format(cfg.reasoning_parser)
@@ -721,9 +724,15 @@ class Engine:
             if first + j == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(self._logprob_dict(lp, seq.req.params.detokenize))
 
+    def _decoded(self, token: int) -> str:
+        """The token's text alone (tokenizer.decode([token])), decoded once per engine."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
     def _logprob_dict(self, lp: TokenLogprobs, detokenize: bool = True) -> dict[int, Logprob]:
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None and detokenize \
-            else (lambda t: None)
+        decode = self._decoded if self.tokenizer is not None and detokenize else (lambda t: None)
         # The sampled token first, ranked by the tokens at least as likely; one among the top-n takes its place
         # there instead, so a tie ranks 1..n with none left out (vLLM's dict: the top-n entries overwrite it).
         out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}

@@ -333,6 +333,9 @@ class Grammars:
         except Exception as e:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
             raise RequestError(f"SamplingParams.structured_outputs cannot run on this model's tokenizer "
                                f"({type(self.tokenizer).__name__}): {e}") from None
+        import llguidance.torch  # noqa: F401  (here, not in the first constrained step: it imports ~740 modules,
+        # torch.compile's among them, a 1-1.75 s stall of the whole batch)
+
         self._executor = llguidance.LLExecutor()
         self._ll_tokenizer = ll_tokenizer
 

@@ -285,6 +285,26 @@ def test_vllm_prompt_and_seed_forms(llm, model):
             LLM(str(model), dtype="float32", max_model_len=64, block_size=8, **kw)
 
 
+def test_logprobs_decode_each_token_once(llm, model, monkeypatch):
+    """A logprob's decoded token is tokenizer.decode([id]), decoded once per engine: whole-vocabulary
+    logprobs decoded every id again every step (150k decodes, the batch waiting on them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    engine = llm.engine
+    engine._token_text.clear()
+    decoded = []
+    decode = engine.tokenizer.decode
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda ids, *a, **kw: (  # (the detokenizer's name options)
+        decoded.append(list(ids)) if not a and not kw else None, decode(ids, *a, **kw))[1])
+    p = SamplingParams(temperature=0, max_tokens=6, logprobs=20, prompt_logprobs=20, ignore_eos=True)
+    out = llm.generate(["The quick brown fox", "def fib(n):"], p, use_tqdm=False)
+    entries = [(t, lp) for o in out for d in o.outputs[0].logprobs + o.prompt_logprobs[1:] for t, lp in d.items()]
+    assert len(entries) > 200 and all(lp.decoded_token == tok.decode([t]) for t, lp in entries)
+    singles = [ids[0] for ids in decoded if len(ids) == 1]
+    assert len(singles) == len(set(singles)) == len({t for t, _ in entries})
+
+
 def test_detokenize_false_gives_token_ids_only(llm):
     """vLLM's detokenize=False: the same tokens, no text, logprobs without decoded tokens; stop
     strings, which need the text, are refused."""

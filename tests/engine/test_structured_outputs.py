@@ -179,6 +179,26 @@ def test_bad_constraints_are_refused_and_lose_nothing(models):
     assert out.request_id == "good" and re.fullmatch(REGEX, out.outputs[0].text)
 
 
+def test_the_first_constrained_step_imports_nothing(models):
+    """llguidance.torch (~740 modules, torch.compile's among them: a 1-1.75 s stall of the whole batch
+    when the first constrained step imported it) comes in with llguidance's tokenizer (built at a
+    server's start, or by the first constrained request)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from tandem.engine.grammar import Grammars\n"
+        f"g = Grammars(AutoTokenizer.from_pretrained({str(models['target'])!r}), 320, (1,))\n"
+        "assert 'llguidance.torch' not in sys.modules\n"
+        "g.token_bytes()\n"
+        "print('llguidance.torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def test_grammar_threads_started_at_once_each_get_the_deep_stack(monkeypatch):
     """The server's tokenizing threads and the engine loop's start grammar threads at once: each
     starts on the deep stack (one on the default 8 MB would die of a deep grammar) and the
