@@ -306,7 +306,7 @@ class ModelRunner:
         if num_top is None:
             packed = torch.cat([row_tokens, num_emitted])  # [num_rows + num_sampling] int64
         else:
-            lp, rank, top_ids, top_lp = compute_logprobs(lp_logits, row_tokens, num_top)
+            lp, rank, top_ids, top_lp = self._row_logprobs(lp_logits, row_tokens, num_top, want)
             rows = torch.cat(
                 [row_tokens[:, None].double(), lp[:, None].double(), rank[:, None].double(),
                  top_ids.double(), top_lp.double()], dim=1
@@ -323,6 +323,22 @@ class ModelRunner:
         if prompt is not None:
             ks = {i: self.state.params[plan.reqs[i].slot].prompt_logprobs for i in batch.prompt_reqs}
         return Launched(plan, batch.sampling, batch.cu_num_rows, want, num_top, packed, ready, prompt, ks)
+
+    def _row_logprobs(self, lp_logits: Tensor, row_tokens: Tensor, num_top: int,
+                      want: list[int | None]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """compute_logprobs over the rows that want logprobs only (one request's logprobs took the
+        log-softmax, rank and top-k of every row of the batch, every step); the other rows' entries
+        are zeros, never read (collect)."""
+        which = [r for r, w in enumerate(want) if w is not None]
+        if len(which) == len(want):
+            return compute_logprobs(lp_logits, row_tokens, num_top)
+        (idx,) = self.attn_backend.upload(which)
+        parts = compute_logprobs(lp_logits.index_select(0, idx), row_tokens.index_select(0, idx), num_top)
+        out = []
+        for part in parts:  # [m] or [m, num_top] -> [num_rows] or [num_rows, num_top]
+            full = part.new_zeros((len(want), *part.shape[1:]))
+            out.append(full.index_copy_(0, idx, part))
+        return tuple(out)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for a launched step's results and read them (host data only: the slot state may

@@ -147,11 +147,29 @@ def apply_temperature_and_masks(logits: Tensor, state: SamplingState, rows: Samp
     temp = state.temperature[rows.slot_ids]
     out = divide_by_temperature(logits, temp, rows.slots, state)
     params = [state.params[s] for s in rows.slots]
-    if any(p.min_p > 0 for p in params if p.temperature > 0):
-        apply_min_p(out, state.min_p[rows.slot_ids])
-    if any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0):
-        apply_top_k_top_p(out, state.top_k[rows.slot_ids], state.top_p[rows.slot_ids])
+    # Each mask on the rows that ask for it only (min-p 0, top-k 0 and top-p 1 keep every token): one
+    # request's top-p sorted the whole batch's rows over the vocabulary, every step.
+    slot_ids = rows.slot_ids
+    on_rows(out, [i for i, p in enumerate(params) if p.temperature > 0 and p.min_p > 0], state.upload,
+            lambda sub, idx: apply_min_p(sub, state.min_p[slot_ids[idx]]))
+    on_rows(out, [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)], state.upload,
+            lambda sub, idx: apply_top_k_top_p(sub, state.top_k[slot_ids[idx]], state.top_p[slot_ids[idx]]))
     return torch.where((temp == 0)[:, None], logits, out, out=out)
+
+
+def on_rows(out: Tensor, which: list[int], upload, fn) -> None:
+    """fn(out's rows `which` [m, V], their indices [m]) in place on out [n, V] (upload: the
+    uploader of host index lists). Each row's result is what fn makes of it alone: fn's operations
+    are a row's."""
+    if not which:
+        return
+    (idx,) = upload(which)
+    if len(which) == out.shape[0]:
+        fn(out, idx)
+        return
+    sub = out.index_select(0, idx)
+    fn(sub, idx)
+    out.index_copy_(0, idx, sub)
 
 
 def divide_by_temperature(logits: Tensor, temp: Tensor, slots: list[int], state: SamplingState) -> Tensor:

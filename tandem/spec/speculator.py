@@ -50,7 +50,7 @@ from tandem.upload import to_host
 from tandem.runner.piecewise import PiecewiseGraphs, forward
 from tandem.sampling.gumbel import draft_salt
 from tandem.sampling.processors import (SampleRows, apply_logits_processors, apply_min_p, apply_token_bitmask,
-                                       apply_top_k_top_p, divide_by_temperature)
+                                       apply_top_k_top_p, divide_by_temperature, on_rows)
 from tandem.sampling.sampler import draw, greedy_tokens, keyed_draw
 from tandem.sampling.state import SamplingState
 from tandem.spec.base import Speculator
@@ -417,19 +417,13 @@ class DraftSpeculator(Speculator):
         scaled = divide_by_temperature(logits, temp, [r.slot for r in sampling], self.state)
         cut = [p.min_p > 0 and p.structured_outputs is None for p in params]
         truncated = [(p.top_k > 0 or p.top_p < 1) and p.structured_outputs is None for p in params]
-        if any(cut) or any(truncated):  # min-p, then top-k / top-p: the target's order (apply_temperature_and_masks)
-            keep = None  # structured-output rows keep their whole distribution
-            if any(p.structured_outputs is not None for p in params):
-                (keep,) = self.attn_backend.upload([p.structured_outputs is None for p in params])
-                keep = keep.bool()
-            if any(cut):
-                min_p = self.state.min_p[slots]
-                apply_min_p(scaled, min_p if keep is None else min_p.where(keep, 0.0))
-            if any(truncated):
-                top_k, top_p = self.state.top_k[slots], self.state.top_p[slots]
-                if keep is not None:
-                    top_k, top_p = top_k.where(keep, 0), top_p.where(keep, 1.0)
-                scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        # min-p, then top-k / top-p: the target's order (apply_temperature_and_masks), on the rows that ask
+        # only; structured-output rows keep their whole distribution
+        upload = self.attn_backend.upload
+        on_rows(scaled, [i for i, c in enumerate(cut) if c], upload,
+                lambda sub, idx: apply_min_p(sub, self.state.min_p[slots[idx]]))
+        on_rows(scaled, [i for i, t in enumerate(truncated) if t], upload,
+                lambda sub, idx: apply_top_k_top_p(sub, self.state.top_k[slots[idx]], self.state.top_p[slots[idx]]))
         if mask is not None:
             apply_token_bitmask(scaled, *mask)
             apply_token_bitmask(logits, *mask)
