@@ -29,6 +29,7 @@ class Items:
     def __class_getitem__(cls, item):
         return Annotated[list[item], Field(fail_fast=True)]
 
+
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
     "logits_processors": "custom logits processors are not supported",
