@@ -105,12 +105,13 @@ def copy_bandwidth() -> float:
 
 
 def make_llm(target: str, spec: dict | None, max_num_seqs: int, max_model_len: int, watermark_config=None,
-             kv_cache_dtype: str = "auto", quantization: str | None = None):
+             kv_cache_dtype: str = "auto", quantization: str | None = None, batch_invariant: bool = False):
     from tandem import LLM
 
     return LLM(target, dtype="bfloat16", load_format="dummy", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                kv_cache_memory_bytes=12 << 30, speculative_config=spec, enable_prefix_caching=False,
-               watermark_config=watermark_config, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+               watermark_config=watermark_config, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+               batch_invariant=batch_invariant)
 
 
 def target_quantizations(args) -> list[tuple[str | None, str]]:
@@ -246,6 +247,7 @@ def target_only(root, shapes, batches, args, bw, results) -> dict:
     for (name, shape), kv_dtype, (quant, suffix) in [(s, kv, q) for s in shapes for kv in kv_dtypes
                                                      for q in target_quantizations(args)]:
         llm = make_llm(write_config(root, name, shape), None, max(batches), args.max_model_len, kv_cache_dtype=kv_dtype,
+                       batch_invariant=args.batch_invariant,
                        quantization=quant)
         wb = weight_bytes(shape, quant)
         name = name + suffix
@@ -306,7 +308,8 @@ def synthetic(root, target, draft, base, ks, profiles, batches, args, results) -
         spec = dict(model=ddir, num_speculative_tokens=k, rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=[1.0] * k, draft_load_format="dummy", quantization=quant,
                     draft_vocab_size=vocab)
-        llm = make_llm(tdir, spec, max(batches), args.max_model_len, quantization=target_quant)
+        llm = make_llm(tdir, spec, max(batches), args.max_model_len, quantization=target_quant,
+                       batch_invariant=args.batch_invariant)
         sp = llm.engine.runner.speculator
         for b in batches:
             graphs_ms = None
@@ -673,6 +676,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_bench.json")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every engine with LLM(batch_invariant=True) (the target and synthetic sections)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--synthetic-steps", type=int, default=None,
                    help="timed steps per synthetic configuration (default --steps); more steps, less "

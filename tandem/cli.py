@@ -9,8 +9,8 @@ import sys
 import time
 
 from tandem.choices import KV_CACHE_DTYPES
-from tandem.flags import (DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
-                          QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
+from tandem.flags import (BATCH_INVARIANT_HELP, DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP,
+                          KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
                           float_in, hf_overrides, int_in, non_empty, size_in, speculative_config,
                           speculative_config_from_flags, structured_outputs, watermark_config)
 
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoints in bfloat16 as vLLM's auto; float16 runs as bfloat16 on a CPU), bfloat16, "
                           "float16 or float32")
     gen.add_argument("--quantization", "-q", choices=["fp8"], default=None, help=QUANTIZATION_HELP)
+    gen.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     gen.add_argument("--device", default="auto", help="auto (CUDA where there is a GPU, else the CPU), cuda, cuda:N or cpu")
     gen.add_argument("--max-model-len", type=size_in(1), default=None,
                      help="the longest prompt + output, in tokens (default: the model's; units as vLLM: 32k, 32K)")
@@ -268,7 +269,7 @@ def _generate(args) -> int:
                   max_num_seqs=1,
                   watermark_config=args.watermark_config,
                   tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                  quantization=args.quantization)
+                  quantization=args.quantization, batch_invariant=args.batch_invariant)
     spec = speculative_config_from_flags(args, draft, DEFAULT_K)
     t0 = time.perf_counter()
     llm = LLM(model, speculative_config=spec, **common)

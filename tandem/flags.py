@@ -182,6 +182,9 @@ KV_CACHE_DTYPE_HELP = ("the KV cache's dtype: auto (the model's) or fp8 (float8 
                         "token takes, as vLLM's fp8 cache without calibrated scales; on a GPU needs compute capability 8.9+)")
 DOWNLOAD_DIR_HELP = ("where models named by a known name, a .gguf file or a hub id are fetched and converted "
                      "(vLLM's flag; default: $TANDEM_CACHE, else ~/.cache/tandem; a hub id: the Hugging Face cache)")
+BATCH_INVARIANT_HELP = ("a token's logits get the same bits whatever step computes it (alone or batched, decoded, "
+                        "verified or prefilled): speculative greedy output equals target-only greedy output on a GPU "
+                        "in bf16 too (vLLM's VLLM_BATCH_INVARIANT=1); bf16 / fp16, one rank; slower on a GPU")
 QUANTIZATION_HELP = ("fp8: the target's linear layers rounded to float8 e4m3 on load, one power-of-two scale per "
                      "output row, its LM head kept (vLLM's online fp8, weight-only here): on a GPU half the weight "
                      "memory and traffic; needs compute capability 8.9+")

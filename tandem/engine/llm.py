@@ -103,6 +103,7 @@ class LLM:
         disable_custom_all_reduce: bool = False,
         download_dir: str | None = None,
         hf_overrides: dict | None = None,
+        batch_invariant: bool = False,
         _rank: tuple[int, int] | None = None,
         **unsupported: Any,
     ):
@@ -117,7 +118,10 @@ class LLM:
         (vLLM's): where models named by a known name, a GGUF file or a hub id are fetched and converted
         (None: $TANDEM_CACHE, else ~/.cache/tandem; a hub id the Hugging Face cache). hf_overrides
         (vLLM's, a dict): config.json's keys set over the file's for the target model (its shape,
-        positions, rope scaling...), checked as the file's own. Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
+        positions, rope scaling...), checked as the file's own. batch_invariant (vLLM's VLLM_BATCH_INVARIANT=1):
+        a token's logits have the same bits whatever step computes it (alone or in a batch, decoded, verified
+        among drafts or prefilled), so speculative greedy output equals target-only greedy output on a GPU in
+        bf16 too; slower on a GPU (README). Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
         if unsupported:
             names = ", ".join(sorted(unsupported))
             raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "
@@ -158,6 +162,8 @@ class LLM:
         self.generation_defaults = _checked_defaults(generation_defaults(generation_config, model_dir,
                                                                          override_generation_config))
         torch_dtype = resolve_dtype(dtype, arch, dev)
+        if batch_invariant:
+            _check_batch_invariant(dev, torch_dtype, cpu_matmul, tp_size)
         max_len = resolve_max_model_len(max_model_len, arch)
         spec = _parse_spec(speculative_config, max_len)
         watermark = parse_watermark_config(watermark_config)
@@ -174,7 +180,7 @@ class LLM:
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
                               quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
-                              tp_size=tp_size),
+                              tp_size=tp_size, batch_invariant=batch_invariant),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -587,6 +593,37 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
         raise ConfigError(f"tokenizer={tokenizer!r} must be a path or a model name (a string), or None for the "
                           "model's own")
     check_dtype_name(dtype)  # before a model is fetched or converted for it
+
+
+def _check_batch_invariant(dev: torch.device, dtype: torch.dtype, cpu_matmul: str, tp_size: int) -> None:
+    """batch_invariant=True needs kernels that compute a row the same way whatever its step: on a GPU
+    tandem's Triton kernels (bf16 / fp16; fp32 runs cuBLAS), on a CPU tandem's C kernels (bf16 / fp16,
+    cpu_matmul 'auto' or a build), one rank (a sum reduced across ranks rounds as the collective splits it)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        kernels = "Triton" if dev.type == "cuda" else "C"
+        raise ConfigError(f"batch_invariant=True needs dtype bfloat16 or float16 (tandem's {kernels} kernels); this "
+                          f"model runs in {str(dtype).removeprefix('torch.')}: pass dtype='bfloat16' "
+                          "or leave batch_invariant off")
+    if tp_size > 1:
+        raise ConfigError(f"batch_invariant=True is not supported with tensor_parallel_size={tp_size} (a sum reduced "
+                          "across ranks rounds as the collective splits it): use tensor_parallel_size=1 or leave "
+                          "batch_invariant off")
+    if dev.type == "cuda":
+        from tandem.layers.backend import triton_available
+        from tandem.layers.norm import fused_kernels_available
+
+        if not (triton_available(dev) and fused_kernels_available()):
+            raise ConfigError("batch_invariant=True on a GPU needs Triton (tandem's kernels), which does not import "
+                              "here: install triton or leave batch_invariant off")
+    elif dev.type == "cpu":
+        from tandem.kernels import cpu_build
+        from tandem.layers.cpu_linear import cpu_linear_kind
+
+        if cpu_linear_kind(cpu_matmul, dev, dtype) not in cpu_build.ISAS:
+            raise ConfigError(f"batch_invariant=True on a CPU needs tandem's C kernels (cpu_matmul='auto' or a build "
+                              f"of them, and a C compiler); cpu_matmul={cpu_matmul!r} runs "
+                              f"{cpu_linear_kind(cpu_matmul, dev, dtype)!r} here: pass cpu_matmul='auto' or leave "
+                              "batch_invariant off")
 
 
 def _check_speculation(spec, *, dev: torch.device, tp_size: int, enforce_eager: bool, eager_asked: bool,

@@ -636,6 +636,49 @@ def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = No
     return out
 
 
+# gemm_invariant's tiles: one per weight shape, whatever the rows (LLM(batch_invariant=True)).
+INVARIANT_BLOCK_M = 16
+INVARIANT_W8 = W8Tile(INVARIANT_BLOCK_M, 64, 128, 4, 4, True, 1)
+
+
+def gemm_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+                   act: str | None = None, w_scale: Tensor | None = None) -> Tensor:
+    """gemm_rows' product for any number of rows (x [M, K], M >= 0), each row's bits independent of M:
+    one tile for the weight's shape (rows_config's, INVARIANT_W8 for fp8 weights), INVARIANT_BLOCK_M rows
+    a program, no split of K, every row's sums in one order. The batch-invariant engine's linears
+    (tandem/layers/gpu_linear.py): a token decoded alone, verified among 1 + k drafts or prefilled in a
+    chunk gets the same logits. Past ~16 rows slower than cuBLAS (each row tile streams the weight
+    again, from L2 where the tiles launched together share it)."""
+    if w_scale is not None:
+        return gemm_w8(x, weight, w_scale, bias, out=out, act=act, config=INVARIANT_W8)
+    n, k = weight.shape
+    m = x.shape[0]
+    assert act in (None, "silu_mul")
+    silu_mul = act == "silu_mul"
+    n_out = n // 2 if silu_mul else n
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    _check_weight(x, weight, None)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    if m == 0:
+        return out
+    block_n, block_k, num_warps, num_stages = rows_config(n, k)
+    assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
+    grid = (triton.cdiv(m, INVARIANT_BLOCK_M),
+            triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n))
+    _rows_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, out, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k,
+        HAS_BIAS=bias is not None, W_SCALE=False, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        MULTI_M=True, W8_SECOND=True, SPLIT_K=1, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
+    )
+    return out
+
+
 def rope_fusable(head_dim: int) -> bool:
     """Whether gemm_rows_qkv_rope takes this head size (16 rotary pairs per program)."""
     return head_dim % 32 == 0

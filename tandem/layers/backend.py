@@ -29,10 +29,13 @@ def triton_available(device: torch.device) -> bool:
 
 class AttnBackend:
     def __init__(self, block_size: int, device: torch.device, use_table: bool | None = None,
-                 use_triton: bool | None = None, max_num_seqs: int = 0, max_model_len: int = 0):
+                 use_triton: bool | None = None, max_num_seqs: int = 0, max_model_len: int = 0,
+                 invariant: bool = False):
         """max_num_seqs, max_model_len: the persistent block table's shape (0: none; every step's
-        tables then come from its host lists)."""
+        tables then come from its host lists). invariant: the Triton steps' attention batch-invariant
+        (LLM(batch_invariant=True): tandem/kernels/chunked_attention.py)."""
         self.block_size = block_size
+        self.invariant = invariant
         self.device = device
         self.use_table = device.type == "cuda" if use_table is None else use_table
         self.use_triton = triton_available(device) if use_triton is None else use_triton
@@ -56,7 +59,7 @@ class AttnBackend:
         if self.use_table:
             table = self.block_table if slots is not None else None
             return build_table_metadata(start_pos, q_lens, block_tables, self.block_size, self.upload,
-                                        self.use_triton, table, slots)
+                                        self.use_triton, table, slots, self.invariant)
         return build_attn_metadata(start_pos, q_lens, block_tables, self.block_size, self.device, rowwise)
 
     def rows(self, slots: Tensor, width: int, block_lists: list[list[int]]) -> Tensor:
@@ -79,7 +82,8 @@ class AttnBackend:
             pos, safe, ids, slot_mapping, seq_lens, cu = decode_inputs(pos, slots, drafts, col, table, valid,
                                                                        max_model_len, self.block_size)
             meta = TableAttnMetadata(slot_mapping=slot_mapping, block_tables=table, seq_lens=seq_lens,
-                                     cu_q_lens=cu, max_q_len=1, block_size=self.block_size, use_triton=True)
+                                     cu_q_lens=cu, max_q_len=1, block_size=self.block_size, use_triton=True,
+                                     invariant=self.invariant)
             return pos, safe, ids, meta
         pos = pos + 1
         safe = pos.clamp(max=max_model_len - 1)
@@ -105,4 +109,5 @@ class AttnBackend:
             max_q_len=1,
             block_size=bs,
             use_triton=self.use_triton,
+            invariant=self.invariant,
         )

@@ -146,6 +146,9 @@ class GemvLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.use_gemv = True  # False: cuBLAS for every shape (A/B measurements)
+        # LLM(batch_invariant=True): every input, one row or thousands, through gemm_invariant (one tile a
+        # weight shape, no split of K), none of the one-row fusions: a row's bits do not depend on its step
+        self.invariant = False
         self.site = ""  # the attribute name in its parent module (prepare_gpu_linears), for TANDEM_GEMV_PRELOAD
         self.w8 = self.w_scale = None  # fp8: the e4m3 copy [N, K] and its row scales [N] fp32
         if fp8:
@@ -174,7 +177,7 @@ class GemvLinear(nn.Module):
 
     def one_row(self, x: Tensor) -> bool:
         """Whether x [n, in_features] takes the GEMV (and so the fused norm / add) path."""
-        return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+        return self.use_gemv and not self.invariant and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
 
     def few_rows(self, x: Tensor, qkv: bool = False) -> bool:
         """Whether x [n, in_features] takes the few-row tensor-core GEMM: bf16 / fp16, at least
@@ -191,6 +194,8 @@ class GemvLinear(nn.Module):
         A/B switch); TANDEM_ROWS_MIN_OUT (and for the qkv projection, qkv, TANDEM_ROWS_QKV_MIN_OUT) moves
         the FEW_ROWS_MIN_OUT bound (A/B switches)."""
         n = x.shape[0] if x.dim() == 2 else 0
+        if self.invariant:
+            return False
         if self.fp8_only:  # no cuBLAS weight to fall back on: every width, up to 32 rows
             return 2 <= n <= min(FEW_ROWS, _gemm_rows_cap()) and x.stride(-1) == 1
         if not (self.use_gemv and self.out_features >= _rows_min_out(qkv) and 2 <= n <= FEW_ROWS and x.stride(-1) == 1
@@ -209,6 +214,8 @@ class GemvLinear(nn.Module):
 
             return gemv(x.row, self.kernel_weight, self.bias, out=out, norm=x.row_norm(), w_scale=self.w_scale,
                         preload=self.preload)
+        if self.invariant:
+            return self._invariant(x, out)
         if self.one_row(x):
             from tandem.kernels.gemv import gemv
 
@@ -224,6 +231,16 @@ class GemvLinear(nn.Module):
         if self.bias is None:  # F.linear's kernels, into out
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    def _invariant(self, x: Tensor, out: Tensor | None = None, act: str | None = None) -> Tensor:
+        """The batch-invariant product of any rows x [..., in_features] (gemm_invariant)."""
+        from tandem.kernels.gemm_rows import gemm_invariant
+
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = gemm_invariant(rows, self.kernel_weight, self.bias, out=out, act=act, w_scale=self.w_scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _many_rows(self, x: Tensor, out: Tensor | None = None, act: str | None = None) -> Tensor:
         """An fp8-only layer's product for any rows x [..., in_features]: gemm_w8 (weight-only)."""
@@ -249,7 +266,9 @@ class GemvLinear(nn.Module):
 
     def activates(self, x: Tensor | NormedRow) -> bool:
         """Whether forward_then_silu_mul takes x, this layer being a packed [gate | up] projection: a
-        few rows (`few_rows`), or one row where `activates_row` says so."""
+        few rows (`few_rows`), or one row where `activates_row` says so; batch-invariant, any rows."""
+        if self.invariant:
+            return True
         if self.takes_row(x):
             return self.activates_row()
         return self.few_rows(x)
@@ -269,6 +288,8 @@ class GemvLinear(nn.Module):
         """F.silu(gate) * up of this packed [gate | up] projection of x (`activates(x)`), the
         activation in the epilogue of the one-row GEMV or the few-row GEMM: one launch instead of two,
         no [n, 2 I] intermediate (the silu_and_mul kernel's bits)."""
+        if self.invariant:
+            return self._invariant(x, act="silu_mul")
         if self.takes_row(x):
             from tandem.kernels.gemv import gemv_gate_up
 
@@ -340,10 +361,12 @@ class GemvLinear(nn.Module):
                                   preload=self.preload))
 
 
-def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool = True) -> None:
+def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool = True,
+                        invariant: bool = False) -> None:
     """Swap every nn.Linear of a CUDA model in bf16 / fp16 for a GemvLinear, in place. Linears
     marked `fp8_weights` (tandem/layers/quant.py: fp8-representable weights) get fp8 copies the
-    kernels stream; keep_weights=False drops their model-dtype weights (the fp8 target)."""
+    kernels stream; keep_weights=False drops their model-dtype weights (the fp8 target); invariant:
+    every product batch-invariant (GemvLinear.invariant)."""
     if dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_available():  # CUDA + Triton
         return
     for module, name, child in linear_sites(model):
@@ -351,6 +374,7 @@ def prepare_gpu_linears(model: nn.Module, dtype: torch.dtype, keep_weights: bool
             child.weight = nn.Parameter(child.weight.detach().contiguous(), requires_grad=False)
         linear = GemvLinear(child, fp8=getattr(child, "fp8_weights", False), keep_weight=keep_weights)
         linear.site = name
+        linear.invariant = invariant
         setattr(module, name, linear)
         if linear.fp8_only:
             child.weight = None  # freed now, not when the loop ends: the load's peak stays the model-dtype weights'

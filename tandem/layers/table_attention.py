@@ -21,6 +21,7 @@ from tandem.layers.block_table import BlockTable
 def build_table_metadata(
     start_pos: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int,
     upload, use_triton: bool, table: BlockTable | None = None, slots: list[int] | None = None,
+    invariant: bool = False,
 ) -> "TableAttnMetadata":
     """Host lists -> device metadata for an eager step; upload: a tandem.upload.Uploader.
     table, slots: the persistent block table and each query's slot there (the rows are brought
@@ -54,6 +55,7 @@ def build_table_metadata(
         max_q_len=max(q_lens),
         block_size=block_size,
         use_triton=use_triton,
+        invariant=invariant,
     )
 
 
@@ -73,6 +75,7 @@ class TableAttnMetadata:
     max_q_len: int  # host-known upper bound on any request's query length
     block_size: int
     use_triton: bool = False
+    invariant: bool = False  # the Triton path's batch-invariant kernel (tandem/kernels/chunked_attention.py)
 
     @property
     def num_tokens(self) -> int:
@@ -83,19 +86,29 @@ class TableAttnMetadata:
         """True: the model's rotary kernel also writes this step's K/V (attend(kv_stored=True))."""
         return self.use_triton
 
+    def kernel(self):
+        """The Triton attention this step runs (tandem/kernels/attention.py's paged_attention, or its
+        batch-invariant form), called with paged_attention's arguments."""
+        if self.invariant:
+            from tandem.kernels.chunked_attention import chunked_attention
+
+            return chunked_attention
+        from tandem.kernels.attention import paged_attention
+
+        return paged_attention
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float,
                kv_stored: bool = False, cpu_isa: str | None = None) -> Tensor:
         """Store (unless kv_stored) and attend -> [num_tokens, H, D]; cpu_isa is AttnMetadata's
         (this form runs the Triton kernels or the dense torch fallback, never the C kernel)."""
         if self.use_triton:
-            from tandem.kernels.attention import paged_attention
             from tandem.kernels.kv_store import kv_store
 
             if not kv_stored:
                 kv_store(k, v, k_cache, v_cache, self.slot_mapping)
             out = torch.empty_like(q)
-            paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,
-                            self.max_q_len, scale, out)
+            self.kernel()(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens, self.max_q_len,
+                          scale, out)
             return out
         store_kv_masked(k, v, k_cache, v_cache, self.slot_mapping)
         return dense_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_q_lens,

@@ -103,7 +103,7 @@ def _build(cfg: ModelConfig, device: torch.device, what: str, fix: str, field: s
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.index_select(0, rows), requires_grad=False)
         model.lm_head.out_features = len(head_ids)
     if device.type == "cuda":
-        prepare_gpu_linears(model, cfg.dtype, keep_weights=cfg.fp8_draft_layout)
+        prepare_gpu_linears(model, cfg.dtype, keep_weights=cfg.fp8_draft_layout, invariant=cfg.batch_invariant)
     else:
         prepare_linears(model, kind, chosen=cfg.cpu_matmul != "auto")
         if kind in cpu_build.ISAS:

@@ -43,7 +43,7 @@ def capture_on(stream: torch.cuda.Stream, pool, fn, warmups: int = 1) -> torch.c
 
 class GraphRunner:
     def __init__(self, model, kv, *, tokens_per_req: int, max_num_reqs: int, max_blocks: int, block_size: int,
-                 device: torch.device, use_triton: bool, logits: Tensor | None = None):
+                 device: torch.device, use_triton: bool, logits: Tensor | None = None, invariant: bool = False):
         """logits: the buffer the graphs write their logits to ([>= max_num_reqs * tokens_per_req,
         vocab]; None: one of its own), which graphs that never replay between a replay and the use
         of its logits may share."""
@@ -51,6 +51,7 @@ class GraphRunner:
         self.t = tokens_per_req
         self.block_size = block_size
         self.use_triton = use_triton
+        self.invariant = invariant  # the batch-invariant attention (TableAttnMetadata.invariant)
         n_tok = max_num_reqs * tokens_per_req
         self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n_tok, dtype=torch.int64, device=device)
@@ -77,6 +78,7 @@ class GraphRunner:
             max_q_len=self.t,
             block_size=self.block_size,
             use_triton=self.use_triton,
+            invariant=self.invariant,
         )
 
     def forward(self, n: int) -> Tensor:

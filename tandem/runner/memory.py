@@ -156,7 +156,7 @@ def _profile_forward(cfg: EngineConfig, model) -> None:
     bs = cfg.cache.block_size
     num_blocks = -(-n // bs)
     kv = KVCache(model.arch, num_blocks, bs, cfg.cache.kv_dtype(model.model.embed_tokens.weight.dtype), cfg.device)
-    meta = AttnBackend(bs, cfg.device).prefill([0], [n], [list(range(num_blocks))])
+    meta = AttnBackend(bs, cfg.device, invariant=cfg.model.batch_invariant).prefill([0], [n], [list(range(num_blocks))])
     ids = torch.zeros(n, dtype=torch.int64, device=cfg.device)
     hidden = model(ids, torch.arange(n, device=cfg.device), meta, kv)
     rows = min(n, cfg.sched.max_num_seqs * (1 + cfg.sched.num_lookahead_tokens))

@@ -86,7 +86,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.attn_backend = AttnBackend(cache.block_size, device, max_num_seqs=sched.max_num_seqs,
-                                        max_model_len=sched.max_model_len)
+                                        max_model_len=sched.max_model_len, invariant=model_cfg.batch_invariant)
         self.kv = KVCache(model.arch, cache.num_blocks, cache.block_size, cache.kv_dtype(model_cfg.dtype), device)
         self.vocab_size = model_cfg.arch.vocab_size
         self.logprobs_mode = model_cfg.logprobs_mode
@@ -120,7 +120,8 @@ class ModelRunner:
         for t in tokens_per_req:
             runner = GraphRunner(self.model, self.kv, tokens_per_req=t, max_num_reqs=max_num_reqs,
                                  max_blocks=max_blocks, block_size=self.block_size, device=self.device,
-                                 use_triton=self.attn_backend.use_triton, logits=logits)
+                                 use_triton=self.attn_backend.use_triton, logits=logits,
+                                 invariant=self.attn_backend.invariant)
             runner.capture(stream, pool)
             self.graphs[t] = runner
         if piecewise_tokens > 0 and self.attn_backend.use_triton:

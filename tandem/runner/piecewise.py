@@ -154,8 +154,6 @@ class PiecewiseGraphs:
     def run(self, input_ids: Tensor, positions: Tensor, attn: TableAttnMetadata) -> Tensor:
         """input_ids, positions [T] int64 (T <= the largest bucket) and the step's own metadata
         -> hidden [T, hidden_size] (a view of the bucket's static output, valid until the next run)."""
-        from tandem.kernels.attention import paged_attention
-
         n = input_ids.shape[0]
         t = self.bucket(n)
         assert positions.shape[0] == n and attn.slot_mapping.shape[0] == n, "one position and KV slot per token"
@@ -168,8 +166,8 @@ class PiecewiseGraphs:
         q, out = self.q[:t], self.out[:t]
         for graph, (k_cache, v_cache, scale) in zip(pieces.graphs, pieces.attention):
             graph.replay()
-            paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, attn.max_q_len,
-                            scale, out)
+            attn.kernel()(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, attn.max_q_len,
+                          scale, out)
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]
 

@@ -12,8 +12,8 @@ import socket
 
 from tandem.chat import load_chat_template
 from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
-from tandem.flags import (DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP, KV_CACHE_DTYPE_HELP,
-                          QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
+from tandem.flags import (BATCH_INVARIANT_HELP, DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP,
+                          KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
                           float_in, hf_overrides, int_in, non_empty, override_generation_config, size_in,
                           speculative_config, structured_outputs_config, watermark_config)
 from tandem.reasoning import REASONING_PARSERS
@@ -103,6 +103,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "lower priority")
     engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                         help="run every step eagerly: no CUDA graphs (slower; start-up is quicker and takes less memory)")
+    engine.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
     server = parser.add_argument_group("server")

@@ -1094,7 +1094,7 @@ def run_server(args: argparse.Namespace) -> int:
         structured_outputs_config=args.structured_outputs_config,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
-        disable_log_stats=args.disable_log_stats,
+        disable_log_stats=args.disable_log_stats, batch_invariant=args.batch_invariant,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

@@ -35,7 +35,8 @@ class DraftGraphs:
         self.max_kv = max_blocks * backend.block_size
         self.catchup = GraphRunner(model, kv, tokens_per_req=self.catchup_tokens(k), max_num_reqs=max_num_reqs,
                                    max_blocks=max_blocks,
-                                   block_size=backend.block_size, device=device, use_triton=backend.use_triton)
+                                   block_size=backend.block_size, device=device, use_triton=backend.use_triton,
+                                   invariant=backend.invariant)
         self.slots = torch.full((max_num_reqs,), self.scratch_slot, dtype=torch.int64, device=device)
         self.pos = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int64, device=device)

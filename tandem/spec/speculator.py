@@ -121,7 +121,8 @@ class DraftSpeculator(Speculator):
         if self.k >= 2 and os.environ.get("TANDEM_DRAFT_STEP_GRAPH", "1") != "0":  # =0: the eager loop (A/B)
             self.step_graph = GraphRunner(self.model, self.kv, tokens_per_req=1, max_num_reqs=max_num_reqs,
                                           max_blocks=max_blocks, block_size=self.block_size, device=self.device,
-                                          use_triton=self.attn_backend.use_triton)
+                                          use_triton=self.attn_backend.use_triton,
+                                          invariant=self.attn_backend.invariant)
             self.step_graph.capture(stream, pool)
         if piecewise_tokens > 0 and self.attn_backend.use_triton:
             self.piecewise = PiecewiseGraphs(self.model, self.kv, max_tokens=piecewise_tokens, device=self.device)

@@ -98,3 +98,34 @@ def test_unseeded_requests_are_reproducible_per_engine_seed(model):
     b = _tokens(_llm(model, seed=5).generate(PROMPTS[:3], params, use_tqdm=False))
     assert a == b
     assert len({tuple(t) for t in a}) == 3
+
+
+def test_batch_invariant_on_cpu_gives_each_row_its_own_bits(model):
+    """LLM(batch_invariant=True) on a CPU runs tandem's C kernels (which compute each row alone): the
+    greedy tokens and their logprobs' bits of each prompt alone equal those batched, in small prefill
+    chunks and under speculation with the model as its own draft."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run(batched=True, **kw):
+        llm = LLM(str(model), dtype="bfloat16", block_size=8, max_model_len=160, batch_invariant=True, **kw)
+        outs = (llm.generate(PROMPTS, params, use_tqdm=False) if batched else
+                [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS])
+        return [(c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                for c in (o.outputs[0] for o in outs)]
+
+    alone = run(batched=False, max_num_seqs=1)
+    assert run() == alone
+    assert run(max_num_batched_tokens=16) == alone
+    assert run(speculative_config=dict(model=str(model), num_speculative_tokens=3)) == alone
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="float32"), "needs dtype bfloat16 or float16"),
+    (dict(dtype="bfloat16", cpu_matmul="torch"), "needs tandem's C kernels .*cpu_matmul='torch'"),
+    (dict(dtype="bfloat16", tensor_parallel_size=2), "not supported with tensor_parallel_size=2"),
+])
+def test_batch_invariant_refuses_what_cannot_keep_it(model, kw, match):
+    from tandem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(model), device="cpu", max_model_len=160, batch_invariant=True, **kw)
