@@ -621,6 +621,51 @@ def serving(root, target, draft, batches, args, results) -> None:
             spec_r["speedup"] = spec_r["tok_s"] / base["tok_s"]
 
 
+def invariance(root, target, draft, args, results) -> None:
+    """LLM(batch_invariant=True) against the default engine, side by side (8B / 1B shapes, dummy weights, bf16):
+    greedy output of one prompt alone, among 7 others, and under speculation (k = 4, the 1B draft, real
+    verification) over --invariance-tokens tokens: where each first parts from the prompt alone, if it does
+    (random weights put many logits near each other: near ties a sum in another order turns); and the prompt's
+    prefill (median of 3 after a warm-up, prefix caching off). With --batch-invariant: the invariant engine alone."""
+    from tandem import SamplingParams
+
+    tdir, ddir = write_config(root, *target), write_config(root, *draft)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(10, 30000, (n,), generator=g).tolist() for n in (args.prompt_len * 12, 40, 300, 7,
+                                                                                  900, 64, 5, 128)]
+    params = SamplingParams(temperature=0, max_tokens=args.invariance_tokens, ignore_eos=True)
+
+    def first_difference(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+    for inv in (True,) if args.batch_invariant else (False, True):
+        llm = make_llm(tdir, None, 8, args.max_model_len, batch_invariant=inv)
+        one = {"prompt_token_ids": prompts[0]}
+        times = []
+        for i in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([one], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        alone = llm.generate([one], params, use_tqdm=False)[0].outputs[0].token_ids
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)[0].outputs[0].token_ids
+        del llm
+        free()
+        spec = dict(model=ddir, num_speculative_tokens=4, draft_load_format="dummy")
+        llm = make_llm(tdir, spec, 1, args.max_model_len, batch_invariant=inv)
+        speculative = llm.generate([one], params, use_tqdm=False)[0].outputs[0].token_ids
+        del llm
+        free()
+        row = dict(batch_invariant=inv, prompt_tokens=len(prompts[0]), tokens=args.invariance_tokens,
+                   prefill_ms=statistics.median(times[1:]) * 1e3,
+                   batched_first_difference=first_difference(batched, alone),
+                   speculative_first_difference=first_difference(speculative, alone))
+        results["invariance"].append(row)
+        print(f"[invariance] {row}", flush=True)
+
+
 def hf_peer(target_shape, draft_shape, args, results) -> None:
     import transformers
 
@@ -676,6 +721,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu_bench.json")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--invariance-tokens", type=int, default=256,
+                   help="the invariance section's greedy tokens a run (its prompt: 12 x --prompt-len tokens)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every engine with LLM(batch_invariant=True) (the target and synthetic sections)")
     p.add_argument("--steps", type=int, default=30)
@@ -697,7 +744,8 @@ def main(argv=None) -> int:
                         "the draft acceptance rate, accepted / drafted, is a), comma-separated values of a")
     p.add_argument("--sections", default="target,synthetic,eps,hf",
                    help="comma list of target, synthetic, eps, hf, serving (continuous batching), watermark, "
-                        "verification (block against standard, sampled); the last three not in the default")
+                        "verification (block against standard, sampled), invariance (batch_invariant against the "
+                        "default engine); the last four not in the default")
     p.add_argument("--serving-batches", default="8,32", help="the serving section's max_num_seqs values")
     p.add_argument("--serving-rate", type=float, default=0.8, help="the serving section's uniform acceptance")
     p.add_argument("--serving-k-schedule", action="append", default=[], metavar="A-B:K,...|auto",
@@ -731,7 +779,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     results = {"env": environment(), "target_only": [], "synthetic": [], "eps_pair": [], "hf": [], "serving": [],
-               "watermark": [], "verification": []}
+               "watermark": [], "verification": [], "invariance": []}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -787,6 +835,9 @@ def main(argv=None) -> int:
         if "verification" in sections:
             verification(root, target[1], target[0], batches, args, results)
             write_json(args.out, results)
+        if "invariance" in sections:
+            invariance(root, target, draft, args, results)
+            write_json(args.out, results)
         if "hf" in sections:
             hf_peer(target[1], draft[1], args, results)
         if "serving" in sections:
@@ -837,6 +888,13 @@ def main(argv=None) -> int:
                 for r in results["serving"] if "steps_by_drafts" in r]
         if rows:
             print_table(["adaptive", "max_num_seqs", "steps by K", "estimated S_j", "step ms by size: K=0..k"], rows)
+    rows = [("on" if r["batch_invariant"] else "off", r["prompt_tokens"], f"{r['prefill_ms']:.1f}", r["tokens"],
+             "same" if r["batched_first_difference"] is None else f"token {r['batched_first_difference']}",
+             "same" if r["speculative_first_difference"] is None else f"token {r['speculative_first_difference']}")
+            for r in results["invariance"]]
+    if rows:
+        print_table(["batch_invariant", "prompt", "prefill ms", "greedy tokens", "batched vs alone",
+                     "speculative vs alone"], rows)
     if results["hf"]:
         ours = next((r["tok_s"] for r in results["target_only"] if r["model"] == target[0] and r["batch"] == 1), None)
         ratio = lambda t: f"{ours / t:.1f}x" if ours else "-"  # noqa: E731

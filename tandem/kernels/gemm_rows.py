@@ -641,16 +641,28 @@ INVARIANT_BLOCK_M = 16
 INVARIANT_W8 = W8Tile(INVARIANT_BLOCK_M, 64, 128, 4, 4, True, 1)
 
 
+def invariant_rows() -> int:
+    """gemm_invariant's rows a program: INVARIANT_BLOCK_M, or TANDEM_INVARIANT_ROWS (16, 32 or 64; an A/B
+    switch). Fixed for every call: a tensor-core dot's row count can change a row's sums (H100: 16, 32 and
+    64 rows a program gave other bits for 6 of 14 weight shapes, fp8 among them)."""
+    raw = os.environ.get("TANDEM_INVARIANT_ROWS", str(INVARIANT_BLOCK_M))
+    if raw not in ("16", "32", "64"):
+        raise ValueError(f"TANDEM_INVARIANT_ROWS={raw!r}: expected 16, 32 or 64 (default {INVARIANT_BLOCK_M})")
+    return int(raw)
+
+
 def gemm_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-                   act: str | None = None, w_scale: Tensor | None = None) -> Tensor:
+                   act: str | None = None, w_scale: Tensor | None = None, block_m: int | None = None) -> Tensor:
     """gemm_rows' product for any number of rows (x [M, K], M >= 0), each row's bits independent of M:
     one tile for the weight's shape (rows_config's, INVARIANT_W8 for fp8 weights), INVARIANT_BLOCK_M rows
     a program, no split of K, every row's sums in one order. The batch-invariant engine's linears
     (tandem/layers/gpu_linear.py): a token decoded alone, verified among 1 + k drafts or prefilled in a
     chunk gets the same logits. Past ~16 rows slower than cuBLAS (each row tile streams the weight
-    again, from L2 where the tiles launched together share it)."""
+    again, from L2 where the tiles launched together share it). block_m: the rows a program (None:
+    invariant_rows()), for tests."""
+    block_m = block_m or invariant_rows()
     if w_scale is not None:
-        return gemm_w8(x, weight, w_scale, bias, out=out, act=act, config=INVARIANT_W8)
+        return gemm_w8(x, weight, w_scale, bias, out=out, act=act, config=INVARIANT_W8._replace(block_m=block_m))
     n, k = weight.shape
     m = x.shape[0]
     assert act in (None, "silu_mul")
@@ -666,14 +678,16 @@ def gemm_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: T
     if m == 0:
         return out
     block_n, block_k, num_warps, num_stages = rows_config(n, k)
+    while num_stages > 2 and num_stages * (block_n + block_m) * block_k * x.element_size() > 200 << 10:
+        num_stages -= 1  # (the pipeline's depth: not the arithmetic)
     assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
-    grid = (triton.cdiv(m, INVARIANT_BLOCK_M),
+    grid = (triton.cdiv(m, block_m),
             triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n))
     _rows_kernel[grid](
         x, weight, bias if bias is not None else weight, out, out, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k,
         HAS_BIAS=bias is not None, W_SCALE=False, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        MULTI_M=True, W8_SECOND=True, SPLIT_K=1, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=block_n,
+        MULTI_M=True, W8_SECOND=True, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
     )
     return out

@@ -152,3 +152,4 @@ def test_gemm_invariant_rows_gpu(n, k, dtype):
 def test_gemm_invariant_silu_mul_and_fp8_gpu(n, k):
     check_gemm_invariant(n, k, torch.bfloat16, "cuda", act="silu_mul" if n > k else None)
     check_gemm_invariant(n, k, torch.bfloat16, "cuda", fp8=True, act="silu_mul" if n > k else None)
+
