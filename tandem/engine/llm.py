@@ -511,7 +511,7 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                      load_format, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
                      tokenizer_mode, trust_remote_code, enable_prefix_caching, enforce_eager, tokenizer, dtype,
                      disable_log_stats, enable_chunked_prefill, swap_space, disable_custom_all_reduce, download_dir,
-                     hf_overrides, **_) -> None:
+                     hf_overrides, batch_invariant, **_) -> None:
     """LLM's arguments that can be checked before anything is resolved: a ConfigError naming the
     first bad one and its fix."""
     _check_positive_int("max_num_seqs", max_num_seqs)
@@ -572,7 +572,7 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                           "model's Hugging Face tokenizer)")
     for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
                        ("enforce_eager", enforce_eager), ("disable_log_stats", disable_log_stats),
-                       ("disable_custom_all_reduce", disable_custom_all_reduce)):
+                       ("disable_custom_all_reduce", disable_custom_all_reduce), ("batch_invariant", batch_invariant)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r} must be True or False")
     if enable_chunked_prefill not in (None, True):
@@ -619,11 +619,13 @@ def _check_batch_invariant(dev: torch.device, dtype: torch.dtype, cpu_matmul: st
         from tandem.kernels import cpu_build
         from tandem.layers.cpu_linear import cpu_linear_kind
 
-        if cpu_linear_kind(cpu_matmul, dev, dtype) not in cpu_build.ISAS:
-            raise ConfigError(f"batch_invariant=True on a CPU needs tandem's C kernels (cpu_matmul='auto' or a build "
-                              f"of them, and a C compiler); cpu_matmul={cpu_matmul!r} runs "
-                              f"{cpu_linear_kind(cpu_matmul, dev, dtype)!r} here: pass cpu_matmul='auto' or leave "
-                              "batch_invariant off")
+        kind = cpu_linear_kind(cpu_matmul, dev, dtype)
+        if kind not in cpu_build.ISAS:
+            if cpu_matmul == "auto":  # the C kernels do not run here
+                raise ConfigError(f"batch_invariant=True on a CPU needs tandem's C kernels, which cannot run here "
+                                  f"({cpu_build.load_error('avx2')}); leave batch_invariant off")
+            raise ConfigError(f"batch_invariant=True on a CPU needs tandem's C kernels; cpu_matmul={cpu_matmul!r} "
+                              f"runs {kind!r}: pass cpu_matmul='auto' or leave batch_invariant off")
 
 
 def _check_speculation(spec, *, dev: torch.device, tp_size: int, enforce_eager: bool, eager_asked: bool,

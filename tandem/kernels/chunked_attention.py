@@ -12,8 +12,8 @@ order is fixed by the query alone:
   leaves every sum it takes part in unchanged;
 - the partials are merged in chunk order by `_merge` (M = max(M, m); L = L 2^(M_old - M) + l 2^(m - M);
   acc likewise), then divided by `_finish`;
-- one tile shape (`invariant_tile`: 64 query rows, 64-key tiles, 4 warps) for every step, and no
-  floating-point contraction (enable_fp_fusion=False), so each product and sum is rounded the same way.
+- one tile shape for every step of a model (`invariant_tile`, from its head layout and dtype alone: 64
+  query rows and 64-key tiles in bf16 / fp16 at head_dim <= 128), and no floating-point contraction (enable_fp_fusion=False), so each product and sum is rounded the same way.
 
 Two launches compute that same function. A step of one query tile per request with few programs
 (decode, verification at a small batch) runs each (request, KV head, chunk) as a program that stores
@@ -219,7 +219,11 @@ def chunked_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables:
     num_kv_heads = k_cache.shape[2]
     assert out.shape == q.shape and out.dtype == q.dtype and q.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
+    assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.dtype in (torch.int32, torch.int64)
+    assert cu_q_lens.dtype in (torch.int32, torch.int64)
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_tables.stride(1) == 1
     assert cu_q_lens.shape == (num_reqs + 1,) and 16 <= head_dim <= 256 and max_q_len >= 1
     if num_reqs == 0 or num_tokens == 0:

@@ -120,12 +120,23 @@ def test_batch_invariant_on_cpu_gives_each_row_its_own_bits(model):
 
 
 @pytest.mark.parametrize("kw, match", [
+    (dict(dtype="bfloat16", batch_invariant="false"), "batch_invariant='false' must be True or False"),
     (dict(dtype="float32"), "needs dtype bfloat16 or float16"),
-    (dict(dtype="bfloat16", cpu_matmul="torch"), "needs tandem's C kernels .*cpu_matmul='torch'"),
+    (dict(dtype="bfloat16", cpu_matmul="torch"), "needs tandem's C kernels; cpu_matmul='torch' runs 'torch': pass cpu_matmul='auto'"),
     (dict(dtype="bfloat16", tensor_parallel_size=2), "not supported with tensor_parallel_size=2"),
 ])
 def test_batch_invariant_refuses_what_cannot_keep_it(model, kw, match):
     from tandem.errors import ConfigError
 
     with pytest.raises(ConfigError, match=match):
-        LLM(str(model), device="cpu", max_model_len=160, batch_invariant=True, **kw)
+        LLM(str(model), device="cpu", max_model_len=160, **{"batch_invariant": True, **kw})
+
+
+def test_batch_invariant_where_the_c_kernels_cannot_run_says_why(model, monkeypatch):
+    from tandem.errors import ConfigError
+    from tandem.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "best_isa", lambda: None)
+    monkeypatch.setattr(cpu_build, "load_error", lambda isa: "no C compiler (cc) found")
+    with pytest.raises(ConfigError, match=r"cannot run here \(no C compiler \(cc\) found\); leave batch_invariant off"):
+        LLM(str(model), dtype="bfloat16", device="cpu", max_model_len=160, batch_invariant=True)

@@ -66,6 +66,17 @@ def test_batch_invariant_greedy_tokens_and_logprobs_on_gpu(models):
             assert got[1] == want[1], (name, i)  # the logprobs' bits: the same logits
 
 
+def test_batch_invariant_fp8_target_on_gpu(models):
+    """quantization="fp8" (the target's e4m3 weights alone, gemm_w8 at one tile) and an fp8 KV cache: the same bits
+    alone, batched and under speculation."""
+    target, draft = models
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    kw = dict(quantization="fp8", kv_cache_dtype="fp8")
+    alone = _run(target, params, batched=False, max_num_seqs=1, **kw)
+    assert _run(target, params, **kw) == alone
+    assert _run(target, params, speculative_config=dict(model=str(draft), num_speculative_tokens=3), **kw) == alone
+
+
 def test_batch_invariant_seeded_sampling_on_gpu(models):
     """Seeded sampling: batched and speculative (greedy drafts, verified by coupling) give the tokens of
     each request run alone."""

@@ -48,15 +48,14 @@ def _attend(q, k_cache, v_cache, tables, seq_lens, q_lens, split):
     return out, bt, cu
 
 
-def check_invariance(heads, kv_heads, head_dim, seq_len, dtype, device, cache_dtype=None, block_size=16):
-    """Request A's last `n` queries: one prefill chunk, each alone (split and walked), a verification of
-    3 rows among other requests: the same bits; and near the reference."""
+def check_invariance(heads, kv_heads, head_dim, seq_len, dtype, device, cache_dtype=None, block_size=16, n=7):
+    """Request A's last `n` queries: one prefill chunk (several query tiles where n is large), each alone
+    (split and walked), beside another request, a verification of 3 rows: the same bits; and near the reference."""
     g = torch.Generator().manual_seed(heads * 131 + seq_len)
     nblk = -(-seq_len // block_size)
     k_cache, v_cache = _cache(2 * nblk + 8, block_size, kv_heads, head_dim, dtype, device, g, cache_dtype)
     table_a = torch.randperm(2 * nblk + 8, generator=g)[:nblk].tolist()
     table_b = torch.randperm(2 * nblk + 8, generator=g)[:nblk].tolist()
-    n = 7
     q_a = torch.randn(n, heads, head_dim, generator=g).to(device, dtype)
     chunk, bt, cu = _attend(q_a, k_cache, v_cache, [table_a], [seq_len], [n], split=False)
     ref = dense_paged_attention(q_a, k_cache, v_cache, bt, torch.tensor([seq_len], device=device), cu, n, 0.1)
@@ -83,6 +82,25 @@ def check_invariance(heads, kv_heads, head_dim, seq_len, dtype, device, cache_dt
 def test_chunked_attention_is_batch_invariant_interpreted(dtype, monkeypatch):
     monkeypatch.setattr(ca, "CHUNK_KEYS", 128)  # several chunks at the interpreter's sizes
     check_invariance(4, 2, 32, 300, dtype, "cpu")
+
+
+@interp
+@pytest.mark.parametrize("seq_len", [128, 256, 257])
+def test_chunked_attention_tiles_padding_and_exact_chunks_interpreted(seq_len, monkeypatch):
+    """A prefill of several query tiles (80 queries, GQA 3 heads a KV head, padded to 4) whose keys end at a
+    chunk's edge or one past it; then, in one step, a padding request (seq_len 0, q_len 2: zeros), a request
+    with no query and one of the prefill's queries alone: the same bits as in the prefill."""
+    monkeypatch.setattr(ca, "CHUNK_KEYS", 128)
+    check_invariance(6, 2, 32, seq_len, torch.float32, "cpu", n=80)
+    g = torch.Generator().manual_seed(seq_len)
+    k_cache, v_cache = _cache(40, 16, 2, 32, torch.float32, "cpu", g)
+    table = list(range(1, 1 + -(-seq_len // 16)))
+    q = torch.randn(seq_len, 6, 32, generator=g)
+    whole, _, _ = _attend(q, k_cache, v_cache, [table], [seq_len], [seq_len], split=False)
+    for split in (False, True):
+        step = torch.cat([torch.randn(2, 6, 32, generator=g), q[-1:]])
+        out, _, _ = _attend(step, k_cache, v_cache, [[0], [0], table], [0, 5, seq_len], [2, 0, 1], split)
+        assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.equal(out[2:], whole[-1:]), split
 
 
 @gpu
