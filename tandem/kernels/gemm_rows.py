@@ -592,24 +592,35 @@ def w8_config(m: int, n: int, k: int) -> W8Tile:
 _SMS = 132  # the H200's streaming multiprocessors (a constant: the tile must not vary with the device it runs on)
 
 
+def _rows_out(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None, act: str | None,
+              w_scale: Tensor | None) -> Tensor:
+    """gemm_w8's and gemm_invariant's inputs checked (x [M, K] bf16 / fp16 rows contiguous, any M) -> out
+    [M, N] or, for act="silu_mul", [M, N / 2] (allocated when None)."""
+    n, k = weight.shape
+    assert act in (None, "silu_mul")
+    n_out = n // 2 if act == "silu_mul" else n
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    _check_weight(x, weight, w_scale)
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (x.shape[0], n_out) and out.stride(1) == 1 and out.dtype == x.dtype
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    return out
+
+
 def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
             act: str | None = None, config: tuple | None = None) -> Tensor:
     """gemm_rows for any number of rows of fp8 e4m3 weights (W8A16: the weight widened to x's dtype
     in registers, exact products, fp32 sums, each output row's sum times w_scale[n]): x [M, K]
     bf16 / fp16, rows contiguous; weight [N, K] e4m3, w_scale [N] fp32; act="silu_mul" as gemm_rows.
     -> out [M, N] (or [M, N / 2]). config: a W8Tile (or its fields as a tuple) in place of w8_config."""
+    assert w_scale is not None
+    out = _rows_out(x, weight, bias, out, act, w_scale)
     n, k = weight.shape
     m = x.shape[0]
-    assert act in (None, "silu_mul") and w_scale is not None
     silu_mul = act == "silu_mul"
-    n_out = n // 2 if silu_mul else n
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-    _check_weight(x, weight, w_scale)
-    if out is None:
-        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
-    if bias is not None:
-        assert bias.shape == (n,) and bias.is_contiguous()
+    n_out = out.shape[1]
     tile = W8Tile(*(config or w8_config(m, n, k)))
     assert not silu_mul or (n % 2 == 0 and tile.block_n % 2 == 0)
     if m == 0:
@@ -663,18 +674,11 @@ def gemm_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: T
     block_m = block_m or invariant_rows()
     if w_scale is not None:
         return gemm_w8(x, weight, w_scale, bias, out=out, act=act, config=INVARIANT_W8._replace(block_m=block_m))
+    out = _rows_out(x, weight, bias, out, act, None)
     n, k = weight.shape
     m = x.shape[0]
-    assert act in (None, "silu_mul")
     silu_mul = act == "silu_mul"
-    n_out = n // 2 if silu_mul else n
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-    _check_weight(x, weight, None)
-    if out is None:
-        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n_out) and out.stride(1) == 1 and out.dtype == x.dtype
-    if bias is not None:
-        assert bias.shape == (n,) and bias.is_contiguous()
+    n_out = out.shape[1]
     if m == 0:
         return out
     block_n, block_k, num_warps, num_stages = rows_config(n, k)
