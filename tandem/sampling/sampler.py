@@ -94,7 +94,20 @@ def _logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, 
     tokens = tokens.clamp(min=0)  # rows past a rejection may hold -1; nothing reads them
     chosen = logprobs.gather(1, tokens[:, None])  # [n, 1]
     rank = (logprobs >= chosen).sum(dim=-1)  # tokens tied with the chosen one count before it, as in vLLM
-    top = logprobs.topk(num_top, dim=-1) if num_top > 0 else None
-    top_vals = top.values if top is not None else logprobs[:, :0]
-    top_ids = top.indices if top is not None else tokens[:, None][:, :0]
-    return chosen[:, 0], rank, top_ids, top_vals
+    if num_top == 0:
+        return chosen[:, 0], rank, tokens[:, None][:, :0], logprobs[:, :0]
+    top_ids = top_tokens(logprobs, num_top)
+    return chosen[:, 0], rank, top_ids, logprobs.gather(1, top_ids)
+
+
+def top_tokens(logprobs: Tensor, k: int) -> Tensor:
+    """The k likeliest tokens of each row of logprobs [n, V] fp32, likeliest first, equal values in token-id
+    order -> [n, k] int64. So a row's first j are its top j whatever k: a request asking logprobs=1 lists the
+    same token beside one asking 5 as alone (torch.topk orders ties as its k makes it, and a step's k is its
+    widest request's). Sorted on one int64 key a token: the value's bits, ordered as the floats are, above
+    the id reversed."""
+    bits = logprobs.float().view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # negative floats: magnitude flipped
+    ids = torch.arange(logprobs.shape[-1], dtype=torch.int64, device=logprobs.device)
+    key = (order << 32) | (logprobs.shape[-1] - 1 - ids)  # [n, V]: distinct, the lower id the larger
+    return key.topk(k, dim=-1).indices

@@ -140,3 +140,24 @@ def test_batch_invariant_where_the_c_kernels_cannot_run_says_why(model, monkeypa
     monkeypatch.setattr(cpu_build, "load_error", lambda isa: "no C compiler (cc) found")
     with pytest.raises(ConfigError, match=r"cannot run here \(no C compiler \(cc\) found\); leave batch_invariant off"):
         LLM(str(model), dtype="bfloat16", device="cpu", max_model_len=160, batch_invariant=True)
+
+
+def test_batch_invariant_logprobs_entries_do_not_hang_on_the_widest_request(tmp_path):
+    """A logprobs=1 request beside a logprobs=5 one (the step's top-k is the widest's): the same entries as
+    alone, tied values too (small weights in bf16: equal logits; torch.topk orders ties by its k), and its
+    prompt_logprobs=1 beside prompt_logprobs=5 likewise."""
+    path = make_hf_model(tmp_path / "m", "qwen3", num_layers=2, init_std=0.02, max_position_embeddings=1024, seed=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(2, 320, (n,), generator=g).tolist()} for n in (2, 64)]
+    kw = dict(dtype="bfloat16", device="cpu", max_model_len=256, batch_invariant=True)
+    one = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    five = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+    def entries(out):
+        pick = lambda lps: [{t: (e.logprob, e.rank) for t, e in lp.items()} if lp else lp for lp in lps]  # noqa: E731
+        return out.outputs[0].token_ids, pick(out.outputs[0].logprobs), pick(out.prompt_logprobs)
+
+    alone = LLM(str(path), max_num_seqs=1, enable_prefix_caching=False, **kw).generate([prompts[1]], one,
+                                                                                       use_tqdm=False)[0]
+    beside = LLM(str(path), enable_prefix_caching=False, **kw).generate(prompts, [five, one], use_tqdm=False)[1]
+    assert entries(beside) == entries(alone)
