@@ -100,14 +100,21 @@ def _logprobs(processed: Tensor, tokens: Tensor, num_top: int) -> tuple[Tensor, 
     return chosen[:, 0], rank, top_ids, logprobs.gather(1, top_ids)
 
 
+TOP_ROWS = 32  # top_tokens' rows a pass: [32, 152k] int64 keys are 39 MB
+
+
 def top_tokens(logprobs: Tensor, k: int) -> Tensor:
     """The k likeliest tokens of each row of logprobs [n, V] fp32, likeliest first, equal values in token-id
     order -> [n, k] int64. So a row's first j are its top j whatever k: a request asking logprobs=1 lists the
     same token beside one asking 5 as alone (torch.topk orders ties as its k makes it, and a step's k is its
     widest request's). Sorted on one int64 key a token: the value's bits, ordered as the floats are, above
-    the id reversed."""
-    bits = logprobs.float().view(torch.int32)
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # negative floats: magnitude flipped
-    ids = torch.arange(logprobs.shape[-1], dtype=torch.int64, device=logprobs.device)
-    key = (order << 32) | (logprobs.shape[-1] - 1 - ids)  # [n, V]: distinct, the lower id the larger
-    return key.topk(k, dim=-1).indices
+    the id reversed; TOP_ROWS rows at a time (12 bytes a logprob of temporaries)."""
+    vocab = logprobs.shape[-1]
+    low = vocab - 1 - torch.arange(vocab, dtype=torch.int64, device=logprobs.device)  # [V] the lower id the larger
+    parts = []
+    for i in range(0, logprobs.shape[0], TOP_ROWS):
+        bits = logprobs[i : i + TOP_ROWS].float().view(torch.int32)
+        key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # negative floats: magnitude flipped
+        key.mul_(1 << 32).add_(low)  # [rows, V]: distinct
+        parts.append(key.topk(k, dim=-1).indices)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
