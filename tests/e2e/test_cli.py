@@ -50,6 +50,19 @@ def test_generate_compare_fp32(tmp_path, capsys, monkeypatch, flags):
         assert "speedup" in err and "identical output: yes" in err  # fp32 greedy: token for token
 
 
+def test_generate_batch_invariant(tmp_path, capsys):
+    """`tandem generate --batch-invariant` in bf16: speculative output identical to target-only's; in fp32 one
+    clear error naming the fix."""
+    make_hf_model(tmp_path / "t", "qwen2", seed=1)
+    make_hf_model(tmp_path / "d", "qwen2", num_layers=1, seed=1)
+    argv = ["generate", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3", "--batch-invariant",
+            "--max-tokens", "12", "--ignore-eos", "--compare"]
+    assert main([*argv, "--dtype", "bfloat16", "The quick brown fox"]) == 0
+    assert "identical output: yes" in capsys.readouterr().err
+    assert main([*argv, "--dtype", "float32", "The quick brown fox"]) == 2
+    assert "batch_invariant=True needs dtype bfloat16 or float16" in capsys.readouterr().err
+
+
 def test_token_map_then_a_pruned_draft(tmp_path, capsys):
     """`tandem token-map` ranks the ids of a text's tokens; `generate --draft-token-map` (cut by
     --draft-vocab-size) drafts from them alone and gives the target-only tokens."""
