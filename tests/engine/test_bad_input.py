@@ -239,6 +239,18 @@ def test_linear_rope_scaling_stretches_the_context(model_dir, tmp_path):
         LLM(str(d), dtype="float32", max_model_len=257)
 
 
+def test_rope_scaling_without_a_theta_keeps_the_checkpoints(model_dir, tmp_path):
+    """transformers 5 keeps rope_theta in rope_parameters alone: a rope_scaling set beside it (edited in, or by
+    hf_overrides) without a theta keeps that theta, not 10000 (which moved every logit of a 4k prompt by up to 8.7)."""
+    d = _copy_with_config(model_dir, tmp_path / "m", lambda c: {k: v for k, v in c.items() if k != "rope_theta"} | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    override = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    edited = _copy_with_config(d, tmp_path / "edited", lambda c: c | override)
+    for arch in (read_arch_config(d, overrides=override), read_arch_config(edited)):
+        assert arch.rope_theta == 1e6 and arch.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
+    assert read_arch_config(d).rope_theta == 1e6 and read_arch_config(d).rope_scaling is None
+
+
 def test_generation_config_eos_of_the_wrong_type_is_named(model_dir, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(model_dir, d)
