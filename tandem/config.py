@@ -281,11 +281,12 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
         if partial is not None and partial != 1:
             raise ConfigError(f"{field}: partial_rotary_factor={partial!r} in {path}: partial rotary embeddings are "
                               "not supported (every head dimension is rotated)")
-    # rope_parameters' rope_theta wins over a top-level one, as in transformers 5 (which keeps it there); a
-    # rope_scaling without one (an hf_overrides, or an edit beside transformers 5's rope_parameters) keeps the
-    # checkpoint's: rope_parameters', else the top level's
+    # The rope dict's rope_theta wins over a top-level one, as in transformers 5 (which keeps it in rope_parameters);
+    # a rope_scaling without one takes the top level's, as transformers does, else (transformers 5's checkpoints:
+    # no top-level key) rope_parameters' where transformers would take 10000 (an hf_overrides rope_scaling on
+    # such a checkpoint: transformers' config object raises there)
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    rope_theta = next((d["rope_theta"] for d in (rope, params, raw) if "rope_theta" in d), 10000.0)
+    rope_theta = next((d["rope_theta"] for d in (rope, raw, params) if "rope_theta" in d), 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")

@@ -249,6 +249,8 @@ def test_rope_scaling_without_a_theta_keeps_the_checkpoints(model_dir, tmp_path)
     for arch in (read_arch_config(d, overrides=override), read_arch_config(edited)):
         assert arch.rope_theta == 1e6 and arch.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
     assert read_arch_config(d).rope_theta == 1e6 and read_arch_config(d).rope_scaling is None
+    # a top-level theta beside them is the one transformers takes (an hf_overrides of it, say)
+    assert read_arch_config(d, overrides={"rope_theta": 5e5, **override}).rope_theta == 5e5
 
 
 def test_generation_config_eos_of_the_wrong_type_is_named(model_dir, tmp_path):

@@ -2,6 +2,7 @@
 top j whatever k (a request's logprobs entries do not hang on the widest request of its step)."""
 import torch
 
+import tandem.sampling.sampler as sampler
 from tandem.sampling.sampler import compute_logprobs, top_tokens
 
 
@@ -25,3 +26,14 @@ def test_compute_logprobs_entries_do_not_depend_on_the_width():
     _, _, ids5, vals5 = compute_logprobs(lp, torch.tensor([3]), 5)
     assert ids1.tolist() == [[2]] and ids5[:, :1].tolist() == [[2]] and ids5[0, :3].tolist() == [2, 3, 4]
     assert torch.equal(vals5[:, :1], vals1) and rank.tolist() == [3]
+
+
+def test_top_tokens_candidates_and_whole_rows_agree():
+    """The CPU's candidate path (ties within TIE_MARGIN of the k-th value), its fallback (more ties there) and
+    keying every token give the same ids; no rows, no ids."""
+    g = torch.Generator().manual_seed(1)
+    for spread in (3, 400):  # 3 values: ties spill past the margin; 400: rarely
+        lp = (-torch.randint(0, spread, (40, 1000), generator=g).float() / 7).log_softmax(-1)
+        for k in (1, 5, 30, 990, 1000):
+            assert torch.equal(top_tokens(lp, k), sampler._keyed_top(lp, k, torch.arange(1000)))
+    assert top_tokens(torch.zeros(0, 50), 3).shape == (0, 3)
