@@ -13,7 +13,8 @@ order is fixed by the query alone:
 - the partials are merged in chunk order by `_merge` (M = max(M, m); L = L 2^(M_old - M) + l 2^(m - M);
   acc likewise), then divided by `_finish`;
 - one tile shape for every step of a model (`invariant_tile`, from its head layout and dtype alone: 64
-  query rows and 64-key tiles in bf16 / fp16 at head_dim <= 128), and no floating-point contraction (enable_fp_fusion=False), so each product and sum is rounded the same way.
+  query rows and 64-key tiles in bf16 / fp16 at head_dim <= 128), and no floating-point contraction
+  (enable_fp_fusion=False), so each product and sum is rounded the same way.
 
 Two launches compute that same function. A step of one query tile per request with few programs
 (decode, verification at a small batch) runs each (request, KV head, chunk) as a program that stores
