@@ -410,6 +410,64 @@ def sweep_rows(m: int) -> list[list]:
     return rows
 
 
+# gemm_invariant's tiles for model-dtype weights with x's 16-row tile the dot's first operand (mma.sync, whatever
+# the tile around it): (BLOCK_N, BLOCK_K, num_warps, num_stages, weight first=False)
+INVARIANT_X_FIRST = [(32, 128, 4, 4, False), (64, 128, 4, 4, False), (64, 64, 4, 4, False), (128, 64, 4, 3, False),
+                     (128, 128, 8, 3, False), (256, 64, 8, 3, False)]
+
+
+def sweep_invariant(ms: list[int], check_only: bool = False) -> list[list]:
+    """gemm_invariant (LLM(batch_invariant=True)'s linears) at each row count (the first rows of one x): the default
+    tile (the weight the dot's first operand, rows_config's tile; fp8: x first) at 1 / 4 / 8 row tiles a program,
+    and x first at each INVARIANT_X_FIRST tile and 1 / 4 / 8 row tiles, against cuBLAS (us, cold weights).
+    "bits": one mark a variant, in the columns' order: "=" when its rows have the bits of x first at the first
+    tile, 1 row tile, on the most rows; "d" when they have the default's at 1 row tile instead; "x" neither.
+    check_only: the marks alone (no timing)."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.gemm_invariant import gemm_invariant
+    from tandem.layers.quant import quantize_fp8
+
+    rows = []
+    for name, n, k in GEMV_SHAPES[:10]:
+        for fp8 in (False, True) if name.startswith("8b") and "head" not in name else (False,):
+            nbytes = (1 if fp8 else 2) * n * k
+            ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+                  for _ in range(1 if check_only else max(2, min(16, (3 << 30) // nbytes)))]
+            x = torch.randn(max(ms), k, device=DEV, dtype=torch.bfloat16)
+            cublas = {m: 0.0 if check_only else _rotating(lambda w, m=m: F.linear(x[:m], w), ws) for m in ms}
+            if fp8:
+                ws = [quantize_fp8(w) for w in ws]
+
+            def call(w, m, tiles=None, config=None):
+                if fp8:
+                    return gemm_invariant(x[:m], w[0], w_scale=w[1], tiles=tiles, config=config)
+                return gemm_invariant(x[:m], w, tiles=tiles, config=config)
+
+            variants = [(None, t) for t in (1, 4, 8)] + ([] if fp8 else [(c, t) for c in INVARIANT_X_FIRST for t in (1, 4, 8)])
+            ref_default = call(ws[0], max(ms), 1)
+            ref_x = ref_default if fp8 else call(ws[0], max(ms), 1, INVARIANT_X_FIRST[0])
+            for m in ms:
+                row, marks = [name + (" fp8" if fp8 else ""), str(m), f"{cublas[m] * 1e6:.1f}"], ""
+                for cfg, t in variants:
+                    if t > 1 and m <= 16:
+                        row.append("")
+                        marks += "."
+                        continue
+                    try:
+                        got = call(ws[0], m, t, cfg)
+                        marks += "=" if torch.equal(got, ref_x[:m]) else "d" if torch.equal(got, ref_default[:m]) else "x"
+                        row.append("" if check_only else f"{_rotating(lambda w: call(w, m, t, cfg), ws) * 1e6:.1f}")
+                    except Exception as e:  # noqa: BLE001  (a tile may not fit shared memory)
+                        row.append(type(e).__name__)
+                        marks += "?"
+                row += [""] * (3 + 3 + 3 * len(INVARIANT_X_FIRST) - len(row))  # (fp8: the default alone)
+                rows.append(row + [marks])
+            del ws
+            torch.cuda.empty_cache()
+    return rows
+
+
 # gemm_w8's tiles (tandem.kernels.gemm_rows.W8Tile): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # w8_second, split_k)
 W8_CONFIGS = [(64, 64, 128, 4, 4, True, 1), (64, 64, 128, 4, 4, True, 2), (64, 64, 128, 4, 4, True, 4),
@@ -702,9 +760,20 @@ def main() -> None:
     ap.add_argument("--w8-widen", default="",
                     help="only the fp8 GEMMs with _widen's inline PTX against Triton's cast at these row counts, "
                          "e.g. 5,40")
+    ap.add_argument("--invariant", default="",
+                    help="only the batch-invariant GEMM (gemm_invariant) at these row counts, e.g. 1,40,1536")
+    ap.add_argument("--bits-only", action="store_true", help="with --invariant: the bit checks alone, no timing")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.manual_seed(0)
+    if args.invariant:
+        table = sweep_invariant([int(m) for m in args.invariant.split(",")], args.bits_only)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=environment(), rows=table), indent=2, default=str))
+        heads = [f"default x{t}" for t in (1, 4, 8)] + [f"x first {c[:4]} x{t}" for c in INVARIANT_X_FIRST for t in (1, 4, 8)]
+        print_table(["layer", "M", "cuBLAS us"] + heads + ["bits"], table,
+                    title="gemm_invariant: tiles and row tiles a program, us, GPU time in CUDA graphs")
+        return
     if args.w8_widen:
         table = sweep_w8_widen([int(v) for v in args.w8_widen.split(",")])
         print_table(["layer", "M", "cuBLAS bf16 us", "gemm_w8 asm us", "gemm_w8 cast us", "cast / asm",

@@ -104,7 +104,7 @@ class ModelConfig:
     tp_size: int = 1
     # LLM(batch_invariant=True): a token's logits have the same bits whatever step computes it (decoded
     # alone or in a batch, verified among drafts, prefilled), on a GPU too (tandem/kernels/chunked_attention.py,
-    # gemm_rows.gemm_invariant); a CPU with tandem's C kernels computes that way already
+    # kernels/gemm_invariant.py); a CPU with tandem's C kernels computes that way already
     batch_invariant: bool = False
 
 

@@ -294,20 +294,33 @@ def _rows_kernel(
         p_ptrs = part_ptr + (tl.program_id(2).to(tl.int64) * M + offs_m[None, :]) * N + offs_n[:, None]
         tl.store(p_ptrs, acc, mask=n_ok[:, None] & m_ok[None, :])
     else:
-        dtype = out_ptr.dtype.element_ty
-        if W_SCALE:
-            acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if SILU_MUL:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))  # [P, BLOCK_M] each
-            act = _silu_mul(gate.to(dtype), up.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)  # as stored, then activated
-            offs_c = pid * P + tl.arange(0, P)
-            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_c[:, None]
-            tl.store(o_ptrs, act.to(dtype), mask=(offs_c < half)[:, None] & m_ok[None, :])
-        else:
-            o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(o_ptrs, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
+        _rows_store(acc, out_ptr, b_ptr, ws_ptr, offs_m, m_ok, offs_n, n_ok, pid, N, stride_om, HAS_BIAS, W_SCALE,
+                    SILU_MUL, BLOCK_M, BLOCK_N, CUDA_LIBM, SOFT_BF16)
+
+
+@triton.jit
+def _rows_store(acc, out_ptr, b_ptr, ws_ptr, offs_m, m_ok, offs_n, n_ok, pid, N, stride_om, HAS_BIAS: tl.constexpr,
+                W_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CUDA_LIBM: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """_rows_kernel's epilogue: acc fp32 [BLOCK_N, BLOCK_M] (out^T, weight rows offs_n, input rows offs_m)
+    times the row scales (W_SCALE), plus the bias, rounded once (SILU_MUL: the gate | up pairs of output
+    columns pid * BLOCK_N / 2 .. multiplied first) and stored."""
+    dtype = out_ptr.dtype.element_ty
+    if W_SCALE:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if SILU_MUL:
+        P: tl.constexpr = BLOCK_N // 2
+        half = N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))  # [P, BLOCK_M] each
+        act = _silu_mul(gate.to(dtype), up.to(dtype), dtype, CUDA_LIBM, SOFT_BF16)  # as stored, then activated
+        offs_c = pid * P + tl.arange(0, P)
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_c[:, None]
+        tl.store(o_ptrs, act.to(dtype), mask=(offs_c < half)[:, None] & m_ok[None, :])
+    else:
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(dtype), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -644,56 +657,6 @@ def gemm_w8(x: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = No
         _split_sum_kernel[(m, triton.cdiv(n_out, block))](
             part, out, w_scale, bias if bias is not None else w_scale, m, n, out.stride(0),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=splits, BLOCK=block, num_warps=4, **_numerics(x))
-    return out
-
-
-# gemm_invariant's tiles: one per weight shape, whatever the rows (LLM(batch_invariant=True)).
-INVARIANT_BLOCK_M = 16
-INVARIANT_W8 = W8Tile(INVARIANT_BLOCK_M, 64, 128, 4, 4, True, 1)
-
-
-def invariant_rows() -> int:
-    """gemm_invariant's rows a program: INVARIANT_BLOCK_M, or TANDEM_INVARIANT_ROWS (16, 32 or 64; an A/B
-    switch). Fixed for every call: a tensor-core dot's row count can change a row's sums (H100: 16, 32 and
-    64 rows a program gave other bits for 6 of 14 weight shapes, fp8 among them)."""
-    raw = os.environ.get("TANDEM_INVARIANT_ROWS", str(INVARIANT_BLOCK_M))
-    if raw not in ("16", "32", "64"):
-        raise ValueError(f"TANDEM_INVARIANT_ROWS={raw!r}: expected 16, 32 or 64 (default {INVARIANT_BLOCK_M})")
-    return int(raw)
-
-
-def gemm_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-                   act: str | None = None, w_scale: Tensor | None = None, block_m: int | None = None) -> Tensor:
-    """gemm_rows' product for any number of rows (x [M, K], M >= 0), each row's bits independent of M:
-    one tile for the weight's shape (rows_config's, INVARIANT_W8 for fp8 weights), INVARIANT_BLOCK_M rows
-    a program, no split of K, every row's sums in one order. The batch-invariant engine's linears
-    (tandem/layers/gpu_linear.py): a token decoded alone, verified among 1 + k drafts or prefilled in a
-    chunk gets the same logits. Past ~16 rows slower than cuBLAS (each row tile streams the weight
-    again, from L2 where the tiles launched together share it). block_m: the rows a program (None:
-    invariant_rows()), for tests."""
-    block_m = block_m or invariant_rows()
-    if w_scale is not None:
-        return gemm_w8(x, weight, w_scale, bias, out=out, act=act, config=INVARIANT_W8._replace(block_m=block_m))
-    out = _rows_out(x, weight, bias, out, act, None)
-    n, k = weight.shape
-    m = x.shape[0]
-    silu_mul = act == "silu_mul"
-    n_out = out.shape[1]
-    if m == 0:
-        return out
-    block_n, block_k, num_warps, num_stages = rows_config(n, k)
-    while num_stages > 2 and num_stages * (block_n + block_m) * block_k * x.element_size() > 200 << 10:
-        num_stages -= 1  # (the pipeline's depth: not the arithmetic)
-    assert not silu_mul or (n % 2 == 0 and block_n % 2 == 0)
-    grid = (triton.cdiv(m, block_m),
-            triton.cdiv(n_out, block_n // 2) if silu_mul else triton.cdiv(n, block_n))
-    _rows_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, out, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k,
-        HAS_BIAS=bias is not None, W_SCALE=False, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        MULTI_M=True, W8_SECOND=True, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_numerics(x), **_launch_flags(x),
-    )
     return out
 
 

@@ -234,7 +234,7 @@ class GemvLinear(nn.Module):
 
     def _invariant(self, x: Tensor, out: Tensor | None = None, act: str | None = None) -> Tensor:
         """The batch-invariant product of any rows x [..., in_features] (gemm_invariant)."""
-        from tandem.kernels.gemm_rows import gemm_invariant
+        from tandem.kernels.gemm_invariant import gemm_invariant
 
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:

@@ -77,6 +77,17 @@ def test_batch_invariant_fp8_target_on_gpu(models):
     assert _run(target, params, speculative_config=dict(model=str(draft), num_speculative_tokens=3), **kw) == alone
 
 
+def test_batch_invariant_qk_norm_model_on_gpu(tmp_path):
+    """Qwen3's per-head q / k RMSNorm (torch's reduction over each head's row, applied after the qkv
+    projection): the same bits alone, batched and under speculation with the model as its own draft."""
+    target = make_hf_model(tmp_path / "q3", "qwen3", vocab_size=2048, hidden_size=512, num_layers=2, num_heads=8,
+                           num_kv_heads=2, intermediate_size=1536, init_std=0.02, max_position_embeddings=2048)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    alone = _run(target, params, batched=False, max_num_seqs=1)
+    assert _run(target, params) == alone
+    assert _run(target, params, speculative_config=dict(model=str(target), num_speculative_tokens=4)) == alone
+
+
 def test_batch_invariant_seeded_sampling_on_gpu(models):
     """Seeded sampling: batched and speculative (greedy drafts, verified by coupling) give the tokens of
     each request run alone."""

@@ -1,4 +1,4 @@
-"""The batch-invariant attention (tandem/kernels/chunked_attention.py) and GEMM (gemm_rows.gemm_invariant):
+"""The batch-invariant attention (tandem/kernels/chunked_attention.py) and GEMM (tandem/kernels/gemm_invariant.py):
 a query's output, a row's product, has the same bits whatever step computes it; both near their references.
 
 Each query of a request is computed in a prefill chunk (the walk over chunks), alone as a decode (both
@@ -20,7 +20,8 @@ if INTERPRET:  # must precede the first `import triton`
 triton = pytest.importorskip("triton")
 
 import tandem.kernels.chunked_attention as ca  # noqa: E402
-from tandem.kernels.gemm_rows import gemm_invariant  # noqa: E402
+from tandem.kernels.gemm_invariant import gemm_invariant  # noqa: E402
+from tandem.kernels.gemm_rows import rows_config  # noqa: E402
 from tandem.layers.table_attention import dense_paged_attention  # noqa: E402
 from tests.kernels.interp import interpret_mark  # noqa: E402
 
@@ -128,7 +129,9 @@ def test_chunked_attention_padding_requests_get_zeros_gpu():
 
 
 def check_gemm_invariant(n, k, dtype, device, fp8=False, act=None, bias=False):
-    """A row's product has the same bits alone, among 5, 16, 17 and 100 rows; near the fp32 product."""
+    """A row's product has the same bits alone, among 5, 16, 17, 40 and 100 rows, at every tile and 1-8 row
+    tiles a program, the weight the dot's first operand or its second; near the fp32 product. (Triton's
+    interpreter sums a dot's BLOCK_K columns at once, a GPU 16 at a time: its tiles keep one BLOCK_K.)"""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(100, k, generator=g).to(device, dtype)
     w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
@@ -139,10 +142,20 @@ def check_gemm_invariant(n, k, dtype, device, fp8=False, act=None, bias=False):
 
         w8, w_scale = quantize_fp8(w)
         w = w8
-    full = gemm_invariant(x, w, b, act=act, w_scale=w_scale)
-    for m in (1, 5, 16, 17):
-        part = gemm_invariant(x[3:3 + m], w, b, act=act, w_scale=w_scale)
+    small = device == "cpu"  # (the interpreter: tiles within its small weights, one BLOCK_K, see above)
+    plan = (32, 32, 4, 2, False) if small else None  # (None: invariant_plan's for each row count)
+    full = gemm_invariant(x, w, b, act=act, w_scale=w_scale, config=plan)
+    for m in (1, 5, 16, 17, 40):
+        part = gemm_invariant(x[3:3 + m], w, b, act=act, w_scale=w_scale, config=plan)
         assert torch.equal(part, full[3:3 + m]), m
+    configs = [(32, 32, 4, 2, False), (64, 32, 4, 2, False)] if small else [
+        (32, 128, 4, 4, False), (64, 64, 4, 4, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False)]
+    if not fp8:
+        configs.append((32, 32, 4, 2, True) if small else rows_config(n, k) + (True,))
+    for config in configs:  # weight first or second, any tile, 1-8 row tiles a program: the same bits
+        for tiles in (1, 2, 8):
+            got = gemm_invariant(x, w, b, act=act, w_scale=w_scale, tiles=tiles, config=config)
+            assert torch.equal(got, full), (config, tiles)
     wf = (w.float() * w_scale[:, None]) if fp8 else w.float()
     ref = x.float() @ wf.t() + (b.float() if b is not None else 0)
     if act == "silu_mul":
@@ -155,6 +168,7 @@ def check_gemm_invariant(n, k, dtype, device, fp8=False, act=None, bias=False):
 def test_gemm_invariant_rows_interpreted():
     check_gemm_invariant(64, 96, torch.float16, "cpu", bias=True)
     check_gemm_invariant(64, 64, torch.float16, "cpu", act="silu_mul")
+    check_gemm_invariant(64, 64, torch.bfloat16, "cpu", fp8=True, act="silu_mul")
 
 
 @gpu

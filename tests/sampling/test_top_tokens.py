@@ -1,5 +1,6 @@
 """top_tokens: the k likeliest tokens of each row, equal values in token-id order, so a row's first j are its
 top j whatever k (a request's logprobs entries do not hang on the widest request of its step)."""
+import pytest
 import torch
 
 import tandem.sampling.sampler as sampler
@@ -37,3 +38,14 @@ def test_top_tokens_candidates_and_whole_rows_agree():
         for k in (1, 5, 30, 990, 1000):
             assert torch.equal(top_tokens(lp, k), sampler._keyed_top(lp, k, torch.arange(1000)))
     assert top_tokens(torch.zeros(0, 50), 3).shape == (0, 3)
+
+
+@pytest.mark.gpu
+def test_top_tokens_on_gpu_match_the_cpu():
+    """The GPU keys every token of every row (TOP_ROWS a pass): the CPU's ids, ties in token-id order, on a
+    vocabulary-wide bf16-valued batch (many exact ties) and past one pass of rows."""
+    g = torch.Generator().manual_seed(2)
+    lp = torch.randn(70, 128256, generator=g).bfloat16().float().log_softmax(-1)
+    lp[3, :100] = float("-inf")
+    for k in (1, 5, 20):
+        assert torch.equal(top_tokens(lp.cuda(), k).cpu(), top_tokens(lp, k))
