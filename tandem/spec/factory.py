@@ -84,7 +84,7 @@ class SpeculatorFactory:
                                      target.cpu_matmul, spec.quantization, fp8_draft_layout=True,
                                      tp_size=draft_tp.size if draft_tp is not None else 1)
         # (batch_invariant: the target's alone; the draft's numerics can move acceptance, never the output, so
-        # it keeps the fast linears; its attention is the shared backend's, invariant too)
+        # it keeps the fast linears and attention: AttnBackend.fast)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
                                 tp=draft_tp, head_ids=self.hot_ids)
         if spec.rejection_sample_method == "block" and spec.draft_sample_method == "greedy":

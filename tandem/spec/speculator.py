@@ -79,7 +79,7 @@ class DraftSpeculator(Speculator):
     ):
         """hot_ids: the token ids the draft's pruned LM head scores, ascending (tandem/spec/hot_vocab.py), or
         None for its whole vocabulary."""
-        super().__init__(spec, sched, state, device, attn_backend)
+        super().__init__(spec, sched, state, device, attn_backend.fast())  # (batch_invariant: the target's alone)
         self.model = model
         self.block_size = cache.block_size
         # The draft scores ids below draft_vocab; ids a smaller draft table lacks (padding rows past

@@ -88,3 +88,22 @@ def test_step_cost_profile_fits_a_short_max_model_len(tmp_path):
     llm.engine.runner.attn_backend = llm.engine.runner.speculator.attn_backend = backend
     costs = profile_step_costs(llm.engine.runner, llm.engine.cfg)
     assert costs.table()
+
+
+def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
+    """AttnBackend.fast(): the draft's view under batch_invariant, the default attention over the same uploader
+    and persistent block table; the engine's draft speculator takes it, its runner keeps the invariant one."""
+    backend = AttnBackend(8, torch.device("cpu"), use_table=True, use_triton=False, max_num_seqs=2, max_model_len=16,
+                          invariant=True)
+    fast = backend.fast()
+    assert not fast.invariant and backend.invariant
+    assert fast.upload is backend.upload and fast.block_table is backend.block_table
+    assert fast.prefill([0], [3], [[1]], slots=[0]).invariant is False
+    assert backend.prefill([0], [3], [[1]], slots=[0]).invariant is True
+    assert AttnBackend(8, torch.device("cpu")).fast().invariant is False
+    target = make_hf_model(tmp_path / "t", "llama")
+    llm = LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
+              speculative_config=dict(model=str(target), num_speculative_tokens=2))
+    runner = llm.engine.runner
+    assert runner.attn_backend.invariant and not runner.speculator.attn_backend.invariant
+    assert runner.speculator.attn_backend.upload is runner.attn_backend.upload
