@@ -284,9 +284,11 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
     # The rope dict's rope_theta wins over a top-level one, as in transformers 5 (which keeps it in rope_parameters);
     # a rope_scaling without one takes the top level's, as transformers does, else (transformers 5's checkpoints:
     # no top-level key) rope_parameters' where transformers would take 10000 (an hf_overrides rope_scaling on
-    # such a checkpoint: transformers' config object raises there)
+    # such a checkpoint: transformers' config object raises there). An hf_overrides rope_theta wins over them all:
+    # the user asked for it (transformers 5 would keep rope_parameters' and drop it silently).
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    rope_theta = next((d["rope_theta"] for d in (rope, raw, params) if "rope_theta" in d), 10000.0)
+    asked = (overrides or {}) if "rope_theta" in (overrides or {}) else rope
+    rope_theta = next((d["rope_theta"] for d in (asked, rope, raw, params) if "rope_theta" in d), 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")

@@ -251,6 +251,13 @@ def test_rope_scaling_without_a_theta_keeps_the_checkpoints(model_dir, tmp_path)
     assert read_arch_config(d).rope_theta == 1e6 and read_arch_config(d).rope_scaling is None
     # a top-level theta beside them is the one transformers takes (an hf_overrides of it, say)
     assert read_arch_config(d, overrides={"rope_theta": 5e5, **override}).rope_theta == 5e5
+    # hf_overrides' rope_theta wins over rope_parameters' own (transformers 5 would drop it), over a rope_scaling's too
+    assert read_arch_config(d, overrides={"rope_theta": 5e5}).rope_theta == 5e5
+    theirs = {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 3e5}}
+    assert read_arch_config(d, overrides=theirs).rope_theta == 3e5
+    assert read_arch_config(d, overrides={"rope_theta": 5e5, **theirs}).rope_theta == 5e5
+    edited_theta = _copy_with_config(d, tmp_path / "edited_theta", lambda c: c | {"rope_theta": 5e5})
+    assert read_arch_config(edited_theta).rope_theta == 1e6  # (a file's own: rope_parameters' wins, as transformers)
 
 
 def test_generation_config_eos_of_the_wrong_type_is_named(model_dir, tmp_path):
