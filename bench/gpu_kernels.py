@@ -418,14 +418,16 @@ INVARIANT_X_FIRST = [(32, 128, 4, 4, False), (64, 128, 4, 4, False), (64, 64, 4,
 
 def sweep_invariant(ms: list[int], check_only: bool = False) -> list[list]:
     """gemm_invariant (LLM(batch_invariant=True)'s linears) at each row count (the first rows of one x): the default
-    tile (the weight the dot's first operand, rows_config's tile; fp8: x first) at 1 / 4 / 8 row tiles a program,
+    tile (the weight the dot's first operand, rows_config's tile; fp8: x first at INVARIANT_W8's; session 66's for
+    every row count, invariant_plan's up to 16 rows) at 1 / 4 / 8 row tiles a program,
     and x first at each INVARIANT_X_FIRST tile and 1 / 4 / 8 row tiles, against cuBLAS (us, cold weights).
     "bits": one mark a variant, in the columns' order: "=" when its rows have the bits of x first at the first
     tile, 1 row tile, on the most rows; "d" when they have the default's at 1 row tile instead; "x" neither.
     check_only: the marks alone (no timing)."""
     import torch.nn.functional as F
 
-    from tandem.kernels.gemm_invariant import gemm_invariant
+    from tandem.kernels.gemm_invariant import INVARIANT_W8, gemm_invariant
+    from tandem.kernels.gemm_rows import rows_config
     from tandem.layers.quant import quantize_fp8
 
     rows = []
@@ -444,8 +446,10 @@ def sweep_invariant(ms: list[int], check_only: bool = False) -> list[list]:
                     return gemm_invariant(x[:m], w[0], w_scale=w[1], tiles=tiles, config=config)
                 return gemm_invariant(x[:m], w, tiles=tiles, config=config)
 
-            variants = [(None, t) for t in (1, 4, 8)] + ([] if fp8 else [(c, t) for c in INVARIANT_X_FIRST for t in (1, 4, 8)])
-            ref_default = call(ws[0], max(ms), 1)
+            w8 = INVARIANT_W8
+            default = (w8.block_n, w8.block_k, w8.num_warps, w8.num_stages, False) if fp8 else rows_config(n, k) + (True,)
+            variants = [(default, t) for t in (1, 4, 8)] + ([] if fp8 else [(c, t) for c in INVARIANT_X_FIRST for t in (1, 4, 8)])
+            ref_default = call(ws[0], max(ms), 1, default)
             ref_x = ref_default if fp8 else call(ws[0], max(ms), 1, INVARIANT_X_FIRST[0])
             for m in ms:
                 row, marks = [name + (" fp8" if fp8 else ""), str(m), f"{cublas[m] * 1e6:.1f}"], ""

@@ -80,11 +80,14 @@ class SpeculatorFactory:
             )
         if self.hot_ids is not None:
             logger.info("the draft scores %d of %d token ids (its LM head pruned to them)", len(self.hot_ids), shared)
+        # batch_invariant: greedy drafts' numerics move acceptance, never the output (each token is the target's
+        # argmax, or its seeded sample by coupling), so the draft keeps the fast linears and attention
+        # (AttnBackend.fast); a probabilistic draft's probabilities pick which seeded token the rejection sampler
+        # keeps, so it computes batch-invariantly too
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization, fp8_draft_layout=True,
-                                     tp_size=draft_tp.size if draft_tp is not None else 1)
-        # (batch_invariant: the target's alone; the draft's numerics can move acceptance, never the output, so
-        # it keeps the fast linears and attention: AttnBackend.fast)
+                                     tp_size=draft_tp.size if draft_tp is not None else 1,
+                                     batch_invariant=target.batch_invariant and spec.draft_sample_method == "probabilistic")
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
                                 tp=draft_tp, head_ids=self.hot_ids)
         if spec.rejection_sample_method == "block" and spec.draft_sample_method == "greedy":

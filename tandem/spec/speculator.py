@@ -79,7 +79,8 @@ class DraftSpeculator(Speculator):
     ):
         """hot_ids: the token ids the draft's pruned LM head scores, ascending (tandem/spec/hot_vocab.py), or
         None for its whole vocabulary."""
-        super().__init__(spec, sched, state, device, attn_backend.fast())  # (batch_invariant: the target's alone)
+        # (batch_invariant: the draft's attention as invariant as its linears, factory.SpeculatorFactory says when)
+        super().__init__(spec, sched, state, device, attn_backend if draft_cfg.batch_invariant else attn_backend.fast())
         self.model = model
         self.block_size = cache.block_size
         # The draft scores ids below draft_vocab; ids a smaller draft table lacks (padding rows past

@@ -92,7 +92,7 @@ def test_step_cost_profile_fits_a_short_max_model_len(tmp_path):
 
 def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
     """AttnBackend.fast(): the draft's view under batch_invariant, the default attention over the same uploader
-    and persistent block table; the engine's draft speculator takes it, its runner keeps the invariant one."""
+    and persistent block table; the engine's greedy draft speculator takes it, its runner keeps the invariant one."""
     backend = AttnBackend(8, torch.device("cpu"), use_table=True, use_triton=False, max_num_seqs=2, max_model_len=16,
                           invariant=True)
     fast = backend.fast()
@@ -107,3 +107,8 @@ def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
     runner = llm.engine.runner
     assert runner.attn_backend.invariant and not runner.speculator.attn_backend.invariant
     assert runner.speculator.attn_backend.upload is runner.attn_backend.upload
+    del llm
+    # probabilistic drafts' probabilities choose the kept seeded token: their draft stays batch-invariant
+    llm = LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
+              speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic"))
+    assert llm.engine.runner.speculator.attn_backend.invariant

@@ -106,6 +106,20 @@ def test_batch_invariant_seeded_sampling_on_gpu(models):
     assert spec == alone
 
 
+def test_batch_invariant_probabilistic_drafts_on_gpu(models):
+    """Probabilistic drafts (their probabilities pick the seeded token the rejection sampler keeps, so the draft
+    computes batch-invariantly too): each request's tokens batched are its tokens alone."""
+    target, draft = models
+    params = [SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=20 + i)
+              for i in range(len(_prompts()))]
+    llm = LLM(str(target), dtype="bfloat16", device="cuda", max_model_len=1024, block_size=16,
+              kv_cache_memory_bytes=256 << 20, batch_invariant=True, max_num_seqs=8,
+              speculative_config=dict(model=str(draft), num_speculative_tokens=3, draft_sample_method="probabilistic"))
+    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    alone = [llm.generate([p], s, use_tqdm=False)[0].outputs[0].token_ids for p, s in zip(_prompts(), params)]
+    assert batched == alone
+
+
 def test_batch_invariant_needs_half_precision_on_gpu(models):
     with pytest.raises(ConfigError, match="batch_invariant=True needs dtype bfloat16 or float16"):
         LLM(str(models[0]), dtype="float32", device="cuda", batch_invariant=True)

@@ -129,8 +129,8 @@ def test_chunked_attention_padding_requests_get_zeros_gpu():
 
 
 def check_gemm_invariant(n, k, dtype, device, fp8=False, act=None, bias=False):
-    """A row's product has the same bits alone, among 5, 16, 17, 40 and 100 rows, at every tile and 1-8 row
-    tiles a program, the weight the dot's first operand or its second; near the fp32 product. (Triton's
+    """A row's product has the same bits alone, among 5, 16, 17, 40 and 100 rows, at every tile and 1, 2, 4 (the
+    plan's) or 8 row tiles a program, the weight the dot's first operand or its second; near the fp32 product. (Triton's
     interpreter sums a dot's BLOCK_K columns at once, a GPU 16 at a time: its tiles keep one BLOCK_K.)"""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(100, k, generator=g).to(device, dtype)
@@ -148,7 +148,7 @@ def check_gemm_invariant(n, k, dtype, device, fp8=False, act=None, bias=False):
     for m in (1, 5, 16, 17, 40):
         part = gemm_invariant(x[3:3 + m], w, b, act=act, w_scale=w_scale, config=plan)
         assert torch.equal(part, full[3:3 + m]), m
-    configs = [(32, 32, 4, 2, False), (64, 32, 4, 2, False)] if small else [
+    configs = [(32, 32, 4, 2, False), (64, 32, 4, 2, False), (128, 32, 4, 2, False)] if small else [
         (32, 128, 4, 4, False), (64, 64, 4, 4, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False)]
     if not fp8:
         configs.append((32, 32, 4, 2, True) if small else rows_config(n, k) + (True,))
@@ -169,6 +169,7 @@ def test_gemm_invariant_rows_interpreted():
     check_gemm_invariant(64, 96, torch.float16, "cpu", bias=True)
     check_gemm_invariant(64, 64, torch.float16, "cpu", act="silu_mul")
     check_gemm_invariant(64, 64, torch.bfloat16, "cpu", fp8=True, act="silu_mul")
+    check_gemm_invariant(72, 80, torch.float16, "cpu", act="silu_mul", bias=True)  # (K, N and pairs past the tiles)
 
 
 @gpu
