@@ -189,6 +189,19 @@ def _positive_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
+def read_json(path: Path, field: str):
+    """A model file's JSON (config.json, generation_config.json); a ConfigError naming field and path when it cannot
+    be read (a directory, no permission, a pipe, which would block until a writer came) or parsed."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ConfigError(f"{field}: {path} is not a regular file (a pipe or a device); make it a readable file")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"{field}: {path} could not be read ({e.strerror or e}); make it a readable file") from None
+
+
 def read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
     """Parse config.json into an ArchConfig, refusing architectures we do not implement and
     missing or malformed fields (named, with the file). field: the setting that named the model,
@@ -204,14 +217,9 @@ def read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrid
 
 def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overrides: dict | None = None) -> ArchConfig:
     path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{field}: {model_dir} has no config.json; pass a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
-    except OSError as e:  # a directory, no permission, ...
-        raise ConfigError(f"{field}: {path} could not be read ({e.strerror or e}); make it a readable file") from None
+    if not path.exists():
+        raise ConfigError(f"{field}: {model_dir} has no config.json; pass a Hugging Face model directory")
+    raw = read_json(path, field)
     if not isinstance(raw, dict):
         raise ConfigError(f"{field}: {path} holds a {type(raw).__name__}, not a JSON object of settings")
     raw.update(overrides or {})

@@ -1,13 +1,12 @@
 """Where a model comes from: a directory, a GGUF file or a known name; its tokenizer and EOS ids."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from tandem.config import DTYPE_NAMES, half_dtype, token_ids_setting
+from tandem.config import DTYPE_NAMES, half_dtype, read_json, token_ids_setting
 from tandem.errors import ConfigError, RequestError
 from tandem.sampling_params import SamplingParams
 
@@ -88,11 +87,7 @@ def eos_token_ids(model_dir: Path, arch, tokenizer) -> tuple[int, ...]:
     gen = Path(model_dir) / "generation_config.json"
     if gen.exists():
         try:
-            eos = json.loads(gen.read_text())["eos_token_id"]
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"model: {gen} is not valid JSON ({e})") from None
-        except OSError as e:
-            raise ConfigError(f"model: {gen} could not be read ({e.strerror or e}); make it a readable file") from None
+            eos = read_json(gen, "model")["eos_token_id"]
         except (KeyError, TypeError):
             eos = None
         ids += token_ids_setting(eos, "model: eos_token_id", gen)
@@ -144,13 +139,7 @@ def _file_defaults(generation_config: str, model_dir: Path) -> dict:
     path = folder / "generation_config.json"
     if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"generation_config: {path} is not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"generation_config: {path} could not be read ({e.strerror or e}); make it a readable "
-                          "file") from None
+    data = read_json(path, "generation_config")
     if not isinstance(data, dict):
         raise ConfigError(f"generation_config: {path} must hold a JSON object")
     return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}

@@ -1,6 +1,7 @@
 """User mistakes raise a clear ConfigError / RequestError naming the field, before any work
 starts, and an invalid request never disturbs the others."""
 import json
+import os
 import re
 import shutil
 
@@ -114,6 +115,18 @@ def test_a_model_file_that_cannot_be_read_is_named(model_dir, tmp_path, name, no
     (d / name).unlink(missing_ok=True)
     (d / name).mkdir()
     with pytest.raises(ConfigError, match=f"{name} could not be read .*make it a readable file"):
+        LLM(str(d), dtype="float32")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_model_file_that_is_a_pipe_is_named_not_waited_on(model_dir, tmp_path, name, no_loading):
+    """A named pipe in a model file's place: a ConfigError, not a read that blocks until a writer comes."""
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (d / name).unlink(missing_ok=True)
+    os.mkfifo(d / name)
+    with pytest.raises(ConfigError, match=f"{name} is not a regular file .*make it a readable file"):
         LLM(str(d), dtype="float32")
 
 
