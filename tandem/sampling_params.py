@@ -303,9 +303,9 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A copy with changes; nothing in it is shared with self (vLLM's clone is a deep copy):
         the lists and dicts are rebuilt, the constraint and extra_args copied (extra_args that do
-        not deep-copy, a lock say, shallowly)."""
-        own = {"structured_outputs": copy.deepcopy(self.structured_outputs)}
-        if self.extra_args is not None:
+        not deep-copy, a lock say, shallowly) unless changes replace them."""
+        own = {} if "structured_outputs" in changes else {"structured_outputs": copy.deepcopy(self.structured_outputs)}
+        if self.extra_args is not None and "extra_args" not in changes:
             try:
                 own["extra_args"] = copy.deepcopy(self.extra_args)
             except Exception:

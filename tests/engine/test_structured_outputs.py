@@ -277,6 +277,23 @@ def test_params_from_a_dict():
         SamplingParams(structured_outputs=3)
 
 
+def test_clone_copies_the_constraint_it_keeps_only(monkeypatch):
+    """SamplingParams.clone deep-copies the constraint (nothing shared, as vLLM's), but not one its changes
+    replace (a huge schema copied to be dropped)."""
+    p = SamplingParams(structured_outputs={"json": {"type": "object"}}, extra_args={"a": [1]})
+    q = p.clone(max_tokens=3)
+    assert q.structured_outputs == p.structured_outputs and q.structured_outputs is not p.structured_outputs
+    assert q.extra_args == p.extra_args and q.extra_args is not p.extra_args
+    import copy
+
+    copied = []
+    real = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: copied.append(x) or real(x, *a))
+    new = StructuredOutputsParams(regex="a+")
+    r = p.clone(structured_outputs=new, extra_args=None)
+    assert r.structured_outputs is new and r.extra_args is None and copied == []
+
+
 def test_disable_additional_properties_closes_objects():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
     closed = json.loads(grammar_text(StructuredOutputsParams(json=schema, disable_additional_properties=True)))
