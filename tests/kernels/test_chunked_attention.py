@@ -181,7 +181,7 @@ def test_gemm_invariant_rows_gpu(n, k, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("n, k", [(28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n, k", [(28672, 4096), (4096, 14336), (2000, 1000)])  # (the last: K, N and pairs past tiles)
 def test_gemm_invariant_silu_mul_and_fp8_gpu(n, k):
     check_gemm_invariant(n, k, torch.bfloat16, "cuda", act="silu_mul" if n > k else None)
     check_gemm_invariant(n, k, torch.bfloat16, "cuda", fp8=True, act="silu_mul" if n > k else None)
