@@ -11,9 +11,11 @@ Around that dot the tile is free. A program owns BLOCK_N weight rows and TILES r
 consecutive rows): at each K step it loads its weight tile once and runs one 16-row dot per row tile
 into that tile's own accumulator; the weight tile is the dot's first operand (W_FIRST) or its second.
 On an H100 every choice gave the same bits, for the 8B's and 1B's ten layer shapes: 16-256 weight rows
-a program, 64-512 columns a K step, 4 or 8 warps, 1-8 row tiles, either operand order (fp8 weights, x
-first at INVARIANT_W8's tile: 1-8 row tiles) (`bench/gpu_kernels.py --invariant 1,5,40,1536 --bits-only`; the GPU tests check it on fresh
-inputs, tests/kernels/test_chunked_attention.py). So `invariant_plan` picks the fastest by row count:
+a program, 64-512 columns a K step, 4 or 8 warps, 1-8 row tiles, either operand order; fp8 weights, x
+first at INVARIANT_W8's tile, at 1-8 row tiles (`bench/gpu_kernels.py --invariant 1,5,40,1536
+--bits-only`). The GPU tests check it on fresh inputs (tests/kernels/test_chunked_attention.py); on
+another architecture than Hopper, where Triton picks other tensor-core instructions, they are the
+check to run first. So `invariant_plan` picks the fastest by row count:
 gemm_rows' weight-first tile at one row tile up to 16 rows (a decode step streams the weights as the
 default engine's few-row GEMM does), x first at 128 weight rows and 4 row tiles a program for many
 (each weight tile read a quarter as often: the 8B's 1536-token prefill 77 ms against 177 at gemm_rows'
