@@ -266,8 +266,10 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "give at least one token id, or None for the whole vocabulary")
             if not _token_ids(self.allowed_token_ids) and any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "token ids must be integers >= 0")
-        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             raise bad("bad_words", "bad words must be non-empty strings")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):  # (stripped, as vLLM: no tokens)
+            raise bad("bad_words", "a bad word is whitespace alone, which leaves nothing to ban (words are stripped)")
         if self.bad_words is not None and any(lone_surrogate(w) is not None for w in self.bad_words):
             raise bad("bad_words", "a bad word holds a lone surrogate, which is not valid Unicode")
         words = self.bad_words_token_ids
