@@ -295,8 +295,7 @@ def _read_arch_config(model_dir: str | os.PathLike, field: str = "model", overri
     # such a checkpoint: transformers' config object raises there). An hf_overrides rope_theta wins over them all:
     # the user asked for it (transformers 5 would keep rope_parameters' and drop it silently).
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    asked = (overrides or {}) if "rope_theta" in (overrides or {}) else rope
-    rope_theta = next((d["rope_theta"] for d in (asked, rope, raw, params) if "rope_theta" in d), 10000.0)
+    rope_theta = next((d["rope_theta"] for d in (overrides or {}, rope, raw, params) if "rope_theta" in d), 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{field}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
