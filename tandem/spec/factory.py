@@ -84,10 +84,17 @@ class SpeculatorFactory:
         # argmax, or its seeded sample by coupling), so the draft keeps the fast linears and attention
         # (AttnBackend.fast); a probabilistic draft's probabilities pick which seeded token the rejection sampler
         # keeps, so it computes batch-invariantly too
+        invariant = target.batch_invariant and spec.draft_sample_method == "probabilistic"
+        if invariant and dtype not in (torch.bfloat16, torch.float16):
+            raise ConfigError(
+                f"batch_invariant=True with draft_sample_method='probabilistic' runs the draft batch-invariantly too, "
+                f"which needs it in bfloat16 or float16 (speculative_config.dtype={spec.dtype!r} gives "
+                f"{str(dtype).removeprefix('torch.')}): set speculative_config.dtype to 'auto' or 'bfloat16', or use "
+                "greedy drafts"
+            )
         self.draft_cfg = ModelConfig(str(draft_dir), arch, dtype, max_len, spec.draft_load_format, spec.seed,
                                      target.cpu_matmul, spec.quantization, fp8_draft_layout=True,
-                                     tp_size=draft_tp.size if draft_tp is not None else 1,
-                                     batch_invariant=target.batch_invariant and spec.draft_sample_method == "probabilistic")
+                                     tp_size=draft_tp.size if draft_tp is not None else 1, batch_invariant=invariant)
         self.model = load_model(self.draft_cfg, device, "speculative_config.model", "speculative_config.dtype",
                                 tp=draft_tp, head_ids=self.hot_ids)
         if spec.rejection_sample_method == "block" and spec.draft_sample_method == "greedy":

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.errors import ConfigError
 from tandem.layers.backend import AttnBackend
 from tandem.layers.block_table import BlockTable
 from tests.helpers import make_hf_model
@@ -112,3 +113,8 @@ def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
     llm = LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
               speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic"))
     assert llm.engine.runner.speculator.attn_backend.invariant
+    del llm
+    with pytest.raises(ConfigError, match=r"draft_sample_method='probabilistic'.*speculative_config.dtype='float32'"):
+        LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
+            speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic",
+                                    dtype="float32"))
