@@ -85,6 +85,13 @@ class SpeculatorFactory:
         # (AttnBackend.fast); a probabilistic draft's probabilities pick which seeded token the rejection sampler
         # keeps, so it computes batch-invariantly too
         invariant = target.batch_invariant and spec.draft_sample_method == "probabilistic"
+        if invariant and spec.num_speculative_tokens_per_batch_size is not None:
+            raise ConfigError(
+                "batch_invariant=True with draft_sample_method='probabilistic' needs one k for every step: "
+                f"num_speculative_tokens_per_batch_size={spec.num_speculative_tokens_per_batch_size!r} drafts by the "
+                "batch, and where a probabilistic draft's round ends picks another seeded token; leave it unset, or "
+                "use greedy drafts (their output does not depend on k)"
+            )
         if invariant and dtype not in (torch.bfloat16, torch.float16):
             raise ConfigError(
                 f"batch_invariant=True with draft_sample_method='probabilistic' runs the draft batch-invariantly too, "

@@ -114,6 +114,11 @@ def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
               speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic"))
     assert llm.engine.runner.speculator.attn_backend.invariant
     del llm
+    for per in ("auto", ((2, 8, 1),)):  # (a k by the batch: where a round ends picks another seeded token)
+        with pytest.raises(ConfigError, match=r"probabilistic' needs one k for every step: num_speculative_tokens_per"):
+            LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
+                speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic",
+                                        num_speculative_tokens_per_batch_size=per))
     with pytest.raises(ConfigError, match=r"draft_sample_method='probabilistic'.*speculative_config.dtype='float32'"):
         LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
             speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic",
