@@ -177,6 +177,14 @@ class LLM:
             raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one verification of 1 + k={1 + k} tokens"
             )
+        if (batch_invariant and spec is not None and spec.draft_sample_method == "probabilistic"
+                and max_num_batched_tokens < max_num_seqs * (1 + k)):
+            raise ConfigError(
+                f"batch_invariant=True with draft_sample_method='probabilistic' needs max_num_batched_tokens >= "
+                f"max_num_seqs * (1 + k) = {max_num_seqs * (1 + k)} (it is {max_num_batched_tokens}): a smaller budget "
+                "verifies some requests' drafts in part, and where a round ends picks another seeded token; raise "
+                "it, lower max_num_seqs, or use greedy drafts"
+            )
         cfg = EngineConfig(
             model=ModelConfig(str(model_dir), arch, torch_dtype, max_len, load_format, seed, cpu_matmul,
                               quantization=quantization, logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,

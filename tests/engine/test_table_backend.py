@@ -119,6 +119,10 @@ def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
             LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
                 speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic",
                                         num_speculative_tokens_per_batch_size=per))
+    with pytest.raises(ConfigError, match=r"probabilistic' needs max_num_batched_tokens >= max_num_seqs \* \(1 \+ k\) = 12"):
+        LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
+            max_num_seqs=4, max_num_batched_tokens=8,  # (drafts verified in part: rounds end elsewhere)
+            speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic"))
     with pytest.raises(ConfigError, match=r"draft_sample_method='probabilistic'.*speculative_config.dtype='float32'"):
         LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
             speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic",
