@@ -108,8 +108,13 @@ def test_fast_backend_shares_the_table_and_drops_invariance(tmp_path):
     runner = llm.engine.runner
     assert runner.attn_backend.invariant and not runner.speculator.attn_backend.invariant
     assert runner.speculator.attn_backend.upload is runner.attn_backend.upload
-    del llm
-    # probabilistic drafts' probabilities choose the kept seeded token: their draft stays batch-invariant
+
+
+def test_probabilistic_drafts_under_batch_invariance(tmp_path):
+    """Probabilistic drafts' probabilities, and where each round ends, choose the kept seeded token: under
+    batch_invariant their draft computes invariantly, at one k, with every request's drafts verified whole;
+    what would break that is refused by name."""
+    target = make_hf_model(tmp_path / "t", "llama")
     llm = LLM(str(target), dtype="bfloat16", device="cpu", max_model_len=64, block_size=8, batch_invariant=True,
               speculative_config=dict(model=str(target), num_speculative_tokens=2, draft_sample_method="probabilistic"))
     assert llm.engine.runner.speculator.attn_backend.invariant
