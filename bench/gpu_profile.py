@@ -397,6 +397,9 @@ def tables_section(tmp: Path, args, results: dict) -> None:
                   max_num_batched_tokens=16384, kv_cache_memory_bytes=args.table_kv_gib << 30,
                   enable_prefix_caching=False, speculative_config=spec)
         engine, backend = llm.engine, llm.engine.runner.attn_backend
+        # the draft's backend may be a view of the target's (AttnBackend.fast): both switch tables
+        speculator = getattr(engine.runner, "speculator", None)
+        backends = {id(b): b for b in (backend, getattr(speculator, "attn_backend", None)) if b is not None}
         table = backend.block_table
         for batch, ctx in cases:
             g = torch.Generator().manual_seed(batch)
@@ -411,12 +414,14 @@ def tables_section(tmp: Path, args, results: dict) -> None:
             times = {"persistent": [], "host lists": []}
             for _ in range(max(1, args.steps // 10)):
                 for name, t in (("persistent", table), ("host lists", None)):
-                    backend.block_table = t
+                    for b in backends.values():
+                        b.block_table = t
                     for _ in range(5):
                         t0 = time.perf_counter()
                         engine.step()
                         times[name].append(time.perf_counter() - t0)
-            backend.block_table = table
+            for b in backends.values():
+                b.block_table = table
             if args.table_profile:  # where the host's time goes now
                 prof = cProfile.Profile()
                 prof.enable()

@@ -385,7 +385,7 @@ def parse_structured_outputs_config(config: dict | None, reasoning_parser: str |
         return reasoning_parser, False
     if not isinstance(config, dict):
         raise ConfigError(f"structured_outputs_config={config!r} must be a dict, e.g. {{'enable_in_reasoning': True}}")
-    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS))
+    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS), key=repr)
     if unknown:
         raise ConfigError(f"structured_outputs_config has unknown keys {unknown}; known keys: "
                           f"{list(STRUCTURED_OUTPUTS_KEYS)}")

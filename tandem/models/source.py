@@ -118,7 +118,7 @@ def check_generation_override(override: dict | None) -> dict | None:
         return None
     if not isinstance(override, dict):
         raise ConfigError(f"override_generation_config={override!r} must be a dict such as {{'temperature': 0.5}}")
-    unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
+    unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS), key=repr)
     if unknown:
         raise ConfigError(f"override_generation_config sets {unknown}, which are not sampling defaults; use some "
                           f"of {sorted(GENERATION_DEFAULT_KEYS)}")

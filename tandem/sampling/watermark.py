@@ -75,7 +75,7 @@ def parse_watermark_config(value: Any) -> WatermarkConfig | None:
         raw = dict(value)
     else:
         raise ConfigError(f"watermark_config must be a dict such as {{'key': 42}} or None, got {type(value).__name__}")
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted(set(raw) - set(_FIELDS), key=repr)
     if unknown:
         raise ConfigError(f"watermark_config: unknown or unsupported key(s) {unknown}; known keys: {list(_FIELDS)}")
     if "key" not in raw:

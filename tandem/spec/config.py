@@ -30,6 +30,31 @@ DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_para
                     "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager",
                     "seed", "draft_load_format")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+# vLLM's speculators that draft from heads trained on the target's hidden states (refused by name)
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "dspark")
+_HEADS = "an EAGLE / MTP / DSpark setting, and tandem runs no heads on the target's hidden states; leave it out"
+# vLLM's speculative_config keys tandem does not take: why, and what to do instead. Set to a value that asks
+# for nothing (None, False, "auto": vLLM's defaults) they pass, so a config written out for vLLM loads.
+VLLM_ONLY_KEYS = {
+    "parallel_drafting": "PARD drafts all k tokens in one forward of a draft trained for it, and tandem's draft "
+                         "model proposes one token a step; leave it out",
+    "use_heterogeneous_vocab": "tandem maps no tokens between tokenizers, so the draft must use the target's "
+                               "vocabulary; pick a draft of the target's family",
+    "enable_adaptive_verification": "tandem picks how many drafts each step verifies with "
+                                    "num_speculative_tokens_per_batch_size='auto' (its acceptance estimator and the "
+                                    "measured step costs); pass that instead",
+    "kv_cache_dtype": "the draft's KV cache takes LLM's kv_cache_dtype, as the target's does (they share block "
+                      "ids); set it there",
+    "attention_backend": "tandem picks its attention kernels itself (Triton on a GPU, C or torch on a CPU); "
+                         "leave it out",
+    "moe_backend": "tandem runs dense models only; leave it out",
+    "revision": "tandem loads a local folder, a GGUF file or a known name, never a hub revision; leave it out",
+    "code_revision": "tandem runs no checkpoint code; leave it out",
+    "draft_load_config": "pass draft_load_format ('auto' or 'dummy') instead",
+    "disable_padded_drafter_batch": _HEADS,
+    "disable_eagle_block_drop": _HEADS,
+    "index_share_for_mtp_iteration": _HEADS,
+}
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
 
@@ -194,6 +219,7 @@ class SpeculativeConfig:
                 for key, value in spec.items()}
         if "method" in spec and spec["method"] is None:  # vLLM's "detect": a separate draft model here
             del spec["method"]
+        spec = _without_vllm_defaults(spec)
         if "draft_confidence_fallback_depth" in spec:
             raise ConfigError("speculative_config.draft_confidence_fallback_depth is not needed: tandem ends each "
                               "request's chain of drafts on its own, in a batch of any size, so no round falls back "
@@ -243,7 +269,7 @@ class SpeculativeConfig:
     @classmethod
     def _refuse_unknown(cls, spec: dict) -> None:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(spec) - known)
+        unknown = sorted(set(spec) - known, key=repr)  # (repr: keys of any type, from Python callers)
         if unknown:
             raise ConfigError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
 
@@ -470,6 +496,23 @@ def _suffix_keys(spec: dict) -> None:
     for key, (ok, rule) in checks.items():
         if key in spec and not ok(spec[key]):
             raise bad(key, rule)
+
+
+def _without_vllm_defaults(spec: dict) -> dict:
+    """spec less the vLLM-only keys (VLLM_ONLY_KEYS, dspark_*) left at values that ask for nothing;
+    one set to anything else, or a method of vLLM's trained heads, is refused saying why."""
+    if spec.get("method") in HEAD_METHODS:
+        raise ConfigError(f"speculative_config.method={spec['method']!r} drafts with heads trained on the target's "
+                          "hidden states, which tandem does not run; use 'draft_model' (a small model with the "
+                          "target's vocabulary, given as model), 'ngram' or 'suffix'")
+    kept = {}
+    for key, value in spec.items():
+        why = VLLM_ONLY_KEYS.get(key, _HEADS if str(key).startswith("dspark_") else None)
+        if why is None:
+            kept[key] = value
+        elif value not in (None, False, "auto"):
+            raise ConfigError(f"speculative_config.{key}={value!r} is not supported: {why}")
+    return kept
 
 
 def _one_of(name: str, value, allowed) -> None:

@@ -1064,3 +1064,21 @@ def test_beam_search_checks_every_prompts_salt_first_and_a_callable_use_tqdm_mak
 
     llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], GREEDY, use_tqdm=Bar)
     assert made == [dict(total=2, desc="Processed prompts", dynamic_ncols=True), 1, 1, "closed"]
+
+
+def test_config_dicts_with_keys_of_mixed_types_are_refused_by_name():
+    """A Python caller's config dict with a non-string key beside string ones: each parser names the
+    unknown keys (it sorted them, and str < int raised a TypeError)."""
+    from tandem.config import parse_structured_outputs_config
+    from tandem.models.source import check_generation_override
+    from tandem.sampling.watermark import parse_watermark_config
+    from tandem.spec.config import SpeculativeConfig
+
+    for parse, config in [
+        (lambda c: SpeculativeConfig.from_user(c, 128), {"model": "d", "num_speculative_tokens": 2}),
+        (lambda c: parse_structured_outputs_config(c, None), {}),
+        (check_generation_override, {"temperature": 0.5}),
+        (parse_watermark_config, {"key": 42}),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape("['zz', 1]")):
+            parse({**config, 1: "x", "zz": "y"})

@@ -97,6 +97,34 @@ def test_vllm_keys_that_ask_for_nothing_more():
     assert SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3}, 128).ngram  # test_ngram.py
 
 
+def test_vllm_only_keys():
+    """vLLM's speculative_config keys tandem does not take: left at a value that asks for nothing
+    (a config written out for vLLM with every field) they pass; set, each is refused saying why and
+    what to do instead; the methods of trained heads, by name."""
+    quiet = dict(parallel_drafting=False, use_heterogeneous_vocab=False, enable_adaptive_verification=False,
+                 kv_cache_dtype="auto", attention_backend=None, moe_backend=None, revision=None, code_revision=None,
+                 draft_load_config=None, disable_padded_drafter_batch=False, dspark_block_size=None)
+    assert cfg(**quiet) == cfg()
+    assert SpeculativeConfig.from_user(dict(method="ngram", num_speculative_tokens=3, **quiet), 128).ngram
+    for kw, fix in [
+        (dict(parallel_drafting=True), "one token a step"),
+        (dict(use_heterogeneous_vocab=True), "the target's vocabulary"),
+        (dict(enable_adaptive_verification=True), "num_speculative_tokens_per_batch_size='auto'"),
+        (dict(kv_cache_dtype="fp8"), "LLM's kv_cache_dtype"),
+        (dict(attention_backend="FLASH_ATTN"), "attention kernels itself"),
+        (dict(revision="main"), "never a hub revision"),
+        (dict(draft_load_config={"x": 1}), "pass draft_load_format"),
+        (dict(disable_eagle_block_drop=True), "EAGLE / MTP / DSpark"),
+        (dict(dspark_block_size=4), "EAGLE / MTP / DSpark"),
+    ]:
+        key, value = next(iter(kw.items()))
+        with pytest.raises(ConfigError, match=rf"speculative_config\.{key}={value!r} is not supported: .*{fix}"):
+            cfg(**kw)
+    for method in ("eagle3", "mtp", "medusa", "mlp_speculator"):
+        with pytest.raises(ConfigError, match=rf"method='{method}' drafts with heads trained on the target's hidden"):
+            cfg(method=method)
+
+
 def test_drafts_per_batch_size():
     c = cfg(num_speculative_tokens_per_batch_size=[(9, 64, 0), [2, 8, 1]])
     assert c.num_speculative_tokens_per_batch_size == ((9, 64, 0), (2, 8, 1))
