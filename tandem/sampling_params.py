@@ -80,7 +80,7 @@ class StructuredOutputsParams:
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
         """From a dict of the fields (a server request's structured_outputs); RequestError for
         fields it does not have."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)}, key=repr)
         if unknown:
             raise RequestError(f"StructuredOutputsParams has no fields {unknown}: give one of "
                                f"{', '.join(STRUCTURED_KINDS)}, and disable_any_whitespace or "

@@ -1082,3 +1082,7 @@ def test_config_dicts_with_keys_of_mixed_types_are_refused_by_name():
     ]:
         with pytest.raises(ConfigError, match=re.escape("['zz', 1]")):
             parse({**config, 1: "x", "zz": "y"})
+    from tandem.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(RequestError, match=re.escape("has no fields ['zz', 1]")):
+        StructuredOutputsParams.from_dict({"json": {}, 1: "x", "zz": "y"})
