@@ -375,6 +375,16 @@ def token_ids_setting(value, what: str, path) -> tuple[int, ...]:
 
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "enable_in_reasoning", "reasoning_parser")
+# vLLM's other structured_outputs_config keys: they pass at their defaults (a config written out for
+# vLLM loads), and are refused otherwise, saying what to do instead
+STRUCTURED_OUTPUTS_VLLM_KEYS = {
+    "disable_fallback": (False, "llguidance is the one backend, so there is nothing to fall back from"),
+    "disable_any_whitespace": (False, "set it per request (StructuredOutputsParams / the server's "
+                                      "structured_outputs field)"),
+    "disable_additional_properties": (False, "set it per request (StructuredOutputsParams / the server's "
+                                             "structured_outputs field)"),
+    "reasoning_parser_plugin": ("", "tandem loads no parser plugins; reasoning_parser names its built-in ones"),
+}
 
 
 def parse_structured_outputs_config(config: dict | None, reasoning_parser: str | None) -> tuple[str | None, bool]:
@@ -385,17 +395,21 @@ def parse_structured_outputs_config(config: dict | None, reasoning_parser: str |
         return reasoning_parser, False
     if not isinstance(config, dict):
         raise ConfigError(f"structured_outputs_config={config!r} must be a dict, e.g. {{'enable_in_reasoning': True}}")
-    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS), key=repr)
+    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS) - set(STRUCTURED_OUTPUTS_VLLM_KEYS), key=repr)
     if unknown:
         raise ConfigError(f"structured_outputs_config has unknown keys {unknown}; known keys: "
                           f"{list(STRUCTURED_OUTPUTS_KEYS)}")
+    for key, (default, instead) in STRUCTURED_OUTPUTS_VLLM_KEYS.items():
+        if key in config and config[key] is not None and config[key] != default:
+            raise ConfigError(f"structured_outputs_config.{key}={config[key]!r} is not supported: {instead}; leave "
+                              f"it out (or {default!r})")
     if config.get("backend", "auto") not in ("auto", "guidance"):
         raise ConfigError(f"structured_outputs_config.backend={config['backend']!r} is not supported: tandem's "
                           "structured outputs run on llguidance; use 'guidance' or 'auto'")
     in_reasoning = config.get("enable_in_reasoning", False)
     if not isinstance(in_reasoning, bool):
         raise ConfigError(f"structured_outputs_config.enable_in_reasoning={in_reasoning!r} must be True or False")
-    parser = config.get("reasoning_parser")
+    parser = config.get("reasoning_parser") or None  # (vLLM's default: "", no parser)
     if parser is not None and reasoning_parser is not None and parser != reasoning_parser:
         raise ConfigError(f"structured_outputs_config.reasoning_parser={parser!r} differs from reasoning_parser="
                           f"{reasoning_parser!r}; give one")

@@ -48,10 +48,22 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    # vLLM's fields tandem does not take: accepted at values that ask for nothing, refused otherwise
+    disable_fallback: dataclasses.InitVar[bool] = False
+    whitespace_pattern: dataclasses.InitVar[str | None] = None
+    structural_tag: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, disable_fallback=False, whitespace_pattern=None, structural_tag=None) -> None:
         def bad(name: str, rule: str) -> RequestError:
             return RequestError(f"StructuredOutputsParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        _refuse_vllm_only("StructuredOutputsParams", {
+            "disable_fallback": (disable_fallback, "llguidance is the one backend, so there is nothing to fall back "
+                                                   "from; leave it out"),
+            "whitespace_pattern": (whitespace_pattern, "no pattern is taken; disable_any_whitespace=True gives JSON "
+                                                       "without free whitespace"),
+            "structural_tag": (structural_tag, "give the constraint as json, regex, choice, grammar or json_object"),
+        })
 
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
@@ -80,7 +92,7 @@ class StructuredOutputsParams:
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
         """From a dict of the fields (a server request's structured_outputs); RequestError for
         fields it does not have."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)}, key=repr)
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__), key=repr)  # (its InitVars: vLLM's fields)
         if unknown:
             raise RequestError(f"StructuredOutputsParams has no fields {unknown}: give one of "
                                f"{', '.join(STRUCTURED_KINDS)}, and disable_any_whitespace or "
@@ -152,8 +164,24 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # What each output of the request carries: a RequestOutputKind, or its value or name.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's fields tandem does not take: accepted at values that ask for nothing, refused otherwise
+    best_of: dataclasses.InitVar[int | None] = None
+    logits_processors: dataclasses.InitVar[Any] = None
+    guided_decoding: dataclasses.InitVar[Any] = None
+    flat_logprobs: dataclasses.InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, best_of=None, logits_processors=None, guided_decoding=None, flat_logprobs=False) -> None:
+        _refuse_vllm_only("SamplingParams", {
+            "best_of": (None if best_of == self.n else best_of,
+                        "n samples are returned, each drawn on its own (vLLM's V1 engine dropped best_of too); "
+                        "leave it out, or equal to n"),
+            "logits_processors": (logits_processors or None,
+                                  "tandem runs no custom logits processors; logit_bias, allowed_token_ids, "
+                                  "bad_words and min_tokens shape the logits; leave it out"),
+            "guided_decoding": (guided_decoding, "pass the constraint as structured_outputs (vLLM's newer name "
+                                                 "for it)"),
+            "flat_logprobs": (flat_logprobs, "logprobs come as a list of dicts, one a token; leave it out"),
+        })
         self.output_kind = _output_kind(self.output_kind)
         for name in ("logprobs", "prompt_logprobs"):  # bools as vLLM reads them: True is 1, False 0
             if isinstance(getattr(self, name), bool):
@@ -313,6 +341,13 @@ class SamplingParams:
             except Exception:
                 own["extra_args"] = dict(self.extra_args)
         return dataclasses.replace(self, **{**own, **changes})
+
+
+def _refuse_vllm_only(owner: str, fields: dict[str, tuple[Any, str]]) -> None:
+    """RequestError for the first of vLLM's fields (name -> (value, why)) set to ask for something."""
+    for name, (value, why) in fields.items():
+        if value is not None and value is not False:
+            raise RequestError(f"{owner}.{name}={value!r} is not supported: {why}")
 
 
 @dataclass

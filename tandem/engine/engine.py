@@ -209,6 +209,10 @@ class Engine:
         self._dead: str | None = None  # why the engine takes no more work (a fatal step error; stop())
         freeze_startup_heap(self)  # no full collection walks the models and libraries while it serves
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLMEngine.get_tokenizer); None for a model folder without one."""
+        return self.tokenizer
+
     def capture_graphs(self) -> None:
         """Capture (again) the CUDA graphs of uniform decode / verification steps and the draft's."""
         if self._capture_stream is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
+from tandem.choices import CPU_MATMULS, KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
 from tandem.config import (
     CacheConfig,
     EngineConfig,
@@ -28,8 +28,8 @@ from tandem.config import (
 from tandem.beam_search import BeamSearchOutput, run_beam_search
 from tandem.chat import content_format, developer_as_system, template_kwargs, text_message
 from tandem.engine.engine import Engine, as_token_ids, progress_bar
+from tandem.engine.vllm_args import check_vllm_only
 from tandem.errors import ConfigError, RequestError
-from tandem.layers.cpu_linear import CPU_MATMULS
 from tandem.layers.quant import QUANTIZATIONS
 from tandem.models.loader import load_model
 from tandem.metrics_reader import Metric, engine_metrics
@@ -121,11 +121,21 @@ class LLM:
         positions, rope scaling...), checked as the file's own. batch_invariant (vLLM's VLLM_BATCH_INVARIANT=1):
         a token's logits have the same bits whatever step computes it (alone or in a batch, decoded, verified
         among drafts or prefilled), so speculative greedy output equals target-only greedy output on a GPU in
-        bf16 too; slower on a GPU (README). Any other argument of vLLM's that tandem does not take is a ConfigError naming it."""
+        bf16 too; slower on a GPU (README). vLLM's other arguments pass where they ask for nothing (their defaults,
+        None, False; tandem/engine/vllm_args.py) and are a ConfigError saying why otherwise; max_num_seqs,
+        block_size and enable_prefix_caching take None for their defaults, as vLLM's EngineArgs; any other
+        argument is a ConfigError naming it."""
+        unsupported = check_vllm_only(unsupported)
         if unsupported:
             names = ", ".join(sorted(unsupported))
             raise ConfigError(f"LLM() got {names}: not an argument tandem takes (README, 'Using it', lists those it "
                               "takes); leave it out")
+        # vLLM's EngineArgs leave these None for their defaults, and reasoning_parser "" for none
+        max_num_seqs = 256 if max_num_seqs is None else max_num_seqs
+        block_size = 16 if block_size is None else block_size
+        enable_prefix_caching = True if enable_prefix_caching is None else enable_prefix_caching
+        if reasoning_parser == "":
+            reasoning_parser = None
         launch = {name: value for name, value in locals().items() if name not in ("self", "_rank", "unsupported")}
         _check_arguments(**launch)
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
@@ -391,14 +401,19 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. As vLLM's (its
         arguments in its order): OpenAI-style content parts of type "text" are joined by newlines, or
         passed as parts to a template that loops over them (chat_template_content_format "auto"; or
         "string", "openai"); continue_final_message leaves the last message open (with
         add_generation_prompt=False); tools go to the template; chat_template_kwargs are extra template
-        variables and override the arguments above. lora_request: only None (no adapters)."""
+        variables and override the arguments above. lora_request: only None (no adapters);
+        mm_processor_kwargs: only None or empty (text-only models)."""
         _no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise RequestError(f"chat(): mm_processor_kwargs={mm_processor_kwargs!r} is not supported: tandem runs "
+                               "text-only models; leave it out")
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise RequestError(f"chat(): chat_template_content_format={chat_template_content_format!r} must be "
                                "'auto', 'string' or 'openai'")
@@ -575,9 +590,9 @@ def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cac
                           "'uni' with tensor_parallel_size=1)")
     # vLLM arguments whose only value here asks for nothing (trust_remote_code only permits code,
     # and tandem runs none: its architectures are its own).
-    if tokenizer_mode != "auto":
-        raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' (the "
-                          "model's Hugging Face tokenizer)")
+    if tokenizer_mode not in ("auto", "hf"):  # (vLLM's "hf": the Hugging Face tokenizer, as "auto" is here)
+        raise ConfigError(f"tokenizer_mode={tokenizer_mode!r} is not supported; leave it out or set 'auto' or 'hf' "
+                          "(the model's Hugging Face tokenizer, fast where it has one)")
     for name, flag in (("trust_remote_code", trust_remote_code), ("enable_prefix_caching", enable_prefix_caching),
                        ("enforce_eager", enforce_eager), ("disable_log_stats", disable_log_stats),
                        ("disable_custom_all_reduce", disable_custom_all_reduce), ("batch_invariant", batch_invariant)):

@@ -38,8 +38,6 @@ from tandem.kernels import cpu_build, cpu_gemm
 
 logger = logging.getLogger(__name__)
 
-CPU_MATMULS = ("auto", "avx512bf16", "avx512", "avx2", "fbgemm", "torch")
-
 
 def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines

@@ -11,7 +11,7 @@ import os
 import socket
 
 from tandem.chat import load_chat_template
-from tandem.choices import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
+from tandem.choices import CPU_MATMULS, KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES, SPEC_DECODE_METRICS_LEVELS
 from tandem.flags import (BATCH_INVARIANT_HELP, DOWNLOAD_DIR_HELP, DRAFT_TOKEN_MAP_HELP, DRAFT_VOCAB_HELP,
                           KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP, REJECTION_HELP, SPEC_CONFIG_HELP, WATERMARK_HELP, draft_flag_conflicts,
                           float_in, hf_overrides, int_in, non_empty, override_generation_config, size_in,
@@ -106,6 +106,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     engine.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (GPUs, or CPU processes) sharing each layer (default 1)")
+    engine.add_argument("--max-cudagraph-tokens", type=int_in(0), default=512,
+                        help="the largest mixed or ragged step run on piecewise CUDA graphs (default 512; 0: such "
+                             "steps run eagerly)")
+    engine.add_argument("--cpu-matmul", choices=list(CPU_MATMULS), default="auto",
+                        help="a CPU model's linears: 'auto' (the best of tandem's C builds the CPU runs), a build by "
+                             "name, 'fbgemm' or 'torch'")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan each step while the device runs the last one (default: on for a GPU without a "
+                             "draft model; with one, the host already works while the device drafts)")
+    # vLLM's flags that ask for nothing here, taken as LLM() takes them (and refused where they ask for more)
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="vLLM's flag, accepted: tandem runs no code from a checkpoint (its architectures are "
+                             "its own)")
+    engine.add_argument("--tokenizer-mode", default="auto", help="auto or hf (the model's Hugging Face tokenizer)")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="vLLM's flag: prompts are always chunked by --max-num-batched-tokens")
+    engine.add_argument("--swap-space", type=float_in(0), default=None,
+                        help="vLLM's flag, unused: a preemption recomputes the request")
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int_in(1), default=1,
+                        help="vLLM's flag: 1 only (tandem splits a model by --tensor-parallel-size)")
+    engine.add_argument("--distributed-executor-backend", default=None,
+                        help="vLLM's flag: mp (tandem's ranks are processes), or uni with one rank")
+    engine.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="vLLM's flag, accepted: tensor parallelism reduces through NCCL")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default 127.0.0.1: this machine only, where vLLM listens on "

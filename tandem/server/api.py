@@ -1095,6 +1095,12 @@ def run_server(args: argparse.Namespace) -> int:
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics or "none",
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
         disable_log_stats=args.disable_log_stats, batch_invariant=args.batch_invariant,
+        max_cudagraph_tokens=args.max_cudagraph_tokens, cpu_matmul=args.cpu_matmul,
+        async_scheduling=args.async_scheduling, trust_remote_code=args.trust_remote_code,
+        tokenizer_mode=args.tokenizer_mode, enable_chunked_prefill=args.enable_chunked_prefill,
+        swap_space=args.swap_space, pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
     )
     app = build_app(llm, args.served_model_name or [args.model], max_queued_requests=args.max_queued_requests,
                     drain_timeout_s=args.shutdown_timeout,

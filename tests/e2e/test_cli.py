@@ -667,3 +667,36 @@ def test_serve_override_generation_config_reaches_the_llm():
         ["--model", "m", "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'])
     assert args.override_generation_config == {"temperature": 0.5, "max_new_tokens": 64}
     assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "m"]).override_generation_config is None
+
+
+def test_serve_passes_the_engine_flags_llm_takes(monkeypatch):
+    """vLLM's engine flags that LLM() takes (most asking for nothing here: --trust-remote-code,
+    --enable-chunked-prefill, --swap-space, -pp 1, ...) and tandem's --cpu-matmul, --max-cudagraph-tokens and
+    --[no-]async-scheduling reach LLM() as its arguments, which checks them as it checks the offline API's."""
+    import tandem.engine.llm as llm_module
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def capture(self, model, **kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", capture)
+    with pytest.raises(Built):
+        main(["serve", "M", "--trust-remote-code", "--enable-chunked-prefill", "--swap-space", "4", "-pp", "1",
+              "--distributed-executor-backend", "mp", "--tokenizer-mode", "hf", "--disable-custom-all-reduce",
+              "--cpu-matmul", "torch", "--max-cudagraph-tokens", "0", "--no-async-scheduling"])
+    assert {k: seen[k] for k in ("trust_remote_code", "enable_chunked_prefill", "swap_space", "pipeline_parallel_size",
+                                 "distributed_executor_backend", "tokenizer_mode", "disable_custom_all_reduce",
+                                 "cpu_matmul", "max_cudagraph_tokens", "async_scheduling")} == dict(
+        trust_remote_code=True, enable_chunked_prefill=True, swap_space=4.0, pipeline_parallel_size=1,
+        distributed_executor_backend="mp", tokenizer_mode="hf", disable_custom_all_reduce=True, cpu_matmul="torch",
+        max_cudagraph_tokens=0, async_scheduling=False)
+    seen.clear()
+    with pytest.raises(Built):
+        main(["serve", "M"])
+    assert (seen["async_scheduling"], seen["cpu_matmul"], seen["max_cudagraph_tokens"], seen["tokenizer_mode"],
+            seen["trust_remote_code"], seen["enable_chunked_prefill"]) == (None, "auto", 512, "auto", False, None)

@@ -583,7 +583,6 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(block_size=True), "block_size"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(max_num_seqs=True), "max_num_seqs"),
-        (dict(max_num_seqs=None), "max_num_seqs"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
@@ -594,7 +593,7 @@ def test_dtype_is_checked_before_the_model_is_fetched(monkeypatch, no_loading):
         (dict(swap_space=-1), "swap_space"),
         (dict(disable_log_stats="no"), "disable_log_stats"),
         (dict(enable_lora=True), "enable_lora"),  # a vLLM argument tandem does not take: named, not a TypeError
-        (dict(revision="main", code_revision="x"), "code_revision, revision"),
+        (dict(foo_option="x", bar_option=1), "bar_option, foo_option"),
         (dict(hf_overrides=lambda c: c), "hf_overrides"),
         (dict(hf_overrides={1: 2}), "hf_overrides"),
         (dict(download_dir=""), "download_dir"),
@@ -620,9 +619,45 @@ def test_bad_engine_argument(model_dir, kwargs, field, no_loading):
 
 
 def test_vllm_arguments_that_ask_for_nothing_more_are_taken(model_dir):
+    """vLLM's arguments at values that ask for nothing tandem lacks run as without them: its EngineArgs'
+    None defaults, reasoning_parser "", tokenizer_mode "hf", and vLLM-only arguments at their defaults
+    (tandem/engine/vllm_args.py); the engine's tokenizer by vLLM's LLMEngine.get_tokenizer()."""
+    from tandem.engine.vllm_args import VLLM_ONLY_ARGS
+
+    quiet = dict(revision=None, tokenizer_revision=None, hf_token=None, task="generate", runner="auto",
+                 convert="none", model_impl="auto", enable_lora=False, max_loras=1, max_lora_rank=16,
+                 limit_mm_per_prompt={}, cpu_offload_gb=0, data_parallel_size=1, max_seq_len_to_capture=8192,
+                 compilation_config=None, enable_sleep_mode=False, preemption_mode=None, use_tqdm_on_load=True,
+                 disable_cascade_attn=True, enable_log_requests=False, calculate_kv_scales=False)
+    assert set(quiet) <= set(VLLM_ONLY_ARGS)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, enable_chunked_prefill=True, swap_space=4,
-              disable_custom_all_reduce=True, disable_log_stats=False)
+              disable_custom_all_reduce=True, disable_log_stats=False, max_num_seqs=None, block_size=None,
+              enable_prefix_caching=None, reasoning_parser="", tokenizer_mode="hf",
+              structured_outputs_config={"reasoning_parser": "", "disable_fallback": False,
+                                         "disable_any_whitespace": False, "reasoning_parser_plugin": ""}, **quiet)
+    assert (llm.engine.cfg.sched.max_num_seqs, llm.engine.cfg.cache.block_size) == (256, 16)
+    assert llm.engine.cfg.cache.enable_prefix_caching and llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
     assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(revision="main"), "revision='main' is not supported: tandem loads a local folder"),
+    (dict(task="embed"), "task='embed' is not supported: tandem generates text only"),
+    (dict(enable_lora=True), "enable_lora=True is not supported: tandem serves no LoRA adapters"),
+    (dict(max_lora_rank=64), "max_lora_rank=64 is not supported: tandem serves no LoRA adapters"),
+    (dict(limit_mm_per_prompt={"image": 1}), "tandem runs text-only models"),
+    (dict(cpu_offload_gb=4), "cpu_offload_gb=4 is not supported: tandem keeps every weight on the device"),
+    (dict(compilation_config={"level": 3}), "enforce_eager turns them off"),
+    (dict(rope_theta=1e6), "pass it in hf_overrides"),
+    (dict(data_parallel_size=2), "one engine a process"),
+    (dict(hf_token="hf_x"), "set HF_TOKEN in the environment"),
+    (dict(tokenizer_mode="mistral"), "tokenizer_mode='mistral' is not supported; leave it out or set 'auto' or 'hf'"),
+    (dict(structured_outputs_config={"disable_any_whitespace": True}), "set it per request"),
+    (dict(bogus_argument=1), "LLM() got bogus_argument: not an argument tandem takes"),
+], ids=lambda v: repr(v) if not isinstance(v, str) else v)
+def test_vllm_arguments_tandem_does_not_take_say_why(model_dir, kwargs, says, no_loading):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, **kwargs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -1086,3 +1121,26 @@ def test_config_dicts_with_keys_of_mixed_types_are_refused_by_name():
 
     with pytest.raises(RequestError, match=re.escape("has no fields ['zz', 1]")):
         StructuredOutputsParams.from_dict({"json": {}, 1: "x", "zz": "y"})
+
+
+def test_vllms_param_fields_tandem_does_not_take():
+    """vLLM's SamplingParams / StructuredOutputsParams fields tandem lacks: at values that ask for nothing
+    the params are as without them (clone keeps working); set, a RequestError says why (was a TypeError)."""
+    from tandem.sampling_params import StructuredOutputsParams
+
+    quiet = SamplingParams(n=2, best_of=2, logits_processors=[], guided_decoding=None, flat_logprobs=False)
+    assert quiet == SamplingParams(n=2) and quiet.clone(temperature=0.5).temperature == 0.5
+    assert StructuredOutputsParams(regex="a", disable_fallback=False, whitespace_pattern=None,
+                                   structural_tag=None) == StructuredOutputsParams(regex="a")
+    assert StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": False}).regex == "a"
+    for make, says in [
+        (lambda: SamplingParams(n=1, best_of=3), "SamplingParams.best_of=3 is not supported: n samples"),
+        (lambda: SamplingParams(logits_processors=[print]), "no custom logits processors"),
+        (lambda: SamplingParams(guided_decoding={"regex": "a"}), "pass the constraint as structured_outputs"),
+        (lambda: SamplingParams(flat_logprobs=True), "flat_logprobs=True is not supported"),
+        (lambda: StructuredOutputsParams(regex="a", whitespace_pattern=" "), "whitespace_pattern=' ' is not"),
+        (lambda: StructuredOutputsParams(regex="a", structural_tag="{}"), "structural_tag='{}' is not supported"),
+        (lambda: StructuredOutputsParams(regex="a", disable_fallback=True), "nothing to fall back from"),
+    ]:
+        with pytest.raises(RequestError, match=re.escape(says)):
+            make()

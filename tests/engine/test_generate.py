@@ -239,6 +239,10 @@ def test_chat_takes_vllms_arguments(llm):
     kept = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=template, tools=[{"type": "function"}],
                     chat_template_kwargs={"chat_template": None})
     assert kept[0].prompt == "1:hi"  # a null chat_template among the kwargs leaves the one given (vLLM's rule)
+    none = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=template, tools=[], mm_processor_kwargs={})[0]
+    assert none.prompt == "0:hi"
+    with pytest.raises(RequestError, match="mm_processor_kwargs=.* text-only models"):
+        llm.chat(msgs[:1], p, mm_processor_kwargs={"num_crops": 4})
     with pytest.raises(RequestError, match="add_generation_prompt"):
         llm.chat(msgs, p, continue_final_message=True)
     with pytest.raises(RequestError, match="text content parts"):

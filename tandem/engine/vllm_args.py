@@ -1,0 +1,99 @@
+"""vLLM's LLM() / EngineArgs arguments that tandem does not take.
+
+Each passes at a value that asks for nothing: None, False, 0, "", "auto", an empty container, or the
+default vLLM gives it (listed below), so a call written for vLLM with its defaults spelled out runs.
+Set to anything else it is a ConfigError that says why tandem does not take it and what to do instead.
+An argument vLLM does not have either stays "not an argument tandem takes" (LLM.__init__).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.errors import ConfigError
+
+_HUB = "tandem loads a local folder, a GGUF file, a known name or a hub id's current files"
+_TEXT = "tandem runs text-only models"
+_LORA = "tandem serves no LoRA adapters"
+_GRAPHS = ("tandem captures its own CUDA graphs (decode and verification steps by batch size, mixed steps "
+           "piecewise): enforce_eager turns them off, max_cudagraph_tokens bounds the mixed steps'")
+_TASK = "tandem generates text only (no pooling, embedding, classification or scoring)"
+_SCHED = "tandem's scheduler chunks prompts by max_num_batched_tokens alone"
+_ONE_ENGINE = "tandem runs one engine a process; start one per GPU group instead"
+
+# name -> (vLLM's defaults, beyond the values that ask for nothing; why tandem does not take it)
+VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "revision": ((), _HUB),
+    "tokenizer_revision": ((), _HUB),
+    "code_revision": ((), "tandem runs no checkpoint code"),
+    "hf_token": ((), "set HF_TOKEN in the environment for a hub id's gated files"),
+    "hf_config_path": ((), "config.json is read from the model's folder; hf_overrides sets its keys"),
+    "config_format": ((), "tandem reads config.json or a GGUF file's metadata, whichever the model has"),
+    "skip_tokenizer_init": ((), "tandem detokenizes every output, so it needs the tokenizer"),
+    "task": (("generate",), _TASK),
+    "runner": (("generate",), _TASK),
+    "convert": (("none",), _TASK),
+    "model_impl": (("vllm",), "tandem runs its own model code (Llama, Mistral, Qwen2, Qwen3)"),
+    "served_model_name": ((), "the server's --served-model-name names the model"),
+    "enable_lora": ((), _LORA),
+    "max_loras": ((1,), _LORA),
+    "max_lora_rank": ((16,), _LORA),
+    "max_cpu_loras": ((), _LORA),
+    "fully_sharded_loras": ((), _LORA),
+    "lora_dtype": ((), _LORA),
+    "limit_mm_per_prompt": ((), _TEXT),
+    "mm_processor_kwargs": ((), _TEXT),
+    "enable_multimodal_encoder_data_parallel": ((), _TEXT),
+    "enable_prompt_embeds": ((), "prompts are text or token ids"),
+    "data_parallel_size": ((1,), _ONE_ENGINE),
+    "enable_expert_parallel": ((), "tandem runs dense models only"),
+    "decode_context_parallel_size": ((1,), "tandem splits a model across GPUs by tensor_parallel_size alone"),
+    "cpu_offload_gb": ((), "tandem keeps every weight on the device; a smaller max_model_len or "
+                           "quantization='fp8' leaves more room"),
+    "enable_sleep_mode": ((), "tandem keeps its weights and KV cache for the engine's life"),
+    "kv_transfer_config": ((), "tandem does not disaggregate prefill from decode"),
+    "kv_events_config": ((), "tandem publishes no KV cache events"),
+    "calculate_kv_scales": ((), "tandem's fp8 KV cache stores e4m3 saturated at +-448, with no scales"),
+    "compilation_config": ((), _GRAPHS),
+    "cuda_graph_sizes": ((), _GRAPHS),
+    "max_seq_len_to_capture": ((8192,), _GRAPHS),
+    "attention_backend": ((), "tandem picks its attention kernels itself (Triton on a GPU, C or torch on a CPU)"),
+    "preemption_mode": (("recompute",), "a preemption recomputes the request (no swap)"),
+    "num_scheduler_steps": ((1,), "every step is scheduled on its own (async_scheduling overlaps the host's work)"),
+    "max_num_partial_prefills": ((1,), _SCHED),
+    "max_long_partial_prefills": ((1,), _SCHED),
+    "long_prefill_token_threshold": ((), _SCHED),
+    "rope_scaling": ((), "pass it in hf_overrides ({'rope_scaling': ...})"),
+    "rope_theta": ((), "pass it in hf_overrides ({'rope_theta': ...})"),
+    "logits_processors": ((), "tandem runs no custom logits processors; SamplingParams' logit_bias, "
+                              "allowed_token_ids, bad_words and min_tokens shape the logits"),
+    "guided_decoding_backend": (("guidance",), "structured outputs run on llguidance (structured_outputs_config)"),
+    "enable_log_requests": ((True,), "the server logs requests (tandem serve --enable-log-requests)"),
+    "disable_log_requests": ((True,), "the server logs requests (tandem serve --enable-log-requests)"),
+    "use_tqdm_on_load": ((True,), "tandem shows no per-file loading bar"),
+    "disable_cascade_attn": ((True,), "tandem has no cascade attention to turn off"),
+    "disable_sliding_window": ((True,), "tandem runs no sliding window (max_model_len stays within it)"),
+}
+
+
+def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
+    if value is None or value is False or (isinstance(value, str) and value in ("", "auto")):
+        return True
+    if any(type(value) is type(d) and value == d for d in defaults):
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return True
+    return isinstance(value, (dict, list, tuple)) and not value
+
+
+def check_vllm_only(args: dict[str, Any]) -> dict[str, Any]:
+    """args: LLM()'s arguments it does not have. -> those that are not vLLM's either; a vLLM one
+    that asks for something (VLLM_ONLY_ARGS) is a ConfigError saying why, one that does not is dropped."""
+    unknown = {}
+    for name, value in args.items():
+        if name not in VLLM_ONLY_ARGS:
+            unknown[name] = value
+            continue
+        defaults, why = VLLM_ONLY_ARGS[name]
+        if not _asks_nothing(value, defaults):
+            raise ConfigError(f"{name}={value!r} is not supported: {why}; leave it out")
+    return unknown
