@@ -30,8 +30,9 @@ DRAFT_MODEL_KEYS = ("dtype", "max_model_len", "quantization", "draft_tensor_para
                     "draft_token_map", "draft_confidence_threshold", "use_local_argmax_reduction", "enforce_eager",
                     "seed", "draft_load_format")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-# vLLM's speculators that draft from heads trained on the target's hidden states (refused by name)
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "dspark")
+# vLLM's speculators that draft from heads trained on the target's hidden states (refused by name; so is
+# every "<model>_mtp")
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "dspark")
 _HEADS = "an EAGLE / MTP / DSpark setting, and tandem runs no heads on the target's hidden states; leave it out"
 # vLLM's speculative_config keys tandem does not take: why, and what to do instead. Set to a value that asks
 # for nothing (None, False, "auto": vLLM's defaults) they pass, so a config written out for vLLM loads.
@@ -501,7 +502,8 @@ def _suffix_keys(spec: dict) -> None:
 def _without_vllm_defaults(spec: dict) -> dict:
     """spec less the vLLM-only keys (VLLM_ONLY_KEYS, dspark_*) left at values that ask for nothing;
     one set to anything else, or a method of vLLM's trained heads, is refused saying why."""
-    if spec.get("method") in HEAD_METHODS:
+    method = spec.get("method")
+    if method in HEAD_METHODS or (isinstance(method, str) and method.endswith("_mtp")):
         raise ConfigError(f"speculative_config.method={spec['method']!r} drafts with heads trained on the target's "
                           "hidden states, which tandem does not run; use 'draft_model' (a small model with the "
                           "target's vocabulary, given as model), 'ngram' or 'suffix'")

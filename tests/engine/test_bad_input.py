@@ -624,11 +624,13 @@ def test_vllm_arguments_that_ask_for_nothing_more_are_taken(model_dir):
     (tandem/engine/vllm_args.py); the engine's tokenizer by vLLM's LLMEngine.get_tokenizer()."""
     from tandem.engine.vllm_args import VLLM_ONLY_ARGS
 
-    quiet = dict(revision=None, tokenizer_revision=None, hf_token=None, task="generate", runner="auto",
+    quiet = dict(tokenizer_revision=None, task="generate", runner="auto",
                  convert="none", model_impl="auto", enable_lora=False, max_loras=1, max_lora_rank=16,
-                 limit_mm_per_prompt={}, cpu_offload_gb=0, data_parallel_size=1, max_seq_len_to_capture=8192,
+                 cpu_offload_gb=0, data_parallel_size=1, max_seq_len_to_capture=8192,
                  compilation_config=None, enable_sleep_mode=False, preemption_mode=None, use_tqdm_on_load=True,
-                 disable_cascade_attn=True, enable_log_requests=False, calculate_kv_scales=False)
+                 disable_cascade_attn=True, enable_log_requests=False, calculate_kv_scales=False, revision="main",
+                 hf_token=True, cuda_graph_sizes=[512], limit_mm_per_prompt={"image": 0}, allowed_local_media_path="",
+                 guided_decoding_backend="llguidance", pooler_config=None, disable_async_output_proc=False)
     assert set(quiet) <= set(VLLM_ONLY_ARGS)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_LEN, enable_chunked_prefill=True, swap_space=4,
               disable_custom_all_reduce=True, disable_log_stats=False, max_num_seqs=None, block_size=None,
@@ -641,7 +643,8 @@ def test_vllm_arguments_that_ask_for_nothing_more_are_taken(model_dir):
 
 
 @pytest.mark.parametrize("kwargs,says", [
-    (dict(revision="main"), "revision='main' is not supported: tandem loads a local folder"),
+    (dict(revision="v2.0"), "revision='v2.0' is not supported: tandem loads a local folder"),
+    (dict(served_model_name="auto"), "served_model_name='auto' is not supported"),  # "auto" only where vLLM has it
     (dict(task="embed"), "task='embed' is not supported: tandem generates text only"),
     (dict(enable_lora=True), "enable_lora=True is not supported: tandem serves no LoRA adapters"),
     (dict(max_lora_rank=64), "max_lora_rank=64 is not supported: tandem serves no LoRA adapters"),

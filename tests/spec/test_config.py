@@ -120,7 +120,7 @@ def test_vllm_only_keys():
         key, value = next(iter(kw.items()))
         with pytest.raises(ConfigError, match=rf"speculative_config\.{key}={value!r} is not supported: .*{fix}"):
             cfg(**kw)
-    for method in ("eagle3", "mtp", "medusa", "mlp_speculator"):
+    for method in ("eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp", "ernie_mtp"):
         with pytest.raises(ConfigError, match=rf"method='{method}' drafts with heads trained on the target's hidden"):
             cfg(method=method)
 
