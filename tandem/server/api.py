@@ -49,6 +49,7 @@ from tandem.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    REASONING_EFFORTS,
     TokenizeRequest,
     TokenizeResponse,
     UNSUPPORTED_FIELDS,
@@ -217,9 +218,6 @@ class OpenAIServer:
         model = self._check_common(body)
         if body.suffix or (body.suffix == "" and self.fim_sentinels is not None):  # "" elsewhere: no gap
             body = self._fill_in_the_middle(body)
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
-                           param="best_of")
         echo_logprobs = body.echo and body.logprobs is not None
         # echo with max_tokens 0 scores the prompt (OpenAI's legacy use): one token runs, none is shown
         prompt_only = body.echo and body.max_tokens == 0
@@ -427,9 +425,12 @@ class OpenAIServer:
                     **renderer_kwargs) -> Response:
         if body.top_logprobs not in (None, 0) and not body.logprobs:  # 0 asks nothing (vLLM's rule)
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        if body.prompt_logprobs is not None and body.stream:
+        if body.prompt_logprobs not in (None, 0) and body.stream:  # (0 asks nothing a stream lacks: vLLM's rule)
             raise APIError(400, "'prompt_logprobs' with 'stream': true is supported on /v1/completions only; "
                            "drop one of them", param="prompt_logprobs")
+        if body.reasoning_effort is not None and body.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort'={body.reasoning_effort!r} is invalid: give one of "
+                           f"{', '.join(map(repr, REASONING_EFFORTS))}, or leave it out", param="reasoning_effort")
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
         beam = self._beam_search(body, params)
@@ -491,6 +492,9 @@ class OpenAIServer:
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"'{field}': {UNSUPPORTED_FIELDS[field]}; leave it out", param=field)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, f"'best_of'={body.best_of} is not supported; leave it out or set it to n={body.n}",
+                           param="best_of")
         try:
             self.client.engine.validate_priority(body.priority)
         except RequestError as e:
@@ -587,7 +591,10 @@ class OpenAIServer:
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
-        chat_kwargs = body.chat_template_kwargs or {}
+        chat_kwargs = dict(body.chat_template_kwargs or {})
+        effort = getattr(body, "reasoning_effort", None)
+        if effort is not None:  # as the Responses API's reasoning.effort (a template kwarg of that name wins)
+            chat_kwargs.setdefault("reasoning_effort", effort)
         if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
             for param, value in (("chat_template", body.chat_template),
                                  ("chat_template_kwargs", chat_kwargs.get("chat_template"))):

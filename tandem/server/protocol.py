@@ -33,6 +33,9 @@ class Items:
 # vLLM's extra request fields that tandem refuses -> what they would need.
 UNSUPPORTED_FIELDS = {
     "logits_processors": "custom logits processors are not supported",
+    "kv_transfer_params": "tandem does not disaggregate prefill from decode (it has no KV connector)",
+    "mm_processor_kwargs": "tandem serves text-only models",
+    "prompt_embeds": "prompts are text or token ids here; send them as 'prompt'",
     "structural_tag": "structural tags are not supported; hold the output with structured_outputs (json, regex, "
                       "choice or grammar) or response_format",
     "guided_whitespace_pattern": "a whitespace pattern is not supported; structured_outputs' disable_any_whitespace "
@@ -43,6 +46,9 @@ UNSUPPORTED_FIELDS = {
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # guided_decoding_backend values that name the one backend tandem has (llguidance, vLLM's "guidance").
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+# OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort): passed to the
+# chat template as reasoning_effort, as vLLM does (the template decides what one means; most ignore it)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 def random_id(prefix: str) -> str:
@@ -162,6 +168,10 @@ class _SamplingRequest(_Request):
     logits_processors: Any = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    prompt_embeds: Any = None
+    best_of: int | None = None  # only n (or null): n samples, each drawn on its own
 
     def unsupported_field(self) -> str | None:
         """The first vLLM field this request sets that tandem does not implement (None, false and
@@ -283,7 +293,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     add_special_tokens: bool = True  # the tokenizer's special tokens (a BOS) around a text prompt
     suffix: str | None = None
-    best_of: int | None = None
 
     @property
     def max_tokens_asked(self) -> int | None:
@@ -364,6 +373,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # with a reasoning parser: the thinking in the reply (False: dropped)
+    reasoning_effort: str | None = None  # one of REASONING_EFFORTS: to the chat template, as vLLM
 
     @property
     def max_tokens_field(self) -> str:

@@ -30,8 +30,8 @@ from typing import Any
 from tandem.chat import part_text
 from tandem.errors import RequestError
 from tandem.sampling_params import SamplingParams
-from tandem.server.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, Items, UsageInfo, \
-    _SamplingRequest
+from tandem.server.protocol import REASONING_EFFORTS, ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, Items, \
+    UsageInfo, _SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,15 @@ REFUSED_FIELDS = {
     "conversation": "conversations are not stored here; send the whole conversation in 'input'",
     "prompt": "prompt templates are not supported; send the text in 'input'",
     "max_tool_calls": "a cap on tool calls is not supported; leave it out",
+    "previous_input_messages": "vLLM's earlier messages are not taken; send the whole conversation in 'input' (or "
+                               "'previous_response_id' with --responses-store-size)",
+    "enable_response_messages": "vLLM's input_messages / output_messages are not returned; leave it out",
 }
+# OpenAI's include values: "message.output_text.logprobs" adds the output's logprobs; the others name what
+# tandem does not produce (images, tool outputs, encrypted reasoning), so there is nothing to add
+INCLUDE_VALUES = ("message.output_text.logprobs", "reasoning.encrypted_content", "code_interpreter_call.outputs",
+                  "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url",
+                  "web_search_call.action.sources", "web_search_call.results")
 # A chat field's name in errors -> the Responses field it came from.
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                "response_format": "text.format"}
@@ -54,7 +62,6 @@ class ResponsesRequestError(ValueError):
         self.param = param
 
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's (passed to the template as given)
 
 
 class ResponsesRequest(_SamplingRequest):
@@ -78,6 +85,8 @@ class ResponsesRequest(_SamplingRequest):
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
+    previous_input_messages: Any = None  # vLLM's; refused
+    enable_response_messages: Any = None  # vLLM's; refused
     # vLLM's chat extras, taken here too
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
     include_reasoning: bool = True  # with a reasoning parser: the thinking as a reasoning item (False: dropped)
@@ -93,6 +102,9 @@ class ResponsesRequest(_SamplingRequest):
         if effort is not None and effort not in REASONING_EFFORTS:
             return "reasoning.effort", (f"reasoning.effort={effort!r} is invalid: give one of "
                                         f"{', '.join(map(repr, REASONING_EFFORTS))}, or leave it out")
+        bad = next((item for item in self.include or () if item not in INCLUDE_VALUES), None)
+        if bad is not None:
+            return "include", f"include {bad!r} is not one of OpenAI's values ({', '.join(map(repr, INCLUDE_VALUES))})"
         if self.n != 1:
             return "n", "a response has one output; leave 'n' out"
         if self.prompt_logprobs is not None:
@@ -303,7 +315,7 @@ def chat_request(body: ResponsesRequest, items: list[dict[str, Any]] | None = No
     if effort is not None:  # as vLLM: the template decides what an effort means (most ignore it)
         kwargs.setdefault("reasoning_effort", effort)
     payload.update(messages=messages, max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls,
-                   tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
+                   tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice, bool(body.tools)),
                    chat_template_kwargs=kwargs or None, include_reasoning=body.include_reasoning)
     fmt = _response_format(body.text)
     if fmt is not None:  # vLLM's response_format and friends, when given instead, stay as they are
@@ -406,7 +418,11 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def _tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> str | dict[str, Any] | None:
+    """tool_choice as chat's; "auto" without tools (the Responses API's defaults, which a client may send
+    back) is plain text."""
+    if choice == "auto" and not has_tools:
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):

@@ -521,7 +521,7 @@ def tool_choice(request: ChatCompletionRequest, auto_parser: str | None, constra
     choice = request.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice == "none":
+    if choice == "none" or (choice == "auto" and request.tools is not None and not tools):  # ("tools": []: none)
         return ToolChoice("none")
     if not tools:
         raise ToolChoiceError(f"'tool_choice' {_shown(choice)} needs 'tools' to choose from; give 'tools' or drop "

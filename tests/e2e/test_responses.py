@@ -377,6 +377,12 @@ def test_json_schema_format_and_logprobs(live):
     (dict(max_output_tokens=-1), "max_output_tokens", "max_output_tokens=-1 is invalid"),
     (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "/v1/completions"),
     (dict(extra_body={"n": 2}), "n", "one output"),
+    (dict(include=["foo"]), "include", "include 'foo' is not one of OpenAI's values"),
+    (dict(extra_body={"previous_input_messages": [{"role": "user", "content": "x"}]}), "previous_input_messages",
+     "send the whole conversation"),
+    (dict(extra_body={"enable_response_messages": True}), "enable_response_messages", "not returned"),
+    (dict(extra_body={"best_of": 2}), "best_of", "'best_of'=2 is not supported"),  # was taken silently
+    (dict(extra_body={"kv_transfer_params": {"do_remote_decode": True}}), "kv_transfer_params", "KV connector"),
 ])
 def test_bad_requests_name_the_responses_field(live, kw, param, says):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **kw}
@@ -612,3 +618,12 @@ def test_a_failed_responses_error_code_is_one_openai_defines():
         error, failed = builder.failed("it stopped", code, None)
         assert error["code"] == code and failed["response"]["error"]["code"] == want
         Response.model_validate(failed["response"])
+
+
+def test_the_responses_defaults_sent_back_are_taken(live):
+    """What a Response reports as its settings (tool_choice "auto", no tools, OpenAI's include values it has
+    nothing to add for) goes back as a request unrefused: clients (the Agents SDK) send those defaults."""
+    r = live.client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0, tool_choice="auto",
+                                     tools=[], include=["reasoning.encrypted_content"])
+    plain = live.client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0)
+    assert r.output_text == plain.output_text and r.tool_choice == "auto"

@@ -511,6 +511,18 @@ def test_chat_template_and_its_kwargs(live, reference):
     try:
         r = live.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1, "chat_template": template,
                                 "chat_template_kwargs": {"suffix": " there"}}).json()
+        # reasoning_effort reaches the template as the Responses API's reasoning.effort does (a kwarg wins)
+        effort, counts = "{{ reasoning_effort }}", []
+        for body, rendered in [({"reasoning_effort": "medium"}, "medium"),
+                               ({"reasoning_effort": "medium",
+                                 "chat_template_kwargs": {"reasoning_effort": "x y z w v u t s"}}, "x y z w v u t s")]:
+            got = live.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 1, "chat_template": effort,
+                                      **body}).json()
+            want = live.post("/tokenize", json={"model": MODEL, "messages": hi, "chat_template": effort,
+                                                 "chat_template_kwargs": {"reasoning_effort": rendered}}).json()
+            assert got["usage"]["prompt_tokens"] == want["count"], (got, want)
+            counts = counts + [want["count"]] if body.get("chat_template_kwargs") else [want["count"]]
+        assert counts[0] != counts[1]  # (the two renderings tell apart)
         broken = live.post(CH, json={"model": MODEL, "messages": hi, "chat_template": "{{ raise_exception('no') }}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages", broken.text
         # A slow template renders off the event loop: the server keeps answering meanwhile.
@@ -1494,6 +1506,14 @@ BAD_INPUTS = [
     ("priority-without-the-policy", C, {"priority": 1}, 400, "priority"),
     ("chat-priority-type", CH, {"priority": "high"}, 400, "priority"),
     ("chat-guided-choice-type", CH, {"guided_choice": "yes"}, 400, "guided_choice"),
+    # vLLM's fields that ask for what tandem does not do: refused on every route (chat took best_of silently)
+    ("chat-best-of", CH, {"best_of": 3}, 400, "best_of"),
+    ("kv-transfer-params", CH, {"kv_transfer_params": {"do_remote_decode": True}}, 400, "kv_transfer_params"),
+    ("completion-kv-transfer-params", C, {"kv_transfer_params": {"do_remote_prefill": True}}, 400,
+     "kv_transfer_params"),
+    ("mm-processor-kwargs", CH, {"mm_processor_kwargs": {"num_crops": 4}}, 400, "mm_processor_kwargs"),
+    ("prompt-embeds", C, {"prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("chat-reasoning-effort", CH, {"reasoning_effort": "bogus"}, 400, "reasoning_effort"),
 ]
 
 
@@ -2405,3 +2425,12 @@ def test_one_prompts_error_cancels_the_other_prompts_waits():
         assert cancelled == [waiting]  # (inside the loop: asyncio.run cancels what is left once it ends)
 
     asyncio.run(run())
+
+
+def test_vllm_request_defaults_that_ask_nothing_are_taken(live):
+    """What vLLM takes at values that ask nothing a reply lacks: prompt_logprobs 0 in a chat stream (vLLM refuses
+    only > 0 there), tools [] with tool_choice "auto" (plain text), best_of equal to n."""
+    hi = [{"role": "user", "content": "hi"}]
+    for body in ({"prompt_logprobs": 0, "stream": True}, {"tools": [], "tool_choice": "auto"}, {"best_of": 1}):
+        r = live.post(CH, json={"model": MODEL, "messages": hi, "max_tokens": 2, **body})
+        assert r.status_code == 200, (body, r.text)
