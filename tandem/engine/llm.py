@@ -138,11 +138,13 @@ class LLM:
             reasoning_parser = None
         launch = {name: value for name, value in locals().items() if name not in ("self", "_rank", "unsupported")}
         _check_arguments(**launch)
+        given = reasoning_parser
         reasoning_parser, in_reasoning = parse_structured_outputs_config(structured_outputs_config, reasoning_parser)
         try:
             reasoning_format(reasoning_parser)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # (named by where it was given)
+            where = "structured_outputs_config." if given is None else ""
+            raise ConfigError(f"{where}{e}") from None
         if seed is None:  # vLLM's "unseeded": a fresh seed per engine
             seed = random.randrange(MAX_SEED)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:

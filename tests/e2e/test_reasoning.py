@@ -203,5 +203,7 @@ def test_structured_outputs_config_errors(thinking_model, config, says):
 
 
 def test_unknown_reasoning_parser_is_refused(thinking_model):
-    with pytest.raises(ConfigError, match=r"reasoning_parser='r1' is not supported; use one of \['deepseek_r1', 'qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"^reasoning_parser='r1' is not supported; use one of \['deepseek_r1', 'qwen3'\]"):
         LLM(str(thinking_model[0]), dtype="float32", reasoning_parser="r1")
+    with pytest.raises(ConfigError, match=r"^structured_outputs_config\.reasoning_parser='r1' is not supported"):
+        LLM(str(thinking_model[0]), dtype="float32", structured_outputs_config={"reasoning_parser": "r1"})
