@@ -97,15 +97,17 @@ def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
     return isinstance(value, (list, tuple)) and not value
 
 
-def check_vllm_only(args: dict[str, Any]) -> dict[str, Any]:
-    """args: LLM()'s arguments it does not have. -> those that are not vLLM's either; a vLLM one
-    that asks for something (VLLM_ONLY_ARGS) is a ConfigError saying why, one that does not is dropped."""
-    unknown = {}
+def check_vllm_only(args: dict[str, Any], table: dict[str, tuple[tuple[Any, ...], str]] = VLLM_ONLY_ARGS,
+                    prefix: str = "", then: str = "; leave it out") -> dict[str, Any]:
+    """args: arguments (LLM()'s it does not have; a speculative_config dict with its own table). -> those
+    the table does not name; one it names that asks for something is a ConfigError saying why (prefix
+    before its name, then after the why), one that does not is dropped."""
+    rest = {}
     for name, value in args.items():
-        if name not in VLLM_ONLY_ARGS:
-            unknown[name] = value
+        if name not in table:
+            rest[name] = value
             continue
-        defaults, why = VLLM_ONLY_ARGS[name]
+        defaults, why = table[name]
         if not _asks_nothing(value, defaults):
-            raise ConfigError(f"{name}={value!r} is not supported: {why}; leave it out")
-    return unknown
+            raise ConfigError(f"{prefix}{name}={value!r} is not supported: {why}{then}")
+    return rest

@@ -34,27 +34,28 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # every "<model>_mtp")
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "dspark")
 _HEADS = "an EAGLE / MTP / DSpark setting, and tandem runs no heads on the target's hidden states; leave it out"
-# vLLM's speculative_config keys tandem does not take: why, and what to do instead. Set to a value that asks
-# for nothing (None, False, "auto": vLLM's defaults) they pass, so a config written out for vLLM loads.
+# vLLM's speculative_config keys tandem does not take -> (the values beside those that ask for nothing that pass,
+# as tandem.engine.vllm_args' table; why, and what to do instead): a config written out for vLLM loads
 VLLM_ONLY_KEYS = {
-    "parallel_drafting": "PARD drafts all k tokens in one forward of a draft trained for it, and tandem's draft "
-                         "model proposes one token a step; leave it out",
-    "use_heterogeneous_vocab": "tandem maps no tokens between tokenizers, so the draft must use the target's "
-                               "vocabulary; pick a draft of the target's family",
-    "enable_adaptive_verification": "tandem picks how many drafts each step verifies with "
-                                    "num_speculative_tokens_per_batch_size='auto' (its acceptance estimator and the "
-                                    "measured step costs); pass that instead",
-    "kv_cache_dtype": "the draft's KV cache takes LLM's kv_cache_dtype, as the target's does (they share block "
-                      "ids); set it there",
-    "attention_backend": "tandem picks its attention kernels itself (Triton on a GPU, C or torch on a CPU); "
-                         "leave it out",
-    "moe_backend": "tandem runs dense models only; leave it out",
-    "revision": "tandem loads a local folder, a GGUF file or a known name, never a hub revision; leave it out",
-    "code_revision": "tandem runs no checkpoint code; leave it out",
-    "draft_load_config": "pass draft_load_format ('auto' or 'dummy') instead",
-    "disable_padded_drafter_batch": _HEADS,
-    "disable_eagle_block_drop": _HEADS,
-    "index_share_for_mtp_iteration": _HEADS,
+    "parallel_drafting": ((), "PARD drafts all k tokens in one forward of a draft trained for it, and tandem's "
+                              "draft model proposes one token a step; leave it out"),
+    "use_heterogeneous_vocab": ((), "tandem maps no tokens between tokenizers, so the draft must use the target's "
+                                    "vocabulary; pick a draft of the target's family"),
+    "enable_adaptive_verification": ((), "tandem picks how many drafts each step verifies with "
+                                         "num_speculative_tokens_per_batch_size='auto' (its acceptance estimator and "
+                                         "the measured step costs); pass that instead"),
+    "kv_cache_dtype": (("auto",), "the draft's KV cache takes LLM's kv_cache_dtype, as the target's does (they "
+                                  "share block ids); set it there"),
+    "attention_backend": (("auto",), "tandem picks its attention kernels itself (Triton on a GPU, C or torch on a "
+                                     "CPU); leave it out"),
+    "moe_backend": ((), "tandem runs dense models only; leave it out"),
+    "revision": (("main",), "tandem loads a local folder, a GGUF file or a known name, never a hub revision; leave "
+                            "it out"),
+    "code_revision": ((), "tandem runs no checkpoint code; leave it out"),
+    "draft_load_config": ((), "pass draft_load_format ('auto' or 'dummy') instead"),
+    "disable_padded_drafter_batch": ((), _HEADS),
+    "disable_eagle_block_drop": ((), _HEADS),
+    "index_share_for_mtp_iteration": ((), _HEADS),
 }
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
@@ -502,19 +503,15 @@ def _suffix_keys(spec: dict) -> None:
 def _without_vllm_defaults(spec: dict) -> dict:
     """spec less the vLLM-only keys (VLLM_ONLY_KEYS, dspark_*) left at values that ask for nothing;
     one set to anything else, or a method of vLLM's trained heads, is refused saying why."""
+    from tandem.engine.vllm_args import check_vllm_only
+
     method = spec.get("method")
     if method in HEAD_METHODS or (isinstance(method, str) and method.endswith("_mtp")):
         raise ConfigError(f"speculative_config.method={spec['method']!r} drafts with heads trained on the target's "
                           "hidden states, which tandem does not run; use 'draft_model' (a small model with the "
                           "target's vocabulary, given as model), 'ngram' or 'suffix'")
-    kept = {}
-    for key, value in spec.items():
-        why = VLLM_ONLY_KEYS.get(key, _HEADS if str(key).startswith("dspark_") else None)
-        if why is None:
-            kept[key] = value
-        elif value not in (None, False, "auto"):
-            raise ConfigError(f"speculative_config.{key}={value!r} is not supported: {why}")
-    return kept
+    table = {**VLLM_ONLY_KEYS, **{key: ((), _HEADS) for key in spec if str(key).startswith("dspark_")}}
+    return check_vllm_only(spec, table, prefix="speculative_config.", then="")
 
 
 def _one_of(name: str, value, allowed) -> None:

@@ -102,8 +102,9 @@ def test_vllm_only_keys():
     (a config written out for vLLM with every field) they pass; set, each is refused saying why and
     what to do instead; the methods of trained heads, by name."""
     quiet = dict(parallel_drafting=False, use_heterogeneous_vocab=False, enable_adaptive_verification=False,
-                 kv_cache_dtype="auto", attention_backend=None, moe_backend=None, revision=None, code_revision=None,
-                 draft_load_config=None, disable_padded_drafter_batch=False, dspark_block_size=None)
+                 kv_cache_dtype="auto", moe_backend=None, code_revision=None,
+                 draft_load_config=None, disable_padded_drafter_batch=False, dspark_block_size=None,
+                 revision="main", attention_backend="auto")
     assert cfg(**quiet) == cfg()
     assert SpeculativeConfig.from_user(dict(method="ngram", num_speculative_tokens=3, **quiet), 128).ngram
     for kw, fix in [
@@ -112,7 +113,8 @@ def test_vllm_only_keys():
         (dict(enable_adaptive_verification=True), "num_speculative_tokens_per_batch_size='auto'"),
         (dict(kv_cache_dtype="fp8"), "LLM's kv_cache_dtype"),
         (dict(attention_backend="FLASH_ATTN"), "attention kernels itself"),
-        (dict(revision="main"), "never a hub revision"),
+        (dict(revision="v1.0"), "never a hub revision"),
+        (dict(revision="auto"), "never a hub revision"),  # ("auto" passes only where vLLM has it)
         (dict(draft_load_config={"x": 1}), "pass draft_load_format"),
         (dict(disable_eagle_block_drop=True), "EAGLE / MTP / DSpark"),
         (dict(dspark_block_size=4), "EAGLE / MTP / DSpark"),
