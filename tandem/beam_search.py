@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from tandem.engine.engine import check_cache_salt, progress_bar
 from tandem.errors import RequestError
 from tandem.outputs import Logprob
+from tandem.prompts import prompt_token_ids
 from tandem.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def run_beam_search(llm: LLM, prompts: list, params: BeamSearchParams, use_tqdm:
     step = step_params(params, output_kind=RequestOutputKind.FINAL_ONLY)
     items = []
     for prompt in prompts:
-        ids, _, _ = llm._tokenize(prompt)
+        ids, _, _ = prompt_token_ids(prompt, llm.get_tokenizer())
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         check_cache_salt(salt)
         engine.validate_request(ids, step)  # every prompt checked before any work starts

@@ -89,6 +89,11 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n (None for the first)
     prompt_logprobs: SampleLogprobs | None = None
     lora_request: None = None  # vLLM's field: no LoRA adapters here, always None
+    # vLLM's fields of encoder-decoder, disaggregated and multimodal serving: a decoder-only text engine's values
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -29,6 +29,8 @@ from tandem.engine.heap import freeze_startup_heap
 from tandem.errors import ContextLengthError, RequestError, StepError
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.plan import StepPlan, StepResult, TokenLogprobs
+from tandem.prompts import add_special_tokens
+from tandem.prompts import prompt_token_ids as prompt_token_ids_of
 from tandem.reasoning import reasoning_format
 from tandem.oom import OutOfMemoryGuard, release_failed_step
 from tandem.runner.memory import after_pool_bytes, budget_setting, bytes_per_block, num_kv_blocks
@@ -331,24 +333,38 @@ class Engine:
                                "leave priority at 0")
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        priority: int = 0, cache_salt: str | None = None, matcher=None,
+        self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
+        lora_request=None, tokenization_kwargs: dict | None = None, trace_headers=None, priority: int = 0,
+        prompt_text: str | None = None, *, cache_salt: str | None = None, matcher=None,
     ) -> None:
-        """Queue a request. priority (scheduling_policy="priority" only): lower values are
-        scheduled first, and may preempt running requests of a higher value. cache_salt (vLLM's):
-        the request shares prefix-cache blocks only with requests of the same salt. matcher:
-        params.structured_outputs compiled for this prompt by compile_structured, on another
-        thread (None: compiled here)."""
+        """Queue a request, in vLLM's LLMEngine.add_request order. prompt: token ids, a string or a
+        TextPrompt / TokensPrompt dict (tandem.prompts; a string tokenized with tokenization_kwargs'
+        add_special_tokens); prompt_text: the text outputs show for token ids. arrival_time: taken, not
+        used (the engine stamps arrival itself); lora_request and trace_headers: only None. priority
+        (scheduling_policy="priority" only): lower values are scheduled first, and may preempt running
+        requests of a higher value. cache_salt (vLLM's; or the dict prompt's): the request shares
+        prefix-cache blocks only with requests of the same salt. matcher: params.structured_outputs
+        compiled for this prompt by compile_structured, on another thread (None: compiled here)."""
         if self._dead is not None:
             raise StepError(self._dead, [], fatal=True)
         if not isinstance(request_id, str):  # (vLLM's are str: outputs and aborts name them so)
             raise RequestError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt_token_ids, (str, dict)):  # vLLM's LLMEngine takes a prompt; this engine takes ids
-            raise RequestError("Engine.add_request takes the prompt's token ids (prompt_token_ids); tokenize the text "
-                               "first (LLM.get_tokenizer()), or use LLM.generate")
-        prompt_token_ids = as_token_ids(prompt_token_ids)
+        if lora_request is not None or trace_headers:
+            raise RequestError("lora_request / trace_headers: tandem serves no LoRA adapters and exports no traces; "
+                               "leave them None")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool)):
+            raise RequestError(f"arrival_time must be a time (a float, as time.time()), got {arrival_time!r}")
+        if prompt_text is not None and not isinstance(prompt_text, str):
+            raise RequestError(f"prompt_text must be the prompt's text (a string), got {type(prompt_text).__name__}")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        prompt_token_ids, text, from_text = prompt_token_ids_of(
+            prompt, self.tokenizer, add_special_tokens(tokenization_kwargs, True), ids=True)
+        if from_text and isinstance(params, SamplingParams):  # (bad params: validate_request's to name)
+            prompt_token_ids = self.truncate_text_prompt(text, prompt_token_ids, params)
+        prompt = text if prompt_text is None else prompt_text
         self.validate_priority(priority)
         priority = int(priority)
         check_cache_salt(cache_salt)
@@ -435,17 +451,22 @@ class Engine:
                 out.append((reqs[0].priority, reqs[0].req_id, request_id, len(reqs)))
         return out
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prompt block (vLLM's LLM.reset_prefix_cache): False, and nothing done,
-        while requests hold blocks, as vLLM's."""
+        while requests hold blocks, as vLLM's. reset_running_requests (vLLM's: preempt them first) is
+        not taken; reset_connector asks nothing here (no KV connector)."""
+        if reset_running_requests is not False:
+            raise RequestError("reset_prefix_cache(reset_running_requests=True) is not supported: the cache is reset "
+                               "once no request holds blocks; abort or finish them first")
         if self.scheduler.requests:
             logger.warning("the prefix cache was not reset: %d requests still hold blocks", len(self.scheduler.requests))
             return False
         self.scheduler.blocks.reset_prefix_cache()
         return True
 
-    def abort_request(self, request_id: str | list[str]) -> bool:
-        """End a request (or each of vLLM's list of ids): -> whether any was in flight."""
+    def abort_request(self, request_id: str | list[str], internal: bool = False) -> bool:
+        """End a request (or each of vLLM's list of ids): -> whether any was in flight. internal: vLLM's
+        (its ids internal or the caller's); tandem's ids are the caller's either way."""
         if isinstance(request_id, (list, tuple, set, frozenset)):
             return any([self.abort_request(r) for r in request_id])  # (a list: every id, not the first found)
         state = self._requests.pop(request_id, None)
@@ -460,6 +481,10 @@ class Engine:
         state.metrics.finished_time = time.monotonic()
         self._aborted.append(state)
         return True
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet reported finished (vLLM's LLMEngine method)."""
+        return len(self._requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

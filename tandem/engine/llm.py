@@ -27,7 +27,7 @@ from tandem.config import (
 )
 from tandem.beam_search import BeamSearchOutput, run_beam_search
 from tandem.chat import content_format, developer_as_system, template_kwargs, text_message
-from tandem.engine.engine import Engine, as_token_ids, progress_bar
+from tandem.engine.engine import Engine, progress_bar
 from tandem.engine.vllm_args import check_vllm_only
 from tandem.errors import ConfigError, RequestError
 from tandem.layers.quant import QUANTIZATIONS
@@ -42,7 +42,8 @@ from tandem.parallel.shard import check_shardable
 from tandem.parallel.workers import ReplicatedEngine, Workers, is_transport_error, threads_per_rank
 from tandem.reasoning import reasoning_format
 from tandem.sampling.watermark import parse_watermark_config
-from tandem.sampling_params import MAX_SEED, BeamSearchParams, RequestOutputKind, SamplingParams, lone_surrogate
+from tandem.prompts import add_special_tokens, check_encodable, prompt_token_ids
+from tandem.sampling_params import MAX_SEED, BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -303,9 +304,10 @@ class LLM:
         """vLLM's name for the engine (tandem's Engine: add_request takes token ids)."""
         return self.engine
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prompt block (vLLM's): False, and nothing done, while requests run."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt block (vLLM's): False, and nothing done, while requests run
+        (Engine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(): the engine's counters and gauges now (tandem/metrics_reader.py),
@@ -325,14 +327,18 @@ class LLM:
         use_tqdm: bool | Callable = True,
         lora_request: None = None,
         priority: Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in order. priority:
         one integer per prompt (lower first), for an LLM built with scheduling_policy="priority".
         A dict prompt may carry "cache_salt" (vLLM's): it shares cached prefix blocks only with
         prompts of the same salt. use_tqdm: a progress bar (vLLM's: True for tqdm's, or a callable
         made as tqdm is, tqdm(total=..., desc=..., dynamic_ncols=True)). lora_request: vLLM's
-        argument, in its place; only None (no adapters)."""
+        argument, in its place; only None (no adapters), or a None per prompt. tokenization_kwargs
+        (vLLM's): {"add_special_tokens": False} tokenizes text prompts without the tokenizer's special
+        tokens (a BOS); no other key is taken."""
         _no_lora(lora_request)
+        special_tokens = add_special_tokens(tokenization_kwargs, True)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -363,7 +369,7 @@ class LLM:
             self.engine.validate_priority(value)
         items = []
         for prompt, p in zip(prompts, params):
-            ids, text, from_text = self._tokenize(prompt)
+            ids, text, from_text = prompt_token_ids(prompt, self.tokenizer, special_tokens)
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             items.append((self.engine.truncate_text_prompt(text, ids, p) if from_text else ids, text, salt))
         for (ids, _, _), p in zip(items, params):
@@ -403,6 +409,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. As vLLM's (its
@@ -411,8 +418,11 @@ class LLM:
         "string", "openai"); continue_final_message leaves the last message open (with
         add_generation_prompt=False); tools go to the template; chat_template_kwargs are extra template
         variables and override the arguments above. lora_request: only None (no adapters);
-        mm_processor_kwargs: only None or empty (text-only models)."""
+        tokenization_kwargs: {"add_special_tokens": True} adds the tokenizer's special tokens to the rendered
+        conversation (default False: the template holds its own, as vLLM); mm_processor_kwargs: only None or
+        empty (text-only models)."""
         _no_lora(lora_request)
+        special_tokens = add_special_tokens(tokenization_kwargs, False)
         if mm_processor_kwargs:
             raise RequestError(f"chat(): mm_processor_kwargs={mm_processor_kwargs!r} is not supported: tandem runs "
                                "text-only models; leave it out")
@@ -421,10 +431,11 @@ class LLM:
                                "'auto', 'string' or 'openai'")
         if self.tokenizer is None:
             raise RequestError("chat() needs a tokenizer, and this model directory has none")
-        conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+        seq = (list, tuple)  # (vLLM's: any sequence of messages, or of conversations)
+        conversations = [messages] if isinstance(messages, seq) and messages and isinstance(messages[0], dict) \
             else messages
-        if not isinstance(conversations, list) or not all(
-            isinstance(conv, list) and conv and all(isinstance(m, dict) and "role" in m for m in conv)
+        if not isinstance(conversations, seq) or not all(
+            isinstance(conv, seq) and conv and all(isinstance(m, dict) and "role" in m for m in conv)
             for conv in conversations
         ):
             raise RequestError("chat() takes a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
@@ -454,30 +465,10 @@ class LLM:
                 fix = ("; the model's template is broken: pass chat_template=" if isinstance(e, TemplateSyntaxError)
                        and kwargs["chat_template"] is None else "")
                 raise RequestError(f"chat template could not be applied: {type(e).__name__}: {e}{fix}") from None
-            _check_encodable(text, "chat(): the rendered conversation")
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            check_encodable(text, "chat(): the rendered conversation")
+            ids = self.tokenizer(text, add_special_tokens=special_tokens).input_ids
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None, bool]:
-        """(token ids, text, whether the ids were tokenized here from the text)."""
-        if isinstance(prompt, dict):
-            _check_prompt_keys(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise RequestError(f"a prompt's 'prompt' (its text, beside prompt_token_ids) must be a string, got "
-                                   f"{type(text).__name__}")
-            return as_token_ids(prompt["prompt_token_ids"]), text, False
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("string prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
-            _check_encodable(prompt, "the prompt")
-            return self.tokenizer(prompt).input_ids, prompt, True
-        raise RequestError("a prompt must be a string, a {'prompt': str} dict or a {'prompt_token_ids': [...]} "
-                           f"dict, got {type(prompt).__name__}")
 
     def _run(self, items, params, use_tqdm: bool, priority: Sequence[int]) -> list[RequestOutput]:
         ids = []
@@ -492,7 +483,7 @@ class LLM:
                     if id(p) not in final_only:
                         final_only[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                     p = final_only[id(p)]
-                self.engine.add_request(request_id, token_ids, p, prompt=text, priority=rank, cache_salt=salt)
+                self.engine.add_request(request_id, token_ids, p, prompt_text=text, priority=rank, cache_salt=salt)
                 ids.append(request_id)
             bar = progress_bar(use_tqdm, len(ids), "Processed prompts")
             mine = set(ids)
@@ -510,24 +501,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
-
-
-# vLLM's prompt keys tandem has no use for -> why.
-_REFUSED_PROMPT_KEYS = {
-    "multi_modal_data": "this engine serves text-only models",
-    "mm_processor_kwargs": "this engine serves text-only models",
-    "prompt_embeds": "prompts are text or token ids here, not embeddings",
-}
-
-
-def _check_prompt_keys(prompt: dict) -> None:
-    """RequestError for a dict prompt's key tandem would otherwise drop without a word."""
-    for key in prompt:
-        if key in _REFUSED_PROMPT_KEYS:
-            raise RequestError(f"a prompt's {key!r} is not supported: {_REFUSED_PROMPT_KEYS[key]}; leave it out")
-        if key not in ("prompt", "prompt_token_ids", "cache_salt"):
-            raise RequestError(f"a prompt dict takes 'prompt', 'prompt_token_ids' and 'cache_salt'; {key!r} is "
-                               "not one of them")
 
 
 def _check_arguments(*, max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory_bytes,
@@ -752,14 +725,9 @@ def _checked_defaults(defaults: dict) -> dict:
     return defaults
 
 
-def _check_encodable(text: str, what: str) -> None:
-    """A RequestError for text the tokenizer would refuse with a bare TypeError (`lone_surrogate`)."""
-    at = lone_surrogate(text)
-    if at is not None:
-        raise RequestError(f"{what} holds {text[at]!r} at index {at}, a lone surrogate, which is not valid "
-                           "Unicode: decode the text with errors='replace' or remove it")
-
-
 def _no_lora(lora_request) -> None:
+    """RequestError unless lora_request asks for no adapter: None, or a None per prompt (vLLM's list form)."""
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
     if lora_request is not None:
         raise RequestError("lora_request: LoRA adapters are not supported; leave it None")

@@ -376,7 +376,7 @@ class AsyncEngine:
         if params.output_kind != RequestOutputKind.DELTA:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, params, prompt=cmd.prompt,
+            self.engine.add_request(stream.request_id, cmd.prompt_token_ids, params, prompt_text=cmd.prompt,
                                     priority=cmd.priority, cache_salt=cmd.cache_salt, matcher=cmd.matcher)
         except Exception as e:  # RequestError for bad input; anything else fails this request only
             stream.put(e)

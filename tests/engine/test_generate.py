@@ -1,5 +1,6 @@
 """generate() features: logprobs, stop strings, n > 1, chat, min_tokens, abort, outputs."""
 import math
+import re
 
 import pytest
 import torch
@@ -904,8 +905,8 @@ def test_vllms_offline_api_forms(llm):
     assert engine.abort_request(["a", "b"]) and engine.abort_request(("c",)) and not engine.abort_request(["a"])
     finished = {o.request_id: o for o in engine.step() if o.finished}  # the aborts are reported by the next step
     assert {k: o.outputs[0].finish_reason for k, o in finished.items()} == {"a": "abort", "b": "abort", "c": "abort"}
-    with pytest.raises(RequestError, match="takes the prompt's token ids"):
-        engine.add_request("d", "hello", p)
+    engine.add_request("d", "hello", p)  # vLLM's LLMEngine takes a text prompt (and a dict) too
+    engine.abort_request("d", internal=False)
     llm.generate({"prompt_token_ids": list(range(10, 40))}, p, use_tqdm=False)
     engine.add_request("e", [5, 6, 7], p)
     assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing done, as vLLM
@@ -942,3 +943,49 @@ def test_vllm_prompt_types_and_output_fields_port_as_they_are(tmp_path):
     assert ids.prompt_token_ids == [5, 6, 7]
     assert text.lora_request is None and text.outputs[0].lora_request is None
     assert Logprob(-0.5).rank is None
+
+
+def test_vllms_engine_and_method_signatures(llm):
+    """vLLM's LLMEngine.add_request order (request_id, prompt, params, arrival_time, lora_request,
+    tokenization_kwargs, trace_headers, priority, prompt_text): a float fourth is the arrival time (it was
+    taken as the prompt's text), a text or dict prompt is tokenized; get_num_unfinished_requests;
+    generate / chat take tokenization_kwargs and a None per prompt as lora_request; chat takes a tuple
+    of conversations; reset_prefix_cache takes vLLM's arguments; RequestOutput has vLLM's other fields."""
+    import time
+
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("t", [5, 6, 7], p, time.time())
+    engine.add_request("s", "hello there", p, None, None, {"add_special_tokens": False}, None, 0, None)
+    engine.add_request("d", {"prompt": "hello there"}, p, prompt_text=None)
+    assert engine.get_num_unfinished_requests() == 3
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["t"].prompt is None and outs["t"].prompt_token_ids == [5, 6, 7]
+    assert outs["s"].prompt == "hello there"
+    assert outs["s"].prompt_token_ids == tok("hello there", add_special_tokens=False).input_ids
+    assert outs["d"].prompt_token_ids == tok("hello there").input_ids
+    assert engine.get_num_unfinished_requests() == 0
+    for bad, says in [(dict(arrival_time="now"), "arrival_time must be a time"),
+                      (dict(lora_request=object()), "LoRA"), (dict(tokenization_kwargs={"truncation": True}),
+                                                            "tokenization_kwargs ['truncation'] are not supported"),
+                      (dict(prompt_text=5), "prompt_text must be the prompt's text")]:
+        with pytest.raises(RequestError, match=re.escape(says)):
+            engine.add_request("x", [5, 6], p, **bad)
+    plain = llm.generate(["hello there"], p, use_tqdm=False, lora_request=[None])[0]
+    bare = llm.generate(["hello there"], p, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})[0]
+    assert plain.prompt_token_ids == tok("hello there").input_ids
+    assert bare.prompt_token_ids == tok("hello there", add_special_tokens=False).input_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    one, two = llm.chat((msgs, msgs), p, use_tqdm=False)
+    special = llm.chat(msgs, p, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})[0]
+    assert one.prompt_token_ids == two.prompt_token_ids == tok(one.prompt, add_special_tokens=False).input_ids
+    assert special.prompt_token_ids == tok(one.prompt).input_ids
+    assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
+    with pytest.raises(RequestError, match="reset_running_requests=True"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    with pytest.raises(RequestError, match="LoRA"):
+        llm.generate(["hi"], p, lora_request=[object()])
+    assert (plain.encoder_prompt, plain.encoder_prompt_token_ids, plain.kv_transfer_params,
+            plain.multi_modal_placeholders) == (None, None, None, {})
