@@ -455,7 +455,7 @@ class Engine:
         """Forget every cached prompt block (vLLM's LLM.reset_prefix_cache): False, and nothing done,
         while requests hold blocks, as vLLM's. reset_running_requests (vLLM's: preempt them first) is
         not taken; reset_connector asks nothing here (no KV connector)."""
-        if reset_running_requests is not False:
+        if reset_running_requests:
             raise RequestError("reset_prefix_cache(reset_running_requests=True) is not supported: the cache is reset "
                                "once no request holds blocks; abort or finish them first")
         if self.scheduler.requests:

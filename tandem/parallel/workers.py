@@ -27,6 +27,7 @@ rank 0 stops the engine (fatal too), since the other ranks may have run it and g
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -202,6 +203,8 @@ class ReplicatedEngine:
             def replicated(*args, **kwargs):
                 if self._engine.stopped:  # it raises or reports what ended; the other ranks take no more
                     return attr(*args, **kwargs)
+                # A call that cannot bind (a wrong keyword) raises here, not on the ranks, which would exit on it
+                inspect.signature(attr).bind(*args, **kwargs)
                 gone = self._workers.send(name, args, kwargs)
                 if gone and name != "abort_request":  # (an abort still ends the request here)
                     error = self._workers.failed_call(0) or StepError(

@@ -428,9 +428,7 @@ class OpenAIServer:
         if body.prompt_logprobs not in (None, 0) and body.stream:  # (0 asks nothing a stream lacks: vLLM's rule)
             raise APIError(400, "'prompt_logprobs' with 'stream': true is supported on /v1/completions only; "
                            "drop one of them", param="prompt_logprobs")
-        if body.reasoning_effort is not None and body.reasoning_effort not in REASONING_EFFORTS:
-            raise APIError(400, f"'reasoning_effort'={body.reasoning_effort!r} is invalid: give one of "
-                           f"{', '.join(map(repr, REASONING_EFFORTS))}, or leave it out", param="reasoning_effort")
+
         fields = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
         params = self._params(body, fields, "messages")
         beam = self._beam_search(body, params)
@@ -592,9 +590,11 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot apply a chat template", param="messages")
         chat_kwargs = dict(body.chat_template_kwargs or {})
-        effort = getattr(body, "reasoning_effort", None)
-        if effort is not None:  # as the Responses API's reasoning.effort (a template kwarg of that name wins)
-            chat_kwargs.setdefault("reasoning_effort", effort)
+        if body.reasoning_effort is not None:  # as the Responses API's reasoning.effort (a kwarg of that name wins)
+            if body.reasoning_effort not in REASONING_EFFORTS:
+                raise APIError(400, f"'reasoning_effort'={body.reasoning_effort!r} is invalid: give one of "
+                               f"{', '.join(map(repr, REASONING_EFFORTS))}, or leave it out", param="reasoning_effort")
+            chat_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         if not self.trust_request_chat_template:  # a template is code the server runs (vLLM refuses them too)
             for param, value in (("chat_template", body.chat_template),
                                  ("chat_template_kwargs", chat_kwargs.get("chat_template"))):

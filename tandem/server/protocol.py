@@ -576,6 +576,7 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Items[ChatTool] | None = None  # rendered by the chat template, as chat completions render them
     documents: Items[dict[str, Any]] | None = None  # to the template, as chat completions give them
+    reasoning_effort: str | None = None  # to the template, as chat completions give it
     return_token_strs: bool = False  # vLLM's: the tokens' strings (the tokenizer's own pieces) as token_strs
 
 

@@ -31,7 +31,7 @@ from tandem.chat import part_text
 from tandem.errors import RequestError
 from tandem.sampling_params import SamplingParams
 from tandem.server.protocol import REASONING_EFFORTS, ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, Items, \
-    UsageInfo, _SamplingRequest
+    UsageInfo, _SamplingRequest, _unset
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ResponsesRequest(_SamplingRequest):
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set that tandem does not serve."""
         for name, why in REFUSED_FIELDS.items():
-            if getattr(self, name) not in (None, False):
+            if not _unset(getattr(self, name)):  # (null, false and empty ask for nothing)
                 return name, why
         if self.truncation not in (None, "disabled"):
             return "truncation", f"truncation {self.truncation!r} is not supported; leave it out or give 'disabled'"

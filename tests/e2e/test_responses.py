@@ -624,6 +624,7 @@ def test_the_responses_defaults_sent_back_are_taken(live):
     """What a Response reports as its settings (tool_choice "auto", no tools, OpenAI's include values it has
     nothing to add for) goes back as a request unrefused: clients (the Agents SDK) send those defaults."""
     r = live.client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0, tool_choice="auto",
-                                     tools=[], include=["reasoning.encrypted_content"])
+                                     tools=[], include=["reasoning.encrypted_content"],
+                                     extra_body={"previous_input_messages": []})
     plain = live.client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0)
     assert r.output_text == plain.output_text and r.tool_choice == "auto"

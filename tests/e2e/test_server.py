@@ -521,6 +521,8 @@ def test_chat_template_and_its_kwargs(live, reference):
             want = live.post("/tokenize", json={"model": MODEL, "messages": hi, "chat_template": effort,
                                                  "chat_template_kwargs": {"reasoning_effort": rendered}}).json()
             assert got["usage"]["prompt_tokens"] == want["count"], (got, want)
+            tokenized = live.post("/tokenize", json={"model": MODEL, "messages": hi, "chat_template": effort, **body})
+            assert tokenized.json()["count"] == want["count"], tokenized.text  # /tokenize renders as chat does
             counts = counts + [want["count"]] if body.get("chat_template_kwargs") else [want["count"]]
         assert counts[0] != counts[1]  # (the two renderings tell apart)
         broken = live.post(CH, json={"model": MODEL, "messages": hi, "chat_template": "{{ raise_exception('no') }}"})

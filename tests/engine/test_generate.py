@@ -983,6 +983,7 @@ def test_vllms_engine_and_method_signatures(llm):
     assert one.prompt_token_ids == two.prompt_token_ids == tok(one.prompt, add_special_tokens=False).input_ids
     assert special.prompt_token_ids == tok(one.prompt).input_ids
     assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
+    assert llm.reset_prefix_cache(None) is True  # (what asks nothing)
     with pytest.raises(RequestError, match="reset_running_requests=True"):
         llm.reset_prefix_cache(reset_running_requests=True)
     with pytest.raises(RequestError, match="LoRA"):

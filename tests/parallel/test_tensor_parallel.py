@@ -326,6 +326,10 @@ def test_a_request_that_cannot_reach_the_other_ranks_is_refused(models):
             llm.generate(PROMPTS[:2], [ok, bad], use_tqdm=False)
         assert not llm.engine.has_unfinished_requests()
         assert len(llm.generate(PROMPTS[:1], ok, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        # a call that cannot bind (a keyword add_request lacks) fails on rank 0 alone: the ranks live on
+        with pytest.raises(TypeError, match="prompt"):
+            llm.engine.add_request("x", [5, 6, 7], ok, prompt="the text")
+        assert len(llm.generate(PROMPTS[:1], ok, use_tqdm=False)[0].outputs[0].token_ids) == 4
     finally:
         llm.engine.close()
 
