@@ -375,15 +375,15 @@ def token_ids_setting(value, what: str, path) -> tuple[int, ...]:
 
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "enable_in_reasoning", "reasoning_parser")
-# vLLM's other structured_outputs_config keys: they pass at their defaults (a config written out for
-# vLLM loads), and are refused otherwise, saying what to do instead
+# vLLM's other structured_outputs_config keys -> (their defaults, what to do instead), as
+# tandem.engine.vllm_args' table: at what asks for nothing they pass (a config written out for vLLM loads)
 STRUCTURED_OUTPUTS_VLLM_KEYS = {
-    "disable_fallback": (False, "llguidance is the one backend, so there is nothing to fall back from"),
-    "disable_any_whitespace": (False, "set it per request (StructuredOutputsParams / the server's "
-                                      "structured_outputs field)"),
-    "disable_additional_properties": (False, "set it per request (StructuredOutputsParams / the server's "
-                                             "structured_outputs field)"),
-    "reasoning_parser_plugin": ("", "tandem loads no parser plugins; reasoning_parser names its built-in ones"),
+    "disable_fallback": ((), "llguidance is the one backend, so there is nothing to fall back from"),
+    "disable_any_whitespace": ((), "set it per request (StructuredOutputsParams / the server's structured_outputs "
+                                   "field)"),
+    "disable_additional_properties": ((), "set it per request (StructuredOutputsParams / the server's "
+                                          "structured_outputs field)"),
+    "reasoning_parser_plugin": (("",), "tandem loads no parser plugins; reasoning_parser names its built-in ones"),
 }
 
 
@@ -399,10 +399,9 @@ def parse_structured_outputs_config(config: dict | None, reasoning_parser: str |
     if unknown:
         raise ConfigError(f"structured_outputs_config has unknown keys {unknown}; known keys: "
                           f"{list(STRUCTURED_OUTPUTS_KEYS)}")
-    for key, (default, instead) in STRUCTURED_OUTPUTS_VLLM_KEYS.items():
-        if key in config and config[key] is not None and config[key] != default:
-            raise ConfigError(f"structured_outputs_config.{key}={config[key]!r} is not supported: {instead}; leave "
-                              f"it out (or {default!r})")
+    from tandem.engine.vllm_args import check_vllm_only
+
+    check_vllm_only(config, STRUCTURED_OUTPUTS_VLLM_KEYS, prefix="structured_outputs_config.")
     if config.get("backend", "auto") not in ("auto", "guidance"):
         raise ConfigError(f"structured_outputs_config.backend={config['backend']!r} is not supported: tandem's "
                           "structured outputs run on llguidance; use 'guidance' or 'auto'")
